@@ -1,0 +1,40 @@
+# fsdp: one-word entry points. Everything builds into build/ (binaries in build/bin/).
+#   make deps    install the Debian packages (apt)
+#   make build   configure + build
+#   make test    build, then run every test through CTest
+#   make run     build, then run the main job (2 ranks)
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+JOBS ?= $(shell nproc)
+NP ?= 2
+MPIRUN ?= mpirun --oversubscribe --allow-run-as-root
+
+export CCACHE_DIR ?= $(HOME)/.cache/ccache
+# PCH with ccache needs these.
+export CCACHE_SLOPPINESS = pch_defines,time_macros,include_file_mtime,include_file_ctime
+export OMPI_MCA_mpi_yield_when_idle = 1
+
+CMAKE_FLAGS = -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+ifneq ($(shell command -v ccache 2>/dev/null),)
+CMAKE_FLAGS += -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache
+endif
+
+.PHONY: deps build test run clean
+
+deps:
+	bash scripts/deps.sh
+
+$(BUILD_DIR)/CMakeCache.txt:
+	cmake -S . -B $(BUILD_DIR) $(CMAKE_FLAGS)
+
+build: $(BUILD_DIR)/CMakeCache.txt
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j 1
+
+run: build
+	$(MPIRUN) -np $(NP) $(BUILD_DIR)/bin/fsdp_example --steps 300
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,91 @@
+// The Communicator concept (comm layer): collectives over typed byte buffers, independent of LibTorch.
+//
+// Every collective must be called by all ranks of the communicator, in the same order, with the same
+// counts and dtypes. Implementations: MpiComm (CPU buffers). Counts are elements, not bytes.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "fsdp/errors.hpp"
+
+namespace fsdp {
+
+/// Element types the communicators move.
+enum class DType { kFloat32, kFloat64, kFloat16, kBFloat16, kInt32, kInt64, kUInt8 };
+
+/// Bytes per element of `t`.
+constexpr std::size_t dtype_bytes(DType t) noexcept {
+  switch (t) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat64: return 8;
+    case DType::kFloat16: return 2;
+    case DType::kBFloat16: return 2;
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
+    case DType::kUInt8: return 1;
+  }
+  return 0;
+}
+
+constexpr const char* dtype_name(DType t) noexcept {
+  switch (t) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat64: return "float64";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    case DType::kUInt8: return "uint8";
+  }
+  return "?";
+}
+
+/// Reductions. kAvg divides the sum by the communicator size.
+enum class ReduceOp { kSum, kAvg };
+
+/// Bytes this rank passed into collectives, per kind; used to check communication volume.
+struct CommCounters {
+  std::uint64_t all_gather_bytes = 0;
+  std::uint64_t reduce_scatter_bytes = 0;
+  std::uint64_t all_reduce_bytes = 0;
+  std::uint64_t broadcast_bytes = 0;
+  std::uint64_t calls = 0;
+  std::uint64_t total_bytes() const noexcept {
+    return all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes + broadcast_bytes;
+  }
+};
+
+/// A pending non-blocking collective.
+template <class R>
+concept CommRequest = std::movable<R> && requires(R r) {
+  r.wait();
+  { r.test() } -> std::convertible_to<bool>;
+};
+
+/// What the engine needs from a communicator.
+///  - all_gather(send, recv, n, t): recv (n * size elements) = concat over ranks of send (n elements)
+///  - reduce_scatter(send, recv, n, t, op): send holds n * size elements; rank r gets reduced chunk r
+///  - all_reduce(send, recv, n, t, op): send may equal recv (in place)
+///  - broadcast(buf, n, t, root); barrier(); split(color, key) -> a communicator over a subset
+template <class C>
+concept Communicator = std::copy_constructible<C> &&
+    requires(C c, const C cc, const void* src, void* dst, std::int64_t n, DType t, ReduceOp op, int root) {
+  { cc.rank() } -> std::convertible_to<int>;
+  { cc.size() } -> std::convertible_to<int>;
+  c.all_gather(src, dst, n, t);
+  c.reduce_scatter(src, dst, n, t, op);
+  c.all_reduce(src, dst, n, t, op);
+  c.broadcast(dst, n, t, root);
+  c.barrier();
+  { c.split(root, root) } -> std::same_as<C>;
+  { c.iall_gather(src, dst, n, t) } -> CommRequest;
+  { c.ireduce_scatter(src, dst, n, t, op) } -> CommRequest;
+  { c.iall_reduce(src, dst, n, t, op) } -> CommRequest;
+  { c.ibroadcast(dst, n, t, root) } -> CommRequest;
+  { cc.counters() } -> std::convertible_to<CommCounters>;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,306 @@
+// MpiComm: the Communicator over MPI for CPU buffers (comm layer; no LibTorch).
+//
+// MpiEnvironment bootstraps MPI (MPI_Init_thread, FUNNELED: every MPI call from one thread).
+// Errors are returned, not fatal (MPI_ERRORS_RETURN) and rethrown as fsdp::CommError naming the call.
+// Reduce-scatter is a ring of N-1 MPI_Sendrecv steps with a local add: measured 4-11x faster here
+// than Open MPI's MPI_Reduce_scatter_block (see docs/design.md), and it supports 16-bit floats.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/comm/communicator.hpp"
+#include "fsdp/comm/detail/reduce.hpp"
+
+#define FSDP_MPI_CHECK(call)                                                                  \
+  do {                                                                                        \
+    const int fsdp_mpi_rc_ = (call);                                                          \
+    if (fsdp_mpi_rc_ != MPI_SUCCESS) ::fsdp::detail::throw_mpi_error(#call, fsdp_mpi_rc_, __FILE__, __LINE__); \
+  } while (0)
+
+namespace fsdp {
+namespace detail {
+
+[[noreturn]] inline void throw_mpi_error(const char* call, int rc, const char* file, int line) {
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  int rank = -1, initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  throw CommError("rank " + std::to_string(rank) + ": " + call + " failed: " + std::string(text, len) + " (" +
+                  file + ":" + std::to_string(line) + ")");
+}
+
+inline MPI_Datatype mpi_datatype(DType t) {
+  switch (t) {
+    case DType::kFloat32: return MPI_FLOAT;
+    case DType::kFloat64: return MPI_DOUBLE;
+    case DType::kInt32: return MPI_INT32_T;
+    case DType::kInt64: return MPI_INT64_T;
+    case DType::kUInt8: return MPI_UINT8_T;
+    case DType::kFloat16:
+    case DType::kBFloat16: return MPI_UINT16_T;  // moved as raw bits; reductions are done by us
+  }
+  throw CommError("unsupported dtype");
+}
+
+/// MPI cannot reduce 16-bit floats natively; those go through the ring with our own add.
+inline bool mpi_can_reduce(DType t) { return t != DType::kFloat16 && t != DType::kBFloat16; }
+
+inline int checked_count(std::int64_t n, const char* what) {
+  if (n < 0 || n > std::int64_t{2147483647}) throw CommError(std::string(what) + ": element count " + std::to_string(n) + " outside MPI's int range");
+  return static_cast<int>(n);
+}
+
+}  // namespace detail
+
+/// Initializes MPI on construction (if nobody did) and finalizes on destruction (if it initialized).
+class MpiEnvironment {
+ public:
+  MpiEnvironment(int* argc, char*** argv, int required = MPI_THREAD_FUNNELED) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+      int provided = 0;
+      FSDP_MPI_CHECK(MPI_Init_thread(argc, argv, required, &provided));
+      owns_ = true;
+      if (provided < required) throw CommError("MPI provides thread level " + std::to_string(provided) + " < required " + std::to_string(required));
+    }
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  }
+  MpiEnvironment() : MpiEnvironment(nullptr, nullptr) {}
+  MpiEnvironment(const MpiEnvironment&) = delete;
+  MpiEnvironment& operator=(const MpiEnvironment&) = delete;
+  ~MpiEnvironment() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (owns_ && !finalized) MPI_Finalize();
+  }
+
+ private:
+  bool owns_ = false;
+};
+
+/// A pending MPI collective; wait() completes it (and runs the finishing step, e.g. averaging).
+class MpiRequest {
+ public:
+  MpiRequest() = default;
+  MpiRequest(MPI_Request request, std::function<void()> finish) : request_(request), finish_(std::move(finish)) {}
+  MpiRequest(MpiRequest&& other) noexcept { *this = std::move(other); }
+  MpiRequest& operator=(MpiRequest&& other) noexcept {
+    std::swap(request_, other.request_);
+    std::swap(finish_, other.finish_);
+    return *this;
+  }
+  ~MpiRequest() {
+    if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);  // never leave MPI writing into freed memory
+  }
+  void wait() {
+    if (request_ != MPI_REQUEST_NULL) FSDP_MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
+    finish();
+  }
+  bool test() {
+    int done = 1;
+    if (request_ != MPI_REQUEST_NULL) FSDP_MPI_CHECK(MPI_Test(&request_, &done, MPI_STATUS_IGNORE));
+    if (done) finish();
+    return done != 0;
+  }
+
+ private:
+  void finish() {
+    if (finish_) {
+      auto f = std::move(finish_);
+      finish_ = nullptr;
+      f();
+    }
+  }
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  std::function<void()> finish_;
+};
+
+/// Communicator over an MPI communicator. Copies share the same MPI_Comm and counters.
+class MpiComm {
+ public:
+  /// The world communicator (MPI must be initialized, e.g. by MpiEnvironment).
+  static MpiComm world() { return MpiComm(MPI_COMM_WORLD, /*owned=*/false); }
+
+  int rank() const noexcept { return state_->rank; }
+  int size() const noexcept { return state_->size; }
+  MPI_Comm native() const noexcept { return state_->comm; }
+  CommCounters counters() const noexcept { return state_->counters; }
+  void reset_counters() noexcept { state_->counters = {}; }
+
+  /// Ranks on this node (MPI_COMM_TYPE_SHARED), and this rank's index among them. Collective.
+  MpiComm split_node() const {
+    MPI_Comm node = MPI_COMM_NULL;
+    FSDP_MPI_CHECK(MPI_Comm_split_type(state_->comm, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL, &node));
+    return MpiComm(node, /*owned=*/true);
+  }
+  /// A communicator over the ranks with the same color, ordered by key. Collective.
+  MpiComm split(int color, int key) const {
+    MPI_Comm sub = MPI_COMM_NULL;
+    FSDP_MPI_CHECK(MPI_Comm_split(state_->comm, color, key, &sub));
+    return MpiComm(sub, /*owned=*/true);
+  }
+
+  /// recv (n * size elements) = concatenation over ranks of send (n elements). Collective.
+  void all_gather(const void* send, void* recv, std::int64_t n, DType t) {
+    count(state_->counters.all_gather_bytes, n, t);
+    const int c = detail::checked_count(n, "all_gather");
+    if (size() == 1) return copy_if_distinct(send, recv, n, t);
+    FSDP_MPI_CHECK(MPI_Allgather(send, c, detail::mpi_datatype(t), recv, c, detail::mpi_datatype(t), state_->comm));
+  }
+
+  /// send holds n * size elements; recv (n elements) = reduction over ranks of chunk `rank`. Collective.
+  void reduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+    count(state_->counters.reduce_scatter_bytes, n * size(), t);
+    ring_reduce_scatter(send, recv, n, t);
+    if (op == ReduceOp::kAvg) detail::scale_buffer(recv, n, t, 1.0 / size());
+  }
+
+  /// recv = reduction over ranks of send (n elements); send may equal recv. Collective.
+  void all_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+    count(state_->counters.all_reduce_bytes, n, t);
+    const int c = detail::checked_count(n, "all_reduce");
+    if (size() == 1) {
+      copy_if_distinct(send, recv, n, t);
+      return;
+    }
+    if (!detail::mpi_can_reduce(t)) throw CommError("all_reduce of " + std::string(dtype_name(t)) + " is not supported over MPI");
+    FSDP_MPI_CHECK(MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, c, detail::mpi_datatype(t), MPI_SUM, state_->comm));
+    if (op == ReduceOp::kAvg) detail::scale_buffer(recv, n, t, 1.0 / size());
+  }
+
+  /// Copies root's buffer to every rank. Collective.
+  void broadcast(void* buf, std::int64_t n, DType t, int root) {
+    count(state_->counters.broadcast_bytes, n, t);
+    if (size() == 1) return;
+    FSDP_MPI_CHECK(MPI_Bcast(buf, detail::checked_count(n, "broadcast"), detail::mpi_datatype(t), root, state_->comm));
+  }
+
+  void barrier() { FSDP_MPI_CHECK(MPI_Barrier(state_->comm)); }
+
+  MpiRequest iall_gather(const void* send, void* recv, std::int64_t n, DType t) {
+    count(state_->counters.all_gather_bytes, n, t);
+    const int c = detail::checked_count(n, "iall_gather");
+    if (size() == 1) {
+      copy_if_distinct(send, recv, n, t);
+      return {};
+    }
+    MPI_Request r = MPI_REQUEST_NULL;
+    FSDP_MPI_CHECK(MPI_Iallgather(send, c, detail::mpi_datatype(t), recv, c, detail::mpi_datatype(t), state_->comm, &r));
+    return {r, nullptr};
+  }
+
+  /// Non-blocking reduce-scatter (MPI_Ireduce_scatter_block; 16-bit floats complete eagerly via the ring).
+  MpiRequest ireduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+    if (size() == 1 || !detail::mpi_can_reduce(t)) {
+      reduce_scatter(send, recv, n, t, op);
+      return {};
+    }
+    count(state_->counters.reduce_scatter_bytes, n * size(), t);
+    MPI_Request r = MPI_REQUEST_NULL;
+    FSDP_MPI_CHECK(MPI_Ireduce_scatter_block(send, recv, detail::checked_count(n, "ireduce_scatter"), detail::mpi_datatype(t), MPI_SUM, state_->comm, &r));
+    const double scale = 1.0 / size();
+    std::function<void()> finish;
+    if (op == ReduceOp::kAvg) finish = [recv, n, t, scale] { detail::scale_buffer(recv, n, t, scale); };
+    return {r, std::move(finish)};
+  }
+
+  MpiRequest iall_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+    if (size() == 1 || !detail::mpi_can_reduce(t)) {
+      all_reduce(send, recv, n, t, op);
+      return {};
+    }
+    count(state_->counters.all_reduce_bytes, n, t);
+    MPI_Request r = MPI_REQUEST_NULL;
+    FSDP_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, detail::checked_count(n, "iall_reduce"), detail::mpi_datatype(t), MPI_SUM, state_->comm, &r));
+    const double scale = 1.0 / size();
+    std::function<void()> finish;
+    if (op == ReduceOp::kAvg) finish = [recv, n, t, scale] { detail::scale_buffer(recv, n, t, scale); };
+    return {r, std::move(finish)};
+  }
+
+  MpiRequest ibroadcast(void* buf, std::int64_t n, DType t, int root) {
+    count(state_->counters.broadcast_bytes, n, t);
+    if (size() == 1) return {};
+    MPI_Request r = MPI_REQUEST_NULL;
+    FSDP_MPI_CHECK(MPI_Ibcast(buf, detail::checked_count(n, "ibroadcast"), detail::mpi_datatype(t), root, state_->comm, &r));
+    return {r, nullptr};
+  }
+
+ private:
+  struct State {
+    MPI_Comm comm = MPI_COMM_NULL;
+    bool owned = false;
+    int rank = 0;
+    int size = 1;
+    CommCounters counters;
+    std::vector<std::byte> scratch;  // ring buffers, reused across calls
+    ~State() {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (owned && !finalized && comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
+    }
+  };
+
+  MpiComm(MPI_Comm comm, bool owned) : state_(std::make_shared<State>()) {
+    state_->comm = comm;
+    state_->owned = owned;
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    FSDP_MPI_CHECK(MPI_Comm_rank(comm, &state_->rank));
+    FSDP_MPI_CHECK(MPI_Comm_size(comm, &state_->size));
+  }
+
+  void count(std::uint64_t& field, std::int64_t n, DType t) noexcept {
+    field += static_cast<std::uint64_t>(n) * dtype_bytes(t);
+    ++state_->counters.calls;
+  }
+
+  static void copy_if_distinct(const void* send, void* recv, std::int64_t n, DType t) {
+    if (send != recv && n > 0) std::memmove(recv, send, static_cast<std::size_t>(n) * dtype_bytes(t));
+  }
+
+  // Ring reduce-scatter: at step s rank r sends its running sum of chunk (r-s-1) to r+1 and receives
+  // the running sum of chunk (r-s-2) from r-1, adding its own contribution. After N-1 steps rank r
+  // holds the full sum of chunk r. The order of additions is fixed, so results are deterministic.
+  void ring_reduce_scatter(const void* send, void* recv, std::int64_t n, DType t) {
+    const int world = size();
+    const std::size_t chunk_bytes = static_cast<std::size_t>(n) * dtype_bytes(t);
+    const auto* src = static_cast<const std::byte*>(send);
+    if (world == 1 || n == 0) {
+      if (world == 1) copy_if_distinct(send, recv, n, t);
+      return;
+    }
+    const int c = detail::checked_count(n, "reduce_scatter");
+    const int r = rank();
+    const int next = (r + 1) % world;
+    const int prev = (r - 1 + world) % world;
+    state_->scratch.resize(2 * chunk_bytes);
+    std::byte* acc = state_->scratch.data();
+    std::byte* incoming = acc + chunk_bytes;
+    const MPI_Datatype type = detail::mpi_datatype(t);
+    for (int s = 0; s < world - 1; ++s) {
+      const int send_idx = ((r - s - 1) % world + world) % world;
+      const int recv_idx = ((r - s - 2) % world + world) % world;
+      const void* out = s == 0 ? static_cast<const void*>(src + send_idx * chunk_bytes) : static_cast<const void*>(acc);
+      FSDP_MPI_CHECK(MPI_Sendrecv(out, c, type, next, 7301, incoming, c, type, prev, 7301, state_->comm, MPI_STATUS_IGNORE));
+      std::byte* target = (s == world - 2) ? static_cast<std::byte*>(recv) : acc;
+      detail::add_buffers(src + recv_idx * chunk_bytes, incoming, target, n, t);
+    }
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+static_assert(Communicator<MpiComm>);
+
+}  // namespace fsdp

@@ -1,0 +1,15 @@
+// The public API of fsdp: include this one header.
+//   core/   flat layout math          comm/  Communicator concept, MpiComm
+//   torch/  FullyShardedDataParallel, wrap policies, fsdp::forward, optimizers
+#pragma once
+
+#include "fsdp/comm/communicator.hpp"
+#include "fsdp/comm/mpi_comm.hpp"
+#include "fsdp/core/layout.hpp"
+#include "fsdp/errors.hpp"
+#include "fsdp/torch/fully_sharded.hpp"
+#include "fsdp/torch/hooks.hpp"
+#include "fsdp/torch/optim/adadelta.hpp"
+#include "fsdp/torch/optim_state.hpp"
+#include "fsdp/torch/wrap_policy.hpp"
+#include "fsdp/version.hpp"

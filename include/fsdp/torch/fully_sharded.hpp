@@ -1,0 +1,725 @@
+// FullyShardedDataParallel: wraps a torch::nn::Module so that each rank keeps 1/N of every unit's
+// flat parameter (torch layer). See docs/design.md for the flow of one step.
+//
+// Per unit: the parameters are flattened into one padded buffer `full`; each rank keeps the leaf
+// tensor `shard` (what the optimizer sees) and every module parameter is a view of `full`, whose
+// storage is freed while resharded and refilled by an all-gather. A custom autograd Function
+// (UnitGather) sits between `shard` and the parameter views: its backward packs the unit's gradients
+// into a flat buffer and reduce-scatters them, so autograd accumulates the averaged shard gradient
+// into `shard.grad()`.
+#pragma once
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "fsdp/comm/communicator.hpp"
+#include "fsdp/core/layout.hpp"
+#include "fsdp/errors.hpp"
+#include "fsdp/torch/hooks.hpp"
+#include "fsdp/torch/optim_state.hpp"
+#include "fsdp/torch/wrap_policy.hpp"
+
+namespace fsdp {
+
+/// How parameters, gradients and optimizer state are split (names as in PyTorch / Accelerate).
+enum class ShardingStrategy {
+  FULL_SHARD,          ///< ZeRO-3: shard everything; free parameters after forward, re-gather for backward
+  SHARD_GRAD_OP,       ///< ZeRO-2: shard gradients and optimizer state; keep parameters from forward to backward
+  NO_SHARD,            ///< DDP: replicate everything; all-reduce gradients
+  HYBRID_SHARD,        ///< FULL_SHARD inside a shard group, replicate across groups
+  HYBRID_SHARD_ZERO2,  ///< SHARD_GRAD_OP inside a shard group, replicate across groups
+};
+
+inline const char* to_string(ShardingStrategy s) noexcept {
+  switch (s) {
+    case ShardingStrategy::FULL_SHARD: return "FULL_SHARD";
+    case ShardingStrategy::SHARD_GRAD_OP: return "SHARD_GRAD_OP";
+    case ShardingStrategy::NO_SHARD: return "NO_SHARD";
+    case ShardingStrategy::HYBRID_SHARD: return "HYBRID_SHARD";
+    case ShardingStrategy::HYBRID_SHARD_ZERO2: return "HYBRID_SHARD_ZERO2";
+  }
+  return "?";
+}
+
+inline std::ostream& operator<<(std::ostream& os, ShardingStrategy s) { return os << to_string(s); }
+
+/// Parses "FULL_SHARD", "full_shard", ... ; throws ConfigError naming the valid values.
+inline ShardingStrategy parse_sharding_strategy(const std::string& text) {
+  std::string up = text;
+  std::transform(up.begin(), up.end(), up.begin(), [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  for (auto s : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD,
+                 ShardingStrategy::HYBRID_SHARD, ShardingStrategy::HYBRID_SHARD_ZERO2})
+    if (up == to_string(s)) return s;
+  throw ConfigError("unknown sharding strategy '" + text + "' (valid: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2)");
+}
+
+struct FsdpOptions {
+  ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
+  AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::none();
+  /// Free a nested unit's parameters after its forward. Unset: the strategy decides
+  /// (true for FULL_SHARD and HYBRID_SHARD, false otherwise).
+  std::optional<bool> reshard_after_forward;
+  /// Ranks per shard group for the hybrid strategies (hfai's fsdp_group_size); 0 = the ranks of a node.
+  int shard_group_size = 0;
+  /// After each training forward: average floating-point buffers (e.g. BatchNorm running stats) and
+  /// broadcast integer ones from rank 0, so every rank holds the same buffers.
+  bool sync_buffers = true;
+};
+
+/// Bytes this rank holds for the model's training state (see memory_stats()).
+struct MemoryStats {
+  std::int64_t shard_param_bytes = 0;     ///< local shards of the flat parameters
+  std::int64_t gathered_param_bytes = 0;  ///< unsharded unit buffers currently allocated
+  std::int64_t grad_bytes = 0;            ///< gradients of the shards
+  std::int64_t optimizer_state_bytes = 0; ///< optimizer state (if an optimizer was given)
+  std::int64_t unsharded_param_bytes = 0; ///< all units' padded flat parameters (what one replica would hold)
+  std::int64_t largest_unit_bytes = 0;    ///< the largest unit's padded flat parameter
+  std::int64_t total() const noexcept { return shard_param_bytes + gathered_param_bytes + grad_bytes + optimizer_state_bytes; }
+};
+
+/// Description of one FSDP unit.
+struct UnitInfo {
+  int index = 0;
+  int parent = -1;
+  std::string module_path;  ///< "" for the root
+  std::string type_name;
+  std::vector<std::string> param_names;  ///< fully qualified, in flat order
+  std::int64_t numel = 0;
+  std::int64_t padded_numel = 0;
+  std::int64_t shard_numel = 0;
+  bool called_through_hook = false;  ///< forward seen through fsdp::forward (frees between forward and backward)
+};
+
+namespace detail {
+
+/// One FSDP unit's flat parameter and its state.
+struct FlatUnit {
+  UnitInfo info;
+  const torch::nn::Module* module = nullptr;
+  std::vector<torch::Tensor> params;  // the module's own parameter tensors (aliased to views of `full`)
+  std::vector<std::vector<std::int64_t>> shapes;
+  FlatLayout layout;
+  torch::Tensor shard;  // leaf, requires grad: what the optimizer sees
+  torch::Tensor full;   // padded flat buffer; storage freed while resharded (group size > 1)
+  bool gathered = false;
+  int pending_backward = 0;  // UnitGather nodes of this unit not yet run in backward
+  enum class Hooked { kUnknown, kYes, kNo } hooked = Hooked::kUnknown;
+  bool entered = false;           // pre_forward seen since the last root forward began
+  bool grafted_by_root = false;   // the root forward gathered and grafted this unit
+};
+
+/// Something UnitGather can call back into, found by id so a destroyed engine is detected, not used.
+class GradReducer {
+ public:
+  virtual ~GradReducer() = default;
+  virtual torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) = 0;
+};
+
+inline std::unordered_map<std::int64_t, GradReducer*>& reducer_registry() {
+  static std::unordered_map<std::int64_t, GradReducer*> registry;
+  return registry;
+}
+inline std::int64_t next_engine_id() {
+  static std::int64_t id = 0;
+  return ++id;
+}
+
+/// shard -> per-parameter views of the gathered flat buffer; backward reduce-scatters.
+struct UnitGather : public torch::autograd::Function<UnitGather> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor shard,
+                                                std::int64_t engine_id, std::int64_t unit_index, FlatUnit* unit) {
+    ctx->saved_data["engine"] = engine_id;
+    ctx->saved_data["unit"] = unit_index;
+    torch::autograd::variable_list views;
+    views.reserve(unit->params.size());
+    for (std::size_t i = 0; i < unit->params.size(); ++i) {
+      const auto i64 = static_cast<std::int64_t>(i);
+      views.push_back(unit->full.narrow(0, unit->layout.param_offset(i64), unit->layout.param_numel(i64)).view(unit->shapes[i]));
+    }
+    (void)shard;
+    return views;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const std::int64_t engine_id = ctx->saved_data["engine"].toInt();
+    const auto it = reducer_registry().find(engine_id);
+    if (it == reducer_registry().end())
+      throw ConfigError("backward reached an FSDP model that was already destroyed", "fsdp.engine");
+    torch::Tensor shard_grad = it->second->reduce_unit_grads(static_cast<int>(ctx->saved_data["unit"].toInt()), grads);
+    return {shard_grad, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+inline DType to_comm_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return DType::kFloat32;
+    case c10::ScalarType::Double: return DType::kFloat64;
+    case c10::ScalarType::Half: return DType::kFloat16;
+    case c10::ScalarType::BFloat16: return DType::kBFloat16;
+    case c10::ScalarType::Int: return DType::kInt32;
+    case c10::ScalarType::Long: return DType::kInt64;
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Bool: return DType::kUInt8;
+    default: throw ConfigError(std::string("dtype ") + c10::toString(t) + " cannot be communicated");
+  }
+}
+
+inline std::string join_path(const std::string& a, const std::string& b) { return a.empty() ? b : a + "." + b; }
+
+}  // namespace detail
+
+/// Wraps `module` (a std::shared_ptr to a torch::nn::Module subclass) for fully sharded data parallel
+/// training over communicator `Comm`. Construction, forward, backward, summon_full_params() and
+/// memory_stats() with an optimizer are collective: every rank calls them in the same order.
+template <class ModuleImpl, Communicator Comm>
+class FullyShardedDataParallel : public torch::nn::Module, private detail::ForwardHooks, private detail::GradReducer {
+ public:
+  FullyShardedDataParallel(std::shared_ptr<ModuleImpl> module, Comm comm, FsdpOptions options = {})
+      : torch::nn::Module("FullyShardedDataParallel"), module_(std::move(module)), world_(std::move(comm)), options_(std::move(options)) {
+    if (!module_) throw ConfigError("FullyShardedDataParallel: module is null");
+    setup_groups();
+    build_units();
+    engine_id_ = detail::next_engine_id();
+    detail::reducer_registry()[engine_id_] = this;
+  }
+
+  ~FullyShardedDataParallel() override {
+    detail::reducer_registry().erase(engine_id_);
+    auto& hooks = detail::hook_registry();
+    for (const auto& u : units_)
+      if (const auto it = hooks.find(u->module); it != hooks.end() && it->second.engine == this) hooks.erase(it);
+  }
+
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  /// Runs the wrapped module's forward on this rank's local batch. Collective.
+  template <class... Args>
+  auto forward(Args&&... args) {
+    root_pre_forward();
+    auto result = module_->forward(std::forward<Args>(args)...);
+    std::vector<at::Tensor> outputs;
+    const bool complete = detail::collect_tensors(result, outputs);
+    root_post_forward(outputs, complete);
+    return result;
+  }
+
+  /// The wrapped module. Its parameters are views of the gathered buffers: read them only inside
+  /// summon_full_params().
+  std::shared_ptr<ModuleImpl> module() const { return module_; }
+
+  const FsdpOptions& options() const noexcept { return options_; }
+  ShardingStrategy sharding_strategy() const noexcept { return options_.sharding_strategy; }
+  Comm& comm() noexcept { return world_; }
+  Comm& shard_comm() noexcept { return shard_comm_; }
+  Comm& replica_comm() noexcept { return replica_comm_; }
+  int rank() const { return world_.rank(); }
+  int world_size() const { return world_.size(); }
+  int shard_group_size() const { return shard_comm_.size(); }
+
+  /// The units in creation order (index 0 is the root).
+  std::vector<UnitInfo> units() const {
+    std::vector<UnitInfo> out;
+    for (const auto& u : units_) {
+      UnitInfo i = u->info;
+      i.called_through_hook = u->hooked == detail::FlatUnit::Hooked::kYes;
+      out.push_back(std::move(i));
+    }
+    return out;
+  }
+
+  /// Total number of (unpadded) model parameters.
+  std::int64_t num_params() const {
+    std::int64_t n = 0;
+    for (const auto& u : units_) n += u->layout.numel();
+    return n;
+  }
+
+  void train(bool on = true) override {
+    torch::nn::Module::train(on);
+    module_->train(on);
+  }
+
+  /// RAII scope in which every module parameter holds its full value on every rank.
+  class FullParamsScope {
+   public:
+    FullParamsScope(FullyShardedDataParallel* owner, bool writeback, std::vector<int> gathered_here, std::vector<torch::Tensor> saved)
+        : owner_(owner), writeback_(writeback), gathered_here_(std::move(gathered_here)), saved_(std::move(saved)) {}
+    FullParamsScope(FullParamsScope&& other) noexcept
+        : owner_(std::exchange(other.owner_, nullptr)),
+          writeback_(other.writeback_),
+          gathered_here_(std::move(other.gathered_here_)),
+          saved_(std::move(other.saved_)) {}
+    FullParamsScope(const FullParamsScope&) = delete;
+    FullParamsScope& operator=(const FullParamsScope&) = delete;
+    FullParamsScope& operator=(FullParamsScope&&) = delete;
+    /// Local (no communication): keeps or discards changes, then frees what the scope gathered.
+    ~FullParamsScope() {
+      if (owner_) owner_->end_summon(writeback_, gathered_here_, saved_);
+    }
+
+   private:
+    FullyShardedDataParallel* owner_;
+    bool writeback_;
+    std::vector<int> gathered_here_;
+    std::vector<torch::Tensor> saved_;  // per unit: the shard at entry where shard and full share storage
+  };
+
+  /// Gathers every unit so module()->parameters() hold full values (hfai's summon_full_params).
+  /// With `writeback`, changes made to the parameters inside the scope (under torch::NoGradGuard, the
+  /// same on every rank) are kept; without it they are discarded. Collective on entry; the end is local.
+  [[nodiscard]] FullParamsScope summon_full_params(bool writeback = false) {
+    std::vector<int> gathered_here;
+    std::vector<torch::Tensor> saved(units_.size());
+    for (auto& u : units_) {
+      if (!u->gathered) {
+        gather(*u);
+        gathered_here.push_back(u->info.index);
+      }
+      // Unsharded units expose the shard itself; keep a copy to restore if changes are discarded.
+      if (!writeback && u->layout.group_size() == 1 && u->shard.defined()) saved[static_cast<std::size_t>(u->info.index)] = u->shard.detach().clone();
+    }
+    return FullParamsScope(this, writeback, std::move(gathered_here), std::move(saved));
+  }
+
+  /// Full parameters by fully qualified name, gathered one unit at a time (each rank gets all).
+  /// Collective.
+  std::vector<std::pair<std::string, torch::Tensor>> full_parameters() {
+    std::vector<std::pair<std::string, torch::Tensor>> out;
+    torch::NoGradGuard no_grad;
+    for (auto& u : units_) {
+      const bool was_gathered = u->gathered;
+      gather(*u);
+      for (std::size_t i = 0; i < u->params.size(); ++i) out.emplace_back(u->info.param_names[i], u->params[i].detach().clone());
+      if (!was_gathered) reshard(*u);
+    }
+    return out;
+  }
+
+  /// Bytes held for training state on this rank. Local.
+  MemoryStats memory_stats(const torch::optim::Optimizer* optimizer = nullptr) const {
+    MemoryStats m;
+    for (const auto& u : units_) {
+      const std::int64_t elem = u->shard.defined() ? static_cast<std::int64_t>(u->shard.element_size()) : 4;
+      const std::int64_t padded_bytes = u->layout.padded_numel() * elem;
+      m.unsharded_param_bytes += padded_bytes;
+      m.largest_unit_bytes = std::max(m.largest_unit_bytes, padded_bytes);
+      if (!u->shard.defined()) continue;
+      m.shard_param_bytes += u->shard.numel() * elem;
+      if (u->shard.grad().defined()) m.grad_bytes += u->shard.grad().numel() * elem;
+      if (u->gathered && u->layout.group_size() > 1) m.gathered_param_bytes += padded_bytes;
+    }
+    if (optimizer) m.optimizer_state_bytes = optimizer_state_bytes(*optimizer);
+    return m;
+  }
+
+  void pretty_print(std::ostream& stream) const override { stream << describe(); }
+
+  /// A printable tree of the wrapped model with its units.
+  std::string describe() const {
+    std::ostringstream os;
+    os << "FullyShardedDataParallel(strategy=" << to_string(options_.sharding_strategy) << ", world_size=" << world_.size()
+       << ", shard_group_size=" << shard_comm_.size() << ", policy=" << options_.auto_wrap_policy.description()
+       << ", units=" << units_.size() << ", params=" << num_params() << ")\n";
+    print_module(os, *module_, "", "", 1);
+    return os.str();
+  }
+
+ private:
+  // ---- construction -------------------------------------------------------------------------
+
+  void setup_groups() {
+    const int world = world_.size();
+    const auto strategy = options_.sharding_strategy;
+    int group = world;
+    if (strategy == ShardingStrategy::NO_SHARD) {
+      group = 1;
+    } else if (strategy == ShardingStrategy::HYBRID_SHARD || strategy == ShardingStrategy::HYBRID_SHARD_ZERO2) {
+      group = options_.shard_group_size;
+      if (group < 0) throw ConfigError("shard_group_size must be >= 0, got " + std::to_string(group));
+      if (group == 0) group = node_size();
+      if (world % group != 0)
+        throw ConfigError("world size " + std::to_string(world) + " is not divisible by shard_group_size " + std::to_string(group));
+    } else if (options_.shard_group_size != 0 && options_.shard_group_size != world) {
+      throw ConfigError(std::string("shard_group_size applies to the hybrid strategies only (strategy is ") + to_string(strategy) + ")");
+    }
+    const int r = world_.rank();
+    shard_comm_ = world_.split(r / group, r);
+    replica_comm_ = world_.split(r % group, r);
+  }
+
+  int node_size() {
+    if constexpr (requires(Comm c) { c.split_node(); }) {
+      return world_.split_node().size();
+    } else {
+      return world_.size();
+    }
+  }
+
+  bool reshard_after_forward() const {
+    if (options_.reshard_after_forward) return *options_.reshard_after_forward;
+    return options_.sharding_strategy == ShardingStrategy::FULL_SHARD || options_.sharding_strategy == ShardingStrategy::HYBRID_SHARD;
+  }
+
+  struct ModuleNode {
+    std::string path;
+    torch::nn::Module* module;
+    int parent;
+    std::vector<int> children;
+    int unit = -1;  // unit rooted here, or -1
+  };
+
+  void build_units() {
+    // 1. The module tree in pre-order.
+    std::vector<ModuleNode> nodes;
+    std::function<void(torch::nn::Module&, const std::string&, int)> visit = [&](torch::nn::Module& m, const std::string& path, int parent) {
+      const int id = static_cast<int>(nodes.size());
+      nodes.push_back({path, &m, parent, {}, -1});
+      if (parent >= 0) nodes[static_cast<std::size_t>(parent)].children.push_back(id);
+      for (const auto& child : m.named_children()) visit(*child.value(), detail::join_path(path, child.key()), id);
+    };
+    visit(*module_, "", -1);
+
+    // 2. Wrap decisions, bottom-up: a module's non-wrapped numel excludes wrapped descendants.
+    std::vector<std::int64_t> nonwrapped(nodes.size(), 0);
+    std::vector<bool> wrapped(nodes.size(), false);
+    for (int id = static_cast<int>(nodes.size()) - 1; id >= 0; --id) {
+      auto& n = nodes[static_cast<std::size_t>(id)];
+      std::int64_t numel = 0;
+      for (const auto& p : n.module->named_parameters(/*recurse=*/false)) numel += p.value().numel();
+      for (int c : n.children)
+        if (!wrapped[static_cast<std::size_t>(c)]) numel += nonwrapped[static_cast<std::size_t>(c)];
+      nonwrapped[static_cast<std::size_t>(id)] = numel;
+      if (id != 0 && options_.auto_wrap_policy.should_wrap(n.path, *n.module, numel)) wrapped[static_cast<std::size_t>(id)] = true;
+    }
+    wrapped[0] = true;
+
+    // 3. Units in pre-order; each module belongs to its nearest wrapped ancestor.
+    std::vector<int> owner(nodes.size(), -1);
+    for (std::size_t id = 0; id < nodes.size(); ++id) {
+      auto& n = nodes[id];
+      if (wrapped[id]) {
+        auto u = std::make_unique<detail::FlatUnit>();
+        u->info.index = static_cast<int>(units_.size());
+        u->info.parent = n.parent >= 0 ? owner[static_cast<std::size_t>(n.parent)] : -1;
+        u->info.module_path = n.path;
+        u->info.type_name = module_type_name(*n.module);
+        u->module = n.module;
+        n.unit = u->info.index;
+        units_.push_back(std::move(u));
+        owner[id] = n.unit;
+      } else {
+        owner[id] = owner[static_cast<std::size_t>(n.parent)];
+      }
+    }
+
+    // 4. Each distinct parameter (tied ones appear under several names) goes to the lowest common
+    //    ancestor unit of every unit that uses it, so it is gathered whenever any user runs.
+    struct ParamUse {
+      torch::Tensor tensor;
+      std::string name;
+      int unit;
+      std::size_t order;
+    };
+    std::vector<ParamUse> uses;
+    std::unordered_map<c10::TensorImpl*, std::size_t> first_use;
+    for (std::size_t id = 0; id < nodes.size(); ++id) {
+      for (const auto& p : nodes[id].module->named_parameters(/*recurse=*/false)) {
+        auto* impl = p.value().unsafeGetTensorImpl();
+        const std::string fqn = detail::join_path(nodes[id].path, p.key());
+        const auto it = first_use.find(impl);
+        if (it == first_use.end()) {
+          first_use.emplace(impl, uses.size());
+          uses.push_back({p.value(), fqn, owner[id], uses.size()});
+        } else {
+          auto& use = uses[it->second];
+          use.unit = common_ancestor(use.unit, owner[id]);
+          aliases_[use.name].push_back(fqn);
+        }
+      }
+    }
+    for (auto& use : uses) {
+      auto& u = *units_[static_cast<std::size_t>(use.unit)];
+      if (!use.tensor.requires_grad())
+        throw ConfigError("parameter '" + use.name + "' has requires_grad=false; frozen parameters are not supported yet");
+      if (!use.tensor.device().is_cpu()) throw ConfigError("parameter '" + use.name + "' is not on the CPU; MpiComm moves CPU tensors only");
+      u.params.push_back(use.tensor);
+      u.info.param_names.push_back(use.name);
+      u.shapes.push_back(use.tensor.sizes().vec());
+    }
+
+    // 5. Flatten, shard, alias.
+    const int group = shard_comm_.size();
+    const int shard_rank = shard_comm_.rank();
+    for (auto& up : units_) {
+      auto& u = *up;
+      std::vector<std::int64_t> numels;
+      for (const auto& p : u.params) numels.push_back(p.numel());
+      u.layout = FlatLayout(numels, group);
+      u.info.numel = u.layout.numel();
+      u.info.padded_numel = u.layout.padded_numel();
+      u.info.shard_numel = u.layout.shard_numel();
+      if (u.params.empty()) continue;
+      const auto dtype = u.params.front().scalar_type();
+      for (std::size_t i = 0; i < u.params.size(); ++i)
+        if (u.params[i].scalar_type() != dtype)
+          throw ConfigError("unit '" + u.info.module_path + "' mixes dtypes (" + u.info.param_names[i] + " is " +
+                            c10::toString(u.params[i].scalar_type()) + ", expected " + c10::toString(dtype) + ")");
+      torch::NoGradGuard no_grad;
+      auto full = torch::empty({u.layout.padded_numel()}, u.params.front().options().requires_grad(false));
+      full.narrow(0, u.layout.numel(), u.layout.padding()).zero_();
+      for (std::size_t i = 0; i < u.params.size(); ++i) {
+        const auto i64 = static_cast<std::int64_t>(i);
+        full.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64)).copy_(u.params[i].detach().reshape({-1}));
+      }
+      if (group == 1) {
+        u.shard = full.detach().requires_grad_(true);
+        u.full = u.shard.detach();  // same storage: nothing to gather
+        u.gathered = true;
+      } else {
+        u.shard = full.narrow(0, shard_rank * u.layout.shard_numel(), u.layout.shard_numel()).clone().requires_grad_(true);
+        u.full = full;
+        u.gathered = true;
+      }
+      for (std::size_t i = 0; i < u.params.size(); ++i) {
+        const auto i64 = static_cast<std::int64_t>(i);
+        u.params[i].set_data(u.full.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64)).view(u.shapes[i]));
+      }
+      reshard(u);
+      register_parameter("flat_shard_" + std::to_string(u.info.index), u.shard, /*requires_grad=*/true);
+    }
+    for (auto& up : units_)
+      if (up->info.index != 0) detail::hook_registry()[up->module] = {this, up->info.index};
+  }
+
+  int common_ancestor(int a, int b) const {
+    auto depth = [this](int u) {
+      int d = 0;
+      while (units_[static_cast<std::size_t>(u)]->info.parent >= 0) {
+        u = units_[static_cast<std::size_t>(u)]->info.parent;
+        ++d;
+      }
+      return d;
+    };
+    int da = depth(a), db = depth(b);
+    while (da > db) { a = units_[static_cast<std::size_t>(a)]->info.parent; --da; }
+    while (db > da) { b = units_[static_cast<std::size_t>(b)]->info.parent; --db; }
+    while (a != b) {
+      a = units_[static_cast<std::size_t>(a)]->info.parent;
+      b = units_[static_cast<std::size_t>(b)]->info.parent;
+    }
+    return a;
+  }
+
+  // ---- gather / reshard -----------------------------------------------------------------------
+
+  void gather(detail::FlatUnit& u) {
+    if (u.gathered || u.params.empty()) return;
+    auto* storage = u.full.storage().unsafeGetStorageImpl();
+    const std::size_t nbytes = static_cast<std::size_t>(u.layout.padded_numel()) * u.full.element_size();
+    storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+    storage->set_nbytes(nbytes);
+    shard_comm_.all_gather(u.shard.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(u.full.scalar_type()));
+    u.gathered = true;
+  }
+
+  void reshard(detail::FlatUnit& u) {
+    if (!u.gathered || u.layout.group_size() == 1 || u.params.empty()) return;
+    auto* storage = u.full.storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(c10::DataPtr(nullptr, u.full.device()));
+    storage->set_nbytes(0);
+    u.gathered = false;
+  }
+
+  // Makes the module's parameters of `u` children of a fresh UnitGather node so backward reaches it.
+  void graft(detail::FlatUnit& u) {
+    if (u.params.empty() || !torch::GradMode::is_enabled()) return;
+    auto views = detail::UnitGather::apply(u.shard, engine_id_, static_cast<std::int64_t>(u.info.index), &u);
+    for (std::size_t i = 0; i < u.params.size(); ++i)
+      torch::autograd::impl::set_gradient_edge(u.params[i], torch::autograd::impl::gradient_edge(views[i]));
+    ++u.pending_backward;
+  }
+
+  // ---- forward / backward hooks ---------------------------------------------------------------
+
+  void root_pre_forward() {
+    for (auto& u : units_) {
+      u->entered = false;
+      u->grafted_by_root = false;
+    }
+    // The root unit and every nested unit not known to be called through fsdp::forward.
+    for (auto& u : units_) {
+      if (u->info.index != 0 && u->hooked == detail::FlatUnit::Hooked::kYes) continue;
+      gather(*u);
+      graft(*u);
+      u->grafted_by_root = true;
+    }
+  }
+
+  void root_post_forward(const std::vector<at::Tensor>& outputs, bool complete) {
+    for (auto& u : units_)
+      if (u->info.index != 0 && u->hooked == detail::FlatUnit::Hooked::kUnknown && !u->entered) u->hooked = detail::FlatUnit::Hooked::kNo;
+    if (is_training() && options_.sync_buffers) sync_buffers();
+    bool hooked = false;
+    if (torch::GradMode::is_enabled()) {
+      for (const auto& t : outputs) {
+        if (!t.requires_grad()) continue;
+        const_cast<at::Tensor&>(t).register_hook([this](const at::Tensor&) { pre_backward(0); });
+        hooked = true;
+      }
+    }
+    if (!hooked && (complete || !torch::GradMode::is_enabled())) {
+      // Nothing will run backward through this forward: free what the root gathered.
+      for (auto& u : units_)
+        if (u->grafted_by_root) reshard(*u);
+    }
+  }
+
+  void pre_forward(int unit) override {
+    auto& u = *units_[static_cast<std::size_t>(unit)];
+    u.entered = true;
+    if (u.hooked == detail::FlatUnit::Hooked::kUnknown) u.hooked = detail::FlatUnit::Hooked::kYes;
+    if (u.grafted_by_root) return;
+    gather(u);
+    graft(u);
+  }
+
+  void post_forward(int unit, const std::vector<at::Tensor>& outputs, bool complete) override {
+    auto& u = *units_[static_cast<std::size_t>(unit)];
+    if (u.grafted_by_root) return;  // lives with the root unit for this step
+    bool hooked = false;
+    if (torch::GradMode::is_enabled()) {
+      for (const auto& t : outputs) {
+        if (!t.requires_grad()) continue;
+        const_cast<at::Tensor&>(t).register_hook([this, unit](const at::Tensor&) { pre_backward(unit); });
+        hooked = true;
+      }
+    }
+    // Free now only if backward can gather again (through an output hook) or will never come.
+    const bool backward_needs_params = torch::GradMode::is_enabled() && u.pending_backward > 0;
+    if (reshard_after_forward() && (hooked && complete ? true : !backward_needs_params)) reshard(u);
+  }
+
+  void pre_backward(int unit) {
+    if (!end_of_backward_queued_) {
+      end_of_backward_queued_ = true;
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+    }
+    if (unit == 0) {
+      for (auto& u : units_)
+        if (u->grafted_by_root) gather(*u);
+    } else {
+      gather(*units_[static_cast<std::size_t>(unit)]);
+    }
+  }
+
+  torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) override {
+    auto& u = *units_[static_cast<std::size_t>(unit)];
+    torch::NoGradGuard no_grad;
+    auto flat = torch::empty({u.layout.padded_numel()}, u.shard.options().requires_grad(false));
+    if (u.layout.padding() > 0) flat.narrow(0, u.layout.numel(), u.layout.padding()).zero_();
+    for (std::size_t i = 0; i < u.params.size(); ++i) {
+      const auto i64 = static_cast<std::int64_t>(i);
+      auto slot = flat.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64));
+      if (i < grads.size() && grads[i].defined()) slot.copy_(grads[i].reshape({-1}));
+      else slot.zero_();  // a parameter unused in this step contributes a zero gradient
+    }
+    const DType dt = detail::to_comm_dtype(flat.scalar_type());
+    torch::Tensor shard_grad = flat;
+    if (u.layout.group_size() > 1) {
+      shard_grad = torch::empty({u.layout.shard_numel()}, flat.options());
+      shard_comm_.reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), u.layout.shard_numel(), dt, ReduceOp::kAvg);
+    }
+    if (replica_comm_.size() > 1) replica_comm_.all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
+    if (--u.pending_backward <= 0) {
+      u.pending_backward = 0;
+      reshard(u);
+    }
+    return shard_grad;
+  }
+
+  void end_of_backward() {
+    end_of_backward_queued_ = false;
+    for (auto& u : units_) {
+      u->pending_backward = 0;
+      reshard(*u);
+    }
+  }
+
+  void sync_buffers() {
+    if (world_.size() == 1) return;
+    torch::NoGradGuard no_grad;
+    for (auto& b : module_->buffers(/*recurse=*/true)) {
+      if (!b.defined() || b.numel() == 0) continue;
+      if (!b.is_contiguous()) throw ConfigError("buffer is not contiguous; cannot synchronize it");
+      const DType dt = detail::to_comm_dtype(b.scalar_type());
+      if (b.is_floating_point()) world_.all_reduce(b.data_ptr(), b.data_ptr(), b.numel(), dt, ReduceOp::kAvg);
+      else world_.broadcast(b.data_ptr(), b.numel(), dt, 0);
+    }
+  }
+
+  void end_summon(bool writeback, const std::vector<int>& gathered_here, const std::vector<torch::Tensor>& saved) {
+    torch::NoGradGuard no_grad;
+    for (auto& u : units_) {
+      if (u->params.empty()) continue;
+      if (u->layout.group_size() == 1) {
+        const auto& copy = saved[static_cast<std::size_t>(u->info.index)];
+        if (!writeback && copy.defined()) u->shard.copy_(copy);
+      } else if (writeback && u->gathered) {
+        u->shard.copy_(u->full.narrow(0, shard_comm_.rank() * u->layout.shard_numel(), u->layout.shard_numel()));
+      }
+    }
+    for (int i : gathered_here) reshard(*units_[static_cast<std::size_t>(i)]);
+  }
+
+  // ---- printing -------------------------------------------------------------------------------
+
+  void print_module(std::ostream& os, const torch::nn::Module& m, const std::string& key, const std::string& path, int depth) const {
+    const std::string indent(static_cast<std::size_t>(depth) * 2, ' ');
+    os << indent;
+    if (!key.empty()) os << "(" << key << "): ";
+    m.pretty_print(os);
+    for (const auto& u : units_) {
+      if (u->module != &m) continue;
+      os << "  [unit " << u->info.index << (u->info.index == 0 ? ", root" : "") << ": " << u->params.size() << " params, numel "
+         << u->layout.numel() << ", padded " << u->layout.padded_numel() << ", shard " << u->layout.shard_numel();
+      if (u->info.index != 0 && u->hooked == detail::FlatUnit::Hooked::kNo) os << ", gathered with root (not called through fsdp::forward)";
+      os << "]";
+    }
+    os << "\n";
+    for (const auto& child : m.named_children()) print_module(os, *child.value(), child.key(), detail::join_path(path, child.key()), depth + 1);
+  }
+
+  std::shared_ptr<ModuleImpl> module_;
+  Comm world_;
+  Comm shard_comm_ = world_;
+  Comm replica_comm_ = world_;
+  FsdpOptions options_;
+  std::vector<std::unique_ptr<detail::FlatUnit>> units_;
+  std::map<std::string, std::vector<std::string>> aliases_;  // canonical name -> other names of tied parameters
+  std::int64_t engine_id_ = 0;
+  bool end_of_backward_queued_ = false;
+};
+
+/// Wraps a module given as a ModuleHolder (torch::nn::Linear) or a std::shared_ptr<Impl>.
+template <Communicator Comm, class ModulePtr>
+auto make_fsdp(ModulePtr module, Comm comm, FsdpOptions options = {}) {
+  using Impl = std::remove_reference_t<decltype(*module)>;
+  std::shared_ptr<Impl> ptr;
+  if constexpr (requires { module.ptr(); }) ptr = module.ptr();
+  else ptr = std::move(module);
+  return std::make_shared<FullyShardedDataParallel<Impl, Comm>>(std::move(ptr), std::move(comm), std::move(options));
+}
+
+}  // namespace fsdp

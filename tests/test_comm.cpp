@@ -1,0 +1,130 @@
+// MpiComm collectives against values computed locally; run at np = 1, 2, 3, 4.
+#define BOOST_TEST_MODULE fsdp_comm
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <vector>
+
+#include "fsdp/comm/mpi_comm.hpp"
+
+using fsdp::DType;
+using fsdp::MpiComm;
+using fsdp::ReduceOp;
+
+struct MpiFixture {
+  MpiFixture() { env = std::make_unique<fsdp::MpiEnvironment>(&boost::unit_test::framework::master_test_suite().argc, &boost::unit_test::framework::master_test_suite().argv); }
+  std::unique_ptr<fsdp::MpiEnvironment> env;
+};
+BOOST_TEST_GLOBAL_FIXTURE(MpiFixture);
+
+static float value(int rank, std::int64_t i) { return static_cast<float>(rank * 1000 + i) * 0.5f; }
+
+BOOST_AUTO_TEST_CASE(all_gather_concatenates) {
+  auto w = MpiComm::world();
+  for (std::int64_t n : {0, 1, 5, 1000}) {
+    std::vector<float> send(static_cast<std::size_t>(n)), recv(static_cast<std::size_t>(n * w.size()), -1);
+    for (std::int64_t i = 0; i < n; ++i) send[static_cast<std::size_t>(i)] = value(w.rank(), i);
+    w.all_gather(send.data(), recv.data(), n, DType::kFloat32);
+    for (int r = 0; r < w.size(); ++r)
+      for (std::int64_t i = 0; i < n; ++i) BOOST_TEST(recv[static_cast<std::size_t>(r * n + i)] == value(r, i));
+  }
+}
+
+BOOST_AUTO_TEST_CASE(reduce_scatter_sum_and_avg) {
+  auto w = MpiComm::world();
+  for (std::int64_t n : {1, 3, 777}) {
+    std::vector<double> send(static_cast<std::size_t>(n * w.size())), sum(static_cast<std::size_t>(n)), avg(static_cast<std::size_t>(n));
+    for (std::size_t i = 0; i < send.size(); ++i) send[i] = value(w.rank(), static_cast<std::int64_t>(i));
+    w.reduce_scatter(send.data(), sum.data(), n, DType::kFloat64, ReduceOp::kSum);
+    w.reduce_scatter(send.data(), avg.data(), n, DType::kFloat64, ReduceOp::kAvg);
+    for (std::int64_t i = 0; i < n; ++i) {
+      double expect = 0;
+      for (int r = 0; r < w.size(); ++r) expect += value(r, w.rank() * n + i);
+      BOOST_TEST(sum[static_cast<std::size_t>(i)] == expect, boost::test_tools::tolerance(1e-12));
+      BOOST_TEST(avg[static_cast<std::size_t>(i)] == expect / w.size(), boost::test_tools::tolerance(1e-12));
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(reduce_scatter_bfloat16_uses_ring_add) {
+  auto w = MpiComm::world();
+  const std::int64_t n = 4;
+  std::vector<std::uint16_t> send(static_cast<std::size_t>(n * w.size())), recv(static_cast<std::size_t>(n));
+  for (auto& v : send) v = fsdp::detail::float_to_bf16(1.5f);
+  w.reduce_scatter(send.data(), recv.data(), n, DType::kBFloat16, ReduceOp::kSum);
+  for (auto v : recv) BOOST_TEST(fsdp::detail::bf16_to_float(v) == 1.5f * w.size());
+  for (auto& v : send) v = fsdp::detail::float_to_f16(0.25f);
+  w.reduce_scatter(send.data(), recv.data(), n, DType::kFloat16, ReduceOp::kAvg);
+  for (auto v : recv) BOOST_TEST(fsdp::detail::f16_to_float(v) == 0.25f);
+}
+
+BOOST_AUTO_TEST_CASE(all_reduce_broadcast_barrier) {
+  auto w = MpiComm::world();
+  std::vector<std::int64_t> x(3, w.rank() + 1);
+  w.all_reduce(x.data(), x.data(), 3, DType::kInt64, ReduceOp::kSum);
+  for (auto v : x) BOOST_TEST(v == w.size() * (w.size() + 1) / 2);
+  std::vector<float> y(2, static_cast<float>(w.rank()));
+  w.all_reduce(y.data(), y.data(), 2, DType::kFloat32, ReduceOp::kAvg);
+  for (auto v : y) BOOST_TEST(v == (w.size() - 1) / 2.0f);
+  std::vector<float> b(5, static_cast<float>(w.rank() + 10));
+  w.broadcast(b.data(), 5, DType::kFloat32, w.size() - 1);
+  for (auto v : b) BOOST_TEST(v == static_cast<float>(w.size() - 1 + 10));
+  w.barrier();
+}
+
+BOOST_AUTO_TEST_CASE(non_blocking_variants_match_blocking) {
+  auto w = MpiComm::world();
+  const std::int64_t n = 33;
+  std::vector<float> send(static_cast<std::size_t>(n * w.size())), rs(static_cast<std::size_t>(n)), rs_ref(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < send.size(); ++i) send[i] = value(w.rank(), static_cast<std::int64_t>(i));
+  auto req = w.ireduce_scatter(send.data(), rs.data(), n, DType::kFloat32, ReduceOp::kAvg);
+  req.wait();
+  w.reduce_scatter(send.data(), rs_ref.data(), n, DType::kFloat32, ReduceOp::kAvg);
+  for (std::int64_t i = 0; i < n; ++i) BOOST_TEST(rs[static_cast<std::size_t>(i)] == rs_ref[static_cast<std::size_t>(i)], boost::test_tools::tolerance(1e-5f));
+  std::vector<float> ag(static_cast<std::size_t>(n * w.size()));
+  auto g = w.iall_gather(send.data(), ag.data(), n, DType::kFloat32);
+  while (!g.test()) {
+  }
+  for (int r = 0; r < w.size(); ++r) BOOST_TEST(ag[static_cast<std::size_t>(r * n)] == value(r, 0));
+  std::vector<double> ar(4, 1.0);
+  auto a = w.iall_reduce(ar.data(), ar.data(), 4, DType::kFloat64, ReduceOp::kSum);
+  a.wait();
+  BOOST_TEST(ar[0] == static_cast<double>(w.size()));
+  std::vector<std::int32_t> bc(2, w.rank());
+  auto b = w.ibroadcast(bc.data(), 2, DType::kInt32, 0);
+  b.wait();
+  BOOST_TEST(bc[1] == 0);
+}
+
+BOOST_AUTO_TEST_CASE(split_into_groups) {
+  auto w = MpiComm::world();
+  const int group = w.size() % 2 == 0 ? 2 : 1;
+  auto shard = w.split(w.rank() / group, w.rank());
+  auto replica = w.split(w.rank() % group, w.rank());
+  BOOST_TEST(shard.size() == group);
+  BOOST_TEST(replica.size() == w.size() / group);
+  BOOST_TEST(shard.rank() == w.rank() % group);
+  std::int64_t x = w.rank();
+  shard.all_reduce(&x, &x, 1, DType::kInt64, ReduceOp::kSum);
+  const int base = (w.rank() / group) * group;
+  BOOST_TEST(x == (group == 2 ? base + base + 1 : base));
+  auto node = w.split_node();
+  BOOST_TEST(node.size() >= 1);
+}
+
+BOOST_AUTO_TEST_CASE(counters_count_bytes) {
+  auto w = MpiComm::world().split(0, MpiComm::world().rank());
+  std::vector<float> send(8), recv(static_cast<std::size_t>(8 * w.size()));
+  w.all_gather(send.data(), recv.data(), 8, DType::kFloat32);
+  BOOST_TEST(w.counters().all_gather_bytes == 32u);
+  BOOST_TEST(w.counters().calls == 1u);
+  w.reset_counters();
+  BOOST_TEST(w.counters().total_bytes() == 0u);
+}
+
+BOOST_AUTO_TEST_CASE(half_conversions_round_trip) {
+  for (float f : {0.0f, 1.0f, -2.5f, 65504.0f, 6.1035156e-05f, 2.98023224e-07f}) {
+    BOOST_TEST(fsdp::detail::f16_to_float(fsdp::detail::float_to_f16(f)) == f, boost::test_tools::tolerance(1e-3f));
+  }
+  for (float f : {0.0f, 1.0f, -2.5f, 1.0e30f}) BOOST_TEST(fsdp::detail::bf16_to_float(fsdp::detail::float_to_bf16(f)) == f, boost::test_tools::tolerance(1e-2f));
+}

@@ -1,0 +1,97 @@
+// Pure layout math: padding, shard ranges and per-parameter slices over many numel x world sizes.
+#define BOOST_TEST_MODULE fsdp_core
+#include <boost/test/unit_test.hpp>
+
+#include <numeric>
+#include <random>
+
+#include "fsdp/core/layout.hpp"
+
+using fsdp::FlatLayout;
+
+BOOST_AUTO_TEST_CASE(padding_and_ranges_cover_every_element_once) {
+  for (std::int64_t world = 1; world <= 9; ++world) {
+    for (std::int64_t numel = 0; numel <= 50; ++numel) {
+      const auto shard = fsdp::shard_numel(numel, world);
+      BOOST_TEST(shard * world >= numel);
+      BOOST_TEST((shard - 1) * world < numel + (numel == 0 ? world : 0));
+      BOOST_TEST(fsdp::padded_numel(numel, world) % world == 0);
+      std::int64_t covered = 0;
+      for (std::int64_t r = 0; r < world; ++r) {
+        const auto range = fsdp::shard_range(numel, world, r);
+        BOOST_TEST(range.begin == covered);
+        covered = range.end;
+      }
+      BOOST_TEST(covered == fsdp::padded_numel(numel, world));
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(worked_example_from_design) {
+  const FlatLayout layout({6, 3, 1}, 4);
+  BOOST_TEST(layout.numel() == 10);
+  BOOST_TEST(layout.shard_numel() == 3);
+  BOOST_TEST(layout.padded_numel() == 12);
+  BOOST_TEST(layout.padding() == 2);
+  const auto s3 = layout.slices(3);
+  BOOST_TEST_REQUIRE(s3.size() == 1u);
+  BOOST_TEST(s3[0].param_index == 2);
+  BOOST_TEST(s3[0].numel == 1);
+  BOOST_TEST(layout.real_numel(3) == 1);
+  const auto s1 = layout.slices(1);  // [3, 6): the second half of parameter 0
+  BOOST_TEST_REQUIRE(s1.size() == 1u);
+  BOOST_TEST(s1[0].param_offset == 3);
+  BOOST_TEST(s1[0].numel == 3);
+}
+
+BOOST_AUTO_TEST_CASE(slices_reassemble_every_parameter_at_any_world_size) {
+  std::mt19937 rng(42);
+  std::uniform_int_distribution<int> count(1, 7), size(0, 40);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<std::int64_t> numels(static_cast<std::size_t>(count(rng)));
+    for (auto& n : numels) n = size(rng);
+    const std::int64_t total = std::accumulate(numels.begin(), numels.end(), std::int64_t{0});
+    for (std::int64_t world = 1; world <= 8; ++world) {
+      const FlatLayout layout(numels, world);
+      std::vector<int> hits(static_cast<std::size_t>(total), 0);
+      std::int64_t real = 0;
+      for (std::int64_t r = 0; r < world; ++r) {
+        std::int64_t last_shard_offset = -1;
+        for (const auto& s : layout.slices(r)) {
+          BOOST_TEST(s.numel > 0);
+          BOOST_TEST(s.shard_offset > last_shard_offset);
+          BOOST_TEST(s.shard_offset + s.numel <= layout.shard_numel());
+          BOOST_TEST(s.param_offset + s.numel <= layout.param_numel(s.param_index));
+          last_shard_offset = s.shard_offset;
+          for (std::int64_t k = 0; k < s.numel; ++k) ++hits[static_cast<std::size_t>(layout.param_offset(s.param_index) + s.param_offset + k)];
+        }
+        real += layout.real_numel(r);
+      }
+      BOOST_TEST(real == total);
+      for (int h : hits) BOOST_TEST(h == 1);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(numel_smaller_than_world_is_legal) {
+  const FlatLayout layout({1}, 4);
+  BOOST_TEST(layout.shard_numel() == 1);
+  BOOST_TEST(layout.padded_numel() == 4);
+  BOOST_TEST(layout.real_numel(0) == 1);
+  for (int r = 1; r < 4; ++r) BOOST_TEST(layout.slices(r).empty());
+  const FlatLayout empty({}, 3);
+  BOOST_TEST(empty.shard_numel() == 0);
+  BOOST_TEST(empty.padded_numel() == 0);
+}
+
+BOOST_AUTO_TEST_CASE(bad_input_throws_config_error) {
+  BOOST_CHECK_THROW(fsdp::shard_numel(10, 0), fsdp::ConfigError);
+  BOOST_CHECK_THROW(FlatLayout({-1}, 2), fsdp::ConfigError);
+  BOOST_CHECK_THROW(FlatLayout({4}, 2).rank_range(2), fsdp::ConfigError);
+}
+
+BOOST_AUTO_TEST_CASE(hash_is_stable) {
+  static_assert(fsdp::fnv1a64("") == 14695981039346656037ull);
+  BOOST_TEST(fsdp::fnv1a64("a") == 0xaf63dc4c8601ec8cull);
+  BOOST_TEST(fsdp::fnv1a64("fc1.weight") != fsdp::fnv1a64("fc1.bias"));
+}

@@ -1,0 +1,489 @@
+// The sharding engine against single-process training on the same global batch (run at np = 1..4).
+// Every rank computes the single-process reference itself (same seed, whole global batch), trains
+// the FSDP model on its slice of the batch, gathers the full parameters and compares.
+#define BOOST_TEST_MODULE fsdp_engine
+#include <boost/test/unit_test.hpp>
+
+#include <fsdp/fsdp.hpp>
+
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+
+namespace F = torch::nn::functional;
+using fsdp::AutoWrapPolicy;
+using fsdp::FsdpOptions;
+using fsdp::MpiComm;
+using fsdp::ShardingStrategy;
+
+struct MpiFixture {
+  MpiFixture() {
+    auto& suite = boost::unit_test::framework::master_test_suite();
+    env = std::make_unique<fsdp::MpiEnvironment>(&suite.argc, &suite.argv);
+    torch::set_num_threads(1);  // ranks x threads <= cores
+  }
+  std::unique_ptr<fsdp::MpiEnvironment> env;
+};
+BOOST_TEST_GLOBAL_FIXTURE(MpiFixture);
+
+// ---- models -----------------------------------------------------------------------------------
+
+/// One scalar parameter: a unit with fewer elements than ranks when wrapped alone.
+struct ScaleImpl : torch::nn::Module {
+  ScaleImpl() { alpha = register_parameter("alpha", torch::ones({1}) * 0.9); }
+  torch::Tensor forward(const torch::Tensor& x) { return x * alpha; }
+  torch::Tensor alpha;
+};
+TORCH_MODULE(Scale);
+
+/// Linear layer with a gate parameter that is used only when `use_gate` is set.
+struct GatedLinearImpl : torch::nn::Module {
+  GatedLinearImpl(int64_t in, int64_t out) {
+    fc = register_module("fc", torch::nn::Linear(in, out));
+    gate = register_parameter("gate", torch::randn({out}) * 0.1);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = fc->forward(x);
+    return use_gate ? y * torch::sigmoid(gate) : y;
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor gate;
+  bool use_gate = true;
+};
+TORCH_MODULE(GatedLinear);
+
+/// Output projection that reuses (ties) an existing weight, transposed.
+struct TiedOutImpl : torch::nn::Module {
+  explicit TiedOutImpl(torch::Tensor shared) { weight = register_parameter("weight", std::move(shared)); }
+  torch::Tensor forward(const torch::Tensor& x) { return F::linear(x, weight.t()); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedOut);
+
+/// MLP with uneven widths, a tied weight, a scalar unit and a sometimes-unused parameter.
+/// Children are called through fsdp::forward, so nested units free their parameters between passes.
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(13, 37));
+    fc2 = register_module("fc2", torch::nn::Linear(37, 29));
+    gated = register_module("gated", GatedLinear(29, 29));
+    scale = register_module("scale", Scale());
+    fc3 = register_module("fc3", torch::nn::Linear(29, 37));
+    tied = register_module("tied", TiedOut(fc1->weight));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(fsdp::forward(fc1, x));
+    x = torch::relu(fsdp::forward(fc2, x));
+    x = torch::tanh(fsdp::forward(gated, x));
+    x = fsdp::forward(scale, x);
+    x = torch::relu(fsdp::forward(fc3, x));
+    return fsdp::forward(tied, x);
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+  GatedLinear gated{nullptr};
+  Scale scale{nullptr};
+  TiedOut tied{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+/// Small CNN with uneven channel counts. Convolutions go through fsdp::forward; the linear layers are
+/// called directly, exercising units that FSDP gathers together with the root.
+struct CnnImpl : torch::nn::Module {
+  CnnImpl() {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 3, 3)));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 5, 3)));
+    fc1 = register_module("fc1", torch::nn::Linear(5 * 6 * 6, 17));
+    fc2 = register_module("fc2", torch::nn::Linear(17, 7));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(fsdp::forward(conv1, x));
+    x = torch::relu(fsdp::forward(conv2, x));
+    x = torch::relu(fc1->forward(x.flatten(1)));
+    return F::log_softmax(fc2->forward(x), F::LogSoftmaxFuncOptions(1));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Cnn);
+
+// ---- training harness -------------------------------------------------------------------------
+
+enum class ModelKind { kMlp, kCnn };
+enum class OptimKind { kSgd, kAdam, kAdamW, kAdagrad, kRmsprop, kAdadelta };
+
+std::string name_of(ModelKind m) { return m == ModelKind::kMlp ? "mlp" : "cnn"; }
+std::string name_of(OptimKind o) {
+  switch (o) {
+    case OptimKind::kSgd: return "sgd";
+    case OptimKind::kAdam: return "adam";
+    case OptimKind::kAdamW: return "adamw";
+    case OptimKind::kAdagrad: return "adagrad";
+    case OptimKind::kRmsprop: return "rmsprop";
+    case OptimKind::kAdadelta: return "adadelta";
+  }
+  return "?";
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(OptimKind kind, std::vector<torch::Tensor> params) {
+  switch (kind) {
+    case OptimKind::kSgd: return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-3));
+    case OptimKind::kAdam: return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+    // eps 1e-6: Adam-type updates g/sqrt(v) amplify fp32 summation-order noise of near-zero gradient
+    // elements; with the default 1e-8 one bias element of this tiny model reaches 1.5e-5 at np=3.
+    case OptimKind::kAdamW: return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.05).eps(1e-6));
+    case OptimKind::kAdagrad: return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(0.05));
+    case OptimKind::kRmsprop: return std::make_unique<torch::optim::RMSprop>(params, torch::optim::RMSpropOptions(1e-3).momentum(0.5));
+    case OptimKind::kAdadelta: return std::make_unique<fsdp::optim::Adadelta>(params, fsdp::optim::AdadeltaOptions(1.0));
+  }
+  return nullptr;
+}
+
+struct Batch {
+  torch::Tensor x, y;
+};
+
+/// The global batch of `step`: identical on every rank.
+Batch global_batch(ModelKind kind, int step, int64_t rows) {
+  auto gen = at::detail::createCPUGenerator(1000 + step);
+  if (kind == ModelKind::kMlp) return {torch::randn({rows, 13}, gen), torch::randn({rows, 13}, gen)};
+  return {torch::randn({rows, 1, 10, 10}, gen), torch::randint(0, 7, {rows}, gen)};
+}
+
+torch::Tensor loss_of(ModelKind kind, const torch::Tensor& out, const torch::Tensor& y) {
+  return kind == ModelKind::kMlp ? F::mse_loss(out, y) : F::nll_loss(out, y);
+}
+
+void set_gate(torch::nn::Module& model, bool on) {
+  for (auto& m : model.modules())
+    if (auto* g = dynamic_cast<GatedLinearImpl*>(m.get())) g->use_gate = on;
+}
+
+std::shared_ptr<torch::nn::Module> make_model(ModelKind kind) {
+  torch::manual_seed(7);
+  if (kind == ModelKind::kMlp) return Mlp().ptr();
+  return Cnn().ptr();
+}
+
+/// LibTorch's parameters() lists a tied tensor once per name; an optimizer must see it once.
+std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& model) {
+  std::vector<torch::Tensor> out;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& p : model.parameters())
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  return out;
+}
+
+constexpr int kSteps = 4;
+constexpr int64_t kLocalRows = 3;
+
+/// Single-process training on the whole global batch. Parameters that get no gradient in a step get a
+/// zero gradient, which is what a flat parameter gives them.
+std::map<std::string, torch::Tensor> train_reference(ModelKind kind, OptimKind optim, int world) {
+  auto model = make_model(kind);
+  auto opt = make_optimizer(optim, unique_parameters(*model));
+  for (int step = 0; step < kSteps; ++step) {
+    set_gate(*model, step % 2 == 0);
+    auto batch = global_batch(kind, step, kLocalRows * world);
+    opt->zero_grad();
+    torch::Tensor out = kind == ModelKind::kMlp ? std::static_pointer_cast<MlpImpl>(model)->forward(batch.x)
+                                                : std::static_pointer_cast<CnnImpl>(model)->forward(batch.x);
+    loss_of(kind, out, batch.y).backward();
+    for (auto& p : model->parameters())
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    opt->step();
+  }
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& p : model->named_parameters()) out[p.key()] = p.value().detach().clone();
+  return out;
+}
+
+template <class Impl>
+std::map<std::string, torch::Tensor> train_fsdp_typed(ModelKind kind, OptimKind optim, const FsdpOptions& options, std::shared_ptr<Impl> net) {
+  auto world = MpiComm::world();
+  auto model = fsdp::make_fsdp(net, world, options);
+  auto opt = make_optimizer(optim, model->parameters());
+  const int r = world.rank();
+  for (int step = 0; step < kSteps; ++step) {
+    set_gate(*net, step % 2 == 0);
+    auto batch = global_batch(kind, step, kLocalRows * world.size());
+    auto x = batch.x.narrow(0, r * kLocalRows, kLocalRows);
+    auto y = batch.y.narrow(0, r * kLocalRows, kLocalRows);
+    opt->zero_grad();
+    auto out = model->forward(x);
+    loss_of(kind, out, y).backward();
+    opt->step();
+  }
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [name, t] : model->full_parameters()) out[name] = t;
+  return out;
+}
+
+std::map<std::string, torch::Tensor> train_fsdp(ModelKind kind, OptimKind optim, const FsdpOptions& options) {
+  auto net = make_model(kind);
+  if (kind == ModelKind::kMlp) return train_fsdp_typed(kind, optim, options, std::static_pointer_cast<MlpImpl>(net));
+  return train_fsdp_typed(kind, optim, options, std::static_pointer_cast<CnnImpl>(net));
+}
+
+/// Largest relative error ||a - b|| / ||b|| over the FSDP parameters.
+double compare(const std::map<std::string, torch::Tensor>& fsdp_params, const std::map<std::string, torch::Tensor>& ref) {
+  double worst = 0;
+  for (const auto& [name, t] : fsdp_params) {
+    const auto it = ref.find(name);
+    BOOST_TEST_REQUIRE((it != ref.end()), "parameter " << name << " missing from the reference");
+    BOOST_TEST_REQUIRE((t.sizes() == it->second.sizes()), "shape of " << name);
+    const double denom = std::max(it->second.norm().item<double>(), 1e-12);
+    const double err = (t - it->second).norm().item<double>() / denom;
+    BOOST_TEST(err <= 1e-5, "relative error of " << name << ": " << err);
+    worst = std::max(worst, err);
+  }
+  return worst;
+}
+
+/// Every rank must hold the same gathered parameters.
+void check_ranks_agree(const std::map<std::string, torch::Tensor>& params) {
+  auto world = MpiComm::world();
+  for (const auto& [name, t] : params) {
+    auto mine = t.contiguous();
+    auto hi = mine.clone();
+    world.all_reduce(hi.data_ptr(), hi.data_ptr(), hi.numel(), fsdp::DType::kFloat32, fsdp::ReduceOp::kSum);
+    BOOST_TEST((hi - mine * world.size()).abs().max().item<double>() < 1e-6, "ranks disagree on " << name);
+  }
+}
+
+std::vector<std::pair<std::string, AutoWrapPolicy>> policies() {
+  return {
+      {"none", AutoWrapPolicy::none()},
+      {"size", AutoWrapPolicy::size_based(200)},
+      {"type", AutoWrapPolicy::module_types({"Linear", "Conv2d", "Scale", "TiedOut"})},
+      {"predicate", AutoWrapPolicy::custom([](const std::string& fqn, const torch::nn::Module&, int64_t) {
+         return fqn == "fc2" || fqn == "gated" || fqn == "scale" || fqn == "conv2";
+       })},
+  };
+}
+
+BOOST_AUTO_TEST_CASE(every_strategy_and_policy_matches_single_process) {
+  const int world = MpiComm::world().size();
+  for (auto kind : {ModelKind::kMlp, ModelKind::kCnn}) {
+    for (auto optim : {OptimKind::kSgd, OptimKind::kAdam}) {
+      const auto ref = train_reference(kind, optim, world);
+      for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+        for (const auto& [policy_name, policy] : policies()) {
+          BOOST_TEST_CONTEXT("np=" << world << " model=" << name_of(kind) << " optim=" << name_of(optim) << " strategy=" << fsdp::to_string(strategy)
+                                   << " policy=" << policy_name) {
+            FsdpOptions options;
+            options.sharding_strategy = strategy;
+            options.auto_wrap_policy = policy;
+            const auto got = train_fsdp(kind, optim, options);
+            BOOST_TEST(got.size() == (kind == ModelKind::kMlp ? 10u : 8u));
+            const double err = compare(got, ref);
+            BOOST_TEST(err <= 1e-5);
+            check_ranks_agree(got);
+          }
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(hybrid_strategies_match_single_process_for_every_group_size) {
+  const int world = MpiComm::world().size();
+  for (auto kind : {ModelKind::kMlp, ModelKind::kCnn}) {
+    const auto ref = train_reference(kind, OptimKind::kAdam, world);
+    for (int group = 1; group <= world; ++group) {
+      if (world % group != 0) continue;
+      for (auto strategy : {ShardingStrategy::HYBRID_SHARD, ShardingStrategy::HYBRID_SHARD_ZERO2}) {
+        BOOST_TEST_CONTEXT("np=" << world << " group=" << group << " model=" << name_of(kind) << " strategy=" << fsdp::to_string(strategy)) {
+          FsdpOptions options;
+          options.sharding_strategy = strategy;
+          options.shard_group_size = group;
+          options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+          const auto got = train_fsdp(kind, OptimKind::kAdam, options);
+          BOOST_TEST(compare(got, ref) <= 1e-5);
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(other_optimizers_run_on_shards) {
+  const int world = MpiComm::world().size();
+  for (auto optim : {OptimKind::kAdamW, OptimKind::kAdagrad, OptimKind::kRmsprop, OptimKind::kAdadelta}) {
+    BOOST_TEST_CONTEXT("np=" << world << " optim=" << name_of(optim)) {
+      const auto ref = train_reference(ModelKind::kMlp, optim, world);
+      FsdpOptions options;
+      options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+      BOOST_TEST(compare(train_fsdp(ModelKind::kMlp, optim, options), ref) <= 1e-5);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(units_follow_the_policy_and_print_as_a_tree) {
+  auto world = MpiComm::world();
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear", "Scale", "TiedOut"});
+  auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+  auto model = fsdp::make_fsdp(net, world, options);
+  const auto units = model->units();
+  // root, fc1, fc2, gated.fc, scale, fc3, tied
+  BOOST_TEST_REQUIRE(units.size() == 7u);
+  BOOST_TEST(units[0].module_path == "");
+  BOOST_TEST(units[1].module_path == "fc1");
+  // The tied weight is used by fc1 and tied: it belongs to their common ancestor, the root.
+  BOOST_TEST(units[1].param_names == std::vector<std::string>{"fc1.bias"});
+  BOOST_TEST((std::find(units[0].param_names.begin(), units[0].param_names.end(), "fc1.weight") != units[0].param_names.end()));
+  BOOST_TEST(units[6].param_names.empty());
+  BOOST_TEST(units[4].numel == 1);
+  BOOST_TEST(units[4].shard_numel == 1);
+  BOOST_TEST(units[4].padded_numel == world.size());
+  BOOST_TEST(model->num_params() == static_cast<int64_t>(13 * 37 + 37 + 37 * 29 + 29 + 29 * 29 + 29 + 29 + 1 + 29 * 37 + 37));
+  const std::string text = model->describe();
+  BOOST_TEST(text.find("[unit 0, root") != std::string::npos);
+  BOOST_TEST(text.find("(fc2): torch::nn::Linear(in_features=37, out_features=29, bias=true)  [unit 2") != std::string::npos, text);
+  std::ostringstream printed;
+  printed << *model;
+  BOOST_TEST(printed.str().find("FullyShardedDataParallel(strategy=FULL_SHARD") == 0u);
+
+  // Units called directly (not through fsdp::forward) are reported as gathered with the root.
+  auto cnn = std::static_pointer_cast<CnnImpl>(make_model(ModelKind::kCnn));
+  FsdpOptions cnn_options;
+  cnn_options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear", "Conv2d"});
+  auto wrapped = fsdp::make_fsdp(cnn, world, cnn_options);
+  wrapped->forward(torch::randn({2, 1, 10, 10}));
+  const auto cu = wrapped->units();
+  BOOST_TEST(cu[1].called_through_hook);   // conv1
+  BOOST_TEST(!cu[3].called_through_hook);  // fc1
+  BOOST_TEST(wrapped->describe().find("gathered with root") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(memory_is_sharded) {
+  auto world = MpiComm::world();
+  struct DeepImpl : torch::nn::Module {
+    DeepImpl() {
+      for (int i = 0; i < 4; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(256, 256)));
+    }
+    torch::Tensor forward(torch::Tensor x) {
+      for (auto& l : layers) x = torch::relu(fsdp::forward(l, x));
+      return x;
+    }
+    std::vector<torch::nn::Linear> layers;
+  };
+  auto measure = [&](ShardingStrategy strategy, fsdp::MemoryStats* during_forward) {
+    torch::manual_seed(3);
+    auto net = std::make_shared<DeepImpl>();
+    FsdpOptions options;
+    options.sharding_strategy = strategy;
+    options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+    auto model = fsdp::make_fsdp(net, world, options);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      model->forward(torch::randn({4, 256})).sum().backward();
+      opt.step();
+    }
+    if (during_forward) {
+      // Between steps nothing is gathered; inside a FULL_SHARD forward at most the root plus one unit is.
+      BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);
+      *during_forward = model->memory_stats();
+    }
+    return model->memory_stats(&opt);
+  };
+  const auto full = measure(ShardingStrategy::FULL_SHARD, nullptr);
+  const auto replicated = measure(ShardingStrategy::NO_SHARD, nullptr);
+  const int64_t n = world.size();
+  // params + grads + Adam's two moments, each 1/N of the unsharded flat parameters.
+  const int64_t unsharded_state = 4 * full.unsharded_param_bytes;
+  BOOST_TEST(full.shard_param_bytes * n == full.unsharded_param_bytes);
+  BOOST_TEST(full.grad_bytes == full.shard_param_bytes);
+  BOOST_TEST(full.optimizer_state_bytes == 2 * full.shard_param_bytes);
+  BOOST_TEST(full.gathered_param_bytes == 0);
+  BOOST_TEST(full.total() <= unsharded_state / n + full.largest_unit_bytes);
+  BOOST_TEST(full.total() * n == unsharded_state);
+  BOOST_TEST(replicated.total() == 4 * replicated.unsharded_param_bytes);
+  // N x the sharded state is the replicated state plus padding (< N elements per unit, 4 tensors).
+  BOOST_TEST(full.total() * n >= replicated.total());
+  BOOST_TEST(full.total() * n - replicated.total() <= 4 * 4 * (n - 1) * 5);
+}
+
+BOOST_AUTO_TEST_CASE(summon_full_params_reads_and_writes_back) {
+  auto world = MpiComm::world();
+  auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+  const auto fc2_before = net->fc2->weight.detach().clone();
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+  auto model = fsdp::make_fsdp(net, world, options);
+  {
+    auto scope = model->summon_full_params(/*writeback=*/true);
+    BOOST_TEST(torch::equal(net->fc2->weight.detach(), fc2_before));
+    torch::NoGradGuard no_grad;
+    net->fc2->bias.fill_(1.5);
+  }
+  BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);
+  {
+    auto scope = model->summon_full_params();
+    BOOST_TEST(net->fc2->bias.detach().eq(1.5).all().item<bool>());
+    torch::NoGradGuard no_grad;
+    net->fc2->bias.fill_(-7);  // not written back
+  }
+  const auto params = model->full_parameters();
+  for (const auto& [name, t] : params)
+    if (name == "fc2.bias") BOOST_TEST(t.eq(1.5).all().item<bool>());
+}
+
+BOOST_AUTO_TEST_CASE(buffers_stay_identical_across_ranks) {
+  auto world = MpiComm::world();
+  struct BnImpl : torch::nn::Module {
+    BnImpl() {
+      fc = register_module("fc", torch::nn::Linear(6, 8));
+      bn = register_module("bn", torch::nn::BatchNorm1d(8));
+    }
+    torch::Tensor forward(torch::Tensor x) { return bn->forward(fc->forward(x)); }
+    torch::nn::Linear fc{nullptr};
+    torch::nn::BatchNorm1d bn{nullptr};
+  };
+  torch::manual_seed(5);
+  auto net = std::make_shared<BnImpl>();
+  auto model = fsdp::make_fsdp(net, world, {});
+  torch::manual_seed(100 + world.rank());  // different data on every rank
+  for (int step = 0; step < 3; ++step) model->forward(torch::randn({4, 6}) * (world.rank() + 1)).sum().backward();
+  for (const auto& b : net->named_buffers()) {
+    auto mine = b.value().to(torch::kDouble).contiguous();
+    auto sum = mine.clone();
+    world.all_reduce(sum.data_ptr(), sum.data_ptr(), sum.numel(), fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+    BOOST_TEST((sum - mine * world.size()).abs().max().item<double>() < 1e-9, "buffer " << b.key() << " differs across ranks");
+  }
+}
+
+BOOST_AUTO_TEST_CASE(eval_under_no_grad_frees_parameters) {
+  auto world = MpiComm::world();
+  auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+  auto model = fsdp::make_fsdp(net, world, options);
+  model->eval();
+  torch::NoGradGuard no_grad;
+  auto out = model->forward(torch::randn({2, 13}));
+  BOOST_TEST(out.sizes() == (std::vector<int64_t>{2, 13}));
+  BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);
+}
+
+BOOST_AUTO_TEST_CASE(configuration_errors_are_clear) {
+  auto world = MpiComm::world();
+  BOOST_CHECK_THROW(fsdp::parse_sharding_strategy("FULLSHARD"), fsdp::ConfigError);
+  BOOST_TEST(fsdp::parse_sharding_strategy("shard_grad_op") == ShardingStrategy::SHARD_GRAD_OP);
+  BOOST_CHECK_THROW(AutoWrapPolicy::size_based(0), fsdp::ConfigError);
+  if (world.size() == 3) {
+    FsdpOptions options;
+    options.sharding_strategy = ShardingStrategy::HYBRID_SHARD;
+    options.shard_group_size = 2;
+    try {
+      fsdp::make_fsdp(std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp)), world, options);
+      BOOST_FAIL("expected a ConfigError");
+    } catch (const fsdp::ConfigError& e) {
+      BOOST_TEST(std::string(e.what()).find("not divisible by shard_group_size 2") != std::string::npos);
+    }
+  }
+  auto frozen = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+  frozen->fc2->bias.set_requires_grad(false);
+  BOOST_CHECK_THROW(fsdp::make_fsdp(frozen, world, {}), fsdp::ConfigError);
+}
