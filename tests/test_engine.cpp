@@ -356,19 +356,24 @@ BOOST_AUTO_TEST_CASE(units_follow_the_policy_and_print_as_a_tree) {
   BOOST_TEST(wrapped->describe().find("gathered with root") != std::string::npos);
 }
 
+struct DeepImpl : torch::nn::Module {
+  DeepImpl() {
+    for (int i = 0; i < 4; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(256, 256)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) {
+      x = torch::relu(fsdp::forward(l, x));
+      if (after_layer) after_layer();
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+  std::function<void()> after_layer;  // lets a test look at memory inside forward
+};
+
 BOOST_AUTO_TEST_CASE(memory_is_sharded) {
   auto world = MpiComm::world();
-  struct DeepImpl : torch::nn::Module {
-    DeepImpl() {
-      for (int i = 0; i < 4; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(256, 256)));
-    }
-    torch::Tensor forward(torch::Tensor x) {
-      for (auto& l : layers) x = torch::relu(fsdp::forward(l, x));
-      return x;
-    }
-    std::vector<torch::nn::Linear> layers;
-  };
-  auto measure = [&](ShardingStrategy strategy, fsdp::MemoryStats* during_forward) {
+  auto measure = [&](ShardingStrategy strategy) {
     torch::manual_seed(3);
     auto net = std::make_shared<DeepImpl>();
     FsdpOptions options;
@@ -381,15 +386,11 @@ BOOST_AUTO_TEST_CASE(memory_is_sharded) {
       model->forward(torch::randn({4, 256})).sum().backward();
       opt.step();
     }
-    if (during_forward) {
-      // Between steps nothing is gathered; inside a FULL_SHARD forward at most the root plus one unit is.
-      BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);
-      *during_forward = model->memory_stats();
-    }
+    BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);  // between steps nothing is gathered
     return model->memory_stats(&opt);
   };
-  const auto full = measure(ShardingStrategy::FULL_SHARD, nullptr);
-  const auto replicated = measure(ShardingStrategy::NO_SHARD, nullptr);
+  const auto full = measure(ShardingStrategy::FULL_SHARD);
+  const auto replicated = measure(ShardingStrategy::NO_SHARD);
   const int64_t n = world.size();
   // params + grads + Adam's two moments, each 1/N of the unsharded flat parameters.
   const int64_t unsharded_state = 4 * full.unsharded_param_bytes;
@@ -403,6 +404,46 @@ BOOST_AUTO_TEST_CASE(memory_is_sharded) {
   // N x the sharded state is the replicated state plus padding (< N elements per unit, 4 tensors).
   BOOST_TEST(full.total() * n >= replicated.total());
   BOOST_TEST(full.total() * n - replicated.total() <= 4 * 4 * (n - 1) * 5);
+}
+
+BOOST_AUTO_TEST_CASE(full_shard_frees_each_unit_after_its_forward) {
+  auto world = MpiComm::world();
+  const int64_t unit_bytes = fsdp::padded_numel(256 * 256 + 256, world.size()) * 4;
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
+    for (bool promise : {false, true}) {
+      BOOST_TEST_CONTEXT("strategy=" << strategy << " all_units_called_through_forward=" << promise) {
+        torch::manual_seed(3);
+        auto net = std::make_shared<DeepImpl>();
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+        options.all_units_called_through_forward = promise;
+        auto model = fsdp::make_fsdp(net, world, options);
+        torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+        for (int step = 0; step < 2; ++step) {
+          std::vector<int64_t> gathered;
+          net->after_layer = [&] { gathered.push_back(model->memory_stats().gathered_param_bytes); };
+          opt.zero_grad();
+          auto loss = model->forward(torch::randn({4, 256})).sum();
+          BOOST_TEST_REQUIRE(gathered.size() == 4u);
+          for (std::size_t i = 0; i < gathered.size(); ++i) {
+            int64_t expect = 0;  // one rank: the shard is the full parameter, nothing extra is held
+            if (world.size() > 1) {
+              if (strategy == ShardingStrategy::SHARD_GRAD_OP)  // kept for backward; the first forward gathers all up front
+                expect = (step == 0 && !promise ? 4 : static_cast<int64_t>(i + 1)) * unit_bytes;
+              else if (step == 0 && !promise) expect = static_cast<int64_t>(3 - i) * unit_bytes;  // first forward: not yet run ones
+              else expect = 0;  // each layer freed right after its forward
+            }
+            BOOST_TEST(gathered[i] == expect, "step " << step << " after layer " << i);
+          }
+          net->after_layer = nullptr;
+          loss.backward();
+          opt.step();
+          BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);  // backward frees everything at its end
+        }
+      }
+    }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(summon_full_params_reads_and_writes_back) {

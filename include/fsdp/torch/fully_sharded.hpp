@@ -76,6 +76,11 @@ struct FsdpOptions {
   /// After each training forward: average floating-point buffers (e.g. BatchNorm running stats) and
   /// broadcast integer ones from rank 0, so every rank holds the same buffers.
   bool sync_buffers = true;
+  /// Promise that every wrapped submodule is called through fsdp::forward. Without it the first
+  /// forward gathers every nested unit up front (a one-time whole-model peak) because it cannot know
+  /// which units are called directly; with it even the first forward gathers a unit only as it runs.
+  /// A unit called directly despite the promise reads freed memory: keep the promise.
+  bool all_units_called_through_forward = false;
 };
 
 /// Bytes this rank holds for the model's training state (see memory_stats()).
@@ -499,8 +504,11 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       reshard(u);
       register_parameter("flat_shard_" + std::to_string(u.info.index), u.shard, /*requires_grad=*/true);
     }
-    for (auto& up : units_)
-      if (up->info.index != 0) detail::hook_registry()[up->module] = {this, up->info.index};
+    for (auto& up : units_) {
+      if (up->info.index == 0) continue;
+      detail::hook_registry()[up->module] = {this, up->info.index};
+      if (options_.all_units_called_through_forward) up->hooked = detail::FlatUnit::Hooked::kYes;
+    }
   }
 
   int common_ancestor(int a, int b) const {
@@ -597,7 +605,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
 
   void post_forward(int unit, const std::vector<at::Tensor>& outputs, bool complete) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
-    if (u.grafted_by_root) return;  // lives with the root unit for this step
+    // On the first forward the root gathered and grafted this unit before it was known to be called
+    // through fsdp::forward; from here on it is handled like any hooked unit.
     bool hooked = false;
     if (torch::GradMode::is_enabled()) {
       for (const auto& t : outputs) {
@@ -618,7 +627,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     }
     if (unit == 0) {
       for (auto& u : units_)
-        if (u->grafted_by_root) gather(*u);
+        if (u->grafted_by_root && (u->info.index == 0 || u->hooked != detail::FlatUnit::Hooked::kYes)) gather(*u);
     } else {
       gather(*units_[static_cast<std::size_t>(unit)]);
     }
