@@ -66,6 +66,9 @@ BOOST_AUTO_TEST_CASE(all_reduce_broadcast_barrier) {
   std::vector<float> y(2, static_cast<float>(w.rank()));
   w.all_reduce(y.data(), y.data(), 2, DType::kFloat32, ReduceOp::kAvg);
   for (auto v : y) BOOST_TEST(v == (w.size() - 1) / 2.0f);
+  std::vector<double> m(2, static_cast<double>(w.rank()) - 0.5);
+  w.all_reduce(m.data(), m.data(), 2, DType::kFloat64, ReduceOp::kMax);
+  for (auto v : m) BOOST_TEST(v == w.size() - 1.5);
   std::vector<float> b(5, static_cast<float>(w.rank() + 10));
   w.broadcast(b.data(), 5, DType::kFloat32, w.size() - 1);
   for (auto v : b) BOOST_TEST(v == static_cast<float>(w.size() - 1 + 10));

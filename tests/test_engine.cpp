@@ -177,52 +177,80 @@ std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& model) {
 constexpr int kSteps = 4;
 constexpr int64_t kLocalRows = 3;
 
+/// Training controls exercised against the reference.
+struct Setup {
+  double clip = 0;              ///< clip_grad_norm max_norm (0: off)
+  int accum = 1;                ///< micro-batches per step (no_sync for all but the last)
+  bool different_init = false;  ///< ranks initialize differently; FSDP syncs from rank 0
+};
+
+struct Trained {
+  std::map<std::string, torch::Tensor> params;
+  std::vector<double> norms;  ///< gradient norms returned by clipping, per step
+};
+
 /// Single-process training on the whole global batch. Parameters that get no gradient in a step get a
 /// zero gradient, which is what a flat parameter gives them.
-std::map<std::string, torch::Tensor> train_reference(ModelKind kind, OptimKind optim, int world) {
+Trained train_reference(ModelKind kind, OptimKind optim, int world, const Setup& setup = {}) {
+  Trained result;
   auto model = make_model(kind);
   auto opt = make_optimizer(optim, unique_parameters(*model));
   for (int step = 0; step < kSteps; ++step) {
     set_gate(*model, step % 2 == 0);
-    auto batch = global_batch(kind, step, kLocalRows * world);
+    auto batch = global_batch(kind, step, kLocalRows * world * setup.accum);
     opt->zero_grad();
     torch::Tensor out = kind == ModelKind::kMlp ? std::static_pointer_cast<MlpImpl>(model)->forward(batch.x)
                                                 : std::static_pointer_cast<CnnImpl>(model)->forward(batch.x);
     loss_of(kind, out, batch.y).backward();
     for (auto& p : model->parameters())
       if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    if (setup.clip > 0) result.norms.push_back(torch::nn::utils::clip_grad_norm_(unique_parameters(*model), setup.clip));
     opt->step();
   }
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& p : model->named_parameters()) out[p.key()] = p.value().detach().clone();
-  return out;
+  for (const auto& p : model->named_parameters()) result.params[p.key()] = p.value().detach().clone();
+  return result;
 }
 
 template <class Impl>
-std::map<std::string, torch::Tensor> train_fsdp_typed(ModelKind kind, OptimKind optim, const FsdpOptions& options, std::shared_ptr<Impl> net) {
+Trained train_fsdp_typed(ModelKind kind, OptimKind optim, const FsdpOptions& options, std::shared_ptr<Impl> net, const Setup& setup) {
+  Trained result;
   auto world = MpiComm::world();
   auto model = fsdp::make_fsdp(net, world, options);
   auto opt = make_optimizer(optim, model->parameters());
   const int r = world.rank();
+  const int n = world.size();
   for (int step = 0; step < kSteps; ++step) {
     set_gate(*net, step % 2 == 0);
-    auto batch = global_batch(kind, step, kLocalRows * world.size());
-    auto x = batch.x.narrow(0, r * kLocalRows, kLocalRows);
-    auto y = batch.y.narrow(0, r * kLocalRows, kLocalRows);
+    auto batch = global_batch(kind, step, kLocalRows * n * setup.accum);
     opt->zero_grad();
-    auto out = model->forward(x);
-    loss_of(kind, out, y).backward();
+    for (int micro = 0; micro < setup.accum; ++micro) {
+      // Micro-batch `micro` of rank r: rows [(micro * n + r) * b, ... + b) of the global batch.
+      auto x = batch.x.narrow(0, (micro * n + r) * kLocalRows, kLocalRows);
+      auto y = batch.y.narrow(0, (micro * n + r) * kLocalRows, kLocalRows);
+      auto loss = loss_of(kind, model->forward(x), y) / setup.accum;
+      if (micro + 1 < setup.accum) {
+        auto scope = model->no_sync();
+        loss.backward();
+      } else {
+        loss.backward();
+      }
+    }
+    if (setup.clip > 0) result.norms.push_back(model->clip_grad_norm(setup.clip));
     opt->step();
   }
-  std::map<std::string, torch::Tensor> out;
-  for (auto& [name, t] : model->full_parameters()) out[name] = t;
-  return out;
+  for (auto& [name, t] : model->full_parameters()) result.params[name] = t;
+  return result;
 }
 
-std::map<std::string, torch::Tensor> train_fsdp(ModelKind kind, OptimKind optim, const FsdpOptions& options) {
+Trained train_fsdp(ModelKind kind, OptimKind optim, const FsdpOptions& options, const Setup& setup = {}) {
   auto net = make_model(kind);
-  if (kind == ModelKind::kMlp) return train_fsdp_typed(kind, optim, options, std::static_pointer_cast<MlpImpl>(net));
-  return train_fsdp_typed(kind, optim, options, std::static_pointer_cast<CnnImpl>(net));
+  if (setup.different_init && MpiComm::world().rank() != 0) {  // rank 0 keeps the reference's weights
+    torch::manual_seed(1234 + MpiComm::world().rank());
+    torch::NoGradGuard no_grad;
+    for (auto& p : net->parameters()) p.copy_(torch::randn_like(p));
+  }
+  if (kind == ModelKind::kMlp) return train_fsdp_typed(kind, optim, options, std::static_pointer_cast<MlpImpl>(net), setup);
+  return train_fsdp_typed(kind, optim, options, std::static_pointer_cast<CnnImpl>(net), setup);
 }
 
 /// Largest relative error ||a - b|| / ||b|| over the FSDP parameters.
@@ -275,10 +303,10 @@ BOOST_AUTO_TEST_CASE(every_strategy_and_policy_matches_single_process) {
             options.sharding_strategy = strategy;
             options.auto_wrap_policy = policy;
             const auto got = train_fsdp(kind, optim, options);
-            BOOST_TEST(got.size() == (kind == ModelKind::kMlp ? 10u : 8u));
-            const double err = compare(got, ref);
+            BOOST_TEST(got.params.size() == (kind == ModelKind::kMlp ? 10u : 8u));
+            const double err = compare(got.params, ref.params);
             BOOST_TEST(err <= 1e-5);
-            check_ranks_agree(got);
+            check_ranks_agree(got.params);
           }
         }
       }
@@ -299,7 +327,47 @@ BOOST_AUTO_TEST_CASE(hybrid_strategies_match_single_process_for_every_group_size
           options.shard_group_size = group;
           options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
           const auto got = train_fsdp(kind, OptimKind::kAdam, options);
-          BOOST_TEST(compare(got, ref) <= 1e-5);
+          BOOST_TEST(compare(got.params, ref.params) <= 1e-5);
+        }
+      }
+    }
+  }
+}
+
+/// The strategies to check a training control under at this world size (hybrid at every group size).
+std::vector<std::pair<ShardingStrategy, int>> strategies_and_groups(int world) {
+  std::vector<std::pair<ShardingStrategy, int>> out = {
+      {ShardingStrategy::FULL_SHARD, 0}, {ShardingStrategy::SHARD_GRAD_OP, 0}, {ShardingStrategy::NO_SHARD, 0}};
+  for (int g = 1; g <= world; ++g)
+    if (world % g == 0) out.push_back({ShardingStrategy::HYBRID_SHARD, g});
+  return out;
+}
+
+BOOST_AUTO_TEST_CASE(training_controls_match_single_process) {
+  const int world = MpiComm::world().size();
+  const std::vector<std::pair<std::string, Setup>> setups = {
+      {"clip", Setup{.clip = 0.05}},
+      {"accumulate3", Setup{.accum = 3}},
+      {"clip+accumulate2", Setup{.clip = 0.05, .accum = 2}},
+      {"sync_module_states", Setup{.different_init = true}},
+  };
+  for (const auto& [setup_name, setup] : setups) {
+    for (auto optim : {OptimKind::kSgd, OptimKind::kAdam}) {
+      const auto ref = train_reference(ModelKind::kMlp, optim, world, setup);
+      for (const auto& [strategy, group] : strategies_and_groups(world)) {
+        BOOST_TEST_CONTEXT("np=" << world << " " << setup_name << " optim=" << name_of(optim) << " strategy=" << strategy << " group=" << group) {
+          FsdpOptions options;
+          options.sharding_strategy = strategy;
+          options.shard_group_size = group;
+          options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+          options.sync_module_states = setup.different_init;
+          const auto got = train_fsdp(ModelKind::kMlp, optim, options, setup);
+          BOOST_TEST(compare(got.params, ref.params) <= 1e-5);
+          BOOST_TEST_REQUIRE(got.norms.size() == ref.norms.size());
+          for (std::size_t i = 0; i < got.norms.size(); ++i) {
+            BOOST_TEST(got.norms[i] == ref.norms[i], boost::test_tools::tolerance(1e-5));
+            BOOST_TEST(got.norms[i] > setup.clip);  // clipping was active
+          }
         }
       }
     }
@@ -313,7 +381,7 @@ BOOST_AUTO_TEST_CASE(other_optimizers_run_on_shards) {
       const auto ref = train_reference(ModelKind::kMlp, optim, world);
       FsdpOptions options;
       options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
-      BOOST_TEST(compare(train_fsdp(ModelKind::kMlp, optim, options), ref) <= 1e-5);
+      BOOST_TEST(compare(train_fsdp(ModelKind::kMlp, optim, options).params, ref.params) <= 1e-5);
     }
   }
 }
@@ -527,4 +595,32 @@ BOOST_AUTO_TEST_CASE(configuration_errors_are_clear) {
   auto frozen = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
   frozen->fc2->bias.set_requires_grad(false);
   BOOST_CHECK_THROW(fsdp::make_fsdp(frozen, world, {}), fsdp::ConfigError);
+}
+
+BOOST_AUTO_TEST_CASE(no_sync_moves_no_gradient_bytes) {
+  auto world = MpiComm::world();
+  for (const auto& [strategy, group] : strategies_and_groups(world.size())) {
+    BOOST_TEST_CONTEXT("strategy=" << strategy << " group=" << group) {
+      auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+      FsdpOptions options;
+      options.sharding_strategy = strategy;
+      options.shard_group_size = group;
+      options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+      auto model = fsdp::make_fsdp(net, world, options);
+      auto reduced_bytes = [&] {
+        return model->shard_comm().counters().reduce_scatter_bytes + model->replica_comm().counters().all_reduce_bytes;
+      };
+      const auto before = reduced_bytes();
+      {
+        auto scope = model->no_sync();
+        model->forward(torch::randn({2, 13})).sum().backward();
+      }
+      BOOST_TEST(reduced_bytes() == before);  // gradients stayed local
+      for (const auto& p : model->parameters()) BOOST_TEST(!p.grad().defined());
+      BOOST_TEST(model->memory_stats().grad_bytes > 0);  // ... in the unsharded accumulators
+      model->forward(torch::randn({2, 13})).sum().backward();
+      if (world.size() > 1) BOOST_TEST(reduced_bytes() > before);
+      for (const auto& p : model->parameters()) BOOST_TEST(p.grad().defined());
+    }
+  }
 }

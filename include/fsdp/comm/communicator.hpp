@@ -43,8 +43,8 @@ constexpr const char* dtype_name(DType t) noexcept {
   return "?";
 }
 
-/// Reductions. kAvg divides the sum by the communicator size.
-enum class ReduceOp { kSum, kAvg };
+/// Reductions. kAvg divides the sum by the communicator size. kMax is for all_reduce only.
+enum class ReduceOp { kSum, kAvg, kMax };
 
 /// Bytes this rank passed into collectives, per kind; used to check communication volume.
 struct CommCounters {

@@ -55,6 +55,8 @@ inline MPI_Datatype mpi_datatype(DType t) {
 /// MPI cannot reduce 16-bit floats natively; those go through the ring with our own add.
 inline bool mpi_can_reduce(DType t) { return t != DType::kFloat16 && t != DType::kBFloat16; }
 
+inline MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
+
 inline int checked_count(std::int64_t n, const char* what) {
   if (n < 0 || n > std::int64_t{2147483647}) throw CommError(std::string(what) + ": element count " + std::to_string(n) + " outside MPI's int range");
   return static_cast<int>(n);
@@ -161,6 +163,7 @@ class MpiComm {
 
   /// send holds n * size elements; recv (n elements) = reduction over ranks of chunk `rank`. Collective.
   void reduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+    if (op == ReduceOp::kMax) throw CommError("reduce_scatter supports sum and avg only");
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
     ring_reduce_scatter(send, recv, n, t);
     if (op == ReduceOp::kAvg) detail::scale_buffer(recv, n, t, 1.0 / size());
@@ -175,7 +178,7 @@ class MpiComm {
       return;
     }
     if (!detail::mpi_can_reduce(t)) throw CommError("all_reduce of " + std::string(dtype_name(t)) + " is not supported over MPI");
-    FSDP_MPI_CHECK(MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, c, detail::mpi_datatype(t), MPI_SUM, state_->comm));
+    FSDP_MPI_CHECK(MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, c, detail::mpi_datatype(t), detail::mpi_op(op), state_->comm));
     if (op == ReduceOp::kAvg) detail::scale_buffer(recv, n, t, 1.0 / size());
   }
 
@@ -202,7 +205,7 @@ class MpiComm {
 
   /// Non-blocking reduce-scatter (MPI_Ireduce_scatter_block; 16-bit floats complete eagerly via the ring).
   MpiRequest ireduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
-    if (size() == 1 || !detail::mpi_can_reduce(t)) {
+    if (size() == 1 || !detail::mpi_can_reduce(t) || op == ReduceOp::kMax) {
       reduce_scatter(send, recv, n, t, op);
       return {};
     }
@@ -222,7 +225,7 @@ class MpiComm {
     }
     count(state_->counters.all_reduce_bytes, n, t);
     MPI_Request r = MPI_REQUEST_NULL;
-    FSDP_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, detail::checked_count(n, "iall_reduce"), detail::mpi_datatype(t), MPI_SUM, state_->comm, &r));
+    FSDP_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, detail::checked_count(n, "iall_reduce"), detail::mpi_datatype(t), detail::mpi_op(op), state_->comm, &r));
     const double scale = 1.0 / size();
     std::function<void()> finish;
     if (op == ReduceOp::kAvg) finish = [recv, n, t, scale] { detail::scale_buffer(recv, n, t, scale); };

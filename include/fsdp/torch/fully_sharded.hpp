@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -81,6 +82,9 @@ struct FsdpOptions {
   /// which units are called directly; with it even the first forward gathers a unit only as it runs.
   /// A unit called directly despite the promise reads freed memory: keep the promise.
   bool all_units_called_through_forward = false;
+  /// Broadcast world rank 0's parameters and buffers at construction, so ranks that initialized
+  /// differently start identical (across shard and replica groups alike).
+  bool sync_module_states = false;
 };
 
 /// Bytes this rank holds for the model's training state (see memory_stats()).
@@ -120,6 +124,7 @@ struct FlatUnit {
   torch::Tensor full;   // padded flat buffer; storage freed while resharded (group size > 1)
   bool gathered = false;
   int pending_backward = 0;  // UnitGather nodes of this unit not yet run in backward
+  torch::Tensor unsynced_grad;  // flat gradients accumulated locally inside no_sync()
   enum class Hooked { kUnknown, kYes, kNo } hooked = Hooked::kUnknown;
   bool entered = false;           // pre_forward seen since the last root forward began
   bool grafted_by_root = false;   // the root forward gathered and grafted this unit
@@ -298,6 +303,51 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     return FullParamsScope(this, writeback, std::move(gathered_here), std::move(saved));
   }
 
+  /// Scales the shards' gradients so that their global `norm_type`-norm is at most `max_norm` and
+  /// returns the norm before clipping (PyTorch's clip_grad_norm_). Every element is counted once:
+  /// the shards of a group are disjoint, replica groups hold copies, padding is zero. Collective.
+  double clip_grad_norm(double max_norm, double norm_type = 2.0) {
+    if (!(max_norm > 0)) throw ConfigError("clip_grad_norm: max_norm must be positive, got " + std::to_string(max_norm));
+    if (!(norm_type > 0)) throw ConfigError("clip_grad_norm: norm_type must be positive, got " + std::to_string(norm_type));
+    torch::NoGradGuard no_grad;
+    const bool is_inf = std::isinf(norm_type);
+    double local = 0;
+    for (const auto& u : units_) {
+      if (!u->shard.defined() || !u->shard.grad().defined()) continue;
+      const auto g = u->shard.grad().to(torch::kDouble).abs();
+      if (is_inf) local = std::max(local, g.numel() ? g.max().item<double>() : 0.0);
+      else local += g.pow(norm_type).sum().item<double>();
+    }
+    shard_comm_.all_reduce(&local, &local, 1, DType::kFloat64, is_inf ? ReduceOp::kMax : ReduceOp::kSum);
+    const double total = is_inf ? local : std::pow(local, 1.0 / norm_type);
+    const double coef = max_norm / (total + 1e-6);
+    if (coef < 1) {
+      for (auto& u : units_)
+        if (u->shard.defined() && u->shard.grad().defined()) u->shard.mutable_grad().mul_(coef);
+    }
+    return total;
+  }
+
+  /// RAII scope for gradient accumulation without communication: backward passes inside it keep the
+  /// unit gradients locally (unsharded, like PyTorch's no_sync); the first backward after it reduces
+  /// them together with its own. Local.
+  class NoSyncScope {
+   public:
+    explicit NoSyncScope(FullyShardedDataParallel* owner) : owner_(owner), previous_(std::exchange(owner->no_sync_, true)) {}
+    NoSyncScope(NoSyncScope&& other) noexcept : owner_(std::exchange(other.owner_, nullptr)), previous_(other.previous_) {}
+    NoSyncScope(const NoSyncScope&) = delete;
+    NoSyncScope& operator=(const NoSyncScope&) = delete;
+    NoSyncScope& operator=(NoSyncScope&&) = delete;
+    ~NoSyncScope() {
+      if (owner_) owner_->no_sync_ = previous_;
+    }
+
+   private:
+    FullyShardedDataParallel* owner_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncScope no_sync() { return NoSyncScope(this); }
+
   /// Full parameters by fully qualified name, gathered one unit at a time (each rank gets all).
   /// Collective.
   std::vector<std::pair<std::string, torch::Tensor>> full_parameters() {
@@ -323,6 +373,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       if (!u->shard.defined()) continue;
       m.shard_param_bytes += u->shard.numel() * elem;
       if (u->shard.grad().defined()) m.grad_bytes += u->shard.grad().numel() * elem;
+      if (u->unsynced_grad.defined()) m.grad_bytes += u->unsynced_grad.numel() * elem;
       if (u->gathered && u->layout.group_size() > 1) m.gathered_param_bytes += padded_bytes;
     }
     if (optimizer) m.optimizer_state_bytes = optimizer_state_bytes(*optimizer);
@@ -462,6 +513,18 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       u.params.push_back(use.tensor);
       u.info.param_names.push_back(use.name);
       u.shapes.push_back(use.tensor.sizes().vec());
+    }
+
+    if (options_.sync_module_states && world_.size() > 1) {
+      torch::NoGradGuard no_grad;
+      auto broadcast = [this](torch::Tensor t) {
+        auto c = t.contiguous();
+        world_.broadcast(c.data_ptr(), c.numel(), detail::to_comm_dtype(c.scalar_type()), 0);
+        if (!c.is_same(t)) t.copy_(c);
+      };
+      for (auto& use : uses) broadcast(use.tensor);
+      for (auto& b : module_->buffers(/*recurse=*/true))
+        if (b.defined() && b.numel() > 0) broadcast(b);
     }
 
     // 5. Flatten, shard, alias.
@@ -644,6 +707,16 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       if (i < grads.size() && grads[i].defined()) slot.copy_(grads[i].reshape({-1}));
       else slot.zero_();  // a parameter unused in this step contributes a zero gradient
     }
+    if (no_sync_) {
+      if (u.unsynced_grad.defined()) u.unsynced_grad.add_(flat);
+      else u.unsynced_grad = flat;
+      release_after_backward(u);
+      return torch::Tensor();  // no gradient reaches the shard yet
+    }
+    if (u.unsynced_grad.defined()) {
+      flat.add_(u.unsynced_grad);
+      u.unsynced_grad = torch::Tensor();
+    }
     const DType dt = detail::to_comm_dtype(flat.scalar_type());
     torch::Tensor shard_grad = flat;
     if (u.layout.group_size() > 1) {
@@ -651,11 +724,15 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       shard_comm_.reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), u.layout.shard_numel(), dt, ReduceOp::kAvg);
     }
     if (replica_comm_.size() > 1) replica_comm_.all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
+    release_after_backward(u);
+    return shard_grad;
+  }
+
+  void release_after_backward(detail::FlatUnit& u) {
     if (--u.pending_backward <= 0) {
       u.pending_backward = 0;
       reshard(u);
     }
-    return shard_grad;
   }
 
   void end_of_backward() {
@@ -719,6 +796,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   std::map<std::string, std::vector<std::string>> aliases_;  // canonical name -> other names of tied parameters
   std::int64_t engine_id_ = 0;
   bool end_of_backward_queued_ = false;
+  bool no_sync_ = false;
 };
 
 /// Wraps a module given as a ModuleHolder (torch::nn::Linear) or a std::shared_ptr<Impl>.
