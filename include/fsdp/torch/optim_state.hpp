@@ -26,18 +26,18 @@ inline OptimizerStateView optimizer_state_view(const torch::optim::OptimizerPara
   auto add = [&v](const char* name, const torch::Tensor& t) {
     if (t.defined()) v.tensors.emplace_back(name, t);
   };
+  auto add_adam_like = [&](const auto* s) {  // Adam and AdamW keep the same state under different types
+    add("exp_avg", s->exp_avg());
+    add("exp_avg_sq", s->exp_avg_sq());
+    add("max_exp_avg_sq", s->max_exp_avg_sq());
+    v.step = s->step();
+  };
   if (const auto* s = dynamic_cast<const torch::optim::SGDParamState*>(&state)) {
     add("momentum_buffer", s->momentum_buffer());
   } else if (const auto* s = dynamic_cast<const torch::optim::AdamParamState*>(&state)) {
-    add("exp_avg", s->exp_avg());
-    add("exp_avg_sq", s->exp_avg_sq());
-    add("max_exp_avg_sq", s->max_exp_avg_sq());
-    v.step = s->step();
+    add_adam_like(s);
   } else if (const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(&state)) {
-    add("exp_avg", s->exp_avg());
-    add("exp_avg_sq", s->exp_avg_sq());
-    add("max_exp_avg_sq", s->max_exp_avg_sq());
-    v.step = s->step();
+    add_adam_like(s);
   } else if (const auto* s = dynamic_cast<const torch::optim::AdagradParamState*>(&state)) {
     add("sum", s->sum());
     v.step = s->step();
