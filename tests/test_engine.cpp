@@ -624,3 +624,31 @@ BOOST_AUTO_TEST_CASE(no_sync_moves_no_gradient_bytes) {
     }
   }
 }
+
+BOOST_AUTO_TEST_CASE(reshard_after_forward_overrides_the_strategy) {
+  auto world = MpiComm::world();
+  const int64_t unit_bytes = fsdp::padded_numel(256 * 256 + 256, world.size()) * 4;
+  for (auto [strategy, reshard] : {std::pair{ShardingStrategy::FULL_SHARD, false}, std::pair{ShardingStrategy::SHARD_GRAD_OP, true}}) {
+    BOOST_TEST_CONTEXT("strategy=" << strategy << " reshard_after_forward=" << reshard) {
+      torch::manual_seed(3);
+      auto net = std::make_shared<DeepImpl>();
+      FsdpOptions options;
+      options.sharding_strategy = strategy;
+      options.reshard_after_forward = reshard;
+      options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+      options.all_units_called_through_forward = true;
+      auto model = fsdp::make_fsdp(net, world, options);
+      std::vector<int64_t> gathered;
+      net->after_layer = [&] { gathered.push_back(model->memory_stats().gathered_param_bytes); };
+      auto loss = model->forward(torch::randn({4, 256})).sum();
+      BOOST_TEST_REQUIRE(gathered.size() == 4u);
+      for (std::size_t i = 0; i < 4; ++i) {
+        const int64_t expect = world.size() == 1 || reshard ? 0 : static_cast<int64_t>(i + 1) * unit_bytes;
+        BOOST_TEST(gathered[i] == expect);
+      }
+      net->after_layer = nullptr;
+      loss.backward();
+      BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);
+    }
+  }
+}
