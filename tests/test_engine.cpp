@@ -652,3 +652,81 @@ BOOST_AUTO_TEST_CASE(reshard_after_forward_overrides_the_strategy) {
     }
   }
 }
+
+/// A layer applied twice per forward (weights shared across "depth").
+struct TwiceImpl : torch::nn::Module {
+  TwiceImpl() {
+    a = register_module("a", torch::nn::Linear(8, 8));
+    b = register_module("b", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::tanh(fsdp::forward(a, x));
+    x = torch::tanh(fsdp::forward(a, x));
+    return fsdp::forward(b, x);
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+
+/// Trains TwiceImpl; with `dropped_forward`, every step also runs a forward whose output is dropped
+/// (no backward) between the optimizer step and the next training forward.
+std::map<std::string, torch::Tensor> train_twice(const std::optional<FsdpOptions>& options, bool dropped_forward) {
+  auto world = MpiComm::world();
+  torch::manual_seed(11);
+  auto net = std::make_shared<TwiceImpl>();
+  std::shared_ptr<fsdp::FullyShardedDataParallel<TwiceImpl, MpiComm>> model;
+  if (options) model = fsdp::make_fsdp(net, world, *options);
+  auto opt = make_optimizer(OptimKind::kAdam, options ? model->parameters() : net->parameters());
+  const int n = options ? world.size() : 1;
+  const int r = options ? world.rank() : 0;
+  for (int step = 0; step < kSteps; ++step) {
+    auto gen = at::detail::createCPUGenerator(500 + step);
+    auto x = torch::randn({2 * world.size(), 8}, gen);
+    auto local = x.narrow(0, r * (2 * world.size() / n), 2 * world.size() / n);
+    opt->zero_grad();
+    (options ? model->forward(local) : net->forward(local)).pow(2).mean().backward();
+    opt->step();
+    if (dropped_forward) (void)(options ? model->forward(local) : net->forward(local));  // grad enabled, never backwarded
+  }
+  std::map<std::string, torch::Tensor> out;
+  if (options) {
+    for (auto& [name, t] : model->full_parameters()) out[name] = t;
+  } else {
+    for (const auto& p : net->named_parameters()) out[p.key()] = p.value().detach().clone();
+  }
+  return out;
+}
+
+BOOST_AUTO_TEST_CASE(unit_called_twice_and_forward_without_backward) {
+  const int world = MpiComm::world().size();
+  for (bool dropped : {false, true}) {
+    const auto ref = train_twice(std::nullopt, dropped);
+    for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+      for (bool promise : {false, true}) {
+        BOOST_TEST_CONTEXT("np=" << world << " strategy=" << strategy << " dropped_forward=" << dropped << " promise=" << promise) {
+          FsdpOptions options;
+          options.sharding_strategy = strategy;
+          options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+          options.all_units_called_through_forward = promise;
+          BOOST_TEST(compare(train_twice(options, dropped), ref) <= 1e-5);
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(backward_after_the_model_is_destroyed_is_an_error) {
+  auto world = MpiComm::world();
+  torch::manual_seed(11);
+  auto net = std::make_shared<TwiceImpl>();
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+  auto model = fsdp::make_fsdp(net, world, options);
+  auto loss = model->forward(torch::randn({2, 8})).sum();
+  model.reset();
+  try {
+    loss.backward();
+    BOOST_FAIL("expected an error");
+  } catch (const std::exception& e) {
+    BOOST_TEST(std::string(e.what()).find("already destroyed") != std::string::npos, e.what());
+  }
+}

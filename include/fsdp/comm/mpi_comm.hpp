@@ -96,15 +96,20 @@ class MpiRequest {
  public:
   MpiRequest() = default;
   MpiRequest(MPI_Request request, std::function<void()> finish) : request_(request), finish_(std::move(finish)) {}
-  MpiRequest(MpiRequest&& other) noexcept { *this = std::move(other); }
+  MpiRequest(MpiRequest&& other) noexcept
+      : request_(std::exchange(other.request_, MPI_REQUEST_NULL)), finish_(std::exchange(other.finish_, nullptr)) {}
+  /// Completes the request this one held (with its finishing step) before taking `other`'s.
   MpiRequest& operator=(MpiRequest&& other) noexcept {
-    std::swap(request_, other.request_);
-    std::swap(finish_, other.finish_);
+    if (this != &other) {
+      complete_quietly();
+      request_ = std::exchange(other.request_, MPI_REQUEST_NULL);
+      finish_ = std::exchange(other.finish_, nullptr);
+    }
     return *this;
   }
-  ~MpiRequest() {
-    if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);  // never leave MPI writing into freed memory
-  }
+  /// Completes a request that was never waited for, so MPI never writes into freed memory and the
+  /// buffer always ends in its finished state (e.g. averaged).
+  ~MpiRequest() { complete_quietly(); }
   void wait() {
     if (request_ != MPI_REQUEST_NULL) FSDP_MPI_CHECK(MPI_Wait(&request_, MPI_STATUS_IGNORE));
     finish();
@@ -117,6 +122,15 @@ class MpiRequest {
   }
 
  private:
+  void complete_quietly() noexcept {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    try {
+      wait();
+    } catch (...) {  // a destructor must not throw; the error surfaces in the next collective
+    }
+  }
   void finish() {
     if (finish_) {
       auto f = std::move(finish_);

@@ -123,6 +123,7 @@ struct FlatUnit {
   torch::Tensor shard;  // leaf, requires grad: what the optimizer sees
   torch::Tensor full;   // padded flat buffer; storage freed while resharded (group size > 1)
   bool gathered = false;
+  std::int64_t gathered_version = 0;   // shard's version counter when `full` was last gathered
   int pending_backward = 0;  // UnitGather nodes of this unit not yet run in backward
   torch::Tensor unsynced_grad;  // flat gradients accumulated locally inside no_sync()
   enum class Hooked { kUnknown, kYes, kNo } hooked = Hooked::kUnknown;
@@ -135,11 +136,19 @@ class GradReducer {
  public:
   virtual ~GradReducer() = default;
   virtual torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) = 0;
+  virtual void pre_backward(int unit) = 0;
+  virtual void end_of_backward() = 0;
 };
 
 inline std::unordered_map<std::int64_t, GradReducer*>& reducer_registry() {
   static std::unordered_map<std::int64_t, GradReducer*> registry;
   return registry;
+}
+/// The engine with this id, or a clear error if it was destroyed while its autograd graph lived on.
+inline GradReducer& live_engine(std::int64_t engine_id) {
+  const auto it = reducer_registry().find(engine_id);
+  if (it == reducer_registry().end()) throw ConfigError("backward reached an FSDP model that was already destroyed", "fsdp.engine");
+  return *it->second;
 }
 inline std::int64_t next_engine_id() {
   static std::int64_t id = 0;
@@ -162,11 +171,7 @@ struct UnitGather : public torch::autograd::Function<UnitGather> {
     return views;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    const std::int64_t engine_id = ctx->saved_data["engine"].toInt();
-    const auto it = reducer_registry().find(engine_id);
-    if (it == reducer_registry().end())
-      throw ConfigError("backward reached an FSDP model that was already destroyed", "fsdp.engine");
-    torch::Tensor shard_grad = it->second->reduce_unit_grads(static_cast<int>(ctx->saved_data["unit"].toInt()), grads);
+    torch::Tensor shard_grad = live_engine(ctx->saved_data["engine"].toInt()).reduce_unit_grads(static_cast<int>(ctx->saved_data["unit"].toInt()), grads);
     return {shard_grad, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -595,12 +600,18 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
 
   // ---- gather / reshard -----------------------------------------------------------------------
 
+  // Allocates and fills `full`. A unit still gathered from a forward that had no backward is filled
+  // again if the optimizer changed the shard since (its version counter moved).
   void gather(detail::FlatUnit& u) {
-    if (u.gathered || u.params.empty()) return;
-    auto* storage = u.full.storage().unsafeGetStorageImpl();
-    const std::size_t nbytes = static_cast<std::size_t>(u.layout.padded_numel()) * u.full.element_size();
-    storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
-    storage->set_nbytes(nbytes);
+    if (u.params.empty() || u.layout.group_size() == 1) return;
+    if (u.gathered && u.gathered_version == u.shard._version()) return;
+    if (!u.gathered) {
+      auto* storage = u.full.storage().unsafeGetStorageImpl();
+      const std::size_t nbytes = static_cast<std::size_t>(u.layout.padded_numel()) * u.full.element_size();
+      storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+      storage->set_nbytes(nbytes);
+    }
+    u.gathered_version = u.shard._version();
     shard_comm_.all_gather(u.shard.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(u.full.scalar_type()));
     u.gathered = true;
   }
@@ -625,6 +636,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   // ---- forward / backward hooks ---------------------------------------------------------------
 
   void root_pre_forward() {
+    end_of_backward_queued_ = false;  // a backward that threw never ran its end-of-backward callback
     for (auto& u : units_) {
       u->entered = false;
       u->grafted_by_root = false;
@@ -646,7 +658,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (torch::GradMode::is_enabled()) {
       for (const auto& t : outputs) {
         if (!t.requires_grad()) continue;
-        const_cast<at::Tensor&>(t).register_hook([this](const at::Tensor&) { pre_backward(0); });
+        const_cast<at::Tensor&>(t).register_hook([id = engine_id_](const at::Tensor&) { detail::live_engine(id).pre_backward(0); });
         hooked = true;
       }
     }
@@ -661,9 +673,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     auto& u = *units_[static_cast<std::size_t>(unit)];
     u.entered = true;
     if (u.hooked == detail::FlatUnit::Hooked::kUnknown) u.hooked = detail::FlatUnit::Hooked::kYes;
-    if (u.grafted_by_root) return;
-    gather(u);
-    graft(u);
+    gather(u);  // also when the root grafted it: a second call may follow a free after the first
+    if (!u.grafted_by_root) graft(u);
   }
 
   void post_forward(int unit, const std::vector<at::Tensor>& outputs, bool complete) override {
@@ -674,7 +685,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (torch::GradMode::is_enabled()) {
       for (const auto& t : outputs) {
         if (!t.requires_grad()) continue;
-        const_cast<at::Tensor&>(t).register_hook([this, unit](const at::Tensor&) { pre_backward(unit); });
+        const_cast<at::Tensor&>(t).register_hook([id = engine_id_, unit](const at::Tensor&) { detail::live_engine(id).pre_backward(unit); });
         hooked = true;
       }
     }
@@ -683,10 +694,12 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (reshard_after_forward() && (hooked && complete ? true : !backward_needs_params)) reshard(u);
   }
 
-  void pre_backward(int unit) {
+  void pre_backward(int unit) override {
     if (!end_of_backward_queued_) {
       end_of_backward_queued_ = true;
-      torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+      torch::autograd::Engine::get_default_engine().queue_callback([id = engine_id_] {
+        if (const auto it = detail::reducer_registry().find(id); it != detail::reducer_registry().end()) it->second->end_of_backward();
+      });
     }
     if (unit == 0) {
       for (auto& u : units_)
@@ -735,7 +748,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     }
   }
 
-  void end_of_backward() {
+  void end_of_backward() override {
     end_of_backward_queued_ = false;
     for (auto& u : units_) {
       u->pending_backward = 0;

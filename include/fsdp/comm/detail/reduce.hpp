@@ -3,6 +3,7 @@
 #pragma once
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -39,7 +40,7 @@ inline std::uint16_t float_to_f16(float value) noexcept {
   if (abs >= 0x477ff000u) return sign | 0x7c00u;  // overflow to inf
   if (abs < 0x38800000u) {                        // subnormal or zero in half
     const float f = std::bit_cast<float>(abs) * 16777216.0f;  // scale by 2^24
-    return sign | static_cast<std::uint16_t>(static_cast<std::uint32_t>(f + 0.5f));
+    return sign | static_cast<std::uint16_t>(static_cast<std::uint32_t>(std::nearbyint(f)));  // ties to even
   }
   std::uint32_t bits = abs - 0x38000000u;  // rebias 127 -> 15
   bits += 0xfffu + ((bits >> 13) & 1u);
