@@ -131,3 +131,13 @@ BOOST_AUTO_TEST_CASE(half_conversions_round_trip) {
   }
   for (float f : {0.0f, 1.0f, -2.5f, 1.0e30f}) BOOST_TEST(fsdp::detail::bf16_to_float(fsdp::detail::float_to_bf16(f)) == f, boost::test_tools::tolerance(1e-2f));
 }
+
+BOOST_AUTO_TEST_CASE(placement_on_one_machine) {
+  auto w = MpiComm::world();
+  const auto p = w.placement();
+  BOOST_TEST(p.rank == w.rank());
+  BOOST_TEST(p.size == w.size());
+  BOOST_TEST(p.nodes == 1);  // every rank of a test run shares this machine
+  BOOST_TEST(p.local_size == w.size());
+  BOOST_TEST(p.local_rank == w.rank());
+}

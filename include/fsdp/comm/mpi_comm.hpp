@@ -160,6 +160,24 @@ class MpiComm {
     FSDP_MPI_CHECK(MPI_Comm_split_type(state_->comm, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL, &node));
     return MpiComm(node, /*owned=*/true);
   }
+  /// Where this rank sits: rank and size of this communicator, its index among the ranks of its node
+  /// (MPI_COMM_TYPE_SHARED), how many ranks share the node, and how many nodes there are. Collective.
+  struct Placement {
+    int rank = 0;
+    int size = 1;
+    int local_rank = 0;
+    int local_size = 1;
+    int nodes = 1;
+  };
+  Placement placement() const {
+    const MpiComm node = split_node();
+    Placement p{rank(), size(), node.rank(), node.size(), 1};
+    std::int32_t leader = node.rank() == 0 ? 1 : 0;
+    FSDP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT32_T, MPI_SUM, state_->comm));
+    p.nodes = leader;
+    return p;
+  }
+
   /// A communicator over the ranks with the same color, ordered by key. Collective.
   MpiComm split(int color, int key) const {
     MPI_Comm sub = MPI_COMM_NULL;
