@@ -1,12 +1,14 @@
 // The public API of fsdp: include this one header.
 //   core/   flat layout math          comm/  Communicator concept, MpiComm
 //   torch/  FullyShardedDataParallel, wrap policies, fsdp::forward, optimizers
+//   io/     HDF5 checkpoints (save_checkpoint, load_checkpoint, resume_from_latest, load_full_state_dict)
 #pragma once
 
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/mpi_comm.hpp"
 #include "fsdp/core/layout.hpp"
 #include "fsdp/errors.hpp"
+#include "fsdp/io/checkpoint.hpp"
 #include "fsdp/torch/fully_sharded.hpp"
 #include "fsdp/torch/hooks.hpp"
 #include "fsdp/torch/optim/adadelta.hpp"

@@ -397,6 +397,45 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     return os.str();
   }
 
+  // ---- access for checkpointing (fsdp/io/checkpoint.hpp) ---------------------------------------
+
+  /// The units with their flat layouts and local shards. Local.
+  const std::vector<std::unique_ptr<detail::FlatUnit>>& flat_units() const noexcept { return units_; }
+
+  /// Tied parameters: the name a parameter is stored under -> its other names.
+  const std::map<std::string, std::vector<std::string>>& tied_parameter_aliases() const noexcept { return aliases_; }
+
+  /// The padded flat tensor of unit `unit` assembled from each shard rank's `shard_like` (the shard
+  /// itself, or an optimizer state of the same shape). Collective over the shard group.
+  torch::Tensor gather_flat(int unit, const torch::Tensor& shard_like) {
+    const auto& u = *units_.at(static_cast<std::size_t>(unit));
+    auto src = shard_like.detach().contiguous();
+    if (src.numel() != u.layout.shard_numel())
+      throw ConfigError("gather_flat: unit " + std::to_string(unit) + " expects " + std::to_string(u.layout.shard_numel()) + " elements, got " +
+                        std::to_string(src.numel()));
+    if (u.layout.group_size() == 1) return src.clone();
+    auto out = torch::empty({u.layout.padded_numel()}, src.options());
+    shard_comm_.all_gather(src.data_ptr(), out.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(src.scalar_type()));
+    return out;
+  }
+
+  /// Hash of everything that decides which elements each rank holds: world size, shard group size,
+  /// and every unit's parameters (names, shapes, dtypes). FULL_SHARD and SHARD_GRAD_OP at the same
+  /// world size shard identically and share a plan hash. Local.
+  std::uint64_t plan_hash() const {
+    std::ostringstream os;
+    os << "world=" << world_.size() << ";group=" << shard_comm_.size() << ";";
+    for (const auto& u : units_) {
+      os << "unit" << u->info.index << "@" << u->info.module_path << ":";
+      for (std::size_t i = 0; i < u->params.size(); ++i) {
+        os << u->info.param_names[i] << "[";
+        for (auto d : u->shapes[i]) os << d << ",";
+        os << "]" << c10::toString(u->params[i].scalar_type()) << ";";
+      }
+    }
+    return fnv1a64(os.str());
+  }
+
  private:
   // ---- construction -------------------------------------------------------------------------
 

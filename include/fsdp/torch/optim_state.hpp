@@ -4,7 +4,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,6 +56,76 @@ inline OptimizerStateView optimizer_state_view(const torch::optim::OptimizerPara
     throw ConfigError("unknown optimizer state type " + std::string(typeid(state).name()));
   }
   return v;
+}
+
+/// The key under which LibTorch optimizers keep the state of parameter `p`.
+inline std::string optimizer_state_key(const torch::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+
+/// The optimizer's kind as written to checkpoints ("SGD", "Adam", ...). Throws for unknown types.
+inline std::string optimizer_kind(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return "SGD";
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return "AdamW";
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return "Adam";
+  if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer)) return "Adagrad";
+  if (dynamic_cast<const torch::optim::RMSprop*>(&optimizer)) return "RMSprop";
+  if (dynamic_cast<const optim::Adadelta*>(&optimizer)) return "Adadelta";
+  throw ConfigError(std::string("unsupported optimizer type ") + typeid(optimizer).name() + " (supported: SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta)");
+}
+
+/// A fresh per-parameter state for `optimizer` holding `view` (the inverse of optimizer_state_view).
+/// Names not used by the optimizer's state are an error.
+inline std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(const torch::optim::Optimizer& optimizer,
+                                                                               const OptimizerStateView& view) {
+  const std::string kind = optimizer_kind(optimizer);
+  auto tensor = [&](const char* name) {
+    for (const auto& [n, t] : view.tensors)
+      if (n == name) return t;
+    return torch::Tensor();
+  };
+  std::vector<std::string> known;
+  std::unique_ptr<torch::optim::OptimizerParamState> out;
+  if (kind == "SGD") {
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    s->momentum_buffer(tensor("momentum_buffer"));
+    known = {"momentum_buffer"};
+    out = std::move(s);
+  } else if (kind == "Adam" || kind == "AdamW") {
+    auto fill = [&](auto s) {
+      s->exp_avg(tensor("exp_avg"));
+      s->exp_avg_sq(tensor("exp_avg_sq"));
+      s->max_exp_avg_sq(tensor("max_exp_avg_sq"));
+      s->step(view.step);
+      return s;
+    };
+    if (kind == "Adam") out = fill(std::make_unique<torch::optim::AdamParamState>());
+    else out = fill(std::make_unique<torch::optim::AdamWParamState>());
+    known = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  } else if (kind == "Adagrad") {
+    auto s = std::make_unique<torch::optim::AdagradParamState>();
+    s->sum(tensor("sum"));
+    s->step(view.step);
+    known = {"sum"};
+    out = std::move(s);
+  } else if (kind == "RMSprop") {
+    auto s = std::make_unique<torch::optim::RMSpropParamState>();
+    s->square_avg(tensor("square_avg"));
+    s->momentum_buffer(tensor("momentum_buffer"));
+    s->grad_avg(tensor("grad_avg"));
+    s->step(view.step);
+    known = {"square_avg", "momentum_buffer", "grad_avg"};
+    out = std::move(s);
+  } else {
+    auto s = std::make_unique<optim::AdadeltaParamState>();
+    s->square_avg(tensor("square_avg"));
+    s->acc_delta(tensor("acc_delta"));
+    s->step(view.step);
+    known = {"square_avg", "acc_delta"};
+    out = std::move(s);
+  }
+  for (const auto& [name, t] : view.tensors)
+    if (std::find(known.begin(), known.end(), name) == known.end())
+      throw ConfigError("optimizer state '" + name + "' does not belong to a " + kind + " optimizer");
+  return out;
 }
 
 /// Bytes held in all of an optimizer's state tensors.

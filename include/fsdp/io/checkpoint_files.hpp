@@ -1,0 +1,188 @@
+// Checkpoint names, the `latest` pointer, atomic commit and pruning (io layer, no LibTorch).
+// See docs/checkpoint_format.md.
+//
+// A checkpoint is written under a hidden temporary name, flushed and fsynced, renamed to
+// step_<8 digits>.h5, the directory is fsynced, and only then is `latest` replaced (written to a
+// temporary file, fsynced, renamed). A crash at any point leaves the previous checkpoint and
+// `latest` intact.
+#pragma once
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <ctime>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "fsdp/errors.hpp"
+
+namespace fsdp {
+
+namespace ckpt {
+
+inline constexpr const char* kFormatName = "fsdp-checkpoint";
+inline constexpr std::int64_t kFormatVersion = 1;
+inline constexpr const char* kLatestName = "latest";
+
+/// "step_00001234.h5"
+inline std::string checkpoint_name(std::int64_t step) {
+  if (step < 0) throw ConfigError("checkpoint step must be >= 0, got " + std::to_string(step));
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld.h5", static_cast<long long>(step));
+  return buf;
+}
+
+/// The step encoded in a checkpoint name, or nothing if `name` is not one.
+inline std::optional<std::int64_t> step_of(const std::string& name) {
+  if (name.size() < 11 || name.rfind("step_", 0) != 0 || name.substr(name.size() - 3) != ".h5") return std::nullopt;
+  const std::string digits = name.substr(5, name.size() - 8);
+  if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); })) return std::nullopt;
+  return std::stoll(digits);
+}
+
+/// Name of the per-rank file inside a LOCAL_STATE_DICT checkpoint folder.
+inline std::string local_rank_file(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "rank_%05d.h5", rank);
+  return buf;
+}
+
+inline std::string errno_text() { return std::strerror(errno); }
+
+/// fsync of a file or directory; a failure is an error (data may not be on disk).
+inline void fsync_path(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw CheckpointError("cannot open '" + path.string() + "' to fsync it: " + errno_text());
+  const int rc = ::fsync(fd);
+  const std::string why = rc != 0 ? errno_text() : "";
+  ::close(fd);
+  if (rc != 0 && errno != EINVAL) throw CheckpointError("fsync of '" + path.string() + "' failed: " + why);
+}
+
+/// fsync of every regular file under `dir`, then of `dir` itself.
+inline void fsync_tree(const std::filesystem::path& dir) {
+  if (std::filesystem::is_directory(dir))
+    for (const auto& entry : std::filesystem::directory_iterator(dir))
+      if (entry.is_regular_file()) fsync_path(entry.path());
+  fsync_path(dir);
+}
+
+/// Hidden temporary name under which `name` is written before the commit.
+inline std::string temporary_name(const std::string& name) { return "." + name + ".tmp"; }
+
+/// Writes `text` to `path` atomically: temporary file, fsync, rename, fsync of the directory.
+inline void write_file_atomically(const std::filesystem::path& path, const std::string& text) {
+  const auto tmp = path.parent_path() / temporary_name(path.filename().string());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) throw CheckpointError("cannot write '" + tmp.string() + "'");
+  }
+  fsync_path(tmp);
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw CheckpointError("cannot rename '" + tmp.string() + "' to '" + path.string() + "': " + ec.message());
+  fsync_path(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
+}
+
+/// The checkpoint name `latest` points to, if the pointer exists.
+inline std::optional<std::string> read_latest(const std::filesystem::path& dir) {
+  std::ifstream in(dir / kLatestName);
+  if (!in) return std::nullopt;
+  std::string name;
+  std::getline(in, name);
+  while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
+  if (name.empty()) return std::nullopt;
+  return name;
+}
+
+/// Committed checkpoints in `dir` (files or LOCAL folders named step_*.h5), newest step first.
+inline std::vector<std::pair<std::int64_t, std::string>> list_checkpoints(const std::filesystem::path& dir) {
+  std::vector<std::pair<std::int64_t, std::string>> out;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) return out;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (const auto step = step_of(name)) out.emplace_back(*step, name);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  return out;
+}
+
+/// Moves the fully written `dir/.name.tmp` to `dir/name` and points `latest` at it. Rank 0 only.
+inline void commit(const std::filesystem::path& dir, const std::string& name) {
+  const auto tmp = dir / temporary_name(name);
+  const auto final_path = dir / name;
+  std::error_code ec;
+  if (std::filesystem::is_directory(tmp)) {
+    fsync_tree(tmp);
+    if (std::filesystem::exists(final_path)) {  // a folder cannot be renamed over another: move the old one aside
+      const auto old = dir / ("." + name + ".old");
+      std::filesystem::remove_all(old, ec);
+      std::filesystem::rename(final_path, old, ec);
+      if (ec) throw CheckpointError("cannot move '" + final_path.string() + "' aside: " + ec.message());
+      std::filesystem::rename(tmp, final_path, ec);
+      if (ec) throw CheckpointError("cannot rename '" + tmp.string() + "' to '" + final_path.string() + "': " + ec.message());
+      std::filesystem::remove_all(old, ec);
+    } else {
+      std::filesystem::rename(tmp, final_path, ec);
+    }
+  } else {
+    fsync_path(tmp);
+    std::filesystem::rename(tmp, final_path, ec);  // atomic, also over an older file of the same name
+  }
+  if (ec) throw CheckpointError("cannot rename '" + tmp.string() + "' to '" + final_path.string() + "': " + ec.message());
+  fsync_path(dir);
+  write_file_atomically(dir / kLatestName, name + "\n");
+}
+
+/// Deletes all but the newest `keep_last` committed checkpoints, never the one `latest` names.
+/// keep_last <= 0 keeps everything. Returns the names removed. Rank 0 only.
+inline std::vector<std::string> prune(const std::filesystem::path& dir, int keep_last) {
+  std::vector<std::string> removed;
+  if (keep_last <= 0) return removed;
+  const auto latest = read_latest(dir);
+  const auto all = list_checkpoints(dir);
+  for (std::size_t i = static_cast<std::size_t>(keep_last); i < all.size(); ++i) {
+    if (latest && all[i].second == *latest) continue;
+    std::error_code ec;
+    std::filesystem::remove_all(dir / all[i].second, ec);
+    if (ec) throw CheckpointError("cannot remove old checkpoint '" + (dir / all[i].second).string() + "': " + ec.message());
+    removed.push_back(all[i].second);
+  }
+  if (!removed.empty()) fsync_path(dir);
+  return removed;
+}
+
+/// "0x0123456789abcdef"
+inline std::string hex64(std::uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+/// Current UTC time as ISO 8601.
+inline std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+}  // namespace ckpt
+}  // namespace fsdp
