@@ -83,9 +83,10 @@ struct CheckpointOptions {
   bool rank0_only = true;
   /// Store and restore each rank's CPU RNG state.
   bool save_rng_state = true;
-  /// Called on every rank at "written" (files closed, not yet committed) and "committed". For tests
-  /// that crash a save half way; leave empty otherwise.
-  std::function<void(const std::string& stage)> on_stage;
+  /// Called on every rank with the step being saved at "writing" (parameters written, files still
+  /// open), "written" (files closed, not yet committed) and "committed". For tests that crash a save
+  /// half way; leave empty otherwise.
+  std::function<void(const std::string& stage, std::int64_t step)> on_stage;
 };
 
 struct SaveResult {
@@ -354,6 +355,7 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
     if (up->params.empty()) continue;
     write_unit_tensor(*up, up->shard, "", "parameter");
   }
+  if (options.on_stage) options.on_stage("writing", state.step);
   for (const auto& [name, aliases] : engine.tied_parameter_aliases())
     for (const auto& alias : aliases)
       h5::check(H5Lcreate_hard(file, model_path(name).c_str(), file, model_path(alias).c_str(), H5P_DEFAULT, H5P_DEFAULT),
@@ -423,6 +425,7 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
     const int index = up->info.index;
     write_full(*up, engine.gather_flat(index, up->shard), "", "parameter");
   }
+  if (options.on_stage) options.on_stage("writing", state.step);
   on_writer([&] {
     for (const auto& [name, aliases] : engine.tied_parameter_aliases())
       for (const auto& alias : aliases)
@@ -505,6 +508,7 @@ void write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const 
       h5::write_attribute(og, "step", view->step);
     }
   }
+  if (options.on_stage) options.on_stage("writing", state.step);
   for (const auto& [name, buffer] : named_buffers_of(engine)) {
     const auto b = buffer.detach().contiguous();
     const TensorTarget t{model_path(name), b.sizes().vec(), element_type_of(b.scalar_type())};
@@ -580,7 +584,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
       break;
     }
   }
-  if (options.on_stage) options.on_stage("written");
+  if (options.on_stage) options.on_stage("written", state.step);
   SaveResult result;
   result.path = (folder / name).string();
   error.reset();
@@ -591,7 +595,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
     });
   }
   detail::agree(world, error);
-  if (options.on_stage) options.on_stage("committed");
+  if (options.on_stage) options.on_stage("committed", state.step);
   result.bytes = detail::size_on_disk(result.path);
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;

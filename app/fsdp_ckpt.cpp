@@ -1,0 +1,138 @@
+// fsdp-ckpt: inspect, verify, merge and diff fsdp checkpoints (no MPI launch needed).
+//   fsdp-ckpt inspect PATH          attributes and a table of tensors (name, shape, dtype, bytes)
+//   fsdp-ckpt verify PATH           checksums and completeness; exit 0 if good, 1 if not
+//   fsdp-ckpt merge LOCAL_DIR OUT   LOCAL_STATE_DICT folder -> one FULL_STATE_DICT file
+//   fsdp-ckpt diff A B              max abs / rel difference per tensor; exit 0 if within --tolerance
+// PATH may be a checkpoint file, a LOCAL folder, or a checkpoint folder holding `latest`.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include "fsdp/io/checkpoint_tools.hpp"
+#include "fsdp/version.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+/// A folder with a `latest` pointer stands for the checkpoint it names.
+std::string resolve(const std::string& path) {
+  if (fs::is_directory(path) && fs::exists(fs::path(path) / fsdp::ckpt::kLatestName)) {
+    const auto name = fsdp::ckpt::read_latest(path);
+    if (!name) throw fsdp::CheckpointError("'" + path + "/latest' is empty");
+    return (fs::path(path) / *name).string();
+  }
+  if (!fs::exists(path)) throw fsdp::CheckpointError("'" + path + "' does not exist");
+  return path;
+}
+
+std::string human_bytes(std::int64_t b) {
+  char buf[32];
+  if (b >= (1 << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", b / 1073741824.0);
+  else if (b >= (1 << 20)) std::snprintf(buf, sizeof buf, "%.2f MiB", b / 1048576.0);
+  else if (b >= 1024) std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  else std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
+  return buf;
+}
+
+void print_file(const fsdp::ckpt::FileInfo& info, bool show_deck) {
+  std::printf("%s\n", info.path.c_str());
+  for (const auto& [k, v] : info.attributes) {
+    if (k == "deck" && !show_deck) {
+      std::size_t lines = v.empty() ? 0 : 1;
+      for (char c : v) lines += c == '\n';
+      std::printf("  %-18s (%zu lines; --deck prints it)\n", k.c_str(), lines);
+    } else {
+      std::printf("  %-18s %s\n", k.c_str(), v.c_str());
+    }
+  }
+  std::size_t width = 6;
+  for (const auto& t : info.tensors) width = std::max(width, t.path.size());
+  std::printf("\n  %-*s  %-20s %-9s %12s %12s\n", static_cast<int>(width), "tensor", "shape", "dtype", "bytes", "on disk");
+  std::int64_t total = 0, stored = 0;
+  for (const auto& t : info.tensors) {
+    std::printf("  %-*s  %-20s %-9s %12lld %12lld", static_cast<int>(width), t.path.c_str(), fsdp::ckpt::detail::shape_text(t.shape).c_str(),
+                t.dtype.c_str(), static_cast<long long>(t.bytes), static_cast<long long>(t.stored_bytes));
+    for (const auto& a : t.aliases) std::printf("  (also %s)", a.c_str());
+    std::printf("\n");
+    total += t.bytes;
+    stored += t.stored_bytes;
+  }
+  std::printf("  %zu tensors, %s (%s on disk)\n", info.tensors.size(), human_bytes(total).c_str(), human_bytes(stored).c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Inspect, verify, merge and diff fsdp HDF5 checkpoints (fsdp " + std::string(fsdp::kVersion) + ")", "fsdp-ckpt"};
+  app.require_subcommand(1);
+  std::string path, out, a, b;
+  bool show_deck = false;
+  double tolerance = 0;
+
+  auto* inspect = app.add_subcommand("inspect", "attributes and a table of tensors");
+  inspect->add_option("PATH", path, "checkpoint file, LOCAL folder, or folder with `latest`")->required();
+  inspect->add_flag("--deck", show_deck, "print the stored input deck");
+  auto* verify = app.add_subcommand("verify", "checksums and completeness (exit 0: good, 1: problems)");
+  verify->add_option("PATH", path, "checkpoint file, LOCAL folder, or folder with `latest`")->required();
+  auto* merge = app.add_subcommand("merge", "LOCAL_STATE_DICT folder -> one FULL_STATE_DICT file");
+  merge->add_option("LOCAL_DIR", path, "a LOCAL_STATE_DICT checkpoint folder")->required();
+  merge->add_option("OUT", out, "the file to write")->required();
+  auto* diff = app.add_subcommand("diff", "max abs and rel difference per tensor (exit 0: within tolerance, 1: not)");
+  diff->add_option("A", a, "checkpoint file")->required();
+  diff->add_option("B", b, "checkpoint file")->required();
+  diff->add_option("--tolerance", tolerance, "largest max-abs difference still counted as equal")->check(CLI::NonNegativeNumber);
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (*inspect) {
+      const std::string p = resolve(path);
+      if (fs::is_directory(p)) {
+        std::vector<std::string> files;
+        for (const auto& e : fs::directory_iterator(p))
+          if (e.path().extension() == ".h5") files.push_back(e.path().string());
+        std::sort(files.begin(), files.end());
+        std::printf("LOCAL_STATE_DICT folder %s: %zu rank files\n\n", p.c_str(), files.size());
+        for (const auto& f : files) {
+          print_file(fsdp::ckpt::inspect_file(f), show_deck);
+          std::printf("\n");
+        }
+      } else {
+        print_file(fsdp::ckpt::inspect_file(p), show_deck);
+      }
+      return 0;
+    }
+    if (*verify) {
+      const auto report = fsdp::ckpt::verify(resolve(path));
+      for (const auto& problem : report.problems) std::printf("FAIL %s\n", problem.c_str());
+      std::printf("%s: %s (%lld tensors, %s checked)\n", report.path.c_str(), report.ok() ? "OK" : "CORRUPT OR INCOMPLETE",
+                  static_cast<long long>(report.tensors_checked), human_bytes(report.bytes_checked).c_str());
+      return report.ok() ? 0 : 1;
+    }
+    if (*merge) {
+      fsdp::ckpt::merge_local(resolve(path), out);
+      std::printf("merged %s into %s\n", path.c_str(), out.c_str());
+      return 0;
+    }
+    if (*diff) {
+      const auto rows = fsdp::ckpt::diff(resolve(a), resolve(b));
+      std::size_t width = 6;
+      for (const auto& r : rows) width = std::max(width, r.path.size());
+      std::printf("%-*s  %-10s %14s %14s\n", static_cast<int>(width), "tensor", "status", "max abs", "max rel");
+      bool same = true;
+      for (const auto& r : rows) {
+        const bool within = (r.status == "ok" || r.status == "differs") && r.max_abs <= tolerance;
+        same = same && within;
+        std::printf("%-*s  %-10s %14.6g %14.6g\n", static_cast<int>(width), r.path.c_str(), r.status.c_str(), r.max_abs, r.max_rel);
+      }
+      std::printf("%s\n", same ? "checkpoints match" : "checkpoints differ");
+      return same ? 0 : 1;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp-ckpt: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,444 @@
+// Offline checkpoint tools behind `fsdp-ckpt` (io layer, HDF5 only: no LibTorch, no MPI calls):
+// inspect, verify, merge a LOCAL folder into one FULL file, and diff two checkpoints.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fsdp/errors.hpp"
+#include "fsdp/io/checkpoint_files.hpp"
+#include "fsdp/io/h5.hpp"
+
+namespace fsdp::ckpt {
+
+/// One stored tensor.
+struct TensorEntry {
+  std::string path;                   ///< "/model/fc1.weight"
+  std::vector<std::int64_t> shape;    ///< logical shape ({} for a 0-d tensor)
+  std::string dtype;                  ///< "float32", ...
+  std::int64_t bytes = 0;             ///< logical bytes
+  std::int64_t stored_bytes = 0;      ///< bytes on disk (chunks with checksums)
+  std::vector<std::string> aliases;   ///< other names of the same dataset (tied parameters)
+};
+
+/// What `fsdp-ckpt inspect` shows of one file.
+struct FileInfo {
+  std::string path;
+  std::vector<std::pair<std::string, std::string>> attributes;  ///< root attributes, printable
+  std::vector<TensorEntry> tensors;
+};
+
+namespace detail {
+
+inline std::vector<std::int64_t> logical_shape(hid_t ds) {
+  if (h5::has_attribute(ds, "scalar")) return {};
+  return h5::dataset_dims(ds);
+}
+
+inline std::int64_t numel(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+inline std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+/// An attribute as text: strings as is, numbers and arrays of them comma separated.
+inline std::string attribute_text(hid_t obj, const std::string& name, const std::string& where) {
+  h5::Id attr = h5::open_attribute(obj, name, where);
+  h5::Id type(H5Aget_type(attr), "H5Aget_type");
+  const auto cls = H5Tget_class(type);
+  if (cls == H5T_STRING) {
+    const auto v = h5::read_string_array_attribute(obj, name, where);
+    std::string s;
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
+    return s;
+  }
+  std::ostringstream os;
+  if (cls == H5T_INTEGER) {
+    const auto v = h5::read_int_array_attribute(obj, name, where);
+    for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  } else if (cls == H5T_FLOAT) {
+    const auto v = h5::read_double_array_attribute(obj, name, where);
+    os.precision(10);
+    for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  } else {
+    os << "<type class " << static_cast<int>(cls) << ">";
+  }
+  return os.str();
+}
+
+inline haddr_t object_address(hid_t file, const std::string& path) {
+  H5O_info_t info{};
+  h5::check(H5Oget_info_by_name2(file, path.c_str(), &info, H5O_INFO_BASIC, H5P_DEFAULT), "H5Oget_info_by_name(" + path + ")");
+  return info.addr;
+}
+
+/// Reads a whole dataset (logical elements, in blocks of rows) as doubles, verifying checksums.
+inline std::vector<double> read_all_as_double(hid_t ds, const std::string& where) {
+  auto dims = h5::dataset_dims(ds);
+  const std::int64_t n = numel(dims);
+  std::vector<double> out(static_cast<std::size_t>(n));
+  h5::read_flat_range(ds, dims, 0, n, h5::ElementType::kFloat64, out.data(), where);
+  return out;
+}
+
+/// Reads `ds` block by block (at most ~64 MiB at a time) so every chunk's checksum is verified.
+inline void read_through(hid_t ds, const std::string& where) {
+  const auto dims = h5::dataset_dims(ds);
+  const std::int64_t n = numel(dims);
+  if (n == 0) return;
+  const auto type = h5::stored_element_type(ds, where);
+  const std::int64_t elem = static_cast<std::int64_t>(h5::element_size(type));
+  const std::int64_t block = std::max<std::int64_t>(1, (64 << 20) / elem);
+  std::vector<char> buf(static_cast<std::size_t>(std::min(n, block) * elem));
+  for (std::int64_t lo = 0; lo < n; lo += block) h5::read_flat_range(ds, dims, lo, std::min(n, lo + block), type, buf.data(), where);
+}
+
+}  // namespace detail
+
+/// Root attributes and tensor table of a checkpoint file (or one rank file of a LOCAL folder).
+inline FileInfo inspect_file(const std::string& path) {
+  FileInfo info;
+  info.path = path;
+  h5::Id file = h5::open_file_readonly(path);
+  const std::string where = "checkpoint '" + path + "'";
+  for (const auto& name : h5::list_attribute_names(file)) info.attributes.emplace_back(name, detail::attribute_text(file, name, where));
+  std::map<haddr_t, std::size_t> by_address;
+  for (const auto& p : h5::list_datasets(file)) {
+    h5::Id ds(H5Dopen2(file, p.c_str(), H5P_DEFAULT), where + ": cannot open " + p);
+    TensorEntry e;
+    e.path = p;
+    e.shape = detail::logical_shape(ds);
+    const auto t = h5::stored_element_type(ds, where + " " + p);
+    e.dtype = h5::element_type_name(t);
+    e.bytes = detail::numel(e.shape) * static_cast<std::int64_t>(h5::element_size(t));
+    e.stored_bytes = static_cast<std::int64_t>(H5Dget_storage_size(ds));
+    by_address[detail::object_address(file, p)] = info.tensors.size();
+    info.tensors.push_back(std::move(e));
+  }
+  if (h5::exists(file, "/model")) {
+    for (const auto& name : h5::list_names(file, "/model")) {
+      const std::string p = "/model/" + name;
+      const auto it = by_address.find(detail::object_address(file, p));
+      if (it != by_address.end() && info.tensors[it->second].path != p) info.tensors[it->second].aliases.push_back(p);
+    }
+  }
+  return info;
+}
+
+/// Problems found by verify(); empty means the checkpoint is complete and every checksum matches.
+struct VerifyReport {
+  std::string path;
+  std::int64_t tensors_checked = 0;
+  std::int64_t bytes_checked = 0;
+  std::vector<std::string> problems;
+  bool ok() const noexcept { return problems.empty(); }
+};
+
+namespace detail {
+inline void verify_file_into(const std::string& path, VerifyReport& report, std::optional<std::string>* plan = nullptr,
+                             std::optional<std::int64_t>* world = nullptr) {
+  h5::Id file;
+  try {
+    file = h5::open_file_readonly(path);
+  } catch (const CheckpointError& e) {
+    report.problems.push_back(e.what());
+    return;
+  }
+  const std::string where = "checkpoint '" + path + "'";
+  try {
+    const auto format = h5::read_string_attribute(file, "format", where);
+    if (format != kFormatName) report.problems.push_back(where + ": format is '" + format + "', not " + kFormatName);
+    const auto version = h5::read_int_attribute(file, "format_version", where);
+    if (version > kFormatVersion) report.problems.push_back(where + ": format version " + std::to_string(version) + " is newer than this tool");
+    if (plan) *plan = h5::read_string_attribute(file, "plan_hash", where);
+    if (world) *world = h5::read_int_attribute(file, "world_size", where);
+  } catch (const CheckpointError& e) {
+    report.problems.push_back(e.what());
+    return;
+  }
+  std::int64_t counted = 0;
+  std::vector<std::string> datasets;
+  try {
+    datasets = h5::list_datasets(file);
+  } catch (const CheckpointError& e) {
+    report.problems.push_back(where + ": cannot list datasets: " + e.what());
+    return;
+  }
+  for (const auto& p : datasets) {
+    try {
+      h5::Id ds(H5Dopen2(file, p.c_str(), H5P_DEFAULT), where + ": cannot open dataset " + p);
+      h5::Id dcpl(H5Dget_create_plist(ds), "H5Dget_create_plist");
+      const auto dims = h5::dataset_dims(ds);
+      const bool empty = numel(dims) == 0;
+      if (!empty && H5Pget_nfilters(dcpl) == 0) report.problems.push_back(where + ": dataset " + p + " has no checksum filter");
+      read_through(ds, where + " dataset " + p);
+      ++report.tensors_checked;
+      report.bytes_checked += static_cast<std::int64_t>(H5Dget_storage_size(ds));
+      if (p.rfind("/model/", 0) == 0 || p.rfind("/optim/", 0) == 0 || p.rfind("/units/", 0) == 0) ++counted;
+    } catch (const CheckpointError& e) {
+      report.problems.push_back(e.what());
+    }
+  }
+  try {
+    const auto expected = h5::read_int_attribute(file, "num_tensors", where);
+    if (expected != counted)
+      report.problems.push_back(where + ": incomplete: " + std::to_string(counted) + " tensors stored, " + std::to_string(expected) + " expected");
+  } catch (const CheckpointError& e) {
+    report.problems.push_back(e.what());
+  }
+}
+}  // namespace detail
+
+/// Reads every dataset of a checkpoint file or LOCAL folder (checksums) and checks completeness:
+/// the tensor count written last, and for LOCAL folders every rank file with one plan.
+inline VerifyReport verify(const std::string& path) {
+  VerifyReport report;
+  report.path = path;
+  if (!std::filesystem::is_directory(path)) {
+    detail::verify_file_into(path, report);
+    return report;
+  }
+  std::optional<std::string> plan0;
+  std::optional<std::int64_t> world0;
+  detail::verify_file_into((std::filesystem::path(path) / local_rank_file(0)).string(), report, &plan0, &world0);
+  if (!world0) return report;
+  for (std::int64_t r = 1; r < *world0; ++r) {
+    const auto file = (std::filesystem::path(path) / local_rank_file(static_cast<int>(r))).string();
+    if (!std::filesystem::exists(file)) {
+      report.problems.push_back("LOCAL checkpoint '" + path + "' is missing " + local_rank_file(static_cast<int>(r)) + " of world size " +
+                                std::to_string(*world0));
+      continue;
+    }
+    std::optional<std::string> plan;
+    detail::verify_file_into(file, report, &plan);
+    if (plan && plan0 && *plan != *plan0) report.problems.push_back("'" + file + "' has plan " + *plan + ", rank 0 has " + *plan0);
+  }
+  return report;
+}
+
+/// Merges a LOCAL_STATE_DICT folder into one FULL_STATE_DICT file with the same schema as
+/// save_checkpoint writes (like `accelerate merge-weights`). Written atomically (temporary + rename).
+inline void merge_local(const std::string& dir, const std::string& out_path) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(dir)) throw CheckpointError("'" + dir + "' is not a LOCAL_STATE_DICT checkpoint folder");
+  const std::string first = (fs::path(dir) / local_rank_file(0)).string();
+  h5::Id f0 = h5::open_file_readonly(first);
+  const std::string w0 = "checkpoint '" + first + "'";
+  if (h5::read_string_attribute(f0, "state_dict_type", w0) != "LOCAL_STATE_DICT") throw CheckpointError(w0 + " is not a LOCAL_STATE_DICT rank file");
+  const auto world = h5::read_int_attribute(f0, "world_size", w0);
+  const auto group = h5::read_int_attribute(f0, "shard_group_size", w0);
+  const auto plan = h5::read_string_attribute(f0, "plan_hash", w0);
+  // Files of replica 0, by shard rank; every rank file for the RNG rows.
+  std::vector<h5::Id> shard_files(static_cast<std::size_t>(group));
+  std::vector<h5::Id> all(static_cast<std::size_t>(world));
+  for (std::int64_t r = 0; r < world; ++r) {
+    const std::string p = (fs::path(dir) / local_rank_file(static_cast<int>(r))).string();
+    if (!fs::exists(p)) throw CheckpointError("LOCAL checkpoint '" + dir + "' is missing " + local_rank_file(static_cast<int>(r)));
+    h5::Id f = h5::open_file_readonly(p);
+    const std::string w = "checkpoint '" + p + "'";
+    if (h5::read_string_attribute(f, "plan_hash", w) != plan) throw CheckpointError(w + " has another plan than rank 0's");
+    if (h5::read_int_attribute(f, "replica_rank", w) == 0) {
+      const auto s = h5::read_int_attribute(f, "shard_rank", w);
+      if (s < 0 || s >= group) throw CheckpointError(w + ": shard_rank out of range");
+      shard_files[static_cast<std::size_t>(s)] = h5::open_file_readonly(p);
+    }
+    all[static_cast<std::size_t>(r)] = std::move(f);
+  }
+  for (std::size_t s = 0; s < shard_files.size(); ++s)
+    if (!shard_files[s].valid()) throw CheckpointError("LOCAL checkpoint '" + dir + "' has no file for shard rank " + std::to_string(s));
+
+  const fs::path final_path(out_path);
+  const fs::path tmp = final_path.parent_path() / temporary_name(final_path.filename().string());
+  {
+    h5::Id out = h5::create_file(tmp.string());
+    for (const auto& name : h5::list_attribute_names(f0)) {
+      if (name == "rank" || name == "shard_rank" || name == "replica_rank" || name == "aliases" || name == "num_tensors") continue;
+      // Copy the attribute as stored.
+      h5::Id a(H5Aopen(f0, name.c_str(), H5P_DEFAULT), w0 + ": attribute " + name);
+      h5::Id type(H5Aget_type(a), "H5Aget_type");
+      h5::Id space(H5Aget_space(a), "H5Aget_space");
+      std::vector<char> buf(H5Aget_storage_size(a) + 1);
+      h5::check(H5Aread(a, type, buf.data()), w0 + ": attribute " + name);
+      h5::write_attribute_raw(out, name, type, space, buf.data());
+    }
+    h5::write_attribute(out, "state_dict_type", "FULL_STATE_DICT");
+    h5::write_attribute(out, "merged_from", dir);
+    std::int64_t tensors = 0;
+    const auto unit_names = h5::list_names(f0, "/units");
+    for (const auto& unit : unit_names) {
+      const std::string base = "/units/" + unit;
+      h5::Id g = h5::open_group(f0, base, first);
+      const auto names = h5::read_string_array_attribute(g, "param_names", w0);
+      const auto ndims = h5::read_int_array_attribute(g, "param_ndims", w0);
+      const auto dims = h5::read_int_array_attribute(g, "param_dims", w0);
+      const auto shard_numel = h5::read_int_attribute(g, "shard_numel", w0);
+      if (names.empty()) continue;
+      // Assemble one flat tensor (raw bytes of the stored type) from the shard files.
+      auto assemble = [&](const std::string& p, h5::ElementType& type) {
+        std::vector<char> flat;
+        for (std::int64_t s = 0; s < group; ++s) {
+          const auto& f = shard_files[static_cast<std::size_t>(s)];
+          h5::Id ds = h5::open_dataset(f, p, dir + "/" + local_rank_file(0));
+          type = h5::stored_element_type(ds, p);
+          const std::size_t elem = h5::element_size(type);
+          const std::size_t at = flat.size();
+          flat.resize(at + static_cast<std::size_t>(shard_numel) * elem);
+          h5::read_flat_range(ds, {shard_numel}, 0, shard_numel, type, flat.data() + at, "LOCAL checkpoint '" + dir + "' shard " + std::to_string(s) + " " + p);
+        }
+        return flat;
+      };
+      auto write_params = [&](const std::vector<char>& flat, h5::ElementType type, const std::string& suffix, const char* kind) {
+        std::int64_t offset = 0;
+        std::size_t d = 0;
+        const std::size_t elem = h5::element_size(type);
+        for (std::size_t i = 0; i < names.size(); ++i) {
+          std::vector<std::int64_t> shape(dims.begin() + static_cast<std::ptrdiff_t>(d), dims.begin() + static_cast<std::ptrdiff_t>(d + static_cast<std::size_t>(ndims[i])));
+          d += static_cast<std::size_t>(ndims[i]);
+          const std::int64_t n = detail::numel(shape);
+          const std::string p = suffix.empty() ? "/model/" + names[i] : "/optim/" + names[i] + "/" + suffix;
+          h5::Id ds = h5::create_dataset(out, p, type, shape);
+          h5::write_attribute(ds, "kind", kind);
+          if (shape.empty()) h5::write_attribute(ds, "scalar", std::int64_t{1});
+          h5::write_flat_range(ds, shape, 0, n, type, flat.data() + static_cast<std::size_t>(offset) * elem, H5P_DEFAULT, p);
+          offset += n;
+          ++tensors;
+        }
+      };
+      h5::ElementType type{};
+      write_params(assemble(base + "/flat", type), type, "", "parameter");
+      if (h5::exists(f0, base + "/optim")) {
+        h5::Id og = h5::open_group(f0, base + "/optim", first);
+        const auto step = h5::read_int_attribute(og, "step", w0);
+        for (const auto& state : h5::list_names(f0, base + "/optim")) write_params(assemble(base + "/optim/" + state, type), type, state, "optimizer_state");
+        for (const auto& n : names) {
+          h5::Id pg = h5::require_group(out, "/optim/" + n);
+          h5::write_attribute(pg, "step", step);
+        }
+      }
+    }
+    for (const auto& link : h5::read_string_array_attribute(f0, "aliases", w0)) {
+      const auto eq = link.find('=');
+      const std::string alias = link.substr(0, eq), name = link.substr(eq + 1);
+      h5::check(H5Lcreate_hard(out, ("/model/" + name).c_str(), out, ("/model/" + alias).c_str(), H5P_DEFAULT, H5P_DEFAULT), "link " + alias);
+    }
+    if (h5::exists(f0, "/model")) {  // buffers (identical on every rank): rank 0's
+      for (const auto& name : h5::list_names(f0, "/model")) {
+        const std::string p = "/model/" + name;
+        if (h5::exists(out, p)) continue;
+        h5::Id src = h5::open_dataset(f0, p, first);
+        const auto type = h5::stored_element_type(src, p);
+        const auto shape = detail::logical_shape(src);
+        const auto stored_dims = h5::dataset_dims(src);
+        std::vector<char> buf(static_cast<std::size_t>(detail::numel(stored_dims)) * h5::element_size(type) + 1);
+        h5::read_flat_range(src, stored_dims, 0, detail::numel(stored_dims), type, buf.data(), w0 + " dataset " + p);
+        h5::Id ds = h5::create_dataset(out, p, type, shape);
+        h5::write_attribute(ds, "kind", "buffer");
+        if (shape.empty()) h5::write_attribute(ds, "scalar", std::int64_t{1});
+        h5::write_flat_range(ds, shape, 0, detail::numel(stored_dims), type, buf.data(), H5P_DEFAULT, p);
+        ++tensors;
+      }
+    }
+    if (h5::exists(f0, "/optim")) {
+      h5::Id src = h5::open_group(f0, "/optim", first);
+      h5::Id dst = h5::require_group(out, "/optim");
+      h5::write_attribute(dst, "kind", h5::read_string_attribute(src, "kind", w0));
+      h5::write_attribute(dst, "lr", h5::read_double_array_attribute(src, "lr", w0));
+    }
+    {
+      h5::Id src = h5::open_group(f0, "/train", first);
+      h5::Id dst = h5::require_group(out, "/train");
+      for (const char* k : {"step", "epoch", "sample_index"}) h5::write_attribute(dst, k, h5::read_int_attribute(src, k, w0));
+      h5::Id ssrc = h5::open_group(f0, "/train/scheduler", first);
+      h5::Id sdst = h5::require_group(out, "/train/scheduler");
+      for (const auto& k : h5::list_attribute_names(ssrc)) h5::write_attribute(sdst, k, h5::read_double_attribute(ssrc, k, w0));
+    }
+    if (h5::exists(f0, "/rng/cpu")) {  // one row per rank, in rank order
+      h5::Id ds0 = h5::open_dataset(f0, "/rng/cpu", first);
+      const std::int64_t n = h5::dataset_dims(ds0).back();
+      std::vector<unsigned char> rows(static_cast<std::size_t>(world * n));
+      for (std::int64_t r = 0; r < world; ++r) {
+        h5::Id ds = h5::open_dataset(all[static_cast<std::size_t>(r)], "/rng/cpu", dir + "/" + local_rank_file(static_cast<int>(r)));
+        h5::read_flat_range(ds, {1, n}, 0, n, h5::ElementType::kUInt8, rows.data() + r * n, "rng of rank " + std::to_string(r));
+      }
+      h5::Id ds = h5::create_dataset(out, "/rng/cpu", h5::ElementType::kUInt8, {world, n});
+      h5::write_flat_range(ds, {world, n}, 0, world * n, h5::ElementType::kUInt8, rows.data(), H5P_DEFAULT, "/rng/cpu");
+    }
+    h5::write_attribute(out, "num_tensors", tensors);
+    out.close("cannot close '" + tmp.string() + "'");
+  }
+  fsync_path(tmp);
+  std::error_code ec;
+  fs::rename(tmp, final_path, ec);
+  if (ec) throw CheckpointError("cannot rename '" + tmp.string() + "' to '" + out_path + "': " + ec.message());
+}
+
+/// Per-tensor comparison of two FULL/SHARDED checkpoint files.
+struct TensorDiff {
+  std::string path;
+  std::string status;  ///< "ok", "differs", "only in A", "only in B", "shape"
+  double max_abs = 0;
+  double max_rel = 0;
+};
+
+inline std::vector<TensorDiff> diff(const std::string& a_path, const std::string& b_path) {
+  h5::Id a = h5::open_file_readonly(a_path), b = h5::open_file_readonly(b_path);
+  auto tensors = [](hid_t f) {
+    std::set<std::string> out;
+    for (const char* root : {"/model", "/optim"}) {
+      if (!h5::exists(f, root)) continue;
+      if (std::string(root) == "/model") {
+        for (const auto& n : h5::list_names(f, root)) out.insert("/model/" + n);
+      } else {
+        for (const auto& p : h5::list_datasets(f))
+          if (p.rfind("/optim/", 0) == 0) out.insert(p);
+      }
+    }
+    return out;
+  };
+  const auto ta = tensors(a), tb = tensors(b);
+  std::set<std::string> names = ta;
+  names.insert(tb.begin(), tb.end());
+  std::vector<TensorDiff> out;
+  for (const auto& p : names) {
+    TensorDiff d;
+    d.path = p;
+    if (!ta.count(p)) d.status = "only in B";
+    else if (!tb.count(p)) d.status = "only in A";
+    else {
+      h5::Id da = h5::open_dataset(a, p, a_path), db = h5::open_dataset(b, p, b_path);
+      if (detail::logical_shape(da) != detail::logical_shape(db)) {
+        d.status = "shape " + detail::shape_text(detail::logical_shape(da)) + " vs " + detail::shape_text(detail::logical_shape(db));
+      } else {
+        const auto va = detail::read_all_as_double(da, "checkpoint '" + a_path + "' dataset " + p);
+        const auto vb = detail::read_all_as_double(db, "checkpoint '" + b_path + "' dataset " + p);
+        for (std::size_t i = 0; i < va.size(); ++i) {
+          const double diff_abs = std::abs(va[i] - vb[i]);
+          if (std::isnan(va[i]) != std::isnan(vb[i])) d.max_abs = std::numeric_limits<double>::infinity();
+          d.max_abs = std::max(d.max_abs, diff_abs);
+          const double scale = std::max(std::abs(va[i]), std::abs(vb[i]));
+          if (scale > 0) d.max_rel = std::max(d.max_rel, diff_abs / scale);
+        }
+        d.status = d.max_abs == 0 ? "ok" : "differs";
+      }
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
+}  // namespace fsdp::ckpt
