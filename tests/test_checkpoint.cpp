@@ -13,6 +13,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 
 namespace F = torch::nn::functional;
 namespace fs = std::filesystem;
@@ -447,4 +448,30 @@ BOOST_AUTO_TEST_CASE(h5dump_reads_the_schema) {
     BOOST_TEST(out.find("DATASPACE  SIMPLE { ( 23, 11 ) / ( 23, 11 ) }") != std::string::npos, out.substr(0, 400));
   }
   world.barrier();
+}
+
+BOOST_AUTO_TEST_CASE(save_on_some_ranks_only_is_reported_not_a_hang) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  if (world.size() == 1) {
+    BOOST_TEST(fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 1}).bytes > 0);
+    return;
+  }
+  fsdp::CheckpointOptions o;
+  o.collective_timeout_s = 1;
+  if (world.rank() == 0) {
+    try {
+      fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 1}, o);
+      BOOST_ERROR("a save on rank 0 alone must fail");
+    } catch (const fsdp::CommError& e) {
+      const std::string what = e.what();
+      BOOST_TEST(what.find("fsdp.comm.deadline") != std::string::npos, what);
+      BOOST_TEST(what.find("save_checkpoint") != std::string::npos, what);
+    }
+    BOOST_TEST(!fs::exists(dir / "latest"));
+  } else {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    world.barrier_within(60, "matching the abandoned barrier");  // completes rank 0's pending one
+  }
 }

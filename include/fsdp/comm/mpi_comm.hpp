@@ -8,10 +8,12 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -222,6 +224,30 @@ class MpiComm {
   }
 
   void barrier() { FSDP_MPI_CHECK(MPI_Barrier(state_->comm)); }
+
+  /// A barrier that gives up: throws CommError (id fsdp.comm.deadline) naming `what` if not every rank
+  /// has arrived within `seconds`, e.g. because `what` was called on some ranks only. seconds <= 0
+  /// waits forever. Collective. After a timeout this communicator is unusable (the barrier stays
+  /// pending): the application should abort the job, which is what turns a hang into an error.
+  void barrier_within(double seconds, const std::string& what) {
+    if (size() == 1) return;
+    if (seconds <= 0) return barrier();
+    MPI_Request request = MPI_REQUEST_NULL;
+    FSDP_MPI_CHECK(MPI_Ibarrier(state_->comm, &request));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    for (;;) {
+      int done = 0;
+      FSDP_MPI_CHECK(MPI_Test(&request, &done, MPI_STATUS_IGNORE));
+      if (done) return;
+      if (std::chrono::steady_clock::now() > deadline) {
+        // The request cannot be cancelled (MPI forbids it for collectives); it is left pending.
+        throw CommError(what + ": not all " + std::to_string(size()) + " ranks arrived within " + std::to_string(static_cast<long long>(seconds)) +
+                            " s (was it called on some ranks only?)",
+                        "fsdp.comm.deadline");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
 
   MpiRequest iall_gather(const void* send, void* recv, std::int64_t n, DType t) {
     count(state_->counters.all_gather_bytes, n, t);

@@ -83,6 +83,9 @@ struct CheckpointOptions {
   bool rank0_only = true;
   /// Store and restore each rank's CPU RNG state.
   bool save_rng_state = true;
+  /// Save and load first wait at most this long for every rank to arrive; a call made on some ranks
+  /// only then fails with CommError (fsdp.comm.deadline) instead of hanging. <= 0 waits forever.
+  double collective_timeout_s = 600;
   /// Called on every rank with the step being saved at "writing" (parameters written, files still
   /// open), "written" (files closed, not yet committed) and "committed". For tests that crash a save
   /// half way; leave empty otherwise.
@@ -526,6 +529,13 @@ void write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const 
   file.close("cannot close (flush) '" + path + "'");
 }
 
+/// Every rank enters a collective checkpoint call, or the ones that did fail after the deadline.
+template <Communicator Comm>
+void arrive_together(Comm& comm, const CheckpointOptions& options, const char* what) {
+  if constexpr (requires { comm.barrier_within(1.0, std::string()); }) comm.barrier_within(options.collective_timeout_s, what);
+  else comm.barrier();
+}
+
 inline std::int64_t size_on_disk(const std::filesystem::path& p) {
   std::error_code ec;
   if (std::filesystem::is_regular_file(p, ec)) return static_cast<std::int64_t>(std::filesystem::file_size(p, ec));
@@ -544,6 +554,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
                            const CheckpointOptions& options = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   auto& world = engine.comm();
+  detail::arrive_together(world, options, "save_checkpoint");
   const std::string name = ckpt::checkpoint_name(state.step);
   const std::filesystem::path folder(dir);
   const auto tmp = folder / ckpt::temporary_name(name);
@@ -995,6 +1006,7 @@ template <class Engine>
 void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const std::string& path, TrainState* state = nullptr,
                      const CheckpointOptions& options = {}) {
   auto& world = engine.comm();
+  detail::arrive_together(world, options, "load_checkpoint");
   // Every rank decides the kind of checkpoint the same way: rank 0 looks, the others are told.
   std::int64_t kind = -1;
   std::optional<std::string> error;
@@ -1039,6 +1051,7 @@ template <class Engine>
 ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimizer, const std::string& dir, TrainState* state = nullptr,
                                 const CheckpointOptions& options = {}) {
   auto& world = engine.comm();
+  detail::arrive_together(world, options, "resume_from_latest");
   std::string listing;
   if (world.rank() == 0) {
     std::vector<std::string> order;
