@@ -475,3 +475,141 @@ BOOST_AUTO_TEST_CASE(save_on_some_ranks_only_is_reported_not_a_hang) {
     world.barrier_within(60, "matching the abandoned barrier");  // completes rank 0's pending one
   }
 }
+
+/// Edge cases: a root unit without parameters (every layer wrapped), a bool and an int buffer, an
+/// empty parameter, fp64 parameters.
+struct EdgeImpl : torch::nn::Module {
+  explicit EdgeImpl(bool with_empty = true) {
+    a = register_module("a", torch::nn::Linear(5, 7));
+    b = register_module("b", torch::nn::Linear(7, 3));
+    a->to(torch::kDouble);
+    b->to(torch::kDouble);
+    empty = with_empty ? register_parameter("empty", torch::zeros({0, 4}, torch::kDouble)) : torch::zeros({0}, torch::kDouble);
+    mask = register_buffer("mask", torch::tensor({true, false, true}));
+    counter = register_buffer("counter", torch::tensor({7, 8}, torch::kLong));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fsdp::forward(b, torch::tanh(fsdp::forward(a, x))) * mask.to(torch::kDouble) + empty.sum(); }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  torch::Tensor empty, mask, counter;
+};
+TORCH_MODULE(Edge);
+
+BOOST_AUTO_TEST_CASE(edge_cases_round_trip_in_every_kind) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto make = [&](int seed) {
+    torch::manual_seed(seed);
+    auto net = Edge().ptr();
+    FsdpOptions o;
+    o.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+    o.sync_buffers = false;  // the bool buffer cannot be averaged
+    return fsdp::make_fsdp(net, world, o);
+  };
+  auto model = make(1);
+  BOOST_TEST(model->flat_units()[0]->params.size() == 1u);  // only the empty parameter stays in the root
+  auto opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto x = torch::randn({4, 5}, torch::kDouble);
+  opt->zero_grad();
+  model->forward(x).sum().backward();
+  opt->step();
+  std::map<std::string, torch::Tensor> expected;
+  for (auto& [n, t] : model->full_parameters()) expected[n] = t;
+  for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
+    BOOST_TEST_CONTEXT(fsdp::to_string(type)) {
+      fsdp::CheckpointOptions o;
+      o.state_dict_type = type;
+      o.keep_last = 1;
+      // The same step twice: the second save replaces the first (LOCAL: an atomic folder swap).
+      fsdp::save_checkpoint(*model, opt.get(), dir / fsdp::to_string(type), {.step = 1}, o);
+      const auto saved = fsdp::save_checkpoint(*model, opt.get(), dir / fsdp::to_string(type), {.step = 1}, o);
+      auto loaded = make(2);
+      {
+        torch::NoGradGuard ng;
+        loaded->module()->mask.fill_(false);
+        loaded->module()->counter.fill_(0);
+      }
+      auto opt2 = std::make_unique<torch::optim::SGD>(loaded->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      fsdp::load_checkpoint(*loaded, opt2.get(), saved.path, nullptr, o);
+      for (auto& [n, t] : loaded->full_parameters()) BOOST_TEST(torch::equal(expected.at(n), t), n);
+      BOOST_TEST(torch::equal(loaded->module()->mask, torch::tensor({true, false, true})));
+      BOOST_TEST(torch::equal(loaded->module()->counter, torch::tensor({7, 8}, torch::kLong)));
+      if (type != StateDictType::LOCAL_STATE_DICT && world.rank() == 0) {
+        auto plain = Edge();
+        fsdp::load_full_state_dict(*plain, saved.path);
+        BOOST_TEST(torch::equal(plain->a->weight, expected.at("a.weight")));
+        BOOST_TEST(torch::equal(plain->mask, torch::tensor({true, false, true})));
+      }
+      world.barrier();
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_root_unit_without_parameters_round_trips) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto make = [&](int seed) {
+    torch::manual_seed(seed);
+    FsdpOptions o;
+    o.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+    o.sync_buffers = false;
+    return fsdp::make_fsdp(std::make_shared<EdgeImpl>(false), world, o);
+  };
+  auto model = make(1);
+  BOOST_TEST(model->flat_units()[0]->params.empty());
+  for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
+    fsdp::CheckpointOptions o;
+    o.state_dict_type = type;
+    const auto saved = fsdp::save_checkpoint(*model, nullptr, dir / fsdp::to_string(type), {.step = 3}, o);
+    auto loaded = make(2);
+    fsdp::load_checkpoint(*loaded, nullptr, saved.path, nullptr, o);
+    const auto a = model->full_parameters(), b = loaded->full_parameters();
+    for (std::size_t i = 0; i < a.size(); ++i) BOOST_TEST(torch::equal(a[i].second, b[i].second), fsdp::to_string(type) << " " << a[i].first);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(checkpoints_newer_than_latest_are_neither_loaded_nor_pruned) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  fsdp::CheckpointOptions o;
+  o.keep_last = 1;
+  for (int step : {10, 20}) fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = step}, o);
+  // A restart from step 5 of another run: its saves must not delete or load step 20.
+  fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 5}, o);
+  fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 6}, o);
+  world.barrier();
+  BOOST_TEST(fs::exists(dir / "step_00000020.h5"));
+  BOOST_TEST(!fs::exists(dir / "step_00000005.h5"));
+  fsdp::TrainState state;
+  const auto r = fsdp::resume_from_latest(*model, nullptr, dir.path, &state);
+  BOOST_TEST(r.path == dir / "step_00000006.h5");
+  BOOST_TEST(state.step == 6);
+  BOOST_REQUIRE(r.skipped.size() == 1u);
+  BOOST_TEST(r.skipped[0].find("step_00000020.h5: newer than latest") == 0u, r.skipped[0]);
+}
+
+BOOST_AUTO_TEST_CASE(a_failure_on_one_rank_in_the_middle_of_a_save_fails_every_rank) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt = make_adam(*model);
+  train_step(*model, *opt, 0);
+  fsdp::save_checkpoint(*model, opt.get(), dir.path, {.step = 1});
+  const int victim = world.size() - 1;
+  for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
+    fsdp::CheckpointOptions o;
+    o.state_dict_type = type;
+    o.on_stage = [&](const std::string& stage, std::int64_t) {
+      if (stage == "writing" && world.rank() == victim) throw std::runtime_error("disk full (simulated)");
+    };
+    try {
+      fsdp::save_checkpoint(*model, opt.get(), dir.path, {.step = 2}, o);
+      BOOST_ERROR(fsdp::to_string(type) << ": the save must fail on every rank");
+    } catch (const fsdp::CheckpointError& e) {
+      const std::string what = e.what();
+      BOOST_TEST(what.find("disk full (simulated)") != std::string::npos, what);
+    }
+    BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value() == "step_00000001.h5");
+    BOOST_TEST(!fs::exists(dir / "step_00000002.h5"));
+  }
+}

@@ -53,6 +53,23 @@ struct CommCounters {
   std::uint64_t all_reduce_bytes = 0;
   std::uint64_t broadcast_bytes = 0;
   std::uint64_t calls = 0;
+  // Wall time spent inside blocking collectives, per kind.
+  double all_gather_seconds = 0;
+  double reduce_scatter_seconds = 0;
+  double all_reduce_seconds = 0;
+  double broadcast_seconds = 0;
+  CommCounters& operator+=(const CommCounters& o) noexcept {
+    all_gather_bytes += o.all_gather_bytes;
+    reduce_scatter_bytes += o.reduce_scatter_bytes;
+    all_reduce_bytes += o.all_reduce_bytes;
+    broadcast_bytes += o.broadcast_bytes;
+    calls += o.calls;
+    all_gather_seconds += o.all_gather_seconds;
+    reduce_scatter_seconds += o.reduce_scatter_seconds;
+    all_reduce_seconds += o.all_reduce_seconds;
+    broadcast_seconds += o.broadcast_seconds;
+    return *this;
+  }
   std::uint64_t total_bytes() const noexcept {
     return all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes + broadcast_bytes;
   }

@@ -144,6 +144,19 @@ class MpiRequest {
   std::function<void()> finish_;
 };
 
+/// Adds the wall time of its scope to a counter.
+class Stopwatch {
+ public:
+  explicit Stopwatch(double& total) noexcept : total_(total), start_(std::chrono::steady_clock::now()) {}
+  ~Stopwatch() { total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+  Stopwatch(const Stopwatch&) = delete;
+  Stopwatch& operator=(const Stopwatch&) = delete;
+
+ private:
+  double& total_;
+  std::chrono::steady_clock::time_point start_;
+};
+
 /// Communicator over an MPI communicator. Copies share the same MPI_Comm and counters.
 class MpiComm {
  public:
@@ -190,6 +203,7 @@ class MpiComm {
   /// recv (n * size elements) = concatenation over ranks of send (n elements). Collective.
   void all_gather(const void* send, void* recv, std::int64_t n, DType t) {
     count(state_->counters.all_gather_bytes, n, t);
+    const Stopwatch timed(state_->counters.all_gather_seconds);
     const int c = detail::checked_count(n, "all_gather");
     if (size() == 1) return copy_if_distinct(send, recv, n, t);
     FSDP_MPI_CHECK(MPI_Allgather(send, c, detail::mpi_datatype(t), recv, c, detail::mpi_datatype(t), state_->comm));
@@ -199,6 +213,7 @@ class MpiComm {
   void reduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     if (op == ReduceOp::kMax) throw CommError("reduce_scatter supports sum and avg only");
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
+    const Stopwatch timed(state_->counters.reduce_scatter_seconds);
     ring_reduce_scatter(send, recv, n, t);
     if (op == ReduceOp::kAvg) detail::scale_buffer(recv, n, t, 1.0 / size());
   }
@@ -206,6 +221,7 @@ class MpiComm {
   /// recv = reduction over ranks of send (n elements); send may equal recv. Collective.
   void all_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     count(state_->counters.all_reduce_bytes, n, t);
+    const Stopwatch timed(state_->counters.all_reduce_seconds);
     const int c = detail::checked_count(n, "all_reduce");
     if (size() == 1) {
       copy_if_distinct(send, recv, n, t);
@@ -219,6 +235,7 @@ class MpiComm {
   /// Copies root's buffer to every rank. Collective.
   void broadcast(void* buf, std::int64_t n, DType t, int root) {
     count(state_->counters.broadcast_bytes, n, t);
+    const Stopwatch timed(state_->counters.broadcast_seconds);
     if (size() == 1) return;
     FSDP_MPI_CHECK(MPI_Bcast(buf, detail::checked_count(n, "broadcast"), detail::mpi_datatype(t), root, state_->comm));
   }

@@ -97,6 +97,7 @@ struct SaveResult {
   std::int64_t bytes = 0;           ///< its size on disk
   double seconds = 0;               ///< wall time of the save on this rank
   std::vector<std::string> pruned;  ///< older checkpoints removed by keep_last
+  std::vector<std::string> warnings;  ///< e.g. an old checkpoint that could not be deleted (rank 0)
 };
 
 struct ResumeResult {
@@ -211,6 +212,35 @@ inline std::vector<std::int64_t> logical_shape(hid_t dataset) {
   return h5::dataset_dims(dataset);
 }
 
+/// The element type of a stored tensor (uint8 datasets with attribute dtype = "bool" are bool).
+inline h5::ElementType tensor_element_type(hid_t dataset, const std::string& where) {
+  const auto t = h5::stored_element_type(dataset, where);
+  if (t == h5::ElementType::kUInt8 && h5::has_attribute(dataset, "dtype") && h5::read_string_attribute(dataset, "dtype", where) == "bool")
+    return h5::ElementType::kBool;
+  return t;
+}
+
+/// Reads a whole buffer, checking its shape and dtype against `like`.
+inline torch::Tensor read_buffer(hid_t file, const std::string& path, const std::string& ds_path, const torch::Tensor& like,
+                                 std::vector<std::string>& problems) {
+  if (!h5::exists(file, ds_path)) {
+    problems.push_back(ds_path + " (missing)");
+    return {};
+  }
+  h5::Id ds = h5::open_dataset(file, ds_path, path);
+  const auto shape = logical_shape(ds);
+  const auto stored = tensor_element_type(ds, "checkpoint '" + path + "' dataset " + ds_path);
+  const auto wanted = element_type_of(like.scalar_type());
+  if (shape != like.sizes().vec() || stored != wanted) {
+    problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", model " + shape_text(like.sizes().vec()) +
+                       " " + h5::element_type_name(wanted) + ")");
+    return {};
+  }
+  auto t = torch::empty(like.sizes(), like.options().requires_grad(false));
+  h5::read_flat_range(ds, shape, 0, t.numel(), wanted, t.data_ptr(), "checkpoint '" + path + "' dataset " + ds_path);
+  return t;
+}
+
 /// The part of parameter `i` of unit `u` inside the flat range [lo, hi) of the unit's padded
 /// flat buffer: param-local flat range [begin, end) and where it starts in the range.
 struct Piece {
@@ -304,6 +334,7 @@ struct TensorTarget {
 inline h5::Id create_tensor_dataset(hid_t file, const TensorTarget& t, const char* kind) {
   h5::Id ds = h5::create_dataset(file, t.path, t.type, t.shape);
   h5::write_attribute(ds, "kind", kind);
+  if (t.type == h5::ElementType::kBool) h5::write_attribute(ds, "dtype", "bool");  // stored as uint8
   if (t.shape.empty()) h5::write_attribute(ds, "scalar", std::int64_t{1});
   return ds;
 }
@@ -330,27 +361,37 @@ torch::Tensor gather_rng_states(Comm& comm) {
 
 // ---- save -------------------------------------------------------------------------------------
 
+/// SHARDED: every HDF5 call is collective, so every step is agreed between the ranks: a failure on
+/// one rank (disk full on its MPI-IO aggregator, memory) stops all of them at the same call, where
+/// they unwind and close the file together instead of waiting in the next collective.
 template <class Engine>
 std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path, const TrainState& state,
-                                const CheckpointOptions& options, const std::string& created, const std::string& deck) {
+                                const CheckpointOptions& options, const std::string& created) {
   auto& world = engine.comm();
+  auto step = [&world](auto&& f) { agree(world, capture_error(f)); };
   MPI_Comm native = world.native();
-  h5::Id file = h5::create_file(path, &native);
-  write_root_attributes(file, engine, StateDictType::SHARDED_STATE_DICT, state, created, deck);
-  h5::Id dxpl = h5::collective_transfer();
+  h5::Id file, dxpl;
+  step([&] {
+    file = h5::create_file(path, &native);
+    write_root_attributes(file, engine, StateDictType::SHARDED_STATE_DICT, state, created, state.deck);
+    dxpl = h5::collective_transfer();
+  });
   const bool writer = engine.replica_comm().rank() == 0;  // one copy of each shard is written
   const int shard_rank = engine.shard_comm().rank();
   std::int64_t tensors = 0;
   auto write_unit_tensor = [&](const FlatUnit& u, const torch::Tensor& shard_like, const std::string& prefix, const char* kind) {
     const std::int64_t lo = shard_rank * u.layout.shard_numel(), hi = lo + u.layout.shard_numel();
-    const auto src = shard_like.detach().contiguous();
+    torch::Tensor src;
+    step([&] { src = shard_like.detach().contiguous(); });
     const auto et = element_type_of(src.scalar_type());
     for (std::size_t i = 0; i < u.params.size(); ++i) {
       const TensorTarget t{prefix.empty() ? model_path(u.info.param_names[i]) : optim_path(u.info.param_names[i]) + "/" + prefix, u.shapes[i], et};
-      h5::Id ds = create_tensor_dataset(file, t, kind);
-      const Piece p = writer ? piece_of(u.layout, i, lo, hi) : Piece{};
-      const char* data = static_cast<const char*>(src.data_ptr()) + p.offset * static_cast<std::int64_t>(src.element_size());
-      h5::write_flat_range(ds, t.shape, p.begin, p.end, et, data, dxpl, t.path);
+      step([&] {
+        h5::Id ds = create_tensor_dataset(file, t, kind);
+        const Piece p = writer ? piece_of(u.layout, i, lo, hi) : Piece{};
+        const char* data = static_cast<const char*>(src.data_ptr()) + p.offset * static_cast<std::int64_t>(src.element_size());
+        h5::write_flat_range(ds, t.shape, p.begin, p.end, et, data, dxpl, t.path);
+      });
       ++tensors;
     }
   };
@@ -358,40 +399,47 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
     if (up->params.empty()) continue;
     write_unit_tensor(*up, up->shard, "", "parameter");
   }
-  if (options.on_stage) options.on_stage("writing", state.step);
-  for (const auto& [name, aliases] : engine.tied_parameter_aliases())
-    for (const auto& alias : aliases)
-      h5::check(H5Lcreate_hard(file, model_path(name).c_str(), file, model_path(alias).c_str(), H5P_DEFAULT, H5P_DEFAULT),
-                "cannot link " + model_path(alias));
+  step([&] {
+    if (options.on_stage) options.on_stage("writing", state.step);
+  });
+  step([&] {
+    for (const auto& [name, aliases] : engine.tied_parameter_aliases())
+      for (const auto& alias : aliases)
+        h5::check(H5Lcreate_hard(file, model_path(name).c_str(), file, model_path(alias).c_str(), H5P_DEFAULT, H5P_DEFAULT),
+                  "cannot link " + model_path(alias));
+  });
   for (const auto& [name, buffer] : named_buffers_of(engine)) {
-    const auto b = buffer.detach().contiguous();
-    const TensorTarget t{model_path(name), b.sizes().vec(), element_type_of(b.scalar_type())};
-    h5::Id ds = create_tensor_dataset(file, t, "buffer");
-    h5::write_flat_range(ds, t.shape, 0, world.rank() == 0 ? b.numel() : 0, t.type, b.data_ptr(), dxpl, t.path);
+    step([&] {
+      const auto b = buffer.detach().contiguous();
+      const TensorTarget t{model_path(name), b.sizes().vec(), element_type_of(b.scalar_type())};
+      h5::Id ds = create_tensor_dataset(file, t, "buffer");
+      h5::write_flat_range(ds, t.shape, 0, world.rank() == 0 ? b.numel() : 0, t.type, b.data_ptr(), dxpl, t.path);
+    });
     ++tensors;
   }
   if (opt) {
-    write_optimizer_attributes(file, *opt);
+    step([&] { write_optimizer_attributes(file, *opt); });
     for (const auto& up : engine.flat_units()) {
-      const auto view = unit_optimizer_state(opt, *up);
+      const auto view = unit_optimizer_state(opt, *up);  // present on every rank alike (checked on entry)
       if (!view || up->params.empty()) continue;
       for (const auto& [name, t] : view->tensors) write_unit_tensor(*up, t, name, "optimizer_state");
-      for (const auto& fqn : up->info.param_names) {
-        h5::Id g = h5::require_group(file, optim_path(fqn));
-        h5::write_attribute(g, "step", view->step);
-      }
+      step([&] {
+        for (const auto& fqn : up->info.param_names) {
+          h5::Id g = h5::require_group(file, optim_path(fqn));
+          h5::write_attribute(g, "step", view->step);
+        }
+      });
     }
   }
-  write_train_group(file, state);
-  if (options.save_rng_state) {
-    const auto mine = cpu_rng_state().contiguous();
-    std::int64_t n = mine.numel(), max_n = n;
-    world.all_reduce(&max_n, &max_n, 1, DType::kInt64, ReduceOp::kMax);
-    if (max_n != n) throw CheckpointError("RNG state sizes differ between ranks");
-    write_rng_rows(file, mine, world.size(), world.rank(), true, dxpl);
-  }
-  h5::write_attribute(file, "num_tensors", tensors);
-  file.close("cannot close (flush) '" + path + "'");
+  step([&] {
+    write_train_group(file, state);
+    if (options.save_rng_state) write_rng_rows(file, cpu_rng_state().contiguous(), world.size(), world.rank(), true, dxpl);
+    h5::write_attribute(file, "num_tensors", tensors);
+    // Global flush: MPI_File_sync on every rank, so data cached on other nodes reaches the file
+    // system before rank 0's fsync and the rename.
+    h5::check(H5Fflush(file, H5F_SCOPE_GLOBAL), "cannot flush '" + path + "'");
+  });
+  step([&] { file.close("cannot close '" + path + "'"); });
   return tensors;
 }
 
@@ -428,7 +476,9 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
     const int index = up->info.index;
     write_full(*up, engine.gather_flat(index, up->shard), "", "parameter");
   }
-  if (options.on_stage) options.on_stage("writing", state.step);
+  agree(world, capture_error([&] {
+    if (options.on_stage) options.on_stage("writing", state.step);
+  }));
   on_writer([&] {
     for (const auto& [name, aliases] : engine.tied_parameter_aliases())
       for (const auto& alias : aliases)
@@ -547,15 +597,60 @@ inline std::int64_t size_on_disk(const std::filesystem::path& p) {
 
 }  // namespace detail
 
+namespace detail {
+
+inline std::string pack_meta(const StagedMeta& m);
+inline StagedMeta unpack_meta(const std::string& bytes);
+
+/// What every rank must agree on before a save makes its first collective HDF5 call: the train state
+/// (taken from rank 0), which units have optimizer state and its names, and the RNG state size.
+template <class Engine>
+void check_ranks_agree(Engine& engine, const torch::optim::Optimizer* opt, const CheckpointOptions& options) {
+  auto& world = engine.comm();
+  std::ostringstream os;
+  os << to_string(options.state_dict_type) << ";rng=" << (options.save_rng_state ? cpu_rng_state().numel() : 0) << ";";
+  if (opt) {
+    os << "groups=" << opt->param_groups().size() << ";";
+    for (const auto& up : engine.flat_units()) {
+      const auto view = unit_optimizer_state(opt, *up);
+      os << "u" << up->info.index << (view ? ":" : "-");
+      if (view)
+        for (const auto& [n, t] : view->tensors) os << n << ",";
+    }
+  }
+  std::int64_t hash = static_cast<std::int64_t>(fnv1a64(os.str()) >> 1), low = -hash;
+  world.all_reduce(&hash, &hash, 1, DType::kInt64, ReduceOp::kMax);
+  world.all_reduce(&low, &low, 1, DType::kInt64, ReduceOp::kMax);
+  if (hash != -low)
+    throw CheckpointError("save_checkpoint: the ranks differ in optimizer state or RNG state size (" + os.str() +
+                          " on rank " + std::to_string(world.rank()) + "); every rank must step the same optimizer");
+}
+
+/// rank 0's train state, on every rank.
+template <Communicator Comm>
+TrainState broadcast_train_state(Comm& comm, const TrainState& state) {
+  StagedMeta m;
+  m.train = state;
+  std::string bytes = comm.rank() == 0 ? pack_meta(m) : std::string();
+  return unpack_meta(broadcast_string(comm, bytes)).train;
+}
+
+}  // namespace detail
+
 /// Saves the model, optimizer state (if `optimizer`) and `state` as <dir>/step_<state.step>.h5 and
-/// points <dir>/latest at it once it is safely on disk. Collective over the engine's world.
+/// points <dir>/latest at it once it is safely on disk. Rank 0's `state` is the one written (step,
+/// data position, scheduler values and deck must describe the whole job). Collective over the
+/// engine's world; a failure on any rank throws CheckpointError on every rank, leaving the previous
+/// checkpoint and `latest` untouched.
 template <class Engine>
 SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimizer, const std::string& dir, const TrainState& state,
                            const CheckpointOptions& options = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   auto& world = engine.comm();
   detail::arrive_together(world, options, "save_checkpoint");
-  const std::string name = ckpt::checkpoint_name(state.step);
+  const TrainState written = detail::broadcast_train_state(world, state);
+  detail::check_ranks_agree(engine, optimizer, options);
+  const std::string name = ckpt::checkpoint_name(written.step);
   const std::filesystem::path folder(dir);
   const auto tmp = folder / ckpt::temporary_name(name);
   const bool local = options.state_dict_type == StateDictType::LOCAL_STATE_DICT;
@@ -575,38 +670,36 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
   }
   detail::agree(world, error);
   const std::string created = detail::broadcast_string(world, ckpt::utc_now());
-  const std::string deck = detail::broadcast_string(world, state.deck);
-  TrainState written = state;
-  written.deck = deck;
   switch (options.state_dict_type) {
-    case StateDictType::SHARDED_STATE_DICT: {
-      // Collective HDF5 calls: an error is thrown on every rank alike.
-      detail::write_sharded_file(engine, optimizer, tmp.string(), written, options, created, deck);
-      break;
-    }
-    case StateDictType::FULL_STATE_DICT: detail::write_full_file(engine, optimizer, tmp.string(), written, options, created, deck); break;
+    case StateDictType::SHARDED_STATE_DICT: detail::write_sharded_file(engine, optimizer, tmp.string(), written, options, created); break;
+    case StateDictType::FULL_STATE_DICT: detail::write_full_file(engine, optimizer, tmp.string(), written, options, created, written.deck); break;
     case StateDictType::LOCAL_STATE_DICT: {
       const auto file = tmp / ckpt::local_rank_file(world.rank());
       error = detail::capture_error([&] {
-        detail::write_local_file(engine, optimizer, file.string(), written, options, created, deck);
+        detail::write_local_file(engine, optimizer, file.string(), written, options, created, written.deck);
         ckpt::fsync_path(file);
       });
       detail::agree(world, error);
       break;
     }
   }
-  if (options.on_stage) options.on_stage("written", state.step);
+  if (options.on_stage) options.on_stage("written", written.step);
   SaveResult result;
   result.path = (folder / name).string();
   error.reset();
   if (world.rank() == 0) {
-    error = detail::capture_error([&] {
-      ckpt::commit(folder, name);
-      result.pruned = ckpt::prune(folder, options.keep_last);
-    });
+    error = detail::capture_error([&] { ckpt::commit(folder, name); });
+    if (!error) {
+      // The checkpoint is committed: a failure to delete old ones is a warning, not a failed save.
+      try {
+        result.pruned = ckpt::prune(folder, options.keep_last);
+      } catch (const std::exception& e) {
+        result.warnings.push_back(detail::message_of(e));
+      }
+    }
   }
   detail::agree(world, error);
-  if (options.on_stage) options.on_stage("committed", state.step);
+  if (options.on_stage) options.on_stage("committed", written.step);
   result.bytes = detail::size_on_disk(result.path);
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
@@ -625,7 +718,7 @@ inline StagedUnit read_unit_range(hid_t file, const std::string& path, const Fla
   auto read_into = [&](const std::string& ds_path, std::size_t i, torch::Tensor& dst) {
     h5::Id ds = h5::open_dataset(file, ds_path, path);
     const auto shape = logical_shape(ds);
-    const auto stored = h5::stored_element_type(ds, path + ":" + ds_path);
+    const auto stored = tensor_element_type(ds, path + ":" + ds_path);
     if (shape != u.shapes[i] || stored != element_type_of(dtype)) {
       problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", model " + shape_text(u.shapes[i]) +
                          " " + h5::element_type_name(element_type_of(dtype)) + ")");
@@ -773,6 +866,7 @@ struct Staged {
   std::vector<StagedUnit> units;  // by unit index
   std::vector<torch::Tensor> buffers;
   StagedMeta meta;
+  std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> optimizer_states;  // by unit index; null: keep
 };
 
 template <class Engine>
@@ -790,24 +884,7 @@ Staged read_own_parts(Engine& engine, const torch::optim::Optimizer* opt, const 
     const std::int64_t lo = shard_rank * up->layout.shard_numel();
     s.units.push_back(read_unit_range(file, path, *up, lo, lo + up->layout.shard_numel(), opt, problems));
   }
-  for (const auto& [name, b] : named_buffers_of(engine)) {
-    const std::string p = model_path(name);
-    if (!h5::exists(file, p)) {
-      problems.push_back(p + " (missing)");
-      s.buffers.emplace_back();
-      continue;
-    }
-    h5::Id ds = h5::open_dataset(file, p, path);
-    const auto shape = logical_shape(ds);
-    if (shape != b.sizes().vec()) {
-      problems.push_back(p + " (file " + shape_text(shape) + ", model " + shape_text(b.sizes().vec()) + ")");
-      s.buffers.emplace_back();
-      continue;
-    }
-    auto t = torch::empty(b.sizes(), b.options());
-    h5::read_flat_range(ds, shape, 0, t.numel(), element_type_of(t.scalar_type()), t.data_ptr(), "checkpoint '" + path + "' dataset " + p);
-    s.buffers.push_back(t);
-  }
+  for (const auto& [name, b] : named_buffers_of(engine)) s.buffers.push_back(read_buffer(file, path, model_path(name), b, problems));
   for (auto& p : unexpected_model_tensors(file, engine)) problems.push_back(std::move(p));
   if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems));
   const auto world = h5::read_int_attribute(file, "world_size", "checkpoint '" + path + "'");
@@ -881,12 +958,10 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
     auto t = torch::empty(b.sizes(), b.options());
     if (reader) {
       error = capture_error([&] {
-        const std::string p = model_path(name);
-        h5::Id ds = h5::open_dataset(file, p, path);
-        const auto shape = logical_shape(ds);
-        if (shape != b.sizes().vec())
-          throw CheckpointError(mismatch_message(path, {p + " (file " + shape_text(shape) + ", model " + shape_text(b.sizes().vec()) + ")"}));
-        h5::read_flat_range(ds, shape, 0, t.numel(), element_type_of(t.scalar_type()), t.data_ptr(), "checkpoint '" + path + "' dataset " + p);
+        std::vector<std::string> buffer_problems;
+        auto value = read_buffer(file, path, model_path(name), b, buffer_problems);
+        if (!buffer_problems.empty()) throw CheckpointError(mismatch_message(path, buffer_problems));
+        t.copy_(value);
       });
     }
     agree(world, error);
@@ -953,13 +1028,9 @@ Staged read_local_file(Engine& engine, const torch::optim::Optimizer* opt, const
     }
     s.units.push_back(std::move(su));
   }
-  for (const auto& [name, b] : named_buffers_of(engine)) {
-    const std::string p = model_path(name);
-    h5::Id ds = h5::open_dataset(file, p, path);
-    auto t = torch::empty(b.sizes(), b.options());
-    h5::read_flat_range(ds, b.sizes().vec(), 0, t.numel(), element_type_of(t.scalar_type()), t.data_ptr(), "checkpoint '" + path + "' dataset " + p);
-    s.buffers.push_back(t);
-  }
+  std::vector<std::string> problems;
+  for (const auto& [name, b] : named_buffers_of(engine)) s.buffers.push_back(read_buffer(file, path, model_path(name), b, problems));
+  if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems));
   s.meta = read_meta(file, path, 0, 1);
   return s;
 }
@@ -976,14 +1047,8 @@ void apply_staged(Engine& engine, torch::optim::Optimizer* opt, Staged& s, Train
     u.shard.detach().copy_(s.units[i].flat);  // bumps the version counter: a gathered copy is refreshed
   }
   if (opt) {
-    for (std::size_t i = 0; i < units.size(); ++i) {
-      auto& u = *units[i];
-      if (u.params.empty() || !s.units[i].has_optim) continue;
-      OptimizerStateView view;
-      view.step = s.units[i].optim_step;
-      view.tensors = s.units[i].optim;
-      opt->state()[optimizer_state_key(u.shard)] = make_optimizer_state(*opt, view);
-    }
+    for (std::size_t i = 0; i < units.size(); ++i)
+      if (s.optimizer_states[i]) opt->state()[optimizer_state_key(units[i]->shard)] = std::move(s.optimizer_states[i]);
     if (!s.meta.lrs.empty())
       for (std::size_t g = 0; g < opt->param_groups().size(); ++g) opt->param_groups()[g].options().set_lr(s.meta.lrs[g]);
   }
@@ -1032,6 +1097,7 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
     });
     detail::agree(world, error);
   }
+  staged.optimizer_states.resize(engine.flat_units().size());
   error = detail::capture_error([&] {
     if (!optimizer) return;
     if (!staged.meta.optimizer_kind.empty() && staged.meta.optimizer_kind != optimizer_kind(*optimizer))
@@ -1039,6 +1105,20 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
     if (!staged.meta.lrs.empty() && staged.meta.lrs.size() != optimizer->param_groups().size())
       throw CheckpointError("checkpoint '" + path + "' has " + std::to_string(staged.meta.lrs.size()) + " optimizer parameter groups, the optimizer has " +
                             std::to_string(optimizer->param_groups().size()));
+    // Build every optimizer state now, so that applying them below cannot fail half way.
+    const auto& units = engine.flat_units();
+    staged.optimizer_states.resize(units.size());
+    for (std::size_t i = 0; i < units.size(); ++i) {
+      if (units[i]->params.empty() || !staged.units[i].has_optim) continue;
+      OptimizerStateView view;
+      view.step = staged.units[i].optim_step;
+      view.tensors = staged.units[i].optim;
+      try {
+        staged.optimizer_states[i] = make_optimizer_state(*optimizer, view);
+      } catch (const ConfigError& e) {
+        throw CheckpointError("checkpoint '" + path + "': " + detail::message_of(e));
+      }
+    }
   });
   detail::agree(world, error);
   detail::apply_staged(engine, optimizer, staged, state);
@@ -1053,16 +1133,23 @@ ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimiz
   auto& world = engine.comm();
   detail::arrive_together(world, options, "resume_from_latest");
   std::string listing;
+  std::string ignored;
   if (world.rank() == 0) {
-    std::vector<std::string> order;
-    const auto latest = ckpt::read_latest(dir);
-    if (latest) order.push_back(*latest);
-    for (const auto& [step, name] : ckpt::list_checkpoints(dir))
-      if (!latest || name != *latest) order.push_back(name);
-    for (const auto& n : order) listing += n + "\n";
+    for (const auto& [step, name] : ckpt::run_checkpoints(dir)) listing += name + "\n";
+    if (const auto latest = ckpt::read_latest(dir)) {
+      const auto latest_step = ckpt::step_of(*latest).value_or(-1);
+      for (const auto& [step, name] : ckpt::list_checkpoints(dir))
+        if (step > latest_step) ignored += name + "\n";
+    }
   }
   listing = detail::broadcast_string(world, listing);
+  ignored = detail::broadcast_string(world, ignored);
   ResumeResult result;
+  for (std::size_t at = 0; at < ignored.size();) {
+    const auto end = ignored.find('\n', at);
+    result.skipped.push_back(ignored.substr(at, end - at) + ": newer than latest (from an abandoned run or an interrupted commit); not loaded");
+    at = end + 1;
+  }
   std::size_t start = 0;
   while (start < listing.size()) {
     const auto end = listing.find('\n', start);
@@ -1111,7 +1198,7 @@ inline StateDictReport load_full_state_dict(torch::nn::Module& module, const std
     }
     h5::Id ds = h5::open_dataset(file, p, path);
     const auto shape = detail::logical_shape(ds);
-    const auto stored = h5::stored_element_type(ds, where + " " + p);
+    const auto stored = detail::tensor_element_type(ds, where + " " + p);
     const auto et = detail::element_type_of(dst.scalar_type());
     if (shape != dst.sizes().vec() || stored != et) {
       report.mismatched.push_back(name + " (file " + detail::shape_text(shape) + " " + h5::element_type_name(stored) + ", module " +

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <stdio.h>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
 #include <unistd.h>
 
 #include <algorithm>
@@ -66,9 +67,10 @@ inline void fsync_path(const std::filesystem::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw CheckpointError("cannot open '" + path.string() + "' to fsync it: " + errno_text());
   const int rc = ::fsync(fd);
-  const std::string why = rc != 0 ? errno_text() : "";
+  const int err = errno;
   ::close(fd);
-  if (rc != 0 && errno != EINVAL) throw CheckpointError("fsync of '" + path.string() + "' failed: " + why);
+  // EINVAL: the file system cannot fsync this kind of file (some do not for directories).
+  if (rc != 0 && err != EINVAL) throw CheckpointError("fsync of '" + path.string() + "' failed: " + std::strerror(err));
 }
 
 /// fsync of every regular file under `dir`, then of `dir` itself.
@@ -129,7 +131,13 @@ inline void commit(const std::filesystem::path& dir, const std::string& name) {
   std::error_code ec;
   if (std::filesystem::is_directory(tmp)) {
     fsync_tree(tmp);
-    if (std::filesystem::exists(final_path)) {  // a folder cannot be renamed over another: move the old one aside
+    if (std::filesystem::exists(final_path) &&
+        ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) == 0) {
+      // Swapped atomically: the new folder is in place, the old one now sits under the temporary name.
+      std::filesystem::remove_all(tmp, ec);
+      ec.clear();
+    } else if (std::filesystem::exists(final_path)) {
+      // No RENAME_EXCHANGE on this file system: move the old folder aside for the instant of the rename.
       const auto old = dir / ("." + name + ".old");
       std::filesystem::remove_all(old, ec);
       std::filesystem::rename(final_path, old, ec);
@@ -149,13 +157,29 @@ inline void commit(const std::filesystem::path& dir, const std::string& name) {
   write_file_atomically(dir / kLatestName, name + "\n");
 }
 
-/// Deletes all but the newest `keep_last` committed checkpoints, never the one `latest` names.
-/// keep_last <= 0 keeps everything. Returns the names removed. Rank 0 only.
+/// Committed checkpoints that belong to the run `latest` names, newest first: `latest` itself, then
+/// those with a smaller step. Checkpoints with a larger step than `latest` come from an abandoned run
+/// (a restart from an older step) or a crash between a commit's rename and its `latest` update; they
+/// are neither loaded by resume nor counted or deleted by keep_last. Without `latest`: all of them.
+inline std::vector<std::pair<std::int64_t, std::string>> run_checkpoints(const std::filesystem::path& dir) {
+  const auto latest = read_latest(dir);
+  auto all = list_checkpoints(dir);
+  if (!latest) return all;
+  const auto latest_step = step_of(*latest);
+  std::vector<std::pair<std::int64_t, std::string>> out;
+  if (latest_step) out.emplace_back(*latest_step, *latest);
+  for (auto& c : all)
+    if (latest_step && c.first < *latest_step) out.push_back(std::move(c));
+  return out;
+}
+
+/// Deletes all but the newest `keep_last` checkpoints of the run (see run_checkpoints), never the one
+/// `latest` names. keep_last <= 0 keeps everything. Returns the names removed. Rank 0 only.
 inline std::vector<std::string> prune(const std::filesystem::path& dir, int keep_last) {
   std::vector<std::string> removed;
   if (keep_last <= 0) return removed;
   const auto latest = read_latest(dir);
-  const auto all = list_checkpoints(dir);
+  const auto all = run_checkpoints(dir);
   for (std::size_t i = static_cast<std::size_t>(keep_last); i < all.size(); ++i) {
     if (latest && all[i].second == *latest) continue;
     std::error_code ec;

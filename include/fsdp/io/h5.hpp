@@ -286,6 +286,7 @@ inline void write_attribute_raw(hid_t obj, const std::string& name, hid_t type, 
 inline void write_attribute(hid_t obj, const std::string& name, const std::string& value) {
   Id type(H5Tcopy(H5T_C_S1), "H5Tcopy");
   check(H5Tset_size(type, std::max<std::size_t>(1, value.size())), "H5Tset_size");
+  check(H5Tset_strpad(type, H5T_STR_NULLPAD), "H5Tset_strpad");  // the full size holds text, no terminator
   check(H5Tset_cset(type, H5T_CSET_UTF8), "H5Tset_cset");
   Id space(H5Screate(H5S_SCALAR), "H5Screate");
   std::string padded = value.empty() ? std::string(1, '\0') : value;
@@ -307,13 +308,15 @@ inline void write_attribute(hid_t obj, const std::string& name, double value) {
 inline void write_attribute(hid_t obj, const std::string& name, const std::vector<std::int64_t>& values) {
   const hsize_t n = values.size();
   Id space(n == 0 ? H5Screate(H5S_NULL) : H5Screate_simple(1, &n, nullptr), "H5Screate");
-  write_attribute_raw(obj, name, H5T_STD_I64LE, space, values.data());
+  const std::int64_t none = 0;  // HDF5 refuses a null buffer even for an empty attribute
+  write_attribute_raw(obj, name, H5T_STD_I64LE, space, n ? static_cast<const void*>(values.data()) : &none);
 }
 
 inline void write_attribute(hid_t obj, const std::string& name, const std::vector<double>& values) {
   const hsize_t n = values.size();
   Id space(n == 0 ? H5Screate(H5S_NULL) : H5Screate_simple(1, &n, nullptr), "H5Screate");
-  write_attribute_raw(obj, name, H5T_IEEE_F64LE, space, values.data());
+  const double none = 0;
+  write_attribute_raw(obj, name, H5T_IEEE_F64LE, space, n ? static_cast<const void*>(values.data()) : &none);
 }
 
 /// An array of fixed-length strings (null padded to the longest).
@@ -328,6 +331,7 @@ inline void write_attribute(hid_t obj, const std::string& name, const std::vecto
   check(H5Tset_cset(type, H5T_CSET_UTF8), "H5Tset_cset");
   const hsize_t n = values.size();
   Id space(n == 0 ? H5Screate(H5S_NULL) : H5Screate_simple(1, &n, nullptr), "H5Screate");
+  if (packed.empty()) packed.assign(width, '\0');
   write_attribute_raw(obj, name, type, space, packed.data());
 }
 
@@ -489,6 +493,8 @@ inline void write_flat_range(hid_t dataset, const std::vector<std::int64_t>& sha
   const std::int64_t n = std::max<std::int64_t>(0, end - begin);
   std::vector<std::int64_t> dims = shape;
   if (dims.empty()) dims.push_back(1);
+  // A dataset without elements has no storage to write (every rank knows: no collective mismatch).
+  if (std::any_of(dims.begin(), dims.end(), [](std::int64_t d) { return d == 0; })) return;
   Id file_space = select_boxes(dataset, flat_range_boxes(dims, begin, begin + n));
   Id mem_space = memory_space(n);
   Id mem_type = file_type(t);

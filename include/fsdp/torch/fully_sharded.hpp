@@ -397,6 +397,19 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     return os.str();
   }
 
+  /// Bytes moved and time spent in collectives by this engine's world, shard and replica
+  /// communicators together (see CommCounters). Local.
+  CommCounters comm_counters() const {
+    if constexpr (requires(const Comm& c) { c.counters(); }) {
+      CommCounters total = world_.counters();
+      total += shard_comm_.counters();
+      total += replica_comm_.counters();
+      return total;
+    } else {
+      return {};
+    }
+  }
+
   // ---- access for checkpointing (fsdp/io/checkpoint.hpp) ---------------------------------------
 
   /// The units with their flat layouts and local shards. Local.
