@@ -2,7 +2,7 @@
 //   fsdp-ckpt inspect PATH          attributes and a table of tensors (name, shape, dtype, bytes)
 //   fsdp-ckpt verify PATH           checksums and completeness; exit 0 if good, 1 if not
 //   fsdp-ckpt merge LOCAL_DIR OUT   LOCAL_STATE_DICT folder -> one FULL_STATE_DICT file
-//   fsdp-ckpt diff A B              max abs / rel difference per tensor; exit 0 if within --tolerance
+//   fsdp-ckpt diff A B              max abs / rel difference per tensor; exit 0 if within --atol/--rtol
 // PATH may be a checkpoint file, a LOCAL folder, or a checkpoint folder holding `latest`.
 #include <CLI/CLI.hpp>
 
@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::string path, out, a, b;
   bool show_deck = false;
-  double tolerance = 0;
+  double atol = 0, rtol = 0;
 
   auto* inspect = app.add_subcommand("inspect", "attributes and a table of tensors");
   inspect->add_option("PATH", path, "checkpoint file, LOCAL folder, or folder with `latest`")->required();
@@ -80,10 +80,12 @@ int main(int argc, char** argv) {
   auto* merge = app.add_subcommand("merge", "LOCAL_STATE_DICT folder -> one FULL_STATE_DICT file");
   merge->add_option("LOCAL_DIR", path, "a LOCAL_STATE_DICT checkpoint folder")->required();
   merge->add_option("OUT", out, "the file to write")->required();
-  auto* diff = app.add_subcommand("diff", "max abs and rel difference per tensor (exit 0: within tolerance, 1: not)");
-  diff->add_option("A", a, "checkpoint file")->required();
-  diff->add_option("B", b, "checkpoint file")->required();
-  diff->add_option("--tolerance", tolerance, "largest max-abs difference still counted as equal")->check(CLI::NonNegativeNumber);
+  auto* diff = app.add_subcommand("diff",
+                                  "per tensor: max |A-B| and max |A-B| / max |B|; exit 0 if every tensor has max |A-B| <= atol + rtol * max |B|, else 1");
+  diff->add_option("A", a, "checkpoint file, or folder with `latest`")->required();
+  diff->add_option("B", b, "checkpoint file, or folder with `latest`")->required();
+  diff->add_option("--atol,--tolerance", atol, "absolute tolerance (default 0: identical)")->check(CLI::NonNegativeNumber);
+  diff->add_option("--rtol", rtol, "relative tolerance, against the tensor's max |B| (default 0)")->check(CLI::NonNegativeNumber);
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -123,7 +125,7 @@ int main(int argc, char** argv) {
       std::printf("%-*s  %-10s %14s %14s\n", static_cast<int>(width), "tensor", "status", "max abs", "max rel");
       bool same = true;
       for (const auto& r : rows) {
-        const bool within = (r.status == "ok" || r.status == "differs") && r.max_abs <= tolerance;
+        const bool within = (r.status == "ok" || r.status == "differs") && r.max_abs <= atol + rtol * r.max_b;
         same = same && within;
         std::printf("%-*s  %-10s %14.6g %14.6g\n", static_cast<int>(width), r.path.c_str(), r.status.c_str(), r.max_abs, r.max_rel);
       }

@@ -391,8 +391,9 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
 struct TensorDiff {
   std::string path;
   std::string status;  ///< "ok", "differs", "only in A", "only in B", "shape"
-  double max_abs = 0;
-  double max_rel = 0;
+  double max_abs = 0;  ///< max |a - b|
+  double max_rel = 0;  ///< max |a - b| / max |b| over the tensor (0 when b is all zeros and a == b)
+  double max_b = 0;    ///< max |b|
 };
 
 inline std::vector<TensorDiff> diff(const std::string& a_path, const std::string& b_path) {
@@ -430,9 +431,9 @@ inline std::vector<TensorDiff> diff(const std::string& a_path, const std::string
           const double diff_abs = std::abs(va[i] - vb[i]);
           if (std::isnan(va[i]) != std::isnan(vb[i])) d.max_abs = std::numeric_limits<double>::infinity();
           d.max_abs = std::max(d.max_abs, diff_abs);
-          const double scale = std::max(std::abs(va[i]), std::abs(vb[i]));
-          if (scale > 0) d.max_rel = std::max(d.max_rel, diff_abs / scale);
+          d.max_b = std::max(d.max_b, std::abs(vb[i]));
         }
+        d.max_rel = d.max_b > 0 ? d.max_abs / d.max_b : (d.max_abs > 0 ? std::numeric_limits<double>::infinity() : 0.0);
         d.status = d.max_abs == 0 ? "ok" : "differs";
       }
     }

@@ -1,0 +1,232 @@
+// fsdp-sweep: one fsdp-train deck per point of a parameter grid, plus a manifest for a Slurm job array.
+//   fsdp-sweep DECK --grid key=v1,v2 [--grid ...] [--set key=value ...] --out DIR [--dry-run]
+// The points are the cartesian product of the grids (the last --grid varies fastest). Each point is
+// the deck, then the --set options, then the point's values, then run.out_dir = DIR/runs/point_NNNN
+// (unless a grid sets run.out_dir). Every point is validated before anything is written; one invalid
+// point writes nothing. Writes DIR/decks/point_NNNN.toml and DIR/manifest.tsv
+// (index, overrides, deck, out_dir). Exit status: 0 done, 2 bad input, 1 a file could not be written.
+//   fsdp-sweep --print-reference   prints docs/deck_reference.md (generated from the schema)
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "deck.hpp"
+#include "fsdp/version.hpp"
+
+namespace fs = std::filesystem;
+using fsdp::app::Deck;
+using fsdp::app::DeckError;
+
+namespace {
+
+/// Bad command-line input: exit status 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t");
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(" \t") - b + 1);
+}
+
+/// "a,b,[1,2],'x,y'" -> a | b | [1,2] | 'x,y': commas inside brackets or quotes do not split.
+std::vector<std::string> split_values(const std::string& list) {
+  std::vector<std::string> out;
+  std::string current;
+  int depth = 0;
+  char quote = 0;
+  for (char c : list) {
+    if (quote) {
+      if (c == quote) quote = 0;
+    } else if (c == '"' || c == '\'') {
+      quote = c;
+    } else if (c == '[' || c == '{') {
+      ++depth;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    } else if (c == ',' && depth == 0) {
+      out.push_back(trim(current));
+      current.clear();
+      continue;
+    }
+    current += c;
+  }
+  out.push_back(trim(current));
+  return out;
+}
+
+struct Axis {
+  std::string key;
+  std::vector<std::string> values;
+};
+
+Axis parse_grid(const std::string& text) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos) throw UsageError("--grid '" + text + "': expected section.key=v1,v2,...");
+  Axis axis{trim(text.substr(0, eq)), {}};
+  if (!fsdp::app::find_key(axis.key)) {
+    std::string msg = "--grid '" + text + "': unknown key '" + axis.key + "'";
+    if (auto near = fsdp::app::did_you_mean(axis.key); !near.empty()) msg += " (did you mean " + near + "?)";
+    throw UsageError(msg);
+  }
+  const std::string list = trim(text.substr(eq + 1));
+  if (list.empty()) throw UsageError("--grid '" + text + "': no values (expected " + axis.key + "=v1,v2,...)");
+  axis.values = split_values(list);
+  for (std::size_t i = 0; i < axis.values.size(); ++i)
+    if (axis.values[i].empty()) throw UsageError("--grid '" + text + "': value " + std::to_string(i + 1) + " is empty");
+  return axis;
+}
+
+struct Point {
+  std::vector<std::string> overrides;  // key=value, one per axis
+  std::string name;                    // point_0003
+  std::string deck_path;               // DIR/decks/point_0003.toml
+  std::string toml;
+  std::string out_dir;
+};
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string out;
+  for (std::size_t i = 0; i < v.size(); ++i) out += (i ? " " : "") + v[i];
+  return out;
+}
+
+void write_file(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) throw std::runtime_error("cannot write '" + path.string() + "'");
+}
+
+int sweep(const std::string& deck_path, const std::vector<std::string>& grids, const std::vector<std::string>& sets,
+          const std::string& out, bool dry_run) {
+  std::vector<Axis> axes;
+  for (const auto& g : grids) {
+    axes.push_back(parse_grid(g));
+    for (std::size_t i = 0; i + 1 < axes.size(); ++i)
+      if (axes[i].key == axes.back().key) throw UsageError("--grid: " + axes.back().key + " is given twice");
+  }
+  const Deck base = Deck::from_file(deck_path, sets);
+
+  std::size_t count = 1;
+  for (const auto& a : axes) count *= a.values.size();
+  const int digits = std::max<int>(4, static_cast<int>(std::to_string(count - 1).size()));
+  bool grid_sets_out_dir = false;
+  for (const auto& a : axes) grid_sets_out_dir |= a.key == "run.out_dir";
+
+  // Every point first: build and validate them all, write nothing unless all are good.
+  std::vector<Point> points;
+  std::vector<std::string> problems;
+  std::vector<std::size_t> digit(axes.size(), 0);  // mixed-radix counter, the last axis fastest
+  for (std::size_t index = 0; index < count; ++index) {
+    Point p;
+    for (std::size_t a = 0; a < axes.size(); ++a) p.overrides.push_back(axes[a].key + "=" + axes[a].values[digit[a]]);
+    const std::string number = std::to_string(index);
+    p.name = "point_" + std::string(static_cast<std::size_t>(digits) - std::min<std::size_t>(digits, number.size()), '0') + number;
+    p.deck_path = (fs::path(out) / "decks" / (p.name + ".toml")).string();
+    try {
+      Deck d = base;
+      d.apply_overrides(p.overrides, "--grid");
+      if (!grid_sets_out_dir) d.set("run.out_dir", (fs::path(out) / "runs" / p.name).string());
+      p.out_dir = d.get_string("run.out_dir");
+      p.toml = d.to_toml();
+      for (const auto& field : {joined(p.overrides), p.deck_path, p.out_dir})
+        if (field.find_first_of("\t\n\r") != std::string::npos)
+          throw DeckError("a tab or line break in '" + field + "' would break manifest.tsv");
+    } catch (const DeckError& e) {
+      problems.push_back(p.name + " (" + joined(p.overrides) + "):");
+      for (const auto& line : e.problems()) problems.push_back("    " + line);
+    }
+    points.push_back(std::move(p));
+    for (std::size_t a = axes.size(); a-- > 0;) {
+      if (++digit[a] < axes[a].values.size()) break;
+      digit[a] = 0;
+    }
+  }
+  if (!problems.empty()) {
+    std::size_t bad = 0;
+    for (const auto& line : problems) bad += line.rfind("    ", 0) != 0;
+    std::string msg = std::to_string(bad) + " of " + std::to_string(count) + " points are invalid; nothing was written:";
+    for (const auto& line : problems) msg += "\n  " + line;
+    throw UsageError(msg);
+  }
+
+  // The table of points.
+  std::size_t wo = 9, wd = 4;
+  for (const auto& p : points) wo = std::max(wo, joined(p.overrides).size()), wd = std::max(wd, p.deck_path.size());
+  std::printf("%-5s  %-*s  %-*s  %s\n", "index", static_cast<int>(wo), "overrides", static_cast<int>(wd), "deck", "out_dir");
+  for (std::size_t i = 0; i < points.size(); ++i)
+    std::printf("%5zu  %-*s  %-*s  %s\n", i, static_cast<int>(wo), joined(points[i].overrides).c_str(), static_cast<int>(wd),
+                points[i].deck_path.c_str(), points[i].out_dir.c_str());
+  if (dry_run) {
+    std::printf("\n%zu point%s valid; nothing written (--dry-run)\n", count, count == 1 ? "" : "s");
+    return 0;
+  }
+
+  const fs::path manifest = fs::path(out) / "manifest.tsv";
+  try {
+    fs::create_directories(fs::path(out) / "decks");
+    std::string tsv = "index\toverrides\tdeck\tout_dir\n";
+    for (std::size_t i = 0; i < points.size(); ++i) {
+      write_file(points[i].deck_path, points[i].toml);
+      tsv += std::to_string(i) + "\t" + joined(points[i].overrides) + "\t" + points[i].deck_path + "\t" + points[i].out_dir + "\n";
+    }
+    write_file(manifest, tsv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp-sweep: %s\n", e.what());
+    return 1;
+  }
+  std::printf("\nwrote %zu deck%s under %s and %s\n", count, count == 1 ? "" : "s", (fs::path(out) / "decks").c_str(), manifest.c_str());
+  std::printf("Slurm job array, one task per point (run from this folder):\n"
+              "  sbatch --array=0-%zu job.sh\n"
+              "where job.sh runs\n"
+              "  deck=$(awk -F'\\t' -v i=$SLURM_ARRAY_TASK_ID 'NR==i+2{print $3}' %s)\n"
+              "  srun fsdp-train \"$deck\"\n",
+              count - 1, manifest.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"One fsdp-train deck per point of a parameter grid, and a manifest for a Slurm job array (fsdp " +
+                   std::string(fsdp::kVersion) + ")",
+               "fsdp-sweep"};
+  std::string deck_path, out;
+  std::vector<std::string> grids, sets;
+  bool dry_run = false, print_reference = false;
+  app.add_option("deck", deck_path, "the base deck (TOML)");
+  app.add_option("--grid", grids, "KEY=V1,V2,...: one axis of the grid; values are read like --set values (repeatable)")
+      ->allow_extra_args(false);
+  app.add_option("--set", sets, "KEY=VALUE: override the base deck for every point (repeatable)")->allow_extra_args(false);
+  app.add_option("--out", out, "output folder: DIR/decks/point_NNNN.toml, DIR/manifest.tsv, runs in DIR/runs/point_NNNN");
+  app.add_flag("--dry-run", dry_run, "validate every point and print the table; write nothing");
+  app.add_flag("--print-reference", print_reference, "print docs/deck_reference.md")->group("");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  try {
+    if (print_reference) {
+      std::cout << fsdp::app::reference_markdown();
+      return 0;
+    }
+    if (deck_path.empty()) throw UsageError("the base deck is missing (fsdp-sweep DECK --grid key=v1,v2 --out DIR)");
+    if (out.empty()) throw UsageError("--out DIR is missing");
+    return sweep(deck_path, grids, sets, out, dry_run);
+  } catch (const DeckError& e) {
+    std::fprintf(stderr, "fsdp-sweep: %s\n", e.what());
+    return 2;
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "fsdp-sweep: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,701 @@
+// fsdp-train: the batch application. Reads a TOML input deck, trains with FSDP under mpirun or srun,
+// evaluates every epoch, writes metrics.csv, summary.json and checkpoints, resumes from `latest`.
+//   mpirun -np N build/bin/fsdp-train inputs/mnist_fsdp.toml [--set section.key=value ...] [--dry-run]
+// Policy: problems found before training (deck, data, environment, checkpoint to resume) are agreed
+// between the ranks and end every rank with exit code 2 and one message from rank 0; an error during
+// training aborts the whole job (MPI_Abort) so that no rank is left waiting in a collective.
+#include <CLI/CLI.hpp>
+#include <fsdp/fsdp.hpp>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "data.hpp"
+#include "deck.hpp"
+#include "models.hpp"
+
+namespace fs = std::filesystem;
+using fsdp::MpiComm;
+using namespace fsdp::app;
+
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitBadInput = 2;
+
+using Engine = fsdp::FullyShardedDataParallel<AppModel, MpiComm>;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+/// Adds the time of its scope to `total`.
+struct Timed {
+  explicit Timed(double& total) : total_(total), start_(Clock::now()) {}
+  ~Timed() { total_ += seconds_since(start_); }
+  double& total_;
+  Clock::time_point start_;
+};
+
+/// Per-phase wall time on this rank.
+struct Phases {
+  double data = 0, forward = 0, backward = 0, optimizer = 0, checkpoint = 0, eval = 0;
+};
+
+/// Every rank learns whether any rank failed; all throw the lowest failing rank's message.
+void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_input);
+
+struct RankError : std::runtime_error {
+  RankError(const std::string& what, bool bad_input) : std::runtime_error(what), bad_input(bad_input) {}
+  bool bad_input;
+};
+
+void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_input) {
+  std::int64_t flag = error ? world.size() - world.rank() : 0;
+  std::int64_t bad = error && bad_input ? 1 : 0;
+  world.all_reduce(&flag, &flag, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+  world.all_reduce(&bad, &bad, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+  if (flag == 0) return;
+  const int root = world.size() - static_cast<int>(flag);
+  std::string text = fsdp::detail::broadcast_string(world, error ? *error : std::string(), root);
+  if (world.size() > 1) text += " (rank " + std::to_string(root) + ")";
+  throw RankError(text, bad != 0);
+}
+
+/// Runs `f` on every rank; a failure on any rank becomes a RankError on all of them.
+template <class F>
+void on_all_ranks(MpiComm& world, F&& f) {
+  std::optional<std::string> error;
+  bool bad_input = true;
+  try {
+    f();
+  } catch (const fsdp::ConfigError& e) {
+    error = e.what();
+  } catch (const fsdp::CheckpointError& e) {
+    error = e.what();
+  } catch (const std::exception& e) {
+    error = e.what();
+    bad_input = false;
+  }
+  agree(world, error, bad_input);
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DeckError("cannot read deck '" + path + "'");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+double peak_rss_mb() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+// ---- data ---------------------------------------------------------------------------------------
+
+/// The training data of one run: images (classification) or token sequences (language modelling).
+struct Dataset {
+  bool tokens = false;
+  ImageSplit train_images, test_images;
+  TokenSplit train_tokens, test_tokens;
+  bool has_test = true;
+  double mean = 0, stddev = 1;  // image normalization
+  std::int64_t train_size() const { return tokens ? train_tokens.n : train_images.n; }
+  std::int64_t test_size() const { return tokens ? test_tokens.n : test_images.n; }
+};
+
+Dataset load_dataset(const Deck& deck) {
+  Dataset d;
+  const std::string kind = deck.get_string("data.kind");
+  const std::string model = deck.get_string("model.kind");
+  const bool lm = kind == "tokens" || kind == "text";
+  if (lm != (model == "transformer"))
+    throw DeckError("data.kind = \"" + kind + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" + model + "\")");
+  if (kind == "fashion-mnist" || kind == "mnist") {
+    d.train_images = load_mnist_split(deck.get_string("data.path"), true);
+    d.test_images = load_mnist_split(deck.get_string("data.path"), false);
+    if (d.train_images.rows != 28 || d.train_images.cols != 28)
+      throw DataError("'" + deck.get_string("data.path") + "' holds " + std::to_string(d.train_images.rows) + "x" +
+                      std::to_string(d.train_images.cols) + " images; the models take 28x28");
+    // Normalization constants of the tutorial (MNIST) and the same statistics for Fashion-MNIST.
+    d.mean = kind == "mnist" ? 0.1307 : 0.2860;
+    d.stddev = kind == "mnist" ? 0.3081 : 0.3530;
+  } else if (kind == "tokens") {
+    d.tokens = true;
+    const auto n = deck.get_int("data.num_samples");
+    const auto context = deck.get_int("model.context");
+    const int vocab = static_cast<int>(deck.get_int("model.vocab_size"));
+    const auto seed = static_cast<std::uint64_t>(deck.get_int("run.seed"));
+    d.train_tokens = make_synthetic_tokens(n, context, vocab, seed);
+    d.test_tokens = make_synthetic_tokens(std::max<std::int64_t>(n / 10, 1), context, vocab, seed + 1000003);
+  } else {
+    d.tokens = true;
+    auto corpus = load_text(deck.get_string("data.path"), deck.get_int("model.context"), static_cast<int>(deck.get_int("model.vocab_size")));
+    d.train_tokens = std::move(corpus.train);
+    d.test_tokens = std::move(corpus.test);
+    d.has_test = d.test_tokens.n > 0;
+  }
+  const auto limit_train = deck.get_int("data.train_samples"), limit_test = deck.get_int("data.test_samples");
+  auto cut_images = [](ImageSplit& s, std::int64_t n) {
+    if (n <= 0 || n >= s.n) return;
+    s.n = n;
+    s.images.resize(static_cast<std::size_t>(n * s.rows * s.cols));
+    s.labels.resize(static_cast<std::size_t>(n));
+  };
+  auto cut_tokens = [](TokenSplit& s, std::int64_t n) {
+    if (n <= 0 || n >= s.n) return;
+    s.n = n;
+    s.tokens.resize(static_cast<std::size_t>(n * s.length));
+  };
+  cut_images(d.train_images, limit_train);
+  cut_images(d.test_images, limit_test);
+  cut_tokens(d.train_tokens, limit_train);
+  cut_tokens(d.test_tokens, limit_test);
+  return d;
+}
+
+struct Batch {
+  torch::Tensor x, y;
+  std::int64_t samples = 0;
+};
+
+Batch make_batch(const Dataset& d, bool train, const std::vector<std::int64_t>& idx, std::size_t begin, std::size_t end) {
+  Batch b;
+  const auto n = static_cast<std::int64_t>(end - begin);
+  b.samples = n;
+  if (!d.tokens) {
+    const ImageSplit& s = train ? d.train_images : d.test_images;
+    const std::int64_t pixels = s.rows * s.cols;
+    auto x = torch::empty({n, 1, s.rows, s.cols}, torch::kFloat32);
+    auto y = torch::empty({n}, torch::kLong);
+    float* xp = x.data_ptr<float>();
+    std::int64_t* yp = y.data_ptr<std::int64_t>();
+    const float scale = static_cast<float>(1.0 / (255.0 * d.stddev)), shift = static_cast<float>(d.mean / d.stddev);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto k = idx[begin + static_cast<std::size_t>(i)];
+      const std::uint8_t* src = s.images.data() + k * pixels;
+      for (std::int64_t p = 0; p < pixels; ++p) xp[i * pixels + p] = static_cast<float>(src[p]) * scale - shift;
+      yp[i] = s.labels[static_cast<std::size_t>(k)];
+    }
+    b.x = x;
+    b.y = y;
+  } else {
+    const TokenSplit& s = train ? d.train_tokens : d.test_tokens;
+    auto all = torch::empty({n, s.length}, torch::kLong);
+    std::int64_t* p = all.data_ptr<std::int64_t>();
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto k = idx[begin + static_cast<std::size_t>(i)];
+      for (std::int64_t t = 0; t < s.length; ++t) p[i * s.length + t] = s.tokens[static_cast<std::size_t>(k * s.length + t)];
+    }
+    b.x = all.narrow(1, 0, s.length - 1).contiguous();
+    b.y = all.narrow(1, 1, s.length - 1).contiguous();
+  }
+  return b;
+}
+
+torch::Tensor loss_of(const Dataset& d, const torch::Tensor& out, const torch::Tensor& y, bool sum = false) {
+  const auto reduction = sum ? torch::Reduction::Sum : torch::Reduction::Mean;
+  if (!d.tokens) return torch::nll_loss(out, y, {}, reduction);
+  return torch::nll_loss(torch::log_softmax(out.reshape({-1, out.size(-1)}), 1), y.reshape({-1}), {}, reduction);
+}
+
+// ---- model and optimizer --------------------------------------------------------------------------
+
+std::shared_ptr<AppModel> build_model(const Deck& deck) {
+  const std::string kind = deck.get_string("model.kind");
+  std::optional<double> dropout;
+  if (deck.is_set("model.dropout")) dropout = deck.get_float("model.dropout");
+  if (kind == "cnn") return std::make_shared<TutorialCnnImpl>(dropout);
+  if (kind == "mlp") return std::make_shared<MlpImpl>(deck.get_int_array("model.hidden_sizes"), dropout);
+  GptConfig c;
+  c.vocab_size = deck.get_int("model.vocab_size");
+  c.context = deck.get_int("model.context");
+  c.d_model = deck.get_int("model.d_model");
+  c.n_heads = deck.get_int("model.n_heads");
+  c.n_layers = deck.get_int("model.n_layers");
+  c.mlp_ratio = deck.get_int("model.mlp_ratio");
+  c.dropout = dropout.value_or(0.1);
+  c.tie_embeddings = deck.get_bool("model.tie_embeddings");
+  return std::make_shared<GptImpl>(c);
+}
+
+fsdp::FsdpOptions fsdp_options(const Deck& deck) {
+  fsdp::FsdpOptions o;
+  o.sharding_strategy = fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
+  const std::string policy = deck.get_string("fsdp.auto_wrap_policy");
+  if (policy == "SIZE_BASED_WRAP") o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(deck.get_int("fsdp.min_num_params"));
+  else if (policy == "TRANSFORMER_BASED_WRAP") {
+    std::vector<std::string> names;
+    std::stringstream ss(deck.get_string("fsdp.transformer_layer_cls_to_wrap"));
+    for (std::string n; std::getline(ss, n, ',');)
+      if (!n.empty()) names.push_back(n);
+    o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(names);
+  }
+  const std::string reshard = deck.get_string("fsdp.reshard_after_forward");
+  if (reshard == "true") o.reshard_after_forward = true;
+  else if (reshard == "false") o.reshard_after_forward = false;
+  o.shard_group_size = static_cast<int>(deck.get_int("fsdp.shard_group_size"));
+  o.sync_module_states = deck.get_bool("fsdp.sync_module_states");
+  o.all_units_called_through_forward = true;  // every model here calls its children through fsdp::forward
+  return o;
+}
+
+std::unique_ptr<torch::optim::Optimizer> build_optimizer(const Deck& deck, Engine& model) {
+  const std::string kind = deck.get_string("optim.kind");
+  const double lr = deck.get_float("optim.lr"), wd = deck.get_float("optim.weight_decay");
+  const auto params = model.parameters();
+  if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(deck.get_float("optim.momentum")).weight_decay(wd));
+  const auto& betas = deck.get_float_array("optim.betas");
+  if (betas.size() != 2) throw DeckError("optim.betas must have 2 values, got " + std::to_string(betas.size()));
+  if (kind == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
+  if (kind == "adamw") return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
+  return std::make_unique<fsdp::optim::Adadelta>(params, fsdp::optim::AdadeltaOptions(lr).weight_decay(wd));
+}
+
+/// Optimizer state tensors per parameter element (for the expected-memory estimate).
+int optimizer_state_copies(const Deck& deck) {
+  const std::string kind = deck.get_string("optim.kind");
+  if (kind == "sgd") return deck.get_float("optim.momentum") > 0 ? 1 : 0;
+  return 2;
+}
+
+/// The learning rate at optimizer step `step` (0-based) in `epoch`.
+double lr_at(const Deck& deck, std::int64_t step, std::int64_t epoch, std::int64_t total_steps) {
+  const double base = deck.get_float("optim.lr");
+  const std::string schedule = deck.get_string("optim.schedule");
+  double lr = base;
+  if (schedule == "step") lr = base * std::pow(deck.get_float("optim.gamma"), static_cast<double>(epoch));  // StepLR(step_size=1) per epoch
+  else if (schedule == "cosine" && total_steps > 0)
+    lr = base * 0.5 * (1 + std::cos(M_PI * static_cast<double>(std::min(step, total_steps)) / static_cast<double>(total_steps)));
+  const auto warmup = deck.get_int("optim.warmup_steps");
+  if (warmup > 0 && step < warmup) lr *= static_cast<double>(step + 1) / static_cast<double>(warmup);
+  return lr;
+}
+
+// ---- the run ------------------------------------------------------------------------------------
+
+struct EvalResult {
+  double loss = 0, accuracy = 0;
+  std::int64_t samples = 0;
+};
+
+/// The tutorial's test(): loss summed and correct predictions counted on each rank, reduced.
+EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, MpiComm& world) {
+  model.eval();
+  torch::NoGradGuard no_grad;
+  // Rank r takes samples r, r+N, ...: every sample exactly once (no padding).
+  std::vector<std::int64_t> idx;
+  for (std::int64_t i = world.rank(); i < d.test_size(); i += world.size()) idx.push_back(i);
+  // Every rank runs the same number of (collective) forwards, the last ones possibly empty.
+  std::int64_t batches = (static_cast<std::int64_t>(idx.size()) + batch - 1) / batch;
+  world.all_reduce(&batches, &batches, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+  double sums[3] = {0, 0, 0};  // loss, correct, count
+  for (std::int64_t k = 0; k < batches; ++k) {
+    const auto begin = std::min(static_cast<std::size_t>(k * batch), idx.size());
+    const auto end = std::min(begin + static_cast<std::size_t>(batch), idx.size());
+    auto b = make_batch(d, false, idx, begin, end);
+    if (b.samples == 0) {  // keep the collectives in step with an empty batch
+      b = make_batch(d, false, std::vector<std::int64_t>{0}, 0, 1);
+      model.forward(b.x);
+      continue;
+    }
+    auto out = model.forward(b.x);
+    sums[0] += loss_of(d, out, b.y, true).item<double>();
+    sums[1] += out.argmax(-1).eq(b.y).sum().item<double>();
+    sums[2] += static_cast<double>(b.y.numel());
+  }
+  world.all_reduce(sums, sums, 3, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+  model.train();
+  return {sums[2] > 0 ? sums[0] / sums[2] : 0, sums[2] > 0 ? sums[1] / sums[2] : 0, static_cast<std::int64_t>(sums[2])};
+}
+
+struct Stats {
+  double min = 0, avg = 0, max = 0;
+};
+
+Stats across_ranks(MpiComm& world, double v) {
+  double mx = v, mn = -v, sum = v;
+  world.all_reduce(&mx, &mx, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
+  world.all_reduce(&mn, &mn, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
+  world.all_reduce(&sum, &sum, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+  return {-mn, sum / world.size(), mx};
+}
+
+std::string format_duration(double s) {
+  char buf[32];
+  if (s >= 3600) std::snprintf(buf, sizeof buf, "%dh%02dm", static_cast<int>(s / 3600), static_cast<int>(std::fmod(s, 3600) / 60));
+  else if (s >= 60) std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s / 60), static_cast<int>(std::fmod(s, 60)));
+  else std::snprintf(buf, sizeof buf, "%.1fs", s);
+  return buf;
+}
+
+int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides, bool dry_run) {
+  const auto wall_start = Clock::now();
+  const bool root = world.rank() == 0;
+  const auto placement = world.placement();
+
+  // 1. The deck: rank 0 reads it, every rank parses the same text (and so fails the same way).
+  std::string text;
+  on_all_ranks(world, [&] {
+    if (root) text = read_text_file(deck_path);
+  });
+  text = fsdp::detail::broadcast_string(world, text);
+  std::optional<Deck> parsed;
+  on_all_ranks(world, [&] { parsed = Deck::parse(text, deck_path, overrides); });
+  Deck& deck = *parsed;
+
+  const std::string name = deck.get_string("run.name");
+  const fs::path out_dir = deck.out_dir();
+  const fs::path ckpt_dir = deck.checkpoint_dir();
+  int threads = static_cast<int>(deck.get_int("run.threads"));
+  if (threads == 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, placement.local_size));
+  torch::set_num_threads(threads);
+  torch::manual_seed(static_cast<std::uint64_t>(deck.get_int("run.seed")));
+
+  // 2. Data (each rank reads the files itself) and the model.
+  Dataset data;
+  on_all_ranks(world, [&] { data = load_dataset(deck); });
+  std::shared_ptr<Engine> model;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  on_all_ranks(world, [&] {
+    auto net = build_model(deck);
+    model = std::make_shared<Engine>(net, world, fsdp_options(deck));
+    optimizer = build_optimizer(deck, *model);
+  });
+
+  // 3. Echo: the resolved deck and what follows from it.
+  const auto units = model->units();
+  std::int64_t shard_numel = 0, padding = 0;
+  for (const auto& u : units) {
+    shard_numel += u.shard_numel;
+    padding += u.padded_numel - u.numel;
+  }
+  const std::int64_t state_bytes = shard_numel * 4 * (2 + optimizer_state_copies(deck));
+  if (root) {
+    std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, deck_path.c_str(), deck.echo_table().c_str());
+    std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", world.size(), placement.nodes, placement.local_size, threads);
+    std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model->sharding_strategy()), model->shard_group_size(),
+                units.size(), static_cast<long long>(model->num_params()));
+    std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
+                static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
+    std::printf("  data %s: %lld train, %lld test samples; out_dir %s\n\n", deck.get_string("data.kind").c_str(),
+                static_cast<long long>(data.train_size()), static_cast<long long>(data.test_size()), out_dir.c_str());
+    std::fflush(stdout);
+  }
+  on_all_ranks(world, [&] {
+    if (!root) return;
+    fs::create_directories(out_dir);
+    std::ofstream(out_dir / "deck.toml") << deck.to_toml();
+  });
+  if (dry_run) {
+    if (root) std::printf("dry run: stopping after the echo (resolved deck in %s)\n", (out_dir / "deck.toml").c_str());
+    return 0;
+  }
+
+  // 4. Resume.
+  fsdp::CheckpointOptions ckpt;
+  ckpt.state_dict_type = fsdp::parse_state_dict_type(deck.get_string("checkpoint.state_dict_type"));
+  ckpt.keep_last = static_cast<int>(deck.get_int("checkpoint.keep_last"));
+  ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
+  fsdp::TrainState state;
+  const std::string resume = deck.get_string("checkpoint.resume");
+  if (resume == "auto") {
+    const auto r = fsdp::resume_from_latest(*model, optimizer.get(), ckpt_dir.string(), &state, ckpt);
+    if (root) {
+      for (const auto& why : r.skipped) std::printf("warning: skipped unusable checkpoint %s\n", why.c_str());
+      if (!r.path.empty()) std::printf("resumed from %s at step %lld (epoch %lld)\n", r.path.c_str(), static_cast<long long>(state.step),
+                                       static_cast<long long>(state.epoch + 1));
+    }
+  } else if (resume != "none") {
+    on_all_ranks(world, [&] { fsdp::load_checkpoint(*model, optimizer.get(), resume, &state, ckpt); });
+    if (root) std::printf("resumed from %s at step %lld\n", resume.c_str(), static_cast<long long>(state.step));
+  }
+
+  // 5. Train.
+  const std::int64_t batch = deck.get_int("data.batch_size");
+  const std::int64_t accum = deck.get_int("optim.grad_accum_steps");
+  const std::int64_t epochs = deck.get_int("run.epochs");
+  const std::int64_t max_steps = deck.get_int("run.max_steps");
+  const double clip = deck.get_float("optim.clip_grad_norm");
+  const std::int64_t log_every = deck.get_int("log.every_steps");
+  const std::int64_t ckpt_every = deck.get_int("checkpoint.every_steps");
+  DistributedSampler sampler(data.train_size(), world.size(), world.rank(), deck.get_bool("data.shuffle"), static_cast<std::uint64_t>(deck.get_int("run.seed")));
+  const std::int64_t micro_per_epoch = (sampler.num_samples() + batch - 1) / batch;
+  const std::int64_t steps_per_epoch = micro_per_epoch / accum;
+  if (steps_per_epoch == 0)
+    throw RankError("data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(sampler.num_samples()) + ")", true);
+  const std::int64_t total_steps = max_steps > 0 ? std::min(max_steps, steps_per_epoch * epochs) : steps_per_epoch * epochs;
+  const std::string progress_mode = deck.get_string("log.progress");
+  const bool live = progress_mode == "live" || (progress_mode == "auto" && isatty(STDOUT_FILENO));
+  const bool quiet = progress_mode == "none";
+
+  std::ofstream metrics;
+  const bool write_metrics = !deck.get_string("log.metrics_file").empty();
+  const fs::path metrics_path = out_dir / deck.get_string("log.metrics_file");
+  if (root && write_metrics) {
+    // On resume keep the rows up to the resumed step; a crashed run may have logged past it.
+    std::vector<std::string> kept;
+    if (state.step > 0) {
+      std::ifstream old(metrics_path);
+      for (std::string line; std::getline(old, line);)
+        if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= state.step) kept.push_back(line);
+    }
+    metrics.open(metrics_path, std::ios::trunc);
+    metrics << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s\n";
+    for (const auto& l : kept) metrics << l << "\n";
+    metrics.flush();
+  }
+
+  Phases phases;
+  std::vector<double> step_ms;
+  double last_loss = std::nan(""), window_loss = 0;
+  std::int64_t window_steps = 0, window_samples = 0;
+  auto window_start = Clock::now();
+  const auto train_start = Clock::now();
+  std::int64_t step = state.step;
+  std::int64_t samples_trained = 0;
+  EvalResult last_eval;
+  bool evaluated = false;
+  const auto comm_start = model->comm_counters();
+  model->train();
+
+  // Where a run restarted from the current state continues: the next epoch and global sample.
+  std::int64_t next_epoch = state.epoch, next_sample_index = state.sample_index;
+  const bool save_final = deck.get_bool("checkpoint.save_final");
+  auto save = [&] {
+    Timed t(phases.checkpoint);
+    fsdp::TrainState s;
+    s.step = step;
+    s.epoch = next_epoch;
+    s.sample_index = next_sample_index;
+    s.scheduler = {{"lr", lr_at(deck, step, next_epoch, total_steps)}, {"total_steps", static_cast<double>(total_steps)}};
+    s.deck = deck.to_toml();
+    const auto r = fsdp::save_checkpoint(*model, optimizer.get(), ckpt_dir.string(), s, ckpt);
+    if (root && !quiet) std::printf("checkpoint %s (%.1f MiB, %.2f s)\n", r.path.c_str(), r.bytes / 1048576.0, r.seconds);
+  };
+
+  bool done = step >= total_steps;
+  for (std::int64_t epoch = state.epoch; epoch < epochs && !done; ++epoch) {
+    sampler.set_epoch(epoch);
+    const auto idx = sampler.indices();
+    // Resuming inside an epoch: skip the micro-batches already trained (global sample count).
+    std::int64_t first_micro = 0;
+    if (epoch == state.epoch && state.sample_index > 0) first_micro = state.sample_index / (batch * world.size());
+    const int workers = static_cast<int>(deck.get_int("data.num_workers"));
+    const std::int64_t micro_end = steps_per_epoch * accum;
+    Prefetcher<Batch> loader(
+        std::max<std::int64_t>(0, micro_end - first_micro),
+        [&, first_micro](std::int64_t k) {
+          const auto begin = static_cast<std::size_t>((first_micro + k) * batch);
+          return make_batch(data, true, idx, std::min(begin, idx.size()), std::min(begin + static_cast<std::size_t>(batch), idx.size()));
+        },
+        workers);
+    for (std::int64_t micro = first_micro; micro < micro_end && !done; micro += accum) {
+      const auto step_start = Clock::now();
+      const double lr = lr_at(deck, step, epoch, total_steps);
+      for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
+      optimizer->zero_grad();
+      double loss_sum = 0;
+      std::int64_t samples = 0;
+      for (std::int64_t a = 0; a < accum; ++a) {
+        std::optional<Batch> b;
+        {
+          Timed t(phases.data);
+          b = loader.next();
+        }
+        if (!b) throw std::runtime_error("data loader ended early");
+        std::optional<Engine::NoSyncScope> no_sync;
+        if (a + 1 < accum) no_sync.emplace(model->no_sync());
+        torch::Tensor loss;
+        {
+          Timed t(phases.forward);
+          loss = loss_of(data, model->forward(b->x), b->y) / static_cast<double>(accum);
+        }
+        {
+          Timed t(phases.backward);
+          loss.backward();
+        }
+        loss_sum += loss.item<double>();
+        samples += b->samples;
+      }
+      {
+        Timed t(phases.optimizer);
+        if (clip > 0) model->clip_grad_norm(clip);
+        optimizer->step();
+      }
+      ++step;
+      samples_trained += samples;
+      step_ms.push_back(1000 * seconds_since(step_start));
+      window_loss += loss_sum;
+      ++window_steps;
+      window_samples += samples;
+      if (micro + accum >= micro_end) {
+        next_epoch = epoch + 1;
+        next_sample_index = 0;
+      } else {
+        next_epoch = epoch;
+        next_sample_index = (micro + accum) * batch * world.size();
+      }
+      done = step >= total_steps;
+      if (step % log_every == 0 || done) {
+        double stats[2] = {window_loss / static_cast<double>(window_steps), static_cast<double>(window_samples)};
+        world.all_reduce(stats, stats, 2, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+        const double loss_avg = stats[0] / world.size();
+        const double rate = stats[1] / std::max(1e-9, seconds_since(window_start));
+        last_loss = loss_avg;
+        if (root) {
+          const double elapsed = seconds_since(train_start);
+          const double eta = elapsed / static_cast<double>(step - state.step) * static_cast<double>(total_steps - step);
+          const char* unit = data.tokens ? "seq/s" : "samples/s";
+          if (!quiet) {
+            std::printf("%sepoch %lld step %lld/%lld  loss %.4f  lr %.3g  %.0f %s  ETA %s%s", live ? "\r" : "", static_cast<long long>(epoch + 1),
+                        static_cast<long long>(step), static_cast<long long>(total_steps), loss_avg, lr, rate, unit, format_duration(eta).c_str(),
+                        live ? "   " : "\n");
+            std::fflush(stdout);
+          }
+          if (write_metrics) {
+            metrics << step << "," << epoch << "," << loss_avg << "," << lr << "," << rate << "," << step_ms.back() << "," << elapsed << "\n";
+            metrics.flush();
+          }
+        }
+        window_loss = 0;
+        window_steps = 0;
+        window_samples = 0;
+        window_start = Clock::now();
+      }
+      if (ckpt_every > 0 && step % ckpt_every == 0 && !(done && save_final)) {
+        if (live && root && !quiet) std::printf("\n");
+        save();
+      }
+    }
+    if (live && root && !quiet) std::printf("\n");
+    if (data.has_test) {
+      Timed t(phases.eval);
+      last_eval = evaluate(*model, data, deck.get_int("data.test_batch_size"), world);
+      evaluated = true;
+      if (root && !quiet)
+        std::printf("epoch %lld: test loss %.4f, accuracy %.2f%% (%lld samples)\n", static_cast<long long>(epoch + 1), last_eval.loss,
+                    100 * last_eval.accuracy, static_cast<long long>(last_eval.samples));
+    }
+  }
+  if (step == state.step && root) std::printf("nothing to train: already at step %lld of %lld\n", static_cast<long long>(step), static_cast<long long>(total_steps));
+  else if (save_final) save();
+
+  // 6. Summary.
+  const double wall = seconds_since(wall_start);
+  const auto comm = model->comm_counters();
+  const double all_gather_s = comm.all_gather_seconds - comm_start.all_gather_seconds;
+  const double reduce_scatter_s = comm.reduce_scatter_seconds - comm_start.reduce_scatter_seconds;
+  const double all_reduce_s = comm.all_reduce_seconds - comm_start.all_reduce_seconds;
+  const std::vector<std::pair<std::string, double>> phase_list = {
+      {"data", phases.data}, {"forward", phases.forward}, {"backward", phases.backward}, {"all_gather", all_gather_s},
+      {"reduce_scatter", reduce_scatter_s}, {"all_reduce", all_reduce_s}, {"optimizer", phases.optimizer}, {"checkpoint", phases.checkpoint}, {"eval", phases.eval}};
+  std::vector<std::pair<std::string, Stats>> phase_stats;
+  for (const auto& [n, v] : phase_list) phase_stats.emplace_back(n, across_ranks(world, v));
+  std::vector<double> rss(static_cast<std::size_t>(world.size()));
+  const double my_rss = peak_rss_mb();
+  world.all_gather(&my_rss, rss.data(), 1, fsdp::DType::kFloat64);
+  double total_samples = static_cast<double>(samples_trained);
+  world.all_reduce(&total_samples, &total_samples, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+  const double train_s = seconds_since(train_start);
+  std::vector<double> sorted = step_ms;
+  std::sort(sorted.begin(), sorted.end());
+  const double median_ms = sorted.empty() ? 0 : sorted[sorted.size() / 2];
+  if (root) {
+    const double rate = total_samples / std::max(train_s, 1e-9);
+    std::ostringstream js;
+    js.precision(8);
+    js << "{\n  \"name\": \"" << json_escape(name) << "\",\n  \"world_size\": " << world.size() << ",\n  \"nodes\": " << placement.nodes
+       << ",\n  \"ranks_per_node\": " << placement.local_size << ",\n  \"threads_per_rank\": " << threads << ",\n  \"strategy\": \""
+       << to_string(model->sharding_strategy()) << "\",\n  \"params\": " << model->num_params() << ",\n  \"steps\": " << step
+       << ",\n  \"resumed_from_step\": " << state.step << ",\n  \"final_train_loss\": " << (std::isnan(last_loss) ? std::string("null") : std::to_string(last_loss));
+    if (evaluated) js << ",\n  \"test_loss\": " << last_eval.loss << ",\n  \"test_accuracy\": " << last_eval.accuracy;
+    js << ",\n  \"wall_s\": " << wall << ",\n  \"train_s\": " << train_s << ",\n  \"step_ms_median\": " << median_ms << ",\n  \""
+       << (data.tokens ? "tokens_per_s" : "samples_per_s") << "\": " << (data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate)
+       << ",\n  \"peak_rss_mb\": [";
+    for (std::size_t i = 0; i < rss.size(); ++i) js << (i ? ", " : "") << rss[i];
+    js << "],\n  \"phases\": {";
+    for (std::size_t i = 0; i < phase_stats.size(); ++i) {
+      const auto& [n, s] = phase_stats[i];
+      js << (i ? ",\n" : "\n") << "    \"" << n << "\": {\"min\": " << s.min << ", \"avg\": " << s.avg << ", \"max\": " << s.max << "}";
+    }
+    js << "\n  }\n}\n";
+    std::ofstream(out_dir / "summary.json") << js.str();
+    std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n",
+                world.size());
+    for (const auto& [n, s] : phase_stats) std::printf("%-14s %8.3f  %8.3f  %8.3f\n", n.c_str(), s.min, s.avg, s.max);
+    std::printf("peak RSS per rank (MiB):");
+    for (double r : rss) std::printf(" %.0f", r);
+    std::printf("\n%lld steps, median step %.1f ms, %.0f %s, wall %.1f s\n", static_cast<long long>(step), median_ms,
+                data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate, data.tokens ? "tokens/s" : "samples/s", wall);
+    if (evaluated) std::printf("test accuracy %.2f%%, test loss %.4f\n", 100 * last_eval.accuracy, last_eval.loss);
+    std::printf("wrote %s%s%s\n", (out_dir / "summary.json").c_str(), write_metrics ? " and " : "", write_metrics ? metrics_path.c_str() : "");
+  }
+  (void)argc;
+  (void)argv;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App cli{"fsdp-train: train a model with Fully Sharded Data Parallel from a TOML input deck", "fsdp-train"};
+  std::string deck_path;
+  std::vector<std::string> overrides;
+  bool dry_run = false;
+  cli.add_option("DECK", deck_path, "the input deck (TOML)")->required();
+  cli.add_option("--set", overrides, "override a deck value: section.key=value (repeatable)");
+  cli.add_flag("--dry-run", dry_run, "validate, print the echo and stop");
+  try {
+    cli.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return cli.exit(e) == 0 ? 0 : kExitBadInput;
+  }
+  std::unique_ptr<fsdp::MpiEnvironment> env;
+  try {
+    env = std::make_unique<fsdp::MpiEnvironment>(&argc, &argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    return kExitFailure;
+  }
+  auto world = MpiComm::world();
+  try {
+    return run(argc, argv, world, deck_path, overrides, dry_run);
+  } catch (const RankError& e) {
+    // Agreed between all ranks: rank 0 reports, everyone exits.
+    if (world.rank() == 0) std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    return e.bad_input ? kExitBadInput : kExitFailure;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp-train: error on rank %d: %s\n", world.rank(), e.what());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, kExitFailure);  // other ranks may be waiting in a collective
+    return kExitFailure;
+  }
+}

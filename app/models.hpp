@@ -1,0 +1,166 @@
+// The models fsdp-train builds from a deck: the FSDP tutorial's CNN, a configurable MLP and a
+// GPT-style decoder. Children are called through fsdp::forward so that wrapped units free their
+// parameters after use.
+#pragma once
+
+#include <fsdp/fsdp.hpp>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace fsdp::app {
+
+namespace F = torch::nn::functional;
+
+/// What the training loop needs from any model: one tensor in, one tensor out.
+struct AppModel : torch::nn::Module {
+  using torch::nn::Module::Module;
+  virtual torch::Tensor forward(torch::Tensor x) = 0;
+};
+
+/// The CNN of the PyTorch FSDP tutorial (and PyTorch's MNIST example), exactly: conv1 1->32 3x3,
+/// conv2 32->64 3x3, max-pool 2, dropout 0.25, fc1 9216->128, dropout 0.5, fc2 128->10, log-softmax.
+struct TutorialCnnImpl : AppModel {
+  explicit TutorialCnnImpl(std::optional<double> dropout) : AppModel("TutorialCnn") {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).stride(1)));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).stride(1)));
+    dropout1 = register_module("dropout1", torch::nn::Dropout(dropout.value_or(0.25)));
+    dropout2 = register_module("dropout2", torch::nn::Dropout(dropout.value_or(0.5)));
+    fc1 = register_module("fc1", torch::nn::Linear(9216, 128));
+    fc2 = register_module("fc2", torch::nn::Linear(128, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) override {
+    x = torch::relu(fsdp::forward(conv1, x));
+    x = torch::relu(fsdp::forward(conv2, x));
+    x = dropout1->forward(F::max_pool2d(x, F::MaxPool2dFuncOptions(2)));
+    x = torch::relu(fsdp::forward(fc1, x.flatten(1)));
+    x = fsdp::forward(fc2, dropout2->forward(x));
+    return F::log_softmax(x, F::LogSoftmaxFuncOptions(1));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::Dropout dropout1{nullptr}, dropout2{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+/// 784 -> hidden_sizes... -> 10 with ReLU (and dropout, default none), log-softmax.
+struct MlpImpl : AppModel {
+  MlpImpl(const std::vector<std::int64_t>& hidden_sizes, std::optional<double> dropout) : AppModel("Mlp"), p_(dropout.value_or(0.0)) {
+    std::int64_t in = 784;
+    for (std::size_t i = 0; i < hidden_sizes.size(); ++i) {
+      layers.push_back(register_module("fc" + std::to_string(i + 1), torch::nn::Linear(in, hidden_sizes[i])));
+      in = hidden_sizes[i];
+    }
+    layers.push_back(register_module("out", torch::nn::Linear(in, 10)));
+  }
+  torch::Tensor forward(torch::Tensor x) override {
+    x = x.flatten(1);
+    for (std::size_t i = 0; i + 1 < layers.size(); ++i) {
+      x = torch::relu(fsdp::forward(layers[i], x));
+      if (p_ > 0) x = F::dropout(x, F::DropoutFuncOptions().p(p_).training(is_training()));
+    }
+    return F::log_softmax(fsdp::forward(layers.back(), x), F::LogSoftmaxFuncOptions(1));
+  }
+  std::vector<torch::nn::Linear> layers;
+  double p_;
+};
+
+struct GptConfig {
+  std::int64_t vocab_size = 256, context = 64, d_model = 128, n_heads = 4, n_layers = 4, mlp_ratio = 4;
+  double dropout = 0.1;
+  bool tie_embeddings = true;
+};
+
+/// Causal multi-head self-attention.
+struct CausalSelfAttentionImpl : torch::nn::Module {
+  explicit CausalSelfAttentionImpl(const GptConfig& c) : torch::nn::Module("CausalSelfAttention"), heads_(c.n_heads), p_(c.dropout) {
+    qkv = register_module("qkv", torch::nn::Linear(c.d_model, 3 * c.d_model));
+    proj = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
+    register_buffer("mask", torch::ones({c.context, c.context}).tril().view({1, 1, c.context, c.context}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads_;
+    auto parts = qkv->forward(x).split(d, 2);
+    auto shape = [&](const torch::Tensor& y) { return y.view({b, t, heads_, hd}).transpose(1, 2); };
+    auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
+    auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+    att = att.masked_fill(named_buffers()["mask"].slice(2, 0, t).slice(3, 0, t) == 0, -std::numeric_limits<float>::infinity());
+    att = F::dropout(torch::softmax(att, -1), F::DropoutFuncOptions().p(p_).training(is_training()));
+    auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
+    return F::dropout(proj->forward(y), F::DropoutFuncOptions().p(p_).training(is_training()));
+  }
+  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  std::int64_t heads_;
+  double p_;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+/// Pre-norm transformer block; the unit TRANSFORMER_BASED_WRAP wraps ("TransformerBlock").
+struct TransformerBlockImpl : torch::nn::Module {
+  explicit TransformerBlockImpl(const GptConfig& c) : torch::nn::Module("TransformerBlock"), p_(c.dropout) {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+    attn = register_module("attn", CausalSelfAttention(c));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+    fc = register_module("fc", torch::nn::Linear(c.d_model, c.mlp_ratio * c.d_model));
+    out = register_module("out", torch::nn::Linear(c.mlp_ratio * c.d_model, c.d_model));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn->forward(ln1->forward(x));
+    auto h = out->forward(F::gelu(fc->forward(ln2->forward(x))));
+    return x + F::dropout(h, F::DropoutFuncOptions().p(p_).training(is_training()));
+  }
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  torch::nn::Linear fc{nullptr}, out{nullptr};
+  double p_;
+};
+TORCH_MODULE(TransformerBlock);
+
+/// Output projection to the vocabulary, optionally sharing the token embedding's weight.
+struct LmHeadImpl : torch::nn::Module {
+  LmHeadImpl(std::int64_t d_model, std::int64_t vocab, torch::Tensor tied) : torch::nn::Module("LmHead") {
+    weight = register_parameter("weight", tied.defined() ? tied : torch::empty({vocab, d_model}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return F::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(LmHead);
+
+/// GPT-style decoder: token + position embeddings, n_layers blocks, final LayerNorm, LM head (tied to
+/// the token embedding by default). Input: (batch, t) token ids; output: (batch, t, vocab) logits.
+struct GptImpl : AppModel {
+  explicit GptImpl(const GptConfig& c) : AppModel("Gpt"), config(c) {
+    if (c.d_model % c.n_heads != 0)
+      throw ConfigError("model.d_model (" + std::to_string(c.d_model) + ") must be divisible by model.n_heads (" + std::to_string(c.n_heads) + ")");
+    tok = register_module("tok", torch::nn::Embedding(c.vocab_size, c.d_model));
+    pos = register_module("pos", torch::nn::Embedding(c.context, c.d_model));
+    for (std::int64_t i = 0; i < c.n_layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), TransformerBlock(c)));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+    head = register_module("head", LmHead(c.d_model, c.vocab_size, c.tie_embeddings ? tok->weight : torch::Tensor()));
+    // GPT-2 initialization: N(0, 0.02) for weights and embeddings, zero biases.
+    torch::NoGradGuard no_grad;
+    for (auto& p : named_parameters()) {
+      if (p.key().find("ln") != std::string::npos) continue;
+      if (p.key().size() >= 4 && p.key().compare(p.key().size() - 4, 4, "bias") == 0) p.value().zero_();
+      else p.value().normal_(0, 0.02);
+    }
+  }
+  torch::Tensor forward(torch::Tensor idx) override {
+    const auto t = idx.size(1);
+    if (t > config.context) throw ConfigError("sequence of " + std::to_string(t) + " tokens exceeds model.context " + std::to_string(config.context));
+    auto positions = torch::arange(t, torch::kLong);
+    auto x = fsdp::forward(tok, idx) + fsdp::forward(pos, positions).unsqueeze(0);
+    x = F::dropout(x, F::DropoutFuncOptions().p(config.dropout).training(is_training()));
+    for (auto& b : blocks) x = fsdp::forward(b, x);
+    return fsdp::forward(head, fsdp::forward(ln_f, x));
+  }
+  GptConfig config;
+  torch::nn::Embedding tok{nullptr}, pos{nullptr};
+  std::vector<TransformerBlock> blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+  LmHead head{nullptr};
+};
+
+}  // namespace fsdp::app

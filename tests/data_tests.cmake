@@ -1,0 +1,8 @@
+# The data layer of fsdp-train (app/data.hpp): no MPI, no LibTorch, runs in about a second
+# (plus reading Fashion-MNIST when /usr/share/datasets/fashion-mnist is installed).
+find_package(ZLIB REQUIRED)  # imported targets are per directory; the test writes .gz files itself
+add_executable(test_data ${CMAKE_CURRENT_LIST_DIR}/test_data.cpp)
+target_link_libraries(test_data PRIVATE fsdp_data ZLIB::ZLIB)
+fsdp_boost_test(test_data)
+add_test(NAME test_data COMMAND test_data --color_output=false --report_level=short)
+set_tests_properties(test_data PROPERTIES TIMEOUT 300 LABELS "data")

@@ -1,0 +1,526 @@
+// Input decks (app layer): schema, parsing, every kind of error with its line, --set overrides,
+// the resolved deck round trip, and docs/deck_reference.md against the schema. No MPI, no LibTorch.
+#define BOOST_TEST_MODULE test_deck
+#include <boost/test/unit_test.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "deck.hpp"
+
+using namespace fsdp::app;
+namespace fs = std::filesystem;
+
+namespace {
+
+/// The problems of a deck that must fail to parse.
+std::vector<std::string> problems_of(const std::string& text, const std::vector<std::string>& overrides = {}) {
+  try {
+    Deck::parse(text, "inputs/a.toml", overrides);
+  } catch (const DeckError& e) {
+    return e.problems();
+  }
+  BOOST_FAIL("the deck parsed but should not have:\n" + text);
+  return {};
+}
+
+/// The only problem of a deck that must fail to parse.
+std::string problem_of(const std::string& text, const std::vector<std::string>& overrides = {}) {
+  const auto p = problems_of(text, overrides);
+  BOOST_TEST_REQUIRE(p.size() == 1u, "expected one problem, got " << p.size() << ":\n" << (p.empty() ? "" : p[0]));
+  return p[0];
+}
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(schema_is_consistent) {
+  std::set<std::string> keys;
+  for (const auto& s : deck_schema()) {
+    BOOST_TEST_CONTEXT(s.key) {
+      BOOST_TEST(keys.insert(s.key).second);  // unique
+      BOOST_TEST(s.key.find('.') != std::string::npos);
+      BOOST_TEST(!s.description.empty());
+      BOOST_TEST(find_key(s.key) == &s);
+      // Every default passes its own checks (monostate means unset).
+      Deck d;
+      BOOST_CHECK_NO_THROW(d.set(s.key, s.default_value));
+      if (!s.choices.empty()) {
+        const auto* def = std::get_if<std::string>(&s.default_value);
+        BOOST_TEST_REQUIRE(def != nullptr);
+        BOOST_TEST((std::find(s.choices.begin(), s.choices.end(), *def) != s.choices.end()));
+      }
+    }
+  }
+  const std::vector<std::string> sections{"run", "model", "data", "optim", "fsdp", "checkpoint", "log"};
+  BOOST_TEST(deck_sections() == sections, boost::test_tools::per_element());
+  BOOST_TEST(find_key("optim.nope") == nullptr);
+}
+
+BOOST_AUTO_TEST_CASE(defaults_when_the_deck_is_empty) {
+  const Deck d = Deck::parse("", "empty.toml");
+  BOOST_TEST(d.entries().size() == deck_schema().size());
+  for (std::size_t i = 0; i < d.entries().size(); ++i) {
+    const Entry& e = d.entries()[i];
+    BOOST_TEST(e.spec == &deck_schema()[i]);
+    BOOST_TEST((e.value == e.spec->default_value));
+    BOOST_TEST((e.source == Source::kDefault));
+    BOOST_TEST(e.line == 0);
+  }
+  BOOST_TEST(d.get_string("run.name") == "fsdp");
+  BOOST_TEST(d.get_int("run.epochs") == 2);
+  BOOST_TEST(d.get_float("optim.lr") == 1.0);
+  BOOST_TEST(d.get_float("optim.gamma") == 0.7);
+  BOOST_TEST(d.get_string("optim.kind") == "adadelta");
+  BOOST_TEST(d.get_string("fsdp.sharding_strategy") == "FULL_SHARD");
+  BOOST_TEST(d.get_bool("data.shuffle"));
+  BOOST_TEST((d.get_int_array("model.hidden_sizes") == std::vector<std::int64_t>{512, 256}));
+  BOOST_TEST((d.get_float_array("optim.betas") == std::vector<double>{0.9, 0.999}));
+  BOOST_TEST(!d.is_set("model.dropout"));
+  BOOST_TEST(d.is_set("optim.lr"));
+  BOOST_CHECK_THROW(d.get_float("model.dropout"), DeckError);
+  BOOST_TEST(d.out_dir() == "runs/fsdp");
+  BOOST_TEST(d.checkpoint_dir() == "runs/fsdp/checkpoints");
+  // Comments and empty sections are fine too.
+  const Deck c = Deck::parse("# nothing\n[run]\n[optim]\n", "c.toml");
+  BOOST_TEST(c.get_int("run.seed") == 1);
+}
+
+BOOST_AUTO_TEST_CASE(values_sources_and_lines) {
+  const std::string text =
+      "# a deck\n"                                     // 1
+      "[run]\n"                                        // 2
+      "name = \"exp\"\n"                               // 3
+      "epochs = 5\n"                                   // 4
+      "\n"                                             // 5
+      "[model]\n"                                      // 6
+      "kind = \"mlp\"\n"                               // 7
+      "dropout = 0\n"                                  // 8
+      "hidden_sizes = [64, 32, 16]\n"                  // 9
+      "[optim]\n"                                      // 10
+      "lr = 2\n"                                       // 11  an int for a float key
+      "betas = [0.5, 0.75]\n"                          // 12
+      "[fsdp]\n"                                       // 13
+      "sharding_strategy = \"HYBRID_SHARD\"\n"         // 14
+      "reshard_after_forward = false\n"                // 15  a boolean for a true/false choice
+      "[checkpoint]\n"                                 // 16
+      "dir = \"/scratch/ckpt\"\n";                     // 17
+  const Deck d = Deck::parse(text, "inputs/a.toml");
+  BOOST_TEST(d.text() == text);
+  BOOST_TEST(d.path() == "inputs/a.toml");
+  BOOST_TEST(d.get_string("run.name") == "exp");
+  BOOST_TEST(d.get_int("run.epochs") == 5);
+  BOOST_TEST(d.get_string("model.kind") == "mlp");
+  BOOST_TEST(d.is_set("model.dropout"));
+  BOOST_TEST(d.get_float("model.dropout") == 0.0);
+  BOOST_TEST((d.get_int_array("model.hidden_sizes") == std::vector<std::int64_t>{64, 32, 16}));
+  BOOST_TEST(d.get_float("optim.lr") == 2.0);
+  BOOST_TEST((d.get_float_array("optim.betas") == std::vector<double>{0.5, 0.75}));
+  BOOST_TEST(d.get_string("fsdp.sharding_strategy") == "HYBRID_SHARD");
+  BOOST_TEST(d.get_string("fsdp.reshard_after_forward") == "false");
+  BOOST_TEST(d.out_dir() == "runs/exp");
+  BOOST_TEST(d.checkpoint_dir() == "/scratch/ckpt");
+  const Entry& lr = d.entry("optim.lr");
+  BOOST_TEST((lr.source == Source::kDeck));
+  BOOST_TEST(lr.line == 11);
+  BOOST_TEST(lr.where == "inputs/a.toml:11");
+  BOOST_TEST(d.entry("run.name").line == 3);
+  BOOST_TEST((d.entry("run.seed").source == Source::kDefault));
+}
+
+BOOST_AUTO_TEST_CASE(unknown_key_with_did_you_mean) {
+  BOOST_TEST(problem_of("[run]\nseed = 1\n[optim]\nlrr = 0.1\n") == "inputs/a.toml:4: optim.lrr: unknown key (did you mean optim.lr?)");
+  // The same name in another section.
+  BOOST_TEST(problem_of("[optim]\nbatch_size = 8\n") == "inputs/a.toml:2: optim.batch_size: unknown key (did you mean data.batch_size?)");
+  // A prefix, and a part of the name.
+  BOOST_TEST(problem_of("[data]\n\nbatch = 8\n") == "inputs/a.toml:3: data.batch: unknown key (did you mean data.batch_size?)");
+  BOOST_TEST(problem_of("[fsdp]\nstrategy = 'FULL_SHARD'\n") ==
+             "inputs/a.toml:2: fsdp.strategy: unknown key (did you mean fsdp.sharding_strategy?)");
+  // Any case.
+  BOOST_TEST(problem_of("[optim]\nLR = 0.1\n") == "inputs/a.toml:2: optim.LR: unknown key (did you mean optim.lr?)");
+  // Nothing close: the section's keys are listed.
+  const auto far = problem_of("[optim]\nquux = 1\n");
+  BOOST_TEST(starts_with(far, "inputs/a.toml:2: optim.quux: unknown key (the keys of [optim] are kind, lr,"), far);
+  // Outside any section.
+  BOOST_TEST(problem_of("lr = 0.1\n") == "inputs/a.toml:1: lr: unknown key outside any section (did you mean optim.lr?)");
+  // A table inside a section.
+  BOOST_TEST(starts_with(problem_of("[optim]\n[optim.adam]\nbeta = 1\n"), "inputs/a.toml:2: optim.adam: unknown key"));
+  BOOST_TEST(did_you_mean("optm.lr") == "optim.lr");
+  BOOST_TEST(did_you_mean("checkpoint.every") == "checkpoint.every_steps");
+  BOOST_TEST(did_you_mean("run.epoch") == "run.epochs");
+  BOOST_TEST(did_you_mean("x.y").empty());
+}
+
+BOOST_AUTO_TEST_CASE(unknown_section) {
+  BOOST_TEST(problem_of("[run]\nseed = 2\n\n[optimizer]\nlr = 1\n") == "inputs/a.toml:4: optimizer: unknown section (did you mean optim?)");
+  BOOST_TEST(problem_of("[checkpoints]\n") == "inputs/a.toml:1: checkpoints: unknown section (did you mean checkpoint?)");
+  BOOST_TEST(problem_of("[training]\n") ==
+             "inputs/a.toml:1: training: unknown section (the sections are run, model, data, optim, fsdp, checkpoint, log)");
+  BOOST_TEST(starts_with(problem_of("[[run]]\nseed = 1\n"), "inputs/a.toml:1: run: expected a table [run], got an array of tables"));
+  BOOST_TEST(problem_of("run = 3\n") == "inputs/a.toml:1: run: expected a table [run], got an integer (3)");
+}
+
+BOOST_AUTO_TEST_CASE(wrong_type) {
+  BOOST_TEST(problem_of("[data]\n\n\nbatch_size = \"64\"\n") == "inputs/a.toml:4: data.batch_size: expected an integer, got a string (\"64\")");
+  BOOST_TEST(problem_of("[data]\nbatch_size = 6.4\n") == "inputs/a.toml:2: data.batch_size: expected an integer, got a float (6.4)");
+  BOOST_TEST(problem_of("[optim]\nlr = \"fast\"\n") == "inputs/a.toml:2: optim.lr: expected a number, got a string (\"fast\")");
+  BOOST_TEST(problem_of("[data]\nshuffle = 1\n") == "inputs/a.toml:2: data.shuffle: expected a boolean (true or false), got an integer (1)");
+  BOOST_TEST(problem_of("[run]\nname = 7\n") == "inputs/a.toml:2: run.name: expected a string, got an integer (7)");
+  BOOST_TEST(problem_of("[model]\nhidden_sizes = 64\n") == "inputs/a.toml:2: model.hidden_sizes: expected an array of integers, got an integer (64)");
+  BOOST_TEST(problem_of("[model]\nhidden_sizes = [64, 3.5]\n") == "inputs/a.toml:2: model.hidden_sizes[1]: expected an integer, got a float (3.5)");
+  BOOST_TEST(problem_of("[optim]\nbetas = [0.9, \"x\"]\n") == "inputs/a.toml:2: optim.betas[1]: expected a number, got a string (\"x\")");
+  BOOST_TEST(problem_of("[run]\nname = 2024-01-01\n") == "inputs/a.toml:2: run.name: expected a string, got a date");
+  // An array element on its own line is reported there.
+  BOOST_TEST(problem_of("[model]\nhidden_sizes = [\n  64,\n  \"x\",\n]\n") ==
+             "inputs/a.toml:4: model.hidden_sizes[1]: expected an integer, got a string (\"x\")");
+}
+
+BOOST_AUTO_TEST_CASE(out_of_range) {
+  BOOST_TEST(problem_of("[optim]\nlr = -1\n") == "inputs/a.toml:2: optim.lr: -1 must be greater than 0");
+  BOOST_TEST(problem_of("[optim]\nlr = 0.0\n") == "inputs/a.toml:2: optim.lr: 0 must be greater than 0");
+  BOOST_TEST(problem_of("[run]\nepochs = 0\n") == "inputs/a.toml:2: run.epochs: 0 is below the minimum 1");
+  BOOST_TEST(problem_of("[optim]\nweight_decay = -0.5\n") == "inputs/a.toml:2: optim.weight_decay: -0.5 is below the minimum 0");
+  BOOST_TEST(problem_of("[model]\ndropout = 1.0\n") == "inputs/a.toml:2: model.dropout: 1 must be less than 1");
+  BOOST_TEST(problem_of("[optim]\nbetas = [0.9, 1.5]\n") == "inputs/a.toml:2: optim.betas[1]: 1.5 must be less than 1");
+  BOOST_TEST(problem_of("[optim]\nbetas = [0.9]\n") == "inputs/a.toml:2: optim.betas: expected 2 elements, got 1");
+  BOOST_TEST(problem_of("[model]\nhidden_sizes = [64, 0]\n") == "inputs/a.toml:2: model.hidden_sizes[1]: 0 is below the minimum 1");
+  BOOST_TEST(problem_of("[optim]\nclip_grad_norm = nan\n") == "inputs/a.toml:2: optim.clip_grad_norm: nan is not a finite number");
+  BOOST_TEST(problem_of("[optim]\nclip_grad_norm = inf\n") == "inputs/a.toml:2: optim.clip_grad_norm: inf is not a finite number");
+  // The edges are accepted.
+  BOOST_CHECK_NO_THROW(Deck::parse("[model]\ndropout = 0.0\n[optim]\nmomentum = 0.0\nbetas = [0, 0.999999]\n", "ok.toml"));
+}
+
+BOOST_AUTO_TEST_CASE(bad_choice_and_normalization) {
+  BOOST_TEST(problem_of("[fsdp]\nsharding_strategy = \"FULL_SHRD\"\n") ==
+             "inputs/a.toml:2: fsdp.sharding_strategy: \"FULL_SHRD\" is not one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
+             "HYBRID_SHARD_ZERO2 (did you mean FULL_SHARD?)");
+  BOOST_TEST(problem_of("[optim]\nkind = \"lamb\"\n") == "inputs/a.toml:2: optim.kind: \"lamb\" is not one of sgd, adam, adamw, adadelta");
+  BOOST_TEST(problem_of("[fsdp]\nsync_module_states = true\nreshard_after_forward = \"maybe\"\n") ==
+             "inputs/a.toml:3: fsdp.reshard_after_forward: \"maybe\" is not one of auto, true, false");
+  const Deck d = Deck::parse(
+      "[fsdp]\nsharding_strategy = \"full_shard\"\nauto_wrap_policy = 'size_based_wrap'\n[optim]\nkind = 'AdamW'\n"
+      "[checkpoint]\nstate_dict_type = 'Full_State_Dict'\n[data]\nkind = 'MNIST'\n",
+      "n.toml");
+  BOOST_TEST(d.get_string("fsdp.sharding_strategy") == "FULL_SHARD");
+  BOOST_TEST(d.get_string("fsdp.auto_wrap_policy") == "SIZE_BASED_WRAP");
+  BOOST_TEST(d.get_string("optim.kind") == "adamw");
+  BOOST_TEST(d.get_string("checkpoint.state_dict_type") == "FULL_STATE_DICT");
+  BOOST_TEST(d.get_string("data.kind") == "mnist");
+  BOOST_TEST(Deck::parse("", "x", {"fsdp.sharding_strategy=hybrid_shard_zero2"}).get_string("fsdp.sharding_strategy") == "HYBRID_SHARD_ZERO2");
+}
+
+BOOST_AUTO_TEST_CASE(unsupported_features) {
+  BOOST_TEST(problem_of("[fsdp]\nmixed_precision = \"bf16\"\n") ==
+             "inputs/a.toml:2: fsdp.mixed_precision = \"bf16\" is not supported yet (the feature has not landed; only the default \"no\" is "
+             "accepted)");
+  BOOST_TEST(starts_with(problem_of("[fsdp]\n\noffload_params = true\n"), "inputs/a.toml:3: fsdp.offload_params = true is not supported yet"));
+  BOOST_TEST(starts_with(problem_of("[fsdp]\nbackward_prefetch = 'backward_pre'\n"),
+                         "inputs/a.toml:2: fsdp.backward_prefetch = \"BACKWARD_PRE\" is not supported yet"));
+  BOOST_TEST(starts_with(problem_of("[fsdp]\nforward_prefetch = true\n"), "inputs/a.toml:2: fsdp.forward_prefetch = true is not supported yet"));
+  BOOST_TEST(starts_with(problem_of("[fsdp]\nactivation_checkpointing = true\n"), "inputs/a.toml:2: fsdp.activation_checkpointing = true is not supported yet"));
+  BOOST_TEST(problem_of("[fsdp]\nbackend = 'NCCL'\n") == "inputs/a.toml:2: fsdp.backend = \"nccl\" is not supported yet (only auto, mpi for now)");
+  // The default of an unsupported key, and the supported choices, are accepted.
+  const Deck d = Deck::parse(
+      "[fsdp]\nmixed_precision = 'no'\noffload_params = false\nbackward_prefetch = 'NO_PREFETCH'\nforward_prefetch = false\n"
+      "activation_checkpointing = false\nbackend = 'mpi'\n",
+      "ok.toml");
+  BOOST_TEST(d.get_string("fsdp.backend") == "mpi");
+  BOOST_TEST(problem_of("", {"fsdp.mixed_precision=fp16"}) ==
+             "--set fsdp.mixed_precision=fp16: fsdp.mixed_precision = \"fp16\" is not supported yet (the feature has not landed; only the "
+             "default \"no\" is accepted)");
+  Deck p;
+  BOOST_CHECK_THROW(p.set("fsdp.offload_params", true), DeckError);
+  BOOST_CHECK_NO_THROW(p.set("fsdp.offload_params", false));
+}
+
+BOOST_AUTO_TEST_CASE(toml_syntax_error) {
+  const auto p = problem_of("[run]\nname = \"x\"\nseed = = 3\n");
+  BOOST_TEST(std::regex_search(p, std::regex("^inputs/a\\.toml:3:\\d+: TOML syntax error: ")), p);
+  const auto dup = problem_of("[run]\nseed = 1\nseed = 2\n");
+  BOOST_TEST(starts_with(dup, "inputs/a.toml:3:"), dup);
+  BOOST_TEST(dup.find("seed") != std::string::npos, dup);
+  const auto header = problem_of("[run\n");
+  BOOST_TEST(starts_with(header, "inputs/a.toml:1:"), header);
+  // A syntax error does not hide the problems of the --set options.
+  const auto both = problems_of("[run\n", {"optim.lrr=1"});
+  BOOST_TEST_REQUIRE(both.size() == 2u);
+  BOOST_TEST(both[1] == "--set optim.lrr=1: optim.lrr: unknown key (did you mean optim.lr?)");
+}
+
+BOOST_AUTO_TEST_CASE(every_problem_at_once) {
+  const std::string text =
+      "[optim]\n"                    // 1
+      "lr = -1\n"                    // 2
+      "kind = 'lamb'\n"              // 3
+      "[data]\n"                     // 4
+      "batch_size = 'many'\n"        // 5
+      "[optimizer]\n"                // 6
+      "x = 1\n"                      // 7
+      "[run]\n"                      // 8
+      "epochs = 0\n";                // 9
+  try {
+    Deck::parse(text, "inputs/a.toml", {"run.seed=-3", "log.every=5"});
+    BOOST_FAIL("should have thrown");
+  } catch (const DeckError& e) {
+    const auto& p = e.problems();
+    BOOST_TEST_REQUIRE(p.size() == 7u);
+    // The deck's problems in line order, then the overrides in order.
+    BOOST_TEST(starts_with(p[0], "inputs/a.toml:2: optim.lr:"));
+    BOOST_TEST(starts_with(p[1], "inputs/a.toml:3: optim.kind:"));
+    BOOST_TEST(starts_with(p[2], "inputs/a.toml:5: data.batch_size: expected an integer"));
+    BOOST_TEST(starts_with(p[3], "inputs/a.toml:6: optimizer: unknown section"));
+    BOOST_TEST(starts_with(p[4], "inputs/a.toml:9: run.epochs:"));
+    BOOST_TEST(p[5] == "--set run.seed=-3: run.seed: -3 is below the minimum 0");
+    BOOST_TEST(p[6] == "--set log.every=5: log.every: unknown key (did you mean log.every_steps?)");
+    const std::string what = e.what();
+    BOOST_TEST(starts_with(what, "[fsdp.deck] 7 problems:\ninputs/a.toml:2: optim.lr:"), what);
+    BOOST_TEST(e.id() == "fsdp.deck");
+    // One line per problem.
+    BOOST_TEST(std::count(what.begin(), what.end(), '\n') == 7);
+  }
+  // A single problem is the whole message.
+  try {
+    Deck::parse("[optim]\nlr = -1\n", "inputs/a.toml");
+  } catch (const fsdp::ConfigError& e) {
+    BOOST_TEST(std::string(e.what()) == "[fsdp.deck] inputs/a.toml:2: optim.lr: -1 must be greater than 0");
+  }
+}
+
+BOOST_AUTO_TEST_CASE(set_overrides) {
+  const Deck d = Deck::parse("[run]\nname = 'deck'\nseed = 5\n[optim]\nlr = 0.5\n", "a.toml",
+                             {
+                                 "run.name=\"a b\"",                        // quoted TOML string
+                                 "run.out_dir=runs/a",                      // unquoted: the bare text
+                                 "optim.lr=1e-3",                           // a float
+                                 "optim.lr = 2",                            // later wins; an int for a float; spaces
+                                 "data.batch_size=32",                      // an int
+                                 "optim.betas=[0.8,0.9]",                   // an array
+                                 "model.hidden_sizes=[128]",                //
+                                 "data.shuffle=false",                      // a bool
+                                 "fsdp.sharding_strategy=shard_grad_op",    // unquoted choice, normalized
+                                 "fsdp.reshard_after_forward=true",         // a bool for a true/false choice
+                                 "checkpoint.resume=runs/a/checkpoints/step_00000100.h5",
+                                 "log.metrics_file=",                       // empty
+                                 "data.path=2024",                          // a string key takes the text as written
+                             });
+  BOOST_TEST(d.get_string("run.name") == "a b");
+  BOOST_TEST(d.get_string("run.out_dir") == "runs/a");
+  BOOST_TEST(d.get_float("optim.lr") == 2.0);
+  BOOST_TEST(d.get_int("data.batch_size") == 32);
+  BOOST_TEST((d.get_float_array("optim.betas") == std::vector<double>{0.8, 0.9}));
+  BOOST_TEST((d.get_int_array("model.hidden_sizes") == std::vector<std::int64_t>{128}));
+  BOOST_TEST(!d.get_bool("data.shuffle"));
+  BOOST_TEST(d.get_string("fsdp.sharding_strategy") == "SHARD_GRAD_OP");
+  BOOST_TEST(d.get_string("fsdp.reshard_after_forward") == "true");
+  BOOST_TEST(d.get_string("checkpoint.resume") == "runs/a/checkpoints/step_00000100.h5");
+  BOOST_TEST(d.get_string("log.metrics_file") == "");
+  BOOST_TEST(d.get_string("data.path") == "2024");
+  BOOST_TEST(d.get_int("run.seed") == 5);
+  BOOST_TEST((d.entry("run.seed").source == Source::kDeck));
+  BOOST_TEST((d.entry("run.name").source == Source::kSet));
+  BOOST_TEST(d.entry("run.name").line == 0);
+  BOOST_TEST(d.entry("optim.lr").where == "--set optim.lr = 2");
+  BOOST_TEST(d.overrides().size() == 13u);
+  BOOST_TEST(d.overrides().front() == "--set run.name=\"a b\"");
+
+  // Errors name the --set text.
+  BOOST_TEST(problem_of("", {"optim.lrr=1"}) == "--set optim.lrr=1: optim.lrr: unknown key (did you mean optim.lr?)");
+  BOOST_TEST(problem_of("", {"optm.lr=1"}) == "--set optm.lr=1: optm.lr: unknown key (did you mean optim.lr?)");
+  BOOST_TEST(problem_of("", {"optim.lr"}) == "--set optim.lr: optim.lr: expected section.key=value");
+  BOOST_TEST(problem_of("", {"data.batch_size=abc"}) == "--set data.batch_size=abc: data.batch_size: expected an integer, got a string (\"abc\")");
+  BOOST_TEST(problem_of("", {"data.batch_size=0"}) == "--set data.batch_size=0: data.batch_size: 0 is below the minimum 1");
+  BOOST_TEST(problem_of("", {"optim.betas=[0.9,2]"}) == "--set optim.betas=[0.9,2]: optim.betas[1]: 2 must be less than 1");
+  BOOST_TEST(problem_of("", {"data.shuffle=yes"}) ==
+             "--set data.shuffle=yes: data.shuffle: expected a boolean (true or false), got a string (\"yes\")");
+  BOOST_TEST(problem_of("", {"fsdp.sharding_strategy=zero3"}).find("is not one of FULL_SHARD") != std::string::npos);
+  // apply_overrides: the same rules under another label; the deck is unchanged on failure.
+  Deck g = Deck::parse("", "g.toml");
+  g.apply_overrides({"optim.lr=0.25", "data.batch_size=16"}, "--grid");
+  BOOST_TEST(g.get_float("optim.lr") == 0.25);
+  BOOST_TEST(g.entry("data.batch_size").where == "--grid data.batch_size=16");
+  try {
+    g.apply_overrides({"optim.lr=0.5", "run.epochs=0"}, "--grid");
+    BOOST_FAIL("should have thrown");
+  } catch (const DeckError& e) {
+    BOOST_TEST(e.problems().size() == 1u);
+    BOOST_TEST(e.problems()[0] == "--grid run.epochs=0: run.epochs: 0 is below the minimum 1");
+  }
+  BOOST_TEST(g.get_float("optim.lr") == 0.25);
+}
+
+BOOST_AUTO_TEST_CASE(checks_between_keys) {
+  BOOST_TEST(problem_of("[model]\nkind = 'transformer'\n") ==
+             "inputs/a.toml:2: model.kind: \"transformer\" needs data.kind \"tokens\" or \"text\" (data.kind is \"fashion-mnist\")");
+  BOOST_TEST(problem_of("[data]\nkind = 'tokens'\n") ==
+             "inputs/a.toml:2: data.kind: \"tokens\" needs model.kind \"transformer\" (model.kind is \"cnn\")");
+  BOOST_TEST(problem_of("[model]\nkind = 'transformer'\nd_model = 130\n[data]\nkind = 'tokens'\n") ==
+             "inputs/a.toml:3: model.d_model: model.n_heads = 4 does not divide model.d_model = 130");
+  BOOST_TEST(problem_of("[model]\nkind = 'transformer'\n[data]\nkind = 'text'\n", {"model.n_heads=3"}) ==
+             "--set model.n_heads=3: model.n_heads: model.n_heads = 3 does not divide model.d_model = 128");
+  BOOST_CHECK_NO_THROW(Deck::parse("[model]\nkind = 'transformer'\n[data]\nkind = 'tokens'\n", "ok.toml"));
+  // The image models ignore the transformer's keys.
+  BOOST_CHECK_NO_THROW(Deck::parse("[model]\nd_model = 130\n", "ok.toml"));
+}
+
+BOOST_AUTO_TEST_CASE(programmatic_set_and_getters) {
+  Deck d;
+  BOOST_TEST(d.path() == "(defaults)");
+  d.set("optim.lr", 0.5);
+  BOOST_TEST(d.get_float("optim.lr") == 0.5);
+  d.set("optim.lr", std::int64_t{2});  // an int for a float key
+  BOOST_TEST(d.get_float("optim.lr") == 2.0);
+  d.set("run.name", "x");  // a string literal is a string, not a bool
+  BOOST_TEST(d.get_string("run.name") == "x");
+  d.set("fsdp.sharding_strategy", std::string("no_shard"));
+  BOOST_TEST(d.get_string("fsdp.sharding_strategy") == "NO_SHARD");
+  d.set("optim.betas", std::vector<std::int64_t>{0, 0});
+  BOOST_TEST((d.get_float_array("optim.betas") == std::vector<double>{0.0, 0.0}));
+  d.set("model.dropout", 0.1, Source::kDeck);
+  BOOST_TEST(d.is_set("model.dropout"));
+  BOOST_TEST((d.entry("model.dropout").source == Source::kDeck));
+  d.set("model.dropout", std::monostate{});
+  BOOST_TEST(!d.is_set("model.dropout"));
+  BOOST_CHECK_THROW(d.set("run.seed", std::monostate{}), DeckError);
+  BOOST_CHECK_THROW(d.set("optim.lr", -1.0), DeckError);
+  BOOST_CHECK_THROW(d.set("optim.lr", std::string("fast")), DeckError);
+  BOOST_CHECK_THROW(d.set("run.epochs", 2.0), DeckError);
+  BOOST_CHECK_THROW(d.set("optim.lrr", 1.0), DeckError);
+  BOOST_CHECK_THROW(d.set("fsdp.sharding_strategy", std::string("ZERO3")), DeckError);
+  // Getters: unknown keys and wrong types are programming errors.
+  try {
+    (void)d.get_int("optim.lr");
+    BOOST_FAIL("should have thrown");
+  } catch (const DeckError& e) {
+    BOOST_TEST(std::string(e.what()) == "[fsdp.deck] get_int(\"optim.lr\"): optim.lr is a float key, not a integer key");
+  }
+  try {
+    (void)d.get_float("optim.lrr");
+    BOOST_FAIL("should have thrown");
+  } catch (const DeckError& e) {
+    BOOST_TEST(std::string(e.what()).find("did you mean optim.lr?") != std::string::npos, e.what());
+  }
+  BOOST_CHECK_THROW((void)d.get_string("run.seed"), DeckError);
+  BOOST_CHECK_THROW((void)d.get_bool("run.seed"), DeckError);
+  BOOST_CHECK_THROW((void)d.get_int_array("optim.betas"), DeckError);
+  BOOST_CHECK_THROW((void)d.get_float_array("model.hidden_sizes"), DeckError);
+  BOOST_CHECK_THROW((void)d.is_set("nope.nope"), DeckError);
+}
+
+BOOST_AUTO_TEST_CASE(from_file) {
+  const fs::path dir = fs::temp_directory_path() / ("test_deck_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path file = dir / "a.toml";
+  std::ofstream(file) << "[optim]\nlr = 0.125\n";
+  const Deck d = Deck::from_file(file.string(), {"run.epochs=3"});
+  BOOST_TEST(d.get_float("optim.lr") == 0.125);
+  BOOST_TEST(d.get_int("run.epochs") == 3);
+  BOOST_TEST(d.path() == file.string());
+  std::ofstream(file) << "[optim]\nlr = -1\n";
+  try {
+    Deck::from_file(file.string());
+    BOOST_FAIL("should have thrown");
+  } catch (const DeckError& e) {
+    BOOST_TEST(e.problems()[0] == file.string() + ":2: optim.lr: -1 must be greater than 0");
+  }
+  for (const fs::path& bad : {dir / "missing.toml", dir}) {
+    try {
+      Deck::from_file(bad.string());
+      BOOST_FAIL("should have thrown");
+    } catch (const DeckError& e) {
+      BOOST_TEST(std::string(e.what()).find("cannot read deck '" + bad.string() + "'") != std::string::npos, e.what());
+    }
+  }
+  fs::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(resolved_deck_round_trip) {
+  const std::string text =
+      "[run]\nname = \"q\\\"uote\\\\ tab\\t ü\"\nseed = 123456789012\nmax_steps = 7\n"
+      "[model]\nkind = 'mlp'\ndropout = 0.1\nhidden_sizes = [7]\n"
+      "[optim]\nlr = 1e-5\ngamma = 0.3333333333333333\nbetas = [0.1, 0.2]\nweight_decay = 1e+20\n"
+      "[fsdp]\nsharding_strategy = 'no_shard'\nreshard_after_forward = true\n"
+      "[log]\nmetrics_file = ''\n";
+  const Deck d = Deck::parse(text, "inputs/r.toml", {"data.batch_size=3", "checkpoint.dir=/x/y"});
+  const std::string toml = d.to_toml();
+  BOOST_TEST(toml.find("# Override: --set data.batch_size=3") != std::string::npos, toml);
+  const Deck again = Deck::parse(toml, "resolved.toml");
+  for (std::size_t i = 0; i < d.entries().size(); ++i) {
+    const Entry& a = d.entries()[i];
+    const Entry& b = again.entries()[i];
+    BOOST_TEST_CONTEXT(a.spec->key) {
+      BOOST_TEST((a.value == b.value), format_value(a.value) << " vs " << format_value(b.value));
+      BOOST_TEST((b.source == Source::kDeck));
+    }
+  }
+  BOOST_TEST(again.get_string("run.name") == "q\"uote\\ tab\t ü");
+  BOOST_TEST(again.get_float("optim.gamma") == 1.0 / 3.0);
+  BOOST_TEST(again.get_float("optim.lr") == 1e-5);
+  BOOST_TEST(again.to_toml().find("[run]") != std::string::npos);
+
+  // Unset keys are comments, and stay unset.
+  const Deck defaults;
+  const std::string dt = defaults.to_toml();
+  BOOST_TEST(dt.find("\n# dropout = (unset)\n") != std::string::npos, dt);
+  BOOST_TEST(dt.find("\nlr = 1.0\n") != std::string::npos, dt);
+  const Deck back = Deck::parse(dt, "resolved.toml");
+  BOOST_TEST(!back.is_set("model.dropout"));
+  for (std::size_t i = 0; i < back.entries().size(); ++i) BOOST_TEST((back.entries()[i].value == defaults.entries()[i].value));
+  // Sections in schema order.
+  std::size_t last = 0;
+  for (const auto& s : deck_sections()) {
+    const auto at = dt.find("\n[" + s + "]\n");
+    BOOST_TEST_REQUIRE(at != std::string::npos);
+    BOOST_TEST(at > last);
+    last = at;
+  }
+}
+
+BOOST_AUTO_TEST_CASE(echo_table) {
+  const Deck d = Deck::parse("[optim]\nlr = 0.5\n", "a.toml", {"run.epochs=4"});
+  const std::string table = d.echo_table();
+  std::istringstream lines(table);
+  std::string line;
+  std::getline(lines, line);
+  const auto value_column = line.find("value");
+  const auto source_column = line.find("source");
+  BOOST_TEST(line.rfind("key", 0) == 0u);
+  std::size_t rows = 0;
+  std::map<std::string, std::string> source_of;
+  std::getline(lines, line);  // the rule
+  while (std::getline(lines, line)) {
+    ++rows;
+    const std::string key = line.substr(0, line.find(' '));
+    BOOST_TEST(line[value_column - 1] == ' ');
+    BOOST_TEST(line[value_column] != ' ', line);
+    source_of[key] = line.substr(source_column);
+  }
+  BOOST_TEST(rows == deck_schema().size());
+  BOOST_TEST(source_of["optim.lr"] == "deck");
+  BOOST_TEST(source_of["run.epochs"] == "--set");
+  BOOST_TEST(source_of["run.seed"] == "default");
+  BOOST_TEST(table.find("model.dropout") != std::string::npos);
+  BOOST_TEST(table.find("(unset)") != std::string::npos);
+  BOOST_TEST(format_value(std::monostate{}) == "(unset)");
+  BOOST_TEST(format_value(Value{std::vector<double>{1, 0.5}}) == "[1.0, 0.5]");
+}
+
+BOOST_AUTO_TEST_CASE(reference_doc_matches_the_schema) {
+  const std::string path = std::string(FSDP_DOCS_DIR) + "/deck_reference.md";
+  std::ifstream in(path, std::ios::binary);
+  BOOST_TEST_REQUIRE(static_cast<bool>(in), "cannot read " << path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  const std::string expected = reference_markdown();
+  BOOST_TEST((text.str() == expected),
+             path << " is out of date with the schema in app/deck.cpp; regenerate it with\n"
+                     "  build/bin/fsdp-sweep --print-reference > docs/deck_reference.md");
+  for (const auto& s : deck_schema()) BOOST_TEST(expected.find("| `" + s.name() + "` |") != std::string::npos, s.key);
+}
