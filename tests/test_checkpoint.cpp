@@ -477,13 +477,14 @@ BOOST_AUTO_TEST_CASE(save_on_some_ranks_only_is_reported_not_a_hang) {
 }
 
 /// Edge cases: a root unit without parameters (every layer wrapped), a bool and an int buffer, an
-/// empty parameter, fp64 parameters.
+/// empty parameter, fp64 parameters, a frozen parameter.
 struct EdgeImpl : torch::nn::Module {
   explicit EdgeImpl(bool with_empty = true) {
     a = register_module("a", torch::nn::Linear(5, 7));
     b = register_module("b", torch::nn::Linear(7, 3));
     a->to(torch::kDouble);
     b->to(torch::kDouble);
+    b->bias.set_requires_grad(false);  // a frozen parameter: saved and loaded, no optimizer state
     empty = with_empty ? register_parameter("empty", torch::zeros({0, 4}, torch::kDouble)) : torch::zeros({0}, torch::kDouble);
     mask = register_buffer("mask", torch::tensor({true, false, true}));
     counter = register_buffer("counter", torch::tensor({7, 8}, torch::kLong));

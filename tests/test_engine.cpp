@@ -182,7 +182,22 @@ struct Setup {
   double clip = 0;              ///< clip_grad_norm max_norm (0: off)
   int accum = 1;                ///< micro-batches per step (no_sync for all but the last)
   bool different_init = false;  ///< ranks initialize differently; FSDP syncs from rank 0
+  bool freeze = false;          ///< some parameters frozen (requires_grad = false), see freeze()
 };
+
+/// Freezes a mix of parameters: a tied weight (both names), a bias next to a trainable weight, a
+/// whole one-parameter unit (MLP); the first convolution's weight (CNN).
+void freeze(torch::nn::Module& model) {
+  for (auto& p : model.named_parameters())
+    if (p.key() == "fc1.weight" || p.key() == "fc2.bias" || p.key() == "scale.alpha" || p.key() == "conv1.weight") p.value().set_requires_grad(false);
+}
+
+std::vector<torch::Tensor> trainable(std::vector<torch::Tensor> params) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : params)
+    if (p.requires_grad()) out.push_back(p);
+  return out;
+}
 
 struct Trained {
   std::map<std::string, torch::Tensor> params;
@@ -194,7 +209,8 @@ struct Trained {
 Trained train_reference(ModelKind kind, OptimKind optim, int world, const Setup& setup = {}) {
   Trained result;
   auto model = make_model(kind);
-  auto opt = make_optimizer(optim, unique_parameters(*model));
+  if (setup.freeze) freeze(*model);
+  auto opt = make_optimizer(optim, trainable(unique_parameters(*model)));
   for (int step = 0; step < kSteps; ++step) {
     set_gate(*model, step % 2 == 0);
     auto batch = global_batch(kind, step, kLocalRows * world * setup.accum);
@@ -203,8 +219,8 @@ Trained train_reference(ModelKind kind, OptimKind optim, int world, const Setup&
                                                 : std::static_pointer_cast<CnnImpl>(model)->forward(batch.x);
     loss_of(kind, out, batch.y).backward();
     for (auto& p : model->parameters())
-      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    if (setup.clip > 0) result.norms.push_back(torch::nn::utils::clip_grad_norm_(unique_parameters(*model), setup.clip));
+      if (p.requires_grad() && !p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    if (setup.clip > 0) result.norms.push_back(torch::nn::utils::clip_grad_norm_(trainable(unique_parameters(*model)), setup.clip));
     opt->step();
   }
   for (const auto& p : model->named_parameters()) result.params[p.key()] = p.value().detach().clone();
@@ -244,6 +260,7 @@ Trained train_fsdp_typed(ModelKind kind, OptimKind optim, const FsdpOptions& opt
 
 Trained train_fsdp(ModelKind kind, OptimKind optim, const FsdpOptions& options, const Setup& setup = {}) {
   auto net = make_model(kind);
+  if (setup.freeze) freeze(*net);
   if (setup.different_init && MpiComm::world().rank() != 0) {  // rank 0 keeps the reference's weights
     torch::manual_seed(1234 + MpiComm::world().rank());
     torch::NoGradGuard no_grad;
@@ -592,9 +609,57 @@ BOOST_AUTO_TEST_CASE(configuration_errors_are_clear) {
       BOOST_TEST(std::string(e.what()).find("not divisible by shard_group_size 2") != std::string::npos);
     }
   }
-  auto frozen = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
-  frozen->fc2->bias.set_requires_grad(false);
-  BOOST_CHECK_THROW(fsdp::make_fsdp(frozen, world, {}), fsdp::ConfigError);
+}
+
+BOOST_AUTO_TEST_CASE(frozen_parameters_match_single_process) {
+  const int world = MpiComm::world().size();
+  Setup setup;
+  setup.freeze = true;
+  setup.clip = 0.5;  // frozen parameters must not count in the norm either
+  for (auto kind : {ModelKind::kMlp, ModelKind::kCnn}) {
+    const auto ref = train_reference(kind, OptimKind::kAdam, world, setup);
+    for (const auto& [strategy, group] : strategies_and_groups(world)) {
+      for (const auto& [policy_name, policy] : policies()) {
+        BOOST_TEST_CONTEXT("np=" << world << " model=" << name_of(kind) << " strategy=" << fsdp::to_string(strategy) << " group=" << group
+                                 << " policy=" << policy_name) {
+          FsdpOptions options;
+          options.sharding_strategy = strategy;
+          options.shard_group_size = group;
+          options.auto_wrap_policy = policy;
+          const auto got = train_fsdp(kind, OptimKind::kAdam, options, setup);
+          BOOST_TEST(compare(got.params, ref.params) <= 1e-5);
+          for (std::size_t i = 0; i < got.norms.size(); ++i)
+            BOOST_TEST(std::abs(got.norms[i] - ref.norms[i]) <= 1e-5 * ref.norms[i], "norm of step " << i);
+        }
+      }
+    }
+  }
+  // Frozen parameters: no gradient, no optimizer state, not in parameters().
+  auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+  freeze(*net);
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear", "Scale", "TiedOut"});
+  auto model = fsdp::make_fsdp(net, MpiComm::world(), options);
+  std::int64_t trainable_shard = 0, frozen_units = 0;
+  for (const auto& u : model->units()) {
+    if (u.frozen) ++frozen_units;
+    else trainable_shard += u.shard_numel;
+  }
+  BOOST_TEST(frozen_units == 3);  // root (tied fc1.weight), fc2 (bias), scale (alpha)
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+  auto x = torch::randn({4, 13});
+  opt.zero_grad();
+  model->forward(x).sum().backward();
+  opt.step();
+  const auto m = model->memory_stats(&opt);
+  BOOST_TEST(m.grad_bytes == trainable_shard * 4);
+  BOOST_TEST(m.optimizer_state_bytes == 2 * trainable_shard * 4);
+  {
+    auto full = model->summon_full_params();
+    BOOST_TEST(torch::equal(net->fc1->weight, net->tied->weight));
+    BOOST_TEST(!net->fc1->weight.requires_grad());
+  }
+  BOOST_TEST(model->describe().find("frozen") != std::string::npos);
 }
 
 BOOST_AUTO_TEST_CASE(no_sync_moves_no_gradient_bytes) {

@@ -109,6 +109,9 @@ struct UnitInfo {
   std::int64_t padded_numel = 0;
   std::int64_t shard_numel = 0;
   bool called_through_hook = false;  ///< forward seen through fsdp::forward (frees between forward and backward)
+  /// Holds the frozen (requires_grad = false) parameters of unit `parent`: sharded and gathered with
+  /// it, but no gradient, no optimizer state, not in parameters().
+  bool frozen = false;
 };
 
 namespace detail {
@@ -129,6 +132,8 @@ struct FlatUnit {
   enum class Hooked { kUnknown, kYes, kNo } hooked = Hooked::kUnknown;
   bool entered = false;           // pre_forward seen since the last root forward began
   bool grafted_by_root = false;   // the root forward gathered and grafted this unit
+  bool frozen = false;            // a companion holding another unit's frozen parameters
+  int companion = -1;             // index of this unit's frozen companion, if it has frozen parameters
 };
 
 /// Something UnitGather can call back into, found by id so a destroyed engine is detected, not used.
@@ -248,7 +253,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     std::vector<UnitInfo> out;
     for (const auto& u : units_) {
       UnitInfo i = u->info;
-      i.called_through_hook = u->hooked == detail::FlatUnit::Hooked::kYes;
+      const auto& owner = u->frozen ? *units_[static_cast<std::size_t>(u->info.parent)] : *u;
+      i.called_through_hook = owner.hooked == detail::FlatUnit::Hooked::kYes;
       out.push_back(std::move(i));
     }
     return out;
@@ -562,15 +568,34 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
         }
       }
     }
+    // Frozen parameters go to a companion unit of their unit: gathered and freed together with it,
+    // but with no gradient and no optimizer state (PyTorch's use_orig_params case).
+    const std::size_t regular_units = units_.size();
     for (auto& use : uses) {
-      auto& u = *units_[static_cast<std::size_t>(use.unit)];
-      if (!use.tensor.requires_grad())
-        throw ConfigError("parameter '" + use.name + "' has requires_grad=false; frozen parameters are not supported yet");
       if (!use.tensor.device().is_cpu()) throw ConfigError("parameter '" + use.name + "' is not on the CPU; MpiComm moves CPU tensors only");
-      u.params.push_back(use.tensor);
-      u.info.param_names.push_back(use.name);
-      u.shapes.push_back(use.tensor.sizes().vec());
+      auto* target = units_[static_cast<std::size_t>(use.unit)].get();
+      if (!use.tensor.requires_grad()) {
+        if (target->companion < 0) {
+          auto c = std::make_unique<detail::FlatUnit>();
+          c->info.module_path = target->info.module_path;
+          c->info.type_name = target->info.type_name;
+          c->info.index = static_cast<int>(units_.size());
+          c->info.parent = target->info.index;
+          c->info.frozen = true;
+          c->frozen = true;
+          c->module = target->module;
+          target->companion = c->info.index;
+          units_.push_back(std::move(c));
+          target = units_.back().get();
+        } else {
+          target = units_[static_cast<std::size_t>(target->companion)].get();
+        }
+      }
+      target->params.push_back(use.tensor);
+      target->info.param_names.push_back(use.name);
+      target->shapes.push_back(use.tensor.sizes().vec());
     }
+    (void)regular_units;
 
     if (options_.sync_module_states && world_.size() > 1) {
       torch::NoGradGuard no_grad;
@@ -609,11 +634,11 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
         full.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64)).copy_(u.params[i].detach().reshape({-1}));
       }
       if (group == 1) {
-        u.shard = full.detach().requires_grad_(true);
+        u.shard = full.detach().requires_grad_(!u.frozen);
         u.full = u.shard.detach();  // same storage: nothing to gather
         u.gathered = true;
       } else {
-        u.shard = full.narrow(0, shard_rank * u.layout.shard_numel(), u.layout.shard_numel()).clone().requires_grad_(true);
+        u.shard = full.narrow(0, shard_rank * u.layout.shard_numel(), u.layout.shard_numel()).clone().requires_grad_(!u.frozen);
         u.full = full;
         u.gathered = true;
       }
@@ -622,10 +647,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
         u.params[i].set_data(u.full.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64)).view(u.shapes[i]));
       }
       reshard(u);
-      register_parameter("flat_shard_" + std::to_string(u.info.index), u.shard, /*requires_grad=*/true);
+      if (!u.frozen) register_parameter("flat_shard_" + std::to_string(u.info.index), u.shard, /*requires_grad=*/true);
     }
     for (auto& up : units_) {
-      if (up->info.index == 0) continue;
+      if (up->info.index == 0 || up->frozen) continue;
       detail::hook_registry()[up->module] = {this, up->info.index};
       if (options_.all_units_called_through_forward) up->hooked = detail::FlatUnit::Hooked::kYes;
     }
@@ -655,6 +680,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   // Allocates and fills `full`. A unit still gathered from a forward that had no backward is filled
   // again if the optimizer changed the shard since (its version counter moved).
   void gather(detail::FlatUnit& u) {
+    if (u.companion >= 0) gather(*units_[static_cast<std::size_t>(u.companion)]);
     if (u.params.empty() || u.layout.group_size() == 1) return;
     if (u.gathered && u.gathered_version == u.shard._version()) return;
     if (!u.gathered) {
@@ -669,6 +695,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   }
 
   void reshard(detail::FlatUnit& u) {
+    if (u.companion >= 0) reshard(*units_[static_cast<std::size_t>(u.companion)]);
     if (!u.gathered || u.layout.group_size() == 1 || u.params.empty()) return;
     auto* storage = u.full.storage().unsafeGetStorageImpl();
     storage->set_data_ptr_noswap(c10::DataPtr(nullptr, u.full.device()));
@@ -678,7 +705,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
 
   // Makes the module's parameters of `u` children of a fresh UnitGather node so backward reaches it.
   void graft(detail::FlatUnit& u) {
-    if (u.params.empty() || !torch::GradMode::is_enabled()) return;
+    if (u.params.empty() || u.frozen || !torch::GradMode::is_enabled()) return;
     auto views = detail::UnitGather::apply(u.shard, engine_id_, static_cast<std::int64_t>(u.info.index), &u);
     for (std::size_t i = 0; i < u.params.size(); ++i)
       torch::autograd::impl::set_gradient_edge(u.params[i], torch::autograd::impl::gradient_edge(views[i]));
@@ -693,8 +720,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       u->entered = false;
       u->grafted_by_root = false;
     }
-    // The root unit and every nested unit not known to be called through fsdp::forward.
+    // The root unit and every nested unit not known to be called through fsdp::forward (frozen
+    // companions follow their unit).
     for (auto& u : units_) {
+      if (u->frozen) continue;
       if (u->info.index != 0 && u->hooked == detail::FlatUnit::Hooked::kYes) continue;
       gather(*u);
       graft(*u);
@@ -704,7 +733,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
 
   void root_post_forward(const std::vector<at::Tensor>& outputs, bool complete) {
     for (auto& u : units_)
-      if (u->info.index != 0 && u->hooked == detail::FlatUnit::Hooked::kUnknown && !u->entered) u->hooked = detail::FlatUnit::Hooked::kNo;
+      if (u->info.index != 0 && !u->frozen && u->hooked == detail::FlatUnit::Hooked::kUnknown && !u->entered) u->hooked = detail::FlatUnit::Hooked::kNo;
     if (is_training() && options_.sync_buffers) sync_buffers();
     bool hooked = false;
     if (torch::GradMode::is_enabled()) {
@@ -843,9 +872,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     m.pretty_print(os);
     for (const auto& u : units_) {
       if (u->module != &m) continue;
-      os << "  [unit " << u->info.index << (u->info.index == 0 ? ", root" : "") << ": " << u->params.size() << " params, numel "
+      os << "  [unit " << u->info.index << (u->info.index == 0 ? ", root" : "") << (u->frozen ? ", frozen" : "") << ": " << u->params.size() << " params, numel "
          << u->layout.numel() << ", padded " << u->layout.padded_numel() << ", shard " << u->layout.shard_numel();
-      if (u->info.index != 0 && u->hooked == detail::FlatUnit::Hooked::kNo) os << ", gathered with root (not called through fsdp::forward)";
+      if (u->info.index != 0 && !u->frozen && u->hooked == detail::FlatUnit::Hooked::kNo) os << ", gathered with root (not called through fsdp::forward)";
       os << "]";
     }
     os << "\n";
