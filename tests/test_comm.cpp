@@ -58,6 +58,26 @@ BOOST_AUTO_TEST_CASE(reduce_scatter_bfloat16_uses_ring_add) {
   for (auto v : recv) BOOST_TEST(fsdp::detail::f16_to_float(v) == 0.25f);
 }
 
+BOOST_AUTO_TEST_CASE(all_reduce_of_16_bit_floats) {
+  auto w = MpiComm::world();
+  for (std::int64_t n : {1, 5, 7}) {  // not multiples of the world size: padded internally
+    std::vector<std::uint16_t> b(static_cast<std::size_t>(n)), h(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) {
+      b[static_cast<std::size_t>(i)] = fsdp::detail::float_to_bf16(static_cast<float>(w.rank() + i));
+      h[static_cast<std::size_t>(i)] = fsdp::detail::float_to_f16(static_cast<float>(2 * i));
+    }
+    w.all_reduce(b.data(), b.data(), n, DType::kBFloat16, ReduceOp::kSum);
+    w.all_reduce(h.data(), h.data(), n, DType::kFloat16, ReduceOp::kAvg);
+    const float rank_sum = static_cast<float>(w.size() * (w.size() - 1) / 2);
+    for (std::int64_t i = 0; i < n; ++i) {
+      BOOST_TEST(fsdp::detail::bf16_to_float(b[static_cast<std::size_t>(i)]) == rank_sum + static_cast<float>(i * w.size()));
+      BOOST_TEST(fsdp::detail::f16_to_float(h[static_cast<std::size_t>(i)]) == static_cast<float>(2 * i));
+    }
+  }
+  std::uint16_t one = fsdp::detail::float_to_bf16(1.0f);
+  BOOST_CHECK_THROW(w.all_reduce(&one, &one, 1, DType::kBFloat16, ReduceOp::kMax), fsdp::CommError);
+}
+
 BOOST_AUTO_TEST_CASE(all_reduce_broadcast_barrier) {
   auto w = MpiComm::world();
   std::vector<std::int64_t> x(3, w.rank() + 1);

@@ -222,12 +222,13 @@ class MpiComm {
   void all_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     count(state_->counters.all_reduce_bytes, n, t);
     const Stopwatch timed(state_->counters.all_reduce_seconds);
+    if (!detail::mpi_can_reduce(t) && op == ReduceOp::kMax) throw CommError("all_reduce max of " + std::string(dtype_name(t)) + " is not supported");
     const int c = detail::checked_count(n, "all_reduce");
     if (size() == 1) {
       copy_if_distinct(send, recv, n, t);
       return;
     }
-    if (!detail::mpi_can_reduce(t)) throw CommError("all_reduce of " + std::string(dtype_name(t)) + " is not supported over MPI");
+    if (!detail::mpi_can_reduce(t)) return all_reduce_16bit(send, recv, n, t, op);
     FSDP_MPI_CHECK(MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, c, detail::mpi_datatype(t), detail::mpi_op(op), state_->comm));
     if (op == ReduceOp::kAvg) detail::scale_buffer(recv, n, t, 1.0 / size());
   }
@@ -345,6 +346,22 @@ class MpiComm {
 
   static void copy_if_distinct(const void* send, void* recv, std::int64_t n, DType t) {
     if (send != recv && n > 0) std::memmove(recv, send, static_cast<std::size_t>(n) * dtype_bytes(t));
+  }
+
+  // MPI has no reduction for bf16/fp16: a ring reduce-scatter with our own (fp32) add over the buffer
+  // padded to a multiple of the ranks, then an all-gather of the reduced chunks.
+  void all_reduce_16bit(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+    if (op == ReduceOp::kMax) throw CommError("all_reduce max of " + std::string(dtype_name(t)) + " is not supported");
+    const std::int64_t chunk = (n + size() - 1) / size();
+    const std::size_t eb = dtype_bytes(t);
+    std::vector<std::byte> padded(static_cast<std::size_t>(chunk * size()) * eb, std::byte{0});
+    std::memcpy(padded.data(), send, static_cast<std::size_t>(n) * eb);
+    std::vector<std::byte> mine(static_cast<std::size_t>(chunk) * eb);
+    ring_reduce_scatter(padded.data(), mine.data(), chunk, t);
+    if (op == ReduceOp::kAvg) detail::scale_buffer(mine.data(), chunk, t, 1.0 / size());
+    const int c = detail::checked_count(chunk, "all_reduce");
+    FSDP_MPI_CHECK(MPI_Allgather(mine.data(), c, detail::mpi_datatype(t), padded.data(), c, detail::mpi_datatype(t), state_->comm));
+    std::memcpy(recv, padded.data(), static_cast<std::size_t>(n) * eb);
   }
 
   // Ring reduce-scatter: at step s rank r sends its running sum of chunk (r-s-1) to r+1 and receives

@@ -272,11 +272,25 @@ struct StagedMeta {
   torch::Tensor rng;  // this rank's CPU RNG state, undefined if not restorable
 };
 
+/// The module's buffers by name, as checkpoints hold them: in their own dtype (before mixed
+/// precision's buffer_dtype). Loading copies the value back into the live buffer.
 template <class Engine>
 std::vector<std::pair<std::string, torch::Tensor>> named_buffers_of(Engine& engine) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& b : engine.module()->named_buffers(/*recurse=*/true)) {
+    if (!b.value().defined()) continue;
+    const auto dtype = engine.checkpoint_buffer_dtype(b.key(), b.value());
+    out.emplace_back(b.key(), dtype == b.value().scalar_type() ? b.value() : b.value().detach().to(dtype));
+  }
+  return out;
+}
+
+/// The live buffers, in the order of named_buffers_of().
+template <class Engine>
+std::vector<torch::Tensor> live_buffers_of(Engine& engine) {
+  std::vector<torch::Tensor> out;
   for (const auto& b : engine.module()->named_buffers(/*recurse=*/true))
-    if (b.value().defined()) out.emplace_back(b.key(), b.value());
+    if (b.value().defined()) out.push_back(b.value());
   return out;
 }
 
@@ -713,7 +727,7 @@ namespace detail {
 inline StagedUnit read_unit_range(hid_t file, const std::string& path, const FlatUnit& u, std::int64_t lo, std::int64_t hi,
                                   const torch::optim::Optimizer* opt, std::vector<std::string>& problems) {
   StagedUnit s;
-  const auto dtype = u.params.front().scalar_type();
+  const auto dtype = u.dtype;
   s.flat = torch::zeros({hi - lo}, torch::TensorOptions().dtype(dtype));
   auto read_into = [&](const std::string& ds_path, std::size_t i, torch::Tensor& dst) {
     h5::Id ds = h5::open_dataset(file, ds_path, path);
@@ -941,7 +955,7 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
     mine.has_optim = un.i64() != 0;
     mine.optim_step = un.i64();
     const auto n_states = un.i64();
-    const auto dtype = u.params.front().scalar_type();
+    const auto dtype = u.dtype;
     auto share = [&](torch::Tensor t) {
       if (!t.defined()) t = torch::empty({u.layout.padded_numel()}, torch::TensorOptions().dtype(dtype));
       world.broadcast(t.data_ptr(), t.numel(), to_comm_dtype(t.scalar_type()), 0);
@@ -1008,7 +1022,7 @@ Staged read_local_file(Engine& engine, const torch::optim::Optimizer* opt, const
       continue;
     }
     const std::string base = "/units/" + std::to_string(u.info.index);
-    const auto dtype = u.params.front().scalar_type();
+    const auto dtype = u.dtype;
     auto read_flat = [&](const std::string& p) {
       h5::Id ds = h5::open_dataset(file, p, path);
       const auto dims = h5::dataset_dims(ds);
@@ -1052,8 +1066,8 @@ void apply_staged(Engine& engine, torch::optim::Optimizer* opt, Staged& s, Train
     if (!s.meta.lrs.empty())
       for (std::size_t g = 0; g < opt->param_groups().size(); ++g) opt->param_groups()[g].options().set_lr(s.meta.lrs[g]);
   }
-  const auto buffers = named_buffers_of(engine);
-  for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].second.copy_(s.buffers[i]);
+  const auto buffers = live_buffers_of(engine);
+  for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(s.buffers[i]);  // converts to a mixed-precision buffer_dtype
   if (s.meta.rng.defined()) set_cpu_rng_state(s.meta.rng);
   if (state) {
     *state = s.meta.train;

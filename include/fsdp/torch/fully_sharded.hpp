@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -66,6 +67,25 @@ inline ShardingStrategy parse_sharding_strategy(const std::string& text) {
   throw ConfigError("unknown sharding strategy '" + text + "' (valid: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2)");
 }
 
+/// Mixed precision (PyTorch's MixedPrecision). The optimizer keeps full-precision master shards; an
+/// unset dtype keeps full precision for that part.
+struct MixedPrecision {
+  /// Parameters are all-gathered and used in forward and backward in this dtype (bf16/fp16 halve the
+  /// all-gather bytes and the gathered memory).
+  std::optional<c10::ScalarType> param_dtype;
+  /// Gradients are reduce-scattered (and all-reduced across replicas) in this dtype; unset: param_dtype.
+  std::optional<c10::ScalarType> reduce_dtype;
+  /// Floating-point buffers (e.g. BatchNorm statistics) are kept in this dtype.
+  std::optional<c10::ScalarType> buffer_dtype;
+  /// Cast floating-point tensor arguments of the root forward to param_dtype.
+  bool cast_forward_inputs = true;
+  bool enabled() const noexcept { return param_dtype || reduce_dtype || buffer_dtype; }
+  /// bf16 everywhere: the common choice on hardware with bf16 arithmetic.
+  static MixedPrecision bf16() { return {c10::ScalarType::BFloat16, c10::ScalarType::BFloat16, c10::ScalarType::BFloat16, true}; }
+  /// fp16 everywhere (no loss scaling yet: mind the fp16 range).
+  static MixedPrecision fp16() { return {c10::ScalarType::Half, c10::ScalarType::Half, c10::ScalarType::Half, true}; }
+};
+
 struct FsdpOptions {
   ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
   AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::none();
@@ -85,6 +105,7 @@ struct FsdpOptions {
   /// Broadcast world rank 0's parameters and buffers at construction, so ranks that initialized
   /// differently start identical (across shard and replica groups alike).
   bool sync_module_states = false;
+  MixedPrecision mixed_precision;
 };
 
 /// Bytes this rank holds for the model's training state (see memory_stats()).
@@ -134,6 +155,12 @@ struct FlatUnit {
   bool grafted_by_root = false;   // the root forward gathered and grafted this unit
   bool frozen = false;            // a companion holding another unit's frozen parameters
   int companion = -1;             // index of this unit's frozen companion, if it has frozen parameters
+  c10::ScalarType dtype = c10::ScalarType::Float;  // of the parameters and the (master) shard
+  bool low_precision = false;     // `full` is in MixedPrecision::param_dtype, not `dtype`
+  torch::Tensor summoned;         // full-precision flat buffer inside summon_full_params (low_precision)
+  std::vector<torch::Tensor> param_views;  // the parameters' views of `full`, to restore after summon
+  /// `full` has storage of its own that gather() fills and reshard() frees.
+  bool needs_gather() const noexcept { return layout.group_size() > 1 || low_precision; }
 };
 
 /// Something UnitGather can call back into, found by id so a destroyed engine is detected, not used.
@@ -228,11 +255,23 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   template <class... Args>
   auto forward(Args&&... args) {
     root_pre_forward();
-    auto result = module_->forward(std::forward<Args>(args)...);
+    auto result = module_->forward(cast_input(std::forward<Args>(args))...);
     std::vector<at::Tensor> outputs;
     const bool complete = detail::collect_tensors(result, outputs);
     root_post_forward(outputs, complete);
     return result;
+  }
+
+  /// A floating-point tensor argument of the root forward in MixedPrecision::param_dtype.
+  torch::Tensor cast_input(const torch::Tensor& t) const {
+    const auto& mp = options_.mixed_precision;
+    if (mp.param_dtype && mp.cast_forward_inputs && t.defined() && t.is_floating_point()) return t.to(*mp.param_dtype);
+    return t;
+  }
+  template <class T>
+    requires(!std::is_same_v<std::decay_t<T>, torch::Tensor>)
+  T&& cast_input(T&& arg) const {
+    return std::forward<T>(arg);
   }
 
   /// The wrapped module. Its parameters are views of the gathered buffers: read them only inside
@@ -287,7 +326,12 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     FullParamsScope& operator=(FullParamsScope&&) = delete;
     /// Local (no communication): keeps or discards changes, then frees what the scope gathered.
     ~FullParamsScope() {
-      if (owner_) owner_->end_summon(writeback_, gathered_here_, saved_);
+      if (!owner_) return;
+      try {
+        owner_->end_summon(writeback_, gathered_here_, saved_);
+      } catch (const std::exception& e) {  // a destructor must not throw; this is a bug if it happens
+        std::fprintf(stderr, "fsdp: summon_full_params scope end failed: %s\n", e.what());
+      }
     }
 
    private:
@@ -304,6 +348,12 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     std::vector<int> gathered_here;
     std::vector<torch::Tensor> saved(units_.size());
     for (auto& u : units_) {
+      if (u->low_precision && !u->params.empty()) {
+        // Full precision inside the scope: gather the master shards and point the parameters there.
+        u->summoned = gather_flat(u->info.index, u->shard);
+        point_params_at(*u, u->summoned);
+        continue;
+      }
       if (!u->gathered) {
         gather(*u);
         gathered_here.push_back(u->info.index);
@@ -365,10 +415,12 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     std::vector<std::pair<std::string, torch::Tensor>> out;
     torch::NoGradGuard no_grad;
     for (auto& u : units_) {
-      const bool was_gathered = u->gathered;
-      gather(*u);
-      for (std::size_t i = 0; i < u->params.size(); ++i) out.emplace_back(u->info.param_names[i], u->params[i].detach().clone());
-      if (!was_gathered) reshard(*u);
+      if (u->params.empty()) continue;
+      const auto flat = gather_flat(u->info.index, u->shard);  // master precision, one unit at a time
+      for (std::size_t i = 0; i < u->params.size(); ++i) {
+        const auto i64 = static_cast<std::int64_t>(i);
+        out.emplace_back(u->info.param_names[i], flat.narrow(0, u->layout.param_offset(i64), u->layout.param_numel(i64)).view(u->shapes[i]).clone());
+      }
     }
     return out;
   }
@@ -385,7 +437,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       m.shard_param_bytes += u->shard.numel() * elem;
       if (u->shard.grad().defined()) m.grad_bytes += u->shard.grad().numel() * elem;
       if (u->unsynced_grad.defined()) m.grad_bytes += u->unsynced_grad.numel() * elem;
-      if (u->gathered && u->layout.group_size() > 1) m.gathered_param_bytes += padded_bytes;
+      if (u->gathered && u->needs_gather()) m.gathered_param_bytes += u->layout.padded_numel() * static_cast<std::int64_t>(u->full.element_size());
     }
     if (optimizer) m.optimizer_state_bytes = optimizer_state_bytes(*optimizer);
     return m;
@@ -421,6 +473,12 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   /// The units with their flat layouts and local shards. Local.
   const std::vector<std::unique_ptr<detail::FlatUnit>>& flat_units() const noexcept { return units_; }
 
+  /// The dtype buffer `name` is checkpointed in: its own, from before MixedPrecision::buffer_dtype.
+  c10::ScalarType checkpoint_buffer_dtype(const std::string& name, const torch::Tensor& buffer) const {
+    const auto it = buffer_dtypes_.find(name);
+    return it == buffer_dtypes_.end() ? buffer.scalar_type() : it->second;
+  }
+
   /// Tied parameters: the name a parameter is stored under -> its other names.
   const std::map<std::string, std::vector<std::string>>& tied_parameter_aliases() const noexcept { return aliases_; }
 
@@ -449,7 +507,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       for (std::size_t i = 0; i < u->params.size(); ++i) {
         os << u->info.param_names[i] << "[";
         for (auto d : u->shapes[i]) os << d << ",";
-        os << "]" << c10::toString(u->params[i].scalar_type()) << ";";
+        os << "]" << c10::toString(u->dtype) << ";";
       }
     }
     return fnv1a64(os.str());
@@ -500,6 +558,20 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   };
 
   void build_units() {
+    // 0. Mixed precision: check the dtypes; buffers move to buffer_dtype (their own dtype is kept for checkpoints).
+    const auto& mp = options_.mixed_precision;
+    for (const auto& dt : {mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype})
+      if (dt && !c10::isFloatingType(*dt))
+        throw ConfigError(std::string("mixed precision dtypes must be floating point, got ") + c10::toString(*dt));
+    if (mp.buffer_dtype) {
+      torch::NoGradGuard no_grad;
+      for (const auto& b : module_->named_buffers(/*recurse=*/true)) {
+        if (!b.value().defined() || !b.value().is_floating_point() || b.value().scalar_type() == *mp.buffer_dtype) continue;
+        buffer_dtypes_[b.key()] = b.value().scalar_type();
+        b.value().set_data(b.value().to(*mp.buffer_dtype));
+      }
+    }
+
     // 1. The module tree in pre-order.
     std::vector<ModuleNode> nodes;
     std::function<void(torch::nn::Module&, const std::string&, int)> visit = [&](torch::nn::Module& m, const std::string& path, int parent) {
@@ -626,6 +698,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
         if (u.params[i].scalar_type() != dtype)
           throw ConfigError("unit '" + u.info.module_path + "' mixes dtypes (" + u.info.param_names[i] + " is " +
                             c10::toString(u.params[i].scalar_type()) + ", expected " + c10::toString(dtype) + ")");
+      u.dtype = dtype;
+      const auto& mp = options_.mixed_precision;
+      u.low_precision = mp.param_dtype && *mp.param_dtype != dtype;
       torch::NoGradGuard no_grad;
       auto full = torch::empty({u.layout.padded_numel()}, u.params.front().options().requires_grad(false));
       full.narrow(0, u.layout.numel(), u.layout.padding()).zero_();
@@ -636,16 +711,14 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       if (group == 1) {
         u.shard = full.detach().requires_grad_(!u.frozen);
         u.full = u.shard.detach();  // same storage: nothing to gather
-        u.gathered = true;
       } else {
         u.shard = full.narrow(0, shard_rank * u.layout.shard_numel(), u.layout.shard_numel()).clone().requires_grad_(!u.frozen);
         u.full = full;
-        u.gathered = true;
       }
-      for (std::size_t i = 0; i < u.params.size(); ++i) {
-        const auto i64 = static_cast<std::int64_t>(i);
-        u.params[i].set_data(u.full.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64)).view(u.shapes[i]));
-      }
+      if (u.low_precision) u.full = full.to(*mp.param_dtype);  // its own storage, refilled by gather()
+      u.gathered = true;
+      point_params_at(u, u.full);
+      for (const auto& p : u.params) u.param_views.push_back(p.data());  // shares `full`'s storage, also once freed
       reshard(u);
       if (!u.frozen) register_parameter("flat_shard_" + std::to_string(u.info.index), u.shard, /*requires_grad=*/true);
     }
@@ -681,7 +754,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   // again if the optimizer changed the shard since (its version counter moved).
   void gather(detail::FlatUnit& u) {
     if (u.companion >= 0) gather(*units_[static_cast<std::size_t>(u.companion)]);
-    if (u.params.empty() || u.layout.group_size() == 1) return;
+    if (u.params.empty() || !u.needs_gather()) return;
     if (u.gathered && u.gathered_version == u.shard._version()) return;
     if (!u.gathered) {
       auto* storage = u.full.storage().unsafeGetStorageImpl();
@@ -690,17 +763,35 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       storage->set_nbytes(nbytes);
     }
     u.gathered_version = u.shard._version();
-    shard_comm_.all_gather(u.shard.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(u.full.scalar_type()));
+    torch::Tensor source = u.shard;
+    if (u.low_precision) {  // cast the shard first: the all-gather moves low-precision bytes
+      torch::NoGradGuard no_grad;
+      source = u.shard.detach().to(u.full.scalar_type());
+    }
+    if (u.layout.group_size() == 1) {
+      torch::NoGradGuard no_grad;
+      u.full.copy_(source);
+    } else {
+      shard_comm_.all_gather(source.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(u.full.scalar_type()));
+    }
     u.gathered = true;
   }
 
   void reshard(detail::FlatUnit& u) {
     if (u.companion >= 0) reshard(*units_[static_cast<std::size_t>(u.companion)]);
-    if (!u.gathered || u.layout.group_size() == 1 || u.params.empty()) return;
+    if (!u.gathered || !u.needs_gather() || u.params.empty()) return;
     auto* storage = u.full.storage().unsafeGetStorageImpl();
     storage->set_data_ptr_noswap(c10::DataPtr(nullptr, u.full.device()));
     storage->set_nbytes(0);
     u.gathered = false;
+  }
+
+  // Makes the module's parameters of `u` views of `flat` (a padded flat buffer of the unit).
+  void point_params_at(detail::FlatUnit& u, const torch::Tensor& flat) {
+    for (std::size_t i = 0; i < u.params.size(); ++i) {
+      const auto i64 = static_cast<std::int64_t>(i);
+      u.params[i].set_data(flat.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64)).view(u.shapes[i]));
+    }
   }
 
   // Makes the module's parameters of `u` children of a fresh UnitGather node so backward reaches it.
@@ -772,7 +863,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     }
     // Free now only if backward can gather again (through an output hook) or will never come.
     const bool backward_needs_params = torch::GradMode::is_enabled() && u.pending_backward > 0;
-    if (reshard_after_forward() && (hooked && complete ? true : !backward_needs_params)) reshard(u);
+    // Without a pending backward (e.g. evaluation under NoGradGuard) keeping the unit gathered helps
+    // nothing, whatever the strategy.
+    if (!backward_needs_params || (reshard_after_forward() && hooked && complete)) reshard(u);
   }
 
   void pre_backward(int unit) override {
@@ -811,6 +904,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       flat.add_(u.unsynced_grad);
       u.unsynced_grad = torch::Tensor();
     }
+    const auto& mp = options_.mixed_precision;
+    const auto reduce_dtype = mp.reduce_dtype ? *mp.reduce_dtype : (mp.param_dtype ? *mp.param_dtype : u.dtype);
+    if (reduce_dtype != flat.scalar_type()) flat = flat.to(reduce_dtype);  // the collectives move these bytes
     const DType dt = detail::to_comm_dtype(flat.scalar_type());
     torch::Tensor shard_grad = flat;
     if (u.layout.group_size() > 1) {
@@ -819,7 +915,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     }
     if (replica_comm_.size() > 1) replica_comm_.all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
     release_after_backward(u);
-    return shard_grad;
+    return shard_grad.scalar_type() == u.dtype ? shard_grad : shard_grad.to(u.dtype);  // into the master shard's dtype
   }
 
   void release_after_backward(detail::FlatUnit& u) {
@@ -853,7 +949,13 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     torch::NoGradGuard no_grad;
     for (auto& u : units_) {
       if (u->params.empty()) continue;
-      if (u->layout.group_size() == 1) {
+      if (u->summoned.defined()) {
+        const auto s = u->layout.shard_numel();
+        if (writeback) u->shard.detach().copy_(u->summoned.narrow(0, shard_comm_.rank() * s, s));
+        // Back to the low-precision views (no view can be cut from `full` while its storage is freed).
+        for (std::size_t i = 0; i < u->params.size(); ++i) u->params[i].set_data(u->param_views[i]);
+        u->summoned = torch::Tensor();
+      } else if (u->layout.group_size() == 1) {
         const auto& copy = saved[static_cast<std::size_t>(u->info.index)];
         if (!writeback && copy.defined()) u->shard.copy_(copy);
       } else if (writeback && u->gathered) {
@@ -888,6 +990,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   FsdpOptions options_;
   std::vector<std::unique_ptr<detail::FlatUnit>> units_;
   std::map<std::string, std::vector<std::string>> aliases_;  // canonical name -> other names of tied parameters
+  std::map<std::string, c10::ScalarType> buffer_dtypes_;      // buffers cast by MixedPrecision::buffer_dtype: their own dtype
   std::int64_t engine_id_ = 0;
   bool end_of_backward_queued_ = false;
   bool no_sync_ = false;
