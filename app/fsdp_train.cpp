@@ -13,10 +13,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <numeric>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -246,18 +248,37 @@ std::shared_ptr<AppModel> build_model(const Deck& deck) {
   return std::make_shared<GptImpl>(c);
 }
 
+/// fsdp.transformer_layer_cls_to_wrap as a list of names (comma separated, spaces trimmed).
+std::vector<std::string> layer_classes(const Deck& deck) {
+  std::vector<std::string> names;
+  std::stringstream ss(deck.get_string("fsdp.transformer_layer_cls_to_wrap"));
+  for (std::string n; std::getline(ss, n, ',');) {
+    n.erase(0, n.find_first_not_of(" \t"));
+    n.erase(n.find_last_not_of(" \t") + 1);
+    if (!n.empty()) names.push_back(n);
+  }
+  return names;
+}
+
+/// A class name to wrap that no module of the model has is a mistake, not a no-op.
+void check_layer_classes(const Deck& deck, const torch::nn::Module& model) {
+  if (deck.get_string("fsdp.auto_wrap_policy") != "TRANSFORMER_BASED_WRAP") return;
+  std::set<std::string> types;
+  for (const auto& m : model.modules(/*include_self=*/true)) types.insert(fsdp::module_type_name(*m));
+  std::string known;
+  for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
+  for (const auto& n : layer_classes(deck))
+    if (!types.count(n))
+      throw DeckError(deck.entry("fsdp.transformer_layer_cls_to_wrap").where + ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" +
+                      n + "\" (its types: " + known + ")");
+}
+
 fsdp::FsdpOptions fsdp_options(const Deck& deck) {
   fsdp::FsdpOptions o;
   o.sharding_strategy = fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
   const std::string policy = deck.get_string("fsdp.auto_wrap_policy");
   if (policy == "SIZE_BASED_WRAP") o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(deck.get_int("fsdp.min_num_params"));
-  else if (policy == "TRANSFORMER_BASED_WRAP") {
-    std::vector<std::string> names;
-    std::stringstream ss(deck.get_string("fsdp.transformer_layer_cls_to_wrap"));
-    for (std::string n; std::getline(ss, n, ',');)
-      if (!n.empty()) names.push_back(n);
-    o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(names);
-  }
+  else if (policy == "TRANSFORMER_BASED_WRAP") o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(layer_classes(deck));
   const std::string reshard = deck.get_string("fsdp.reshard_after_forward");
   if (reshard == "true") o.reshard_after_forward = true;
   else if (reshard == "false") o.reshard_after_forward = false;
@@ -286,17 +307,21 @@ int optimizer_state_copies(const Deck& deck) {
   return 2;
 }
 
-/// The learning rate at optimizer step `step` (0-based) in `epoch`.
+/// The learning rate at optimizer step `step` (0-based) in `epoch`: a linear warmup from 0 to
+/// optim.lr over optim.warmup_steps, then the schedule (cosine: from optim.lr down to 0 at the last
+/// step; step: optim.lr x gamma^epoch; constant).
 double lr_at(const Deck& deck, std::int64_t step, std::int64_t epoch, std::int64_t total_steps) {
   const double base = deck.get_float("optim.lr");
-  const std::string schedule = deck.get_string("optim.schedule");
-  double lr = base;
-  if (schedule == "step") lr = base * std::pow(deck.get_float("optim.gamma"), static_cast<double>(epoch));  // StepLR(step_size=1) per epoch
-  else if (schedule == "cosine" && total_steps > 0)
-    lr = base * 0.5 * (1 + std::cos(M_PI * static_cast<double>(std::min(step, total_steps)) / static_cast<double>(total_steps)));
   const auto warmup = deck.get_int("optim.warmup_steps");
-  if (warmup > 0 && step < warmup) lr *= static_cast<double>(step + 1) / static_cast<double>(warmup);
-  return lr;
+  if (step < warmup) return base * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  const std::string schedule = deck.get_string("optim.schedule");
+  if (schedule == "step") return base * std::pow(deck.get_float("optim.gamma"), static_cast<double>(epoch));  // StepLR(step_size=1) per epoch
+  if (schedule == "cosine") {
+    const double span = static_cast<double>(std::max<std::int64_t>(1, total_steps - warmup - 1));
+    const double progress = std::min(1.0, static_cast<double>(step - warmup) / span);
+    return base * 0.5 * (1 + std::cos(M_PI * progress));
+  }
+  return base;
 }
 
 // ---- the run ------------------------------------------------------------------------------------
@@ -386,6 +411,11 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   on_all_ranks(world, [&] {
     auto net = build_model(deck);
+    check_layer_classes(deck, *net);
+    const auto group = deck.get_int("fsdp.shard_group_size");
+    if (group > 0 && world.size() % group != 0)
+      throw DeckError(deck.entry("fsdp.shard_group_size").where + ": fsdp.shard_group_size: " + std::to_string(group) +
+                      " does not divide the world size " + std::to_string(world.size()));
     model = std::make_shared<Engine>(net, world, fsdp_options(deck));
     optimizer = build_optimizer(deck, *model);
   });
@@ -409,15 +439,27 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                 static_cast<long long>(data.train_size()), static_cast<long long>(data.test_size()), out_dir.c_str());
     std::fflush(stdout);
   }
+  if (dry_run) {
+    // A dry run leaves an existing run alone; it writes the resolved deck only into a new out_dir.
+    bool wrote = false;
+    on_all_ranks(world, [&] {
+      if (!root || fs::exists(out_dir / "deck.toml")) return;
+      fs::create_directories(out_dir);
+      std::ofstream(out_dir / "deck.toml") << deck.to_toml();
+      wrote = true;
+    });
+    if (root)
+      std::printf("dry run: stopping after the echo%s\n",
+                  wrote ? (" (resolved deck in " + (out_dir / "deck.toml").string() + ")").c_str() : " (existing deck.toml left as it is)");
+    return 0;
+  }
   on_all_ranks(world, [&] {
     if (!root) return;
     fs::create_directories(out_dir);
-    std::ofstream(out_dir / "deck.toml") << deck.to_toml();
+    std::ofstream out(out_dir / "deck.toml");
+    out << deck.to_toml();
+    if (!out) throw DeckError("cannot write '" + (out_dir / "deck.toml").string() + "'");
   });
-  if (dry_run) {
-    if (root) std::printf("dry run: stopping after the echo (resolved deck in %s)\n", (out_dir / "deck.toml").c_str());
-    return 0;
-  }
 
   // 4. Resume.
   fsdp::CheckpointOptions ckpt;
@@ -427,15 +469,21 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   fsdp::TrainState state;
   const std::string resume = deck.get_string("checkpoint.resume");
   if (resume == "auto") {
-    const auto r = fsdp::resume_from_latest(*model, optimizer.get(), ckpt_dir.string(), &state, ckpt);
+    fsdp::ResumeResult r;
+    // A checkpoint of another model or optimizer in this folder stops the run (it is not skipped:
+    // training on would mix two runs in one folder).
+    on_all_ranks(world, [&] { r = fsdp::resume_from_latest(*model, optimizer.get(), ckpt_dir.string(), &state, ckpt); });
     if (root) {
-      for (const auto& why : r.skipped) std::printf("warning: skipped unusable checkpoint %s\n", why.c_str());
-      if (!r.path.empty()) std::printf("resumed from %s at step %lld (epoch %lld)\n", r.path.c_str(), static_cast<long long>(state.step),
-                                       static_cast<long long>(state.epoch + 1));
+      for (const auto& why : r.skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
+      if (!r.path.empty()) std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
     }
   } else if (resume != "none") {
-    on_all_ranks(world, [&] { fsdp::load_checkpoint(*model, optimizer.get(), resume, &state, ckpt); });
-    if (root) std::printf("resumed from %s at step %lld\n", resume.c_str(), static_cast<long long>(state.step));
+    std::string path = resume;
+    if (fs::is_directory(path) && fs::exists(fs::path(path) / fsdp::ckpt::kLatestName)) {  // a checkpoint folder: its latest
+      if (const auto name = fsdp::ckpt::read_latest(path)) path = (fs::path(path) / *name).string();
+    }
+    on_all_ranks(world, [&] { fsdp::load_checkpoint(*model, optimizer.get(), path, &state, ckpt); });
+    if (root) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
   }
 
   // 5. Train.
@@ -452,14 +500,27 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   if (steps_per_epoch == 0)
     throw RankError("data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(sampler.num_samples()) + ")", true);
   const std::int64_t total_steps = max_steps > 0 ? std::min(max_steps, steps_per_epoch * epochs) : steps_per_epoch * epochs;
+  if (state.step > 0 && state.step >= total_steps) {
+    // A rerun of a finished job: nothing to do, and its results stay as they are.
+    if (root)
+      std::printf("nothing to train: the run in %s already reached step %lld of %lld; its summary.json is kept (train again with a new "
+                  "run.out_dir or checkpoint.resume = \"none\")\n",
+                  out_dir.c_str(), static_cast<long long>(state.step), static_cast<long long>(total_steps));
+    return 0;
+  }
   const std::string progress_mode = deck.get_string("log.progress");
-  const bool live = progress_mode == "live" || (progress_mode == "auto" && isatty(STDOUT_FILENO));
+  // auto: a live line only for a process started directly on a terminal. Under mpirun or srun the
+  // ranks' stdout is a pseudo-terminal even when the job's output goes to a file.
+  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK") || std::getenv("SLURM_PROCID");
+  const bool live = progress_mode == "live" || (progress_mode == "auto" && isatty(STDOUT_FILENO) && !launched);
   const bool quiet = progress_mode == "none";
 
   std::ofstream metrics;
   const bool write_metrics = !deck.get_string("log.metrics_file").empty();
   const fs::path metrics_path = out_dir / deck.get_string("log.metrics_file");
+  on_all_ranks(world, [&] {
   if (root && write_metrics) {
+    fs::create_directories(metrics_path.parent_path());
     // On resume keep the rows up to the resumed step; a crashed run may have logged past it.
     std::vector<std::string> kept;
     if (state.step > 0) {
@@ -468,10 +529,12 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= state.step) kept.push_back(line);
     }
     metrics.open(metrics_path, std::ios::trunc);
+    if (!metrics) throw std::runtime_error("cannot write '" + metrics_path.string() + "'");
     metrics << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s\n";
     for (const auto& l : kept) metrics << l << "\n";
     metrics.flush();
   }
+  });
 
   Phases phases;
   std::vector<double> step_ms;
@@ -581,7 +644,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
             std::fflush(stdout);
           }
           if (write_metrics) {
-            metrics << step << "," << epoch << "," << loss_avg << "," << lr << "," << rate << "," << step_ms.back() << "," << elapsed << "\n";
+            metrics << step << "," << epoch + 1 << "," << loss_avg << "," << lr << "," << rate << "," << step_ms.back() << "," << elapsed << "\n";
             metrics.flush();
           }
         }
@@ -593,6 +656,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       if (ckpt_every > 0 && step % ckpt_every == 0 && !(done && save_final)) {
         if (live && root && !quiet) std::printf("\n");
         save();
+        window_start = Clock::now();  // the throughput of the next window counts training only
       }
     }
     if (live && root && !quiet) std::printf("\n");
@@ -601,12 +665,12 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       last_eval = evaluate(*model, data, deck.get_int("data.test_batch_size"), world);
       evaluated = true;
       if (root && !quiet)
-        std::printf("epoch %lld: test loss %.4f, accuracy %.2f%% (%lld samples)\n", static_cast<long long>(epoch + 1), last_eval.loss,
-                    100 * last_eval.accuracy, static_cast<long long>(last_eval.samples));
+        std::printf("epoch %lld: test loss %.4f, accuracy %.2f%% (%lld %s)\n", static_cast<long long>(epoch + 1), last_eval.loss,
+                    100 * last_eval.accuracy, static_cast<long long>(last_eval.samples), data.tokens ? "tokens" : "samples");
+      window_start = Clock::now();
     }
   }
-  if (step == state.step && root) std::printf("nothing to train: already at step %lld of %lld\n", static_cast<long long>(step), static_cast<long long>(total_steps));
-  else if (save_final) save();
+  if (save_final) save();
 
   // 6. Summary.
   const double wall = seconds_since(wall_start);
@@ -624,7 +688,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   world.all_gather(&my_rss, rss.data(), 1, fsdp::DType::kFloat64);
   double total_samples = static_cast<double>(samples_trained);
   world.all_reduce(&total_samples, &total_samples, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
-  const double train_s = seconds_since(train_start);
+  const double train_s = seconds_since(train_start) - phases.checkpoint - phases.eval;  // training only
   std::vector<double> sorted = step_ms;
   std::sort(sorted.begin(), sorted.end());
   const double median_ms = sorted.empty() ? 0 : sorted[sorted.size() / 2];

@@ -1,6 +1,6 @@
 // The models fsdp-train builds from a deck: the FSDP tutorial's CNN, a configurable MLP and a
-// GPT-style decoder. Children are called through fsdp::forward so that wrapped units free their
-// parameters after use.
+// GPT-style decoder. Every child module is called through fsdp::forward, at every depth, so that any
+// wrapping frees its units after use (fsdp-train promises this: all_units_called_through_forward).
 #pragma once
 
 #include <fsdp/fsdp.hpp>
@@ -35,9 +35,9 @@ struct TutorialCnnImpl : AppModel {
   torch::Tensor forward(torch::Tensor x) override {
     x = torch::relu(fsdp::forward(conv1, x));
     x = torch::relu(fsdp::forward(conv2, x));
-    x = dropout1->forward(F::max_pool2d(x, F::MaxPool2dFuncOptions(2)));
+    x = fsdp::forward(dropout1, F::max_pool2d(x, F::MaxPool2dFuncOptions(2)));
     x = torch::relu(fsdp::forward(fc1, x.flatten(1)));
-    x = fsdp::forward(fc2, dropout2->forward(x));
+    x = fsdp::forward(fc2, fsdp::forward(dropout2, x));
     return F::log_softmax(x, F::LogSoftmaxFuncOptions(1));
   }
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
@@ -82,14 +82,14 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const auto b = x.size(0), t = x.size(1), d = x.size(2), hd = d / heads_;
-    auto parts = qkv->forward(x).split(d, 2);
+    auto parts = fsdp::forward(qkv, x).split(d, 2);
     auto shape = [&](const torch::Tensor& y) { return y.view({b, t, heads_, hd}).transpose(1, 2); };
     auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
     att = att.masked_fill(named_buffers()["mask"].slice(2, 0, t).slice(3, 0, t) == 0, -std::numeric_limits<float>::infinity());
     att = F::dropout(torch::softmax(att, -1), F::DropoutFuncOptions().p(p_).training(is_training()));
     auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
-    return F::dropout(proj->forward(y), F::DropoutFuncOptions().p(p_).training(is_training()));
+    return F::dropout(fsdp::forward(proj, y), F::DropoutFuncOptions().p(p_).training(is_training()));
   }
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
   std::int64_t heads_;
@@ -107,8 +107,8 @@ struct TransformerBlockImpl : torch::nn::Module {
     out = register_module("out", torch::nn::Linear(c.mlp_ratio * c.d_model, c.d_model));
   }
   torch::Tensor forward(torch::Tensor x) {
-    x = x + attn->forward(ln1->forward(x));
-    auto h = out->forward(F::gelu(fc->forward(ln2->forward(x))));
+    x = x + fsdp::forward(attn, fsdp::forward(ln1, x));
+    auto h = fsdp::forward(out, F::gelu(fsdp::forward(fc, fsdp::forward(ln2, x))));
     return x + F::dropout(h, F::DropoutFuncOptions().p(p_).training(is_training()));
   }
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};

@@ -84,3 +84,23 @@ run(2 ${train2} ${WORK_DIR}/missing.toml)
 expect_in("${last_output}" "missing.toml")
 run(2 ${train2} ${DECK} --set fsdp.mixed_precision=bf16)
 expect_in("${last_output}" "not supported yet")
+
+# 6. A rerun of a finished job trains nothing and keeps its summary; a deck of another model in the
+#    same folder is refused instead of silently starting a second run there.
+file(READ ${WORK_DIR}/smoke/summary.json before)
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke)
+expect_in("${last_output}" "nothing to train: the run in [^\n]* already reached step 24 of 24")
+file(READ ${WORK_DIR}/smoke/summary.json after)
+if(NOT before STREQUAL after)
+  message(FATAL_ERROR "a rerun of a finished job changed its summary.json")
+endif()
+run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set run.max_steps=40 --set model.hidden_sizes=[48])
+expect_in("${last_output}" "holds another run")
+
+# 7. Nested units inside the GPT's blocks (every child is called through fsdp::forward).
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/gpt --set model.kind=transformer --set data.kind=tokens
+    --set data.num_samples=256 --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set run.max_steps=6
+    --set fsdp.auto_wrap_policy=TRANSFORMER_BASED_WRAP "--set=fsdp.transformer_layer_cls_to_wrap=TransformerBlock, CausalSelfAttention")
+expect_in("${last_output}" "5 unit\\(s\\)")
+run(2 ${train2} ${DECK} --set fsdp.auto_wrap_policy=TRANSFORMER_BASED_WRAP --set fsdp.transformer_layer_cls_to_wrap=Foo)
+expect_in("${last_output}" "no module of type \"Foo\"")

@@ -614,3 +614,24 @@ BOOST_AUTO_TEST_CASE(a_failure_on_one_rank_in_the_middle_of_a_save_fails_every_r
     BOOST_TEST(!fs::exists(dir / "step_00000002.h5"));
   }
 }
+
+BOOST_AUTO_TEST_CASE(resume_stops_at_a_checkpoint_of_another_run) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto adam = make_adam(*model);
+  train_step(*model, *adam, 0);
+  fsdp::save_checkpoint(*model, adam.get(), dir.path, {.step = 1});
+  // Readable, but written with another optimizer: not skipped (that would start a second run in the
+  // same folder), an error on every rank.
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  try {
+    fsdp::resume_from_latest(*model, &sgd, dir.path);
+    BOOST_ERROR("resuming with another optimizer must fail");
+  } catch (const fsdp::CheckpointError& e) {
+    const std::string what = e.what();
+    BOOST_TEST(e.id() == "fsdp.ckpt.mismatch");
+    BOOST_TEST(what.find("holds Adam state but the optimizer is SGD") != std::string::npos, what);
+    BOOST_TEST(what.find("(reported by rank") == std::string::npos, what);  // every rank found it
+  }
+}

@@ -131,15 +131,28 @@ inline std::string message_of(const std::exception& e) {
   return m;
 }
 
+/// Runs f; an exception becomes its what() ("[id] message" for fsdp errors, so agree() keeps the id).
 template <class F>
 std::optional<std::string> capture_error(F&& f) {
   try {
     f();
     return std::nullopt;
   } catch (const std::exception& e) {
-    return message_of(e);
+    return std::string(e.what());
   }
 }
+
+/// Splits "[id] message" into id and message (id "fsdp.ckpt" when there is none).
+inline std::pair<std::string, std::string> split_error(const std::string& text) {
+  if (!text.empty() && text[0] == '[') {
+    const auto close = text.find("] ");
+    if (close != std::string::npos) return {text.substr(1, close - 1), text.substr(close + 2)};
+  }
+  return {"fsdp.ckpt", text};
+}
+
+/// Id of errors where the checkpoint is readable but belongs to another model, optimizer or plan.
+inline constexpr const char* kMismatchId = "fsdp.ckpt.mismatch";
 
 template <Communicator Comm>
 std::string broadcast_string(Comm& comm, std::string text, int root = 0) {
@@ -153,12 +166,14 @@ std::string broadcast_string(Comm& comm, std::string text, int root = 0) {
 /// Every rank learns whether any rank failed; if so all throw the lowest failing rank's message.
 template <Communicator Comm>
 void agree(Comm& comm, const std::optional<std::string>& error) {
-  std::int64_t flag = error ? comm.size() - comm.rank() : 0;  // max picks the lowest failing rank
-  comm.all_reduce(&flag, &flag, 1, DType::kInt64, ReduceOp::kMax);
-  if (flag == 0) return;
-  const int root = comm.size() - static_cast<int>(flag);
-  const std::string text = broadcast_string(comm, error ? *error : std::string(), root);
-  throw CheckpointError(comm.size() > 1 && root != comm.rank() ? text + " (reported by rank " + std::to_string(root) + ")" : text);
+  std::int64_t flags[2] = {error ? comm.size() - comm.rank() : 0, error ? 1 : 0};  // max picks the lowest failing rank
+  comm.all_reduce(&flags[0], &flags[0], 1, DType::kInt64, ReduceOp::kMax);
+  if (flags[0] == 0) return;
+  comm.all_reduce(&flags[1], &flags[1], 1, DType::kInt64, ReduceOp::kSum);
+  const int root = comm.size() - static_cast<int>(flags[0]);
+  const auto [id, text] = split_error(broadcast_string(comm, error ? *error : std::string(), root));
+  const bool everyone = flags[1] == comm.size();
+  throw CheckpointError(everyone ? text : text + " (reported by rank " + std::to_string(root) + ")", id.rfind("fsdp.ckpt", 0) == 0 ? id : "fsdp.ckpt");
 }
 
 /// A little length-prefixed serializer for broadcasting metadata from rank 0.
@@ -872,7 +887,8 @@ void check_root(hid_t file, const std::string& path, Engine& engine, StateDictTy
       throw CheckpointError(where + " is a LOCAL_STATE_DICT checkpoint of world size " + std::to_string(world) + " and plan " + plan +
                             "; this run has world size " + std::to_string(engine.world_size()) + " and plan " + ckpt::hex64(engine.plan_hash()) +
                             ". LOCAL checkpoints load only into the same world size and wrapping; merge it with `fsdp-ckpt merge` "
-                            "or save SHARDED_STATE_DICT to change either");
+                            "or save SHARDED_STATE_DICT to change either",
+                            detail::kMismatchId);
   }
 }
 
@@ -900,7 +916,7 @@ Staged read_own_parts(Engine& engine, const torch::optim::Optimizer* opt, const 
   }
   for (const auto& [name, b] : named_buffers_of(engine)) s.buffers.push_back(read_buffer(file, path, model_path(name), b, problems));
   for (auto& p : unexpected_model_tensors(file, engine)) problems.push_back(std::move(p));
-  if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems));
+  if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems), kMismatchId);
   const auto world = h5::read_int_attribute(file, "world_size", "checkpoint '" + path + "'");
   s.meta = read_meta(file, path, engine.rank(), world == engine.world_size() ? world : -1);
   return s;
@@ -921,7 +937,7 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
       file = h5::open_file_readonly(path);
       check_root(file, path, engine, StateDictType::FULL_STATE_DICT);
       auto unexpected = unexpected_model_tensors(file, engine);
-      if (!unexpected.empty()) throw CheckpointError(mismatch_message(path, unexpected));
+      if (!unexpected.empty()) throw CheckpointError(mismatch_message(path, unexpected), kMismatchId);
       const auto saved_world = h5::read_int_attribute(file, "world_size", "checkpoint '" + path + "'");
       meta_bytes = pack_meta(read_meta(file, path, -1, 0));
       (void)saved_world;
@@ -940,7 +956,7 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
     if (reader) {
       error = capture_error([&] {
         full = read_unit_range(file, path, u, 0, u.layout.padded_numel(), opt, problems);
-        if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems));
+        if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems), kMismatchId);
       });
     }
     agree(world, error);
@@ -974,7 +990,7 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
       error = capture_error([&] {
         std::vector<std::string> buffer_problems;
         auto value = read_buffer(file, path, model_path(name), b, buffer_problems);
-        if (!buffer_problems.empty()) throw CheckpointError(mismatch_message(path, buffer_problems));
+        if (!buffer_problems.empty()) throw CheckpointError(mismatch_message(path, buffer_problems), kMismatchId);
         t.copy_(value);
       });
     }
@@ -1044,7 +1060,7 @@ Staged read_local_file(Engine& engine, const torch::optim::Optimizer* opt, const
   }
   std::vector<std::string> problems;
   for (const auto& [name, b] : named_buffers_of(engine)) s.buffers.push_back(read_buffer(file, path, model_path(name), b, problems));
-  if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems));
+  if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems), kMismatchId);
   s.meta = read_meta(file, path, 0, 1);
   return s;
 }
@@ -1115,10 +1131,12 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
   error = detail::capture_error([&] {
     if (!optimizer) return;
     if (!staged.meta.optimizer_kind.empty() && staged.meta.optimizer_kind != optimizer_kind(*optimizer))
-      throw CheckpointError("checkpoint '" + path + "' holds " + staged.meta.optimizer_kind + " state but the optimizer is " + optimizer_kind(*optimizer));
+      throw CheckpointError("checkpoint '" + path + "' holds " + staged.meta.optimizer_kind + " state but the optimizer is " + optimizer_kind(*optimizer),
+                            detail::kMismatchId);
     if (!staged.meta.lrs.empty() && staged.meta.lrs.size() != optimizer->param_groups().size())
       throw CheckpointError("checkpoint '" + path + "' has " + std::to_string(staged.meta.lrs.size()) + " optimizer parameter groups, the optimizer has " +
-                            std::to_string(optimizer->param_groups().size()));
+                                std::to_string(optimizer->param_groups().size()),
+                            detail::kMismatchId);
     // Build every optimizer state now, so that applying them below cannot fail half way.
     const auto& units = engine.flat_units();
     staged.optimizer_states.resize(units.size());
@@ -1130,7 +1148,7 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
       try {
         staged.optimizer_states[i] = make_optimizer_state(*optimizer, view);
       } catch (const ConfigError& e) {
-        throw CheckpointError("checkpoint '" + path + "': " + detail::message_of(e));
+        throw CheckpointError("checkpoint '" + path + "': " + detail::message_of(e), detail::kMismatchId);
       }
     }
   });
@@ -1175,6 +1193,12 @@ ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimiz
       result.path = path;
       return result;
     } catch (const CheckpointError& e) {
+      // Unreadable (corrupt, truncated, incomplete): fall back to an older one. Readable but written by
+      // another model, optimizer or plan: stop, the folder belongs to another run.
+      if (e.id() == detail::kMismatchId)
+        throw CheckpointError(detail::message_of(e) + ". The checkpoint folder '" + dir +
+                                  "' holds another run: use another folder, or start fresh without resuming",
+                              detail::kMismatchId);
       result.skipped.push_back(name + ": " + detail::message_of(e));
     }
   }
