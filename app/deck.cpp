@@ -159,8 +159,9 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "checkpoint.keep_last", .type = T::kInt, .default_value = I{0}, .min = 0,
                .description = "keep the newest this many checkpoints; 0: keep all"});
   s.push_back({.key = "checkpoint.resume", .type = T::kString, .default_value = "auto",
-               .description = "auto: continue from the newest usable checkpoint in checkpoint.dir, if any; none: start fresh; "
-                              "anything else: the checkpoint file or folder to load"});
+               .description = "auto: continue from the newest readable checkpoint in checkpoint.dir, if any (one of another model or optimizer "
+                              "is an error; a finished run trains nothing); none: start fresh; anything else: a checkpoint file, LOCAL "
+                              "folder, or checkpoint folder (its latest) to load"});
   s.push_back({.key = "checkpoint.save_final", .type = T::kBool, .default_value = true,
                .description = "save a checkpoint after the last step"});
   s.push_back({.key = "checkpoint.rank0_only", .type = T::kBool, .default_value = true,
@@ -169,7 +170,7 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "log.every_steps", .type = T::kInt, .default_value = I{10}, .min = 1,
                .description = "print the loss every this many optimizer steps"});
   s.push_back({.key = "log.progress", .type = T::kString, .default_value = "auto", .choices = {"auto", "live", "plain", "none"},
-               .description = "auto: a live line on a terminal, plain lines otherwise; none: no progress output"});
+               .description = "auto: a live line when started directly on a terminal, plain lines under mpirun/srun or into files; live, plain; none: no progress output"});
   s.push_back({.key = "log.metrics_file", .type = T::kString, .default_value = "metrics.csv",
                .description = "CSV of the metrics of every logged step, relative to run.out_dir; empty: none"});
   return s;
