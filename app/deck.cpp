@@ -140,9 +140,9 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.offload_params", .type = T::kBool, .default_value = false,
                .description = "keep the parameter shards in host memory (GPU runs)", .supported = false});
   s.push_back({.key = "fsdp.mixed_precision", .type = T::kString, .default_value = "no", .choices = {"no", "bf16", "fp16"},
-               .description = "precision of compute and communication", .supported = false});
+               .description = "bf16/fp16: parameters all-gathered and used, gradients reduced, buffers kept in that dtype; the optimizer keeps fp32 master shards (fp16 has no loss scaling yet)"});
   s.push_back({.key = "fsdp.activation_checkpointing", .type = T::kBool, .default_value = false,
-               .description = "recompute activations in backward instead of keeping them", .supported = false});
+               .description = "recompute each nested unit's forward in backward instead of keeping its activations (dropout replayed exactly)"});
   s.push_back({.key = "fsdp.sync_module_states", .type = T::kBool, .default_value = true,
                .description = "broadcast rank 0's parameters and buffers at start, so every rank starts identical"});
   s.push_back({.key = "fsdp.backend", .type = T::kString, .default_value = "auto", .choices = {"auto", "mpi", "nccl"},

@@ -222,8 +222,9 @@ Batch make_batch(const Dataset& d, bool train, const std::vector<std::int64_t>& 
   return b;
 }
 
-torch::Tensor loss_of(const Dataset& d, const torch::Tensor& out, const torch::Tensor& y, bool sum = false) {
+torch::Tensor loss_of(const Dataset& d, const torch::Tensor& model_out, const torch::Tensor& y, bool sum = false) {
   const auto reduction = sum ? torch::Reduction::Sum : torch::Reduction::Mean;
+  const auto out = model_out.to(torch::kFloat);  // under mixed precision the model answers in bf16/fp16; the loss is fp32
   if (!d.tokens) return torch::nll_loss(out, y, {}, reduction);
   return torch::nll_loss(torch::log_softmax(out.reshape({-1, out.size(-1)}), 1), y.reshape({-1}), {}, reduction);
 }
@@ -284,6 +285,10 @@ fsdp::FsdpOptions fsdp_options(const Deck& deck) {
   else if (reshard == "false") o.reshard_after_forward = false;
   o.shard_group_size = static_cast<int>(deck.get_int("fsdp.shard_group_size"));
   o.sync_module_states = deck.get_bool("fsdp.sync_module_states");
+  const std::string mp = deck.get_string("fsdp.mixed_precision");
+  if (mp == "bf16") o.mixed_precision = fsdp::MixedPrecision::bf16();
+  else if (mp == "fp16") o.mixed_precision = fsdp::MixedPrecision::fp16();
+  o.activation_checkpointing = deck.get_bool("fsdp.activation_checkpointing");
   o.all_units_called_through_forward = true;  // every model here calls its children through fsdp::forward
   return o;
 }

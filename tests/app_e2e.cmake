@@ -82,7 +82,7 @@ run(2 ${train2} ${DECK} --set data.path=${WORK_DIR}/nowhere --set run.out_dir=${
 expect_in("${last_output}" "nowhere")
 run(2 ${train2} ${WORK_DIR}/missing.toml)
 expect_in("${last_output}" "missing.toml")
-run(2 ${train2} ${DECK} --set fsdp.mixed_precision=bf16)
+run(2 ${train2} ${DECK} --set fsdp.offload_params=true)
 expect_in("${last_output}" "not supported yet")
 
 # 6. A rerun of a finished job trains nothing and keeps its summary; a deck of another model in the
@@ -104,3 +104,7 @@ run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/gpt --set model.kind=trans
 expect_in("${last_output}" "5 unit\\(s\\)")
 run(2 ${train2} ${DECK} --set fsdp.auto_wrap_policy=TRANSFORMER_BASED_WRAP --set fsdp.transformer_layer_cls_to_wrap=Foo)
 expect_in("${last_output}" "no module of type \"Foo\"")
+
+# 8. bf16 mixed precision with activation checkpointing trains and evaluates.
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/bf16 --set fsdp.mixed_precision=bf16 --set fsdp.activation_checkpointing=true)
+expect_in("${last_output}" "test accuracy [0-9.]+%")

@@ -218,14 +218,13 @@ BOOST_AUTO_TEST_CASE(bad_choice_and_normalization) {
 }
 
 BOOST_AUTO_TEST_CASE(unsupported_features) {
-  BOOST_TEST(problem_of("[fsdp]\nmixed_precision = \"bf16\"\n") ==
-             "inputs/a.toml:2: fsdp.mixed_precision = \"bf16\" is not supported yet (the feature has not landed; only the default \"no\" is "
+  BOOST_TEST(problem_of("[fsdp]\noffload_params = true\n") ==
+             "inputs/a.toml:2: fsdp.offload_params = true is not supported yet (the feature has not landed; only the default false is "
              "accepted)");
   BOOST_TEST(starts_with(problem_of("[fsdp]\n\noffload_params = true\n"), "inputs/a.toml:3: fsdp.offload_params = true is not supported yet"));
   BOOST_TEST(starts_with(problem_of("[fsdp]\nbackward_prefetch = 'backward_pre'\n"),
                          "inputs/a.toml:2: fsdp.backward_prefetch = \"BACKWARD_PRE\" is not supported yet"));
   BOOST_TEST(starts_with(problem_of("[fsdp]\nforward_prefetch = true\n"), "inputs/a.toml:2: fsdp.forward_prefetch = true is not supported yet"));
-  BOOST_TEST(starts_with(problem_of("[fsdp]\nactivation_checkpointing = true\n"), "inputs/a.toml:2: fsdp.activation_checkpointing = true is not supported yet"));
   BOOST_TEST(problem_of("[fsdp]\nbackend = 'NCCL'\n") == "inputs/a.toml:2: fsdp.backend = \"nccl\" is not supported yet (only auto, mpi for now)");
   // The default of an unsupported key, and the supported choices, are accepted.
   const Deck d = Deck::parse(
@@ -233,9 +232,10 @@ BOOST_AUTO_TEST_CASE(unsupported_features) {
       "activation_checkpointing = false\nbackend = 'mpi'\n",
       "ok.toml");
   BOOST_TEST(d.get_string("fsdp.backend") == "mpi");
-  BOOST_TEST(problem_of("", {"fsdp.mixed_precision=fp16"}) ==
-             "--set fsdp.mixed_precision=fp16: fsdp.mixed_precision = \"fp16\" is not supported yet (the feature has not landed; only the "
-             "default \"no\" is accepted)");
+  BOOST_TEST(starts_with(problem_of("", {"fsdp.forward_prefetch=true"}),
+                         "--set fsdp.forward_prefetch=true: fsdp.forward_prefetch = true is not supported yet"));
+  // Landed features take every value.
+  BOOST_TEST(Deck::parse("[fsdp]\nmixed_precision = 'bf16'\nactivation_checkpointing = true\n", "ok.toml").get_string("fsdp.mixed_precision") == "bf16");
   Deck p;
   BOOST_CHECK_THROW(p.set("fsdp.offload_params", true), DeckError);
   BOOST_CHECK_NO_THROW(p.set("fsdp.offload_params", false));

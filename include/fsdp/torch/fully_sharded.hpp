@@ -106,6 +106,10 @@ struct FsdpOptions {
   /// differently start identical (across shard and replica groups alike).
   bool sync_module_states = false;
   MixedPrecision mixed_precision;
+  /// Activation checkpointing of every nested unit: its forward (called through fsdp::forward with
+  /// tensor arguments and a tensor result) keeps no activations and runs again during backward, with
+  /// the CPU RNG state of the first run, so dropout masks and results equal the run without it.
+  bool activation_checkpointing = false;
 };
 
 /// Bytes this rank holds for the model's training state (see memory_stats()).
@@ -847,6 +851,13 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (u.hooked == detail::FlatUnit::Hooked::kUnknown) u.hooked = detail::FlatUnit::Hooked::kYes;
     gather(u);  // also when the root grafted it: a second call may follow a free after the first
     if (!u.grafted_by_root) graft(u);
+  }
+
+  at::Tensor checkpoint_anchor(int unit) override {
+    if (!options_.activation_checkpointing || unit == 0 || !torch::GradMode::is_enabled()) return {};
+    const auto& u = *units_[static_cast<std::size_t>(unit)];
+    if (u.params.empty() || !u.shard.requires_grad()) return {};
+    return u.shard;
   }
 
   void post_forward(int unit, const std::vector<at::Tensor>& outputs, bool complete) override {

@@ -6,9 +6,14 @@
 // gathers it together with the root unit (see docs/design.md, "Nested units").
 #pragma once
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -24,6 +29,10 @@ class ForwardHooks {
   /// `outputs` are the tensors found in the result; `complete` is false if the result type was not
   /// understood (then the unit cannot be re-gathered from its outputs and stays gathered).
   virtual void post_forward(int unit, const std::vector<at::Tensor>& outputs, bool complete) = 0;
+  /// For a unit whose forward is to be recomputed in backward (activation checkpointing) while grad
+  /// mode is on: a tensor that requires grad and ties the recomputation into the graph (the unit's
+  /// flat shard). Undefined otherwise.
+  virtual at::Tensor checkpoint_anchor(int unit) = 0;
 };
 
 struct HookEntry {
@@ -69,6 +78,58 @@ bool collect_tensors(const std::tuple<T...>& value, std::vector<at::Tensor>& out
   return std::apply([&](const auto&... v) { return (collect_tensors(v, out) && ... && true); }, value);
 }
 
+/// The recomputation of a checkpointed unit's forward, kept in the autograd context.
+struct Recompute : torch::CustomClassHolder {
+  std::function<at::Tensor(const std::vector<at::Tensor>&)> run;
+};
+
+/// Activation checkpointing: forward runs the unit without recording a graph; backward restores the
+/// CPU RNG state of the forward (so dropout draws the same masks), runs it again with grad, and
+/// back-propagates through it. The unit's parameters reach their UnitGather node from there, which
+/// reduces their gradients as usual; `anchor` (the unit's shard) only makes the output require grad.
+struct CheckpointedForward : public torch::autograd::Function<CheckpointedForward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<Recompute> recompute, at::Tensor anchor, at::TensorList inputs) {
+    (void)anchor;
+    {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      ctx->saved_data["rng"] = gen.get_state();
+    }
+    ctx->saved_data["recompute"] = c10::IValue::make_capsule(c10::static_intrusive_pointer_cast<torch::CustomClassHolder>(recompute));
+    ctx->save_for_backward(inputs.vec());
+    torch::NoGradGuard no_grad;
+    return recompute->run(inputs.vec());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
+    std::vector<at::Tensor> inputs;
+    for (const auto& t : ctx->get_saved_variables()) inputs.push_back(t.detach().requires_grad_(t.requires_grad()));
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    at::Tensor now;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      now = gen.get_state();
+      gen.set_state(ctx->saved_data["rng"].toTensor());
+    }
+    at::Tensor out;
+    {
+      torch::AutoGradMode enable(true);
+      out = recompute->run(inputs);
+    }
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(now);
+    }
+    if (out.requires_grad()) torch::autograd::backward({out}, {grads[0]});
+    torch::autograd::variable_list result = {at::Tensor(), at::Tensor()};  // recompute, anchor
+    for (const auto& t : inputs) result.push_back(t.requires_grad() ? t.grad() : at::Tensor());
+    return result;
+  }
+};
+
+template <class T>
+inline constexpr bool is_tensor_v = std::is_same_v<std::decay_t<T>, at::Tensor>;
+
 }  // namespace detail
 
 /// Calls `module->forward(args...)`; if `module` is a nested FSDP unit, gathers its parameters before
@@ -82,6 +143,21 @@ auto forward(ModulePtr& module, Args&&... args) {
   if (it == registry.end()) return module->forward(std::forward<Args>(args)...);
   const detail::HookEntry entry = it->second;
   entry.engine->pre_forward(entry.unit);
+  using Result = decltype(module->forward(std::forward<Args>(args)...));
+  if constexpr ((detail::is_tensor_v<Args> && ...) && std::is_same_v<std::decay_t<Result>, at::Tensor> && sizeof...(Args) > 0) {
+    const at::Tensor anchor = entry.engine->checkpoint_anchor(entry.unit);
+    if (anchor.defined()) {
+      auto recompute = c10::make_intrusive<detail::Recompute>();
+      auto raw = &*module;
+      recompute->run = [raw](const std::vector<at::Tensor>& in) {
+        return [&]<std::size_t... I>(std::index_sequence<I...>) { return raw->forward(in[I]...); }(std::index_sequence_for<Args...>{});
+      };
+      std::vector<at::Tensor> inputs = {at::Tensor(args)...};
+      at::Tensor result = detail::CheckpointedForward::apply(recompute, anchor, at::TensorList(inputs));
+      entry.engine->post_forward(entry.unit, {result}, true);
+      return Result(result);
+    }
+  }
   auto result = module->forward(std::forward<Args>(args)...);
   std::vector<at::Tensor> outputs;
   const bool complete = detail::collect_tensors(result, outputs);
