@@ -50,6 +50,9 @@ std::vector<KeySpec> make_schema() {
                .description = "output folder (resolved deck, metrics, checkpoints); empty: runs/<run.name>"});
   s.push_back({.key = "run.threads", .type = T::kInt, .default_value = I{0}, .min = 0,
                .description = "intra-op threads per rank; 0: the node's cores divided by the ranks on the node"});
+  s.push_back({.key = "run.on_nonfinite", .type = T::kString, .default_value = "stop", .choices = {"stop", "skip"},
+               .description = "a non-finite loss or gradient norm on any rank: stop (exit code 4, no checkpoint of the poisoned state) "
+                              "or skip the step (no optimizer update)"});
   // [model]
   s.push_back({.key = "model.kind", .type = T::kString, .default_value = "cnn", .choices = {"cnn", "mlp", "transformer"},
                .description = "cnn (the PyTorch FSDP tutorial's MNIST net), mlp, or transformer (decoder-only, for data.kind tokens or text)"});

@@ -3,7 +3,8 @@
 //   fsdp-ckpt verify PATH           checksums and completeness; exit 0 if good, 1 if not
 //   fsdp-ckpt merge LOCAL_DIR OUT   LOCAL_STATE_DICT folder -> one FULL_STATE_DICT file
 //   fsdp-ckpt diff A B              max abs / rel difference per tensor; exit 0 if within --atol/--rtol
-// PATH may be a checkpoint file, a LOCAL folder, or a checkpoint folder holding `latest`.
+// PATH may be a checkpoint file, a LOCAL folder, or a checkpoint folder holding `latest` (diff takes
+// files: merge a LOCAL folder first).
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -119,6 +120,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*diff) {
+      for (const auto& p : {resolve(a), resolve(b)})
+        if (fs::is_directory(p))
+          throw fsdp::CheckpointError("'" + p + "' is a LOCAL_STATE_DICT folder; diff compares single files: `fsdp-ckpt merge " + p +
+                                      " OUT.h5` first");
       const auto rows = fsdp::ckpt::diff(resolve(a), resolve(b));
       std::size_t width = 6;
       for (const auto& r : rows) width = std::max(width, r.path.size());

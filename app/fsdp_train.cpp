@@ -7,6 +7,8 @@
 #include <CLI/CLI.hpp>
 #include <fsdp/fsdp.hpp>
 #include <sys/resource.h>
+
+#include <csignal>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,8 +36,16 @@ using namespace fsdp::app;
 
 namespace {
 
+// Exit codes (docs/reliability.md): 0 done, 1 failure, 2 bad input, 3 stopped by a signal after saving
+// a checkpoint (rerun to continue), 4 non-finite loss or gradient norm.
 constexpr int kExitFailure = 1;
 constexpr int kExitBadInput = 2;
+constexpr int kExitStopped = 3;
+constexpr int kExitNonFinite = 4;
+
+/// The signal that asked for a graceful stop (SIGTERM, SIGUSR1), 0 if none.
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void request_stop(int signo) { g_stop_signal = signo; }
 
 using Engine = fsdp::FullyShardedDataParallel<AppModel, MpiComm>;
 using Clock = std::chrono::steady_clock;
@@ -60,7 +70,9 @@ void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_inp
 
 struct RankError : std::runtime_error {
   RankError(const std::string& what, bool bad_input) : std::runtime_error(what), bad_input(bad_input) {}
+  RankError(const std::string& what, int exit_code) : std::runtime_error(what), bad_input(false), code(exit_code) {}
   bool bad_input;
+  int code = 0;  ///< overrides the exit code when set
 };
 
 void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_input) {
@@ -444,6 +456,25 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                 static_cast<long long>(data.train_size()), static_cast<long long>(data.test_size()), out_dir.c_str());
     std::fflush(stdout);
   }
+  // Every rank must run the same job: compare the resolved deck and the sharding plan before the
+  // first training collective.
+  {
+    std::string values;
+    std::istringstream lines(deck.to_toml());
+    for (std::string line; std::getline(lines, line);)
+      if (!line.empty() && line[0] != '#') values += line + "\n";
+    std::int64_t mine[2] = {static_cast<std::int64_t>(fsdp::fnv1a64(values) >> 1), static_cast<std::int64_t>(model->plan_hash() >> 1)};
+    std::vector<std::int64_t> all(static_cast<std::size_t>(2 * world.size()));
+    world.all_gather(mine, all.data(), 2, fsdp::DType::kInt64);
+    for (int r = 1; r < world.size(); ++r) {
+      const bool deck_differs = all[2 * r] != all[0], plan_differs = all[2 * r + 1] != all[1];
+      if (!deck_differs && !plan_differs) continue;
+      throw RankError(std::string("rank ") + std::to_string(r) + " runs a different job than rank 0: " +
+                          (deck_differs ? "its resolved deck differs (other --set options or deck file?)" : "its model or wrapping plan differs") +
+                          "; every rank must get the same deck and options",
+                      true);
+    }
+  }
   if (dry_run) {
     // A dry run leaves an existing run alone; it writes the resolved deck only into a new out_dir.
     bool wrote = false;
@@ -546,6 +577,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   double last_loss = std::nan(""), window_loss = 0;
   std::int64_t window_steps = 0, window_samples = 0;
   auto window_start = Clock::now();
+  double window_pause = 0;  // checkpoint and evaluation time inside the current logging window
   const auto train_start = Clock::now();
   std::int64_t step = state.step;
   std::int64_t samples_trained = 0;
@@ -565,9 +597,20 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     s.sample_index = next_sample_index;
     s.scheduler = {{"lr", lr_at(deck, step, next_epoch, total_steps)}, {"total_steps", static_cast<double>(total_steps)}};
     s.deck = deck.to_toml();
-    const auto r = fsdp::save_checkpoint(*model, optimizer.get(), ckpt_dir.string(), s, ckpt);
+    fsdp::SaveResult r;
+    // A failed save (folder not writable, disk full) fails on every rank alike: a clean exit 2, and the
+    // previous checkpoint and `latest` stay valid.
+    on_all_ranks(world, [&] { r = fsdp::save_checkpoint(*model, optimizer.get(), ckpt_dir.string(), s, ckpt); });
     if (root && !quiet) std::printf("checkpoint %s (%.1f MiB, %.2f s)\n", r.path.c_str(), r.bytes / 1048576.0, r.seconds);
+    if (root)
+      for (const auto& w : r.warnings) std::printf("warning: %s\n", w.c_str());
   };
+
+  // SIGTERM (Slurm's time limit, scancel) and SIGUSR1 (sbatch --signal): finish the step, save, exit 3.
+  std::signal(SIGTERM, request_stop);
+  std::signal(SIGUSR1, request_stop);
+  const bool skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
+  std::int64_t skipped_steps = 0;
 
   bool done = step >= total_steps;
   for (std::int64_t epoch = state.epoch; epoch < epochs && !done; ++epoch) {
@@ -613,11 +656,22 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         loss_sum += loss.item<double>();
         samples += b->samples;
       }
+      // One small all-reduce per step: did any rank see a non-finite loss or gradient norm, or get a
+      // stop signal? Every rank then takes the same branch.
+      std::int64_t flags[2] = {g_stop_signal, 0};
       {
         Timed t(phases.optimizer);
-        if (clip > 0) model->clip_grad_norm(clip);
-        optimizer->step();
+        const double norm = clip > 0 ? model->clip_grad_norm(clip) : 0.0;
+        flags[1] = std::isfinite(loss_sum) && std::isfinite(norm) ? 0 : 1;
+        world.all_reduce(flags, flags, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+        if (flags[1] && !skip_nonfinite)
+          throw RankError("non-finite loss or gradient norm at step " + std::to_string(step + 1) + " (epoch " + std::to_string(epoch + 1) +
+                              "); stopped without saving the poisoned state (run.on_nonfinite = \"skip\" skips such steps)",
+                          kExitNonFinite);
+        if (flags[1]) ++skipped_steps;
+        else optimizer->step();
       }
+      if (flags[1] && root) std::printf("warning: non-finite loss or gradient norm at step %lld: step skipped\n", static_cast<long long>(step + 1));
       ++step;
       samples_trained += samples;
       step_ms.push_back(1000 * seconds_since(step_start));
@@ -636,7 +690,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         double stats[2] = {window_loss / static_cast<double>(window_steps), static_cast<double>(window_samples)};
         world.all_reduce(stats, stats, 2, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
         const double loss_avg = stats[0] / world.size();
-        const double rate = stats[1] / std::max(1e-9, seconds_since(window_start));
+        const double rate = stats[1] / std::max(1e-9, seconds_since(window_start) - window_pause);
         last_loss = loss_avg;
         if (root) {
           const double elapsed = seconds_since(train_start);
@@ -657,22 +711,31 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         window_steps = 0;
         window_samples = 0;
         window_start = Clock::now();
+        window_pause = 0;
+      }
+      if (flags[0]) {
+        save();
+        throw RankError(std::string("stopped by signal ") + (flags[0] == SIGTERM ? "SIGTERM" : flags[0] == SIGUSR1 ? "SIGUSR1" : std::to_string(flags[0])) +
+                            " after step " + std::to_string(step) + "; checkpoint saved in " + ckpt_dir.string() + ": rerun the same command to continue",
+                        kExitStopped);
       }
       if (ckpt_every > 0 && step % ckpt_every == 0 && !(done && save_final)) {
         if (live && root && !quiet) std::printf("\n");
+        const auto pause_start = Clock::now();
         save();
-        window_start = Clock::now();  // the throughput of the next window counts training only
+        window_pause += seconds_since(pause_start);  // throughput counts training only
       }
     }
     if (live && root && !quiet) std::printf("\n");
     if (data.has_test) {
+      const auto pause_start = Clock::now();
       Timed t(phases.eval);
       last_eval = evaluate(*model, data, deck.get_int("data.test_batch_size"), world);
       evaluated = true;
       if (root && !quiet)
         std::printf("epoch %lld: test loss %.4f, accuracy %.2f%% (%lld %s)\n", static_cast<long long>(epoch + 1), last_eval.loss,
                     100 * last_eval.accuracy, static_cast<long long>(last_eval.samples), data.tokens ? "tokens" : "samples");
-      window_start = Clock::now();
+      window_pause += seconds_since(pause_start);
     }
   }
   if (save_final) save();
@@ -704,7 +767,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     js << "{\n  \"name\": \"" << json_escape(name) << "\",\n  \"world_size\": " << world.size() << ",\n  \"nodes\": " << placement.nodes
        << ",\n  \"ranks_per_node\": " << placement.local_size << ",\n  \"threads_per_rank\": " << threads << ",\n  \"strategy\": \""
        << to_string(model->sharding_strategy()) << "\",\n  \"params\": " << model->num_params() << ",\n  \"steps\": " << step
-       << ",\n  \"resumed_from_step\": " << state.step << ",\n  \"final_train_loss\": " << (std::isnan(last_loss) ? std::string("null") : std::to_string(last_loss));
+       << ",\n  \"resumed_from_step\": " << state.step << ",\n  \"skipped_steps\": " << skipped_steps << ",\n  \"final_train_loss\": " << (std::isnan(last_loss) ? std::string("null") : std::to_string(last_loss));
     if (evaluated) js << ",\n  \"test_loss\": " << last_eval.loss << ",\n  \"test_accuracy\": " << last_eval.accuracy;
     js << ",\n  \"wall_s\": " << wall << ",\n  \"train_s\": " << train_s << ",\n  \"step_ms_median\": " << median_ms << ",\n  \""
        << (data.tokens ? "tokens_per_s" : "samples_per_s") << "\": " << (data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate)
@@ -759,8 +822,8 @@ int main(int argc, char** argv) {
     return run(argc, argv, world, deck_path, overrides, dry_run);
   } catch (const RankError& e) {
     // Agreed between all ranks: rank 0 reports, everyone exits.
-    if (world.rank() == 0) std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
-    return e.bad_input ? kExitBadInput : kExitFailure;
+    if (world.rank() == 0) std::fprintf(stderr, e.code == kExitStopped ? "fsdp-train: %s\n" : "fsdp-train: error: %s\n", e.what());
+    return e.code ? e.code : e.bad_input ? kExitBadInput : kExitFailure;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fsdp-train: error on rank %d: %s\n", world.rank(), e.what());
     std::fflush(stderr);
