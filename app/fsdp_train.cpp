@@ -766,7 +766,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     js.precision(8);
     js << "{\n  \"name\": \"" << json_escape(name) << "\",\n  \"world_size\": " << world.size() << ",\n  \"nodes\": " << placement.nodes
        << ",\n  \"ranks_per_node\": " << placement.local_size << ",\n  \"threads_per_rank\": " << threads << ",\n  \"strategy\": \""
-       << to_string(model->sharding_strategy()) << "\",\n  \"params\": " << model->num_params() << ",\n  \"steps\": " << step
+       << to_string(model->sharding_strategy()) << "\",\n  \"shard_group_size\": " << model->shard_group_size()
+       << ",\n  \"replica_groups\": " << world.size() / model->shard_group_size() << ",\n  \"params\": " << model->num_params() << ",\n  \"steps\": " << step
        << ",\n  \"resumed_from_step\": " << state.step << ",\n  \"skipped_steps\": " << skipped_steps << ",\n  \"final_train_loss\": " << (std::isnan(last_loss) ? std::string("null") : std::to_string(last_loss));
     if (evaluated) js << ",\n  \"test_loss\": " << last_eval.loss << ",\n  \"test_accuracy\": " << last_eval.accuracy;
     js << ",\n  \"wall_s\": " << wall << ",\n  \"train_s\": " << train_s << ",\n  \"step_ms_median\": " << median_ms << ",\n  \""

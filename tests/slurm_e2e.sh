@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The Slurm scripts against a real Slurm on localhost (../shared/tools/slurm-local.sh: munge, slurmctld
+# and two emulated nodes): a 2-node x 2-task hybrid run, a 3-point sweep array with its summary table,
+# and a preempted job (SIGUSR1) that checkpoints, requeues, resumes and ends with the weights of an
+# uninterrupted run. Every wait is bounded; the cluster is torn down on exit, also on failure.
+#   tests/slurm_e2e.sh SOURCE_DIR BUILD_BIN WORK_DIR
+set -uo pipefail
+SRC=$1 BIN=$2 WORK=$3
+SLURM_LOCAL=${SLURM_LOCAL:-$SRC/../shared/tools/slurm-local.sh}
+if [[ ! -x $SLURM_LOCAL && ! -f $SLURM_LOCAL ]]; then
+  echo "SKIP: $SLURM_LOCAL not found"
+  exit 77
+fi
+rm -rf "$WORK" && mkdir -p "$WORK"
+export SLURM_LOCAL_DIR=$WORK/cluster SLURM_LOCAL_NODES=2
+fail() { echo "FAIL: $*"; exit 1; }
+down() { bash "$SLURM_LOCAL" down >/dev/null 2>&1 || true; }
+trap down EXIT
+bash "$SLURM_LOCAL" install >"$WORK/install.log" 2>&1 || { cat "$WORK/install.log"; fail "slurm-local install"; }
+timeout 120 bash "$SLURM_LOCAL" up >"$WORK/up.log" 2>&1 || { cat "$WORK/up.log"; fail "slurm-local up"; }
+eval "$(bash "$SLURM_LOCAL" env)"
+cd "$SRC"
+export FSDP_BIN=$BIN
+DECK=inputs/ci_tiny.toml
+
+wait_state() {  # wait_state JOBID PATTERN SECONDS: until `scontrol show job` matches
+  local jid=$1 pattern=$2 limit=$3 i
+  for ((i = 0; i < limit; i++)); do
+    scontrol show job "$jid" 2>/dev/null | grep -Eq "$pattern" && return 0
+    sleep 1
+  done
+  scontrol show job "$jid"
+  return 1
+}
+final_state() { scontrol show job "$1" | grep -oE "JobState=[A-Z]+" | head -1; }
+
+# 1. train.sbatch on 2 nodes x 2 tasks, HYBRID_SHARD with one shard group per node.
+jid=$(sbatch --parsable --nodes=2 --ntasks-per-node=2 --output="$WORK/%x_%j.out" slurm/train.sbatch "$DECK" \
+  --set run.out_dir="$WORK/hybrid" --set fsdp.sharding_strategy=HYBRID_SHARD) || fail "sbatch train.sbatch"
+wait_state "$jid" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 180 || fail "job $jid did not end"
+[[ $(final_state "$jid") == JobState=COMPLETED ]] || { cat "$WORK/fsdp_$jid.out"; fail "job $jid: $(final_state "$jid")"; }
+s=$(cat "$WORK/hybrid/summary.json")
+for want in '"world_size": 4' '"nodes": 2' '"ranks_per_node": 2' '"strategy": "HYBRID_SHARD"' '"shard_group_size": 2' '"replica_groups": 2'; do
+  grep -q "$want" <<<"$s" || { echo "$s"; fail "summary.json lacks $want"; }
+done
+grep -q "nodes 2: c\[1-2\]" "$WORK/fsdp_$jid.out" || fail "the job banner does not show the nodes"
+echo "ok: 2 nodes x 2 tasks, hybrid groups of 2, summary as expected"
+
+# 2. A 3-point sweep as a job array, then one table of the three summaries.
+"$BIN/fsdp-sweep" "$DECK" --grid optim.lr=1e-3,2e-3,3e-3 --set run.max_steps=8 --set checkpoint.every_steps=0 --out "$WORK/sweep" \
+  >"$WORK/sweep.log" || fail "fsdp-sweep"
+jid=$(sbatch --parsable --array=0-2 --output="$WORK/%x_%A_%a.out" slurm/sweep.sbatch "$WORK/sweep/manifest.tsv") || fail "sbatch sweep.sbatch"
+for t in 0 1 2; do
+  wait_state "${jid}_$t" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 180 || fail "array task $t did not end"
+  [[ $(final_state "${jid}_$t") == JobState=COMPLETED ]] || { cat "$WORK"/fsdp-sweep_"${jid}"_$t.out; fail "array task $t failed"; }
+done
+slurm/sweep_summary.py "$WORK/sweep/manifest.tsv" >"$WORK/sweep_summary.log" || { cat "$WORK/sweep_summary.log"; fail "sweep_summary.py"; }
+grep -q "3 points, 3 ok, 0 failed" "$WORK/sweep_summary.log" || { cat "$WORK/sweep_summary.log"; fail "the summary lacks 3 ok points"; }
+[[ $(grep -c '^| [0-9]' "$WORK/sweep/summary.md") == 3 ]] || fail "summary.md does not have 3 rows"
+[[ $(wc -l <"$WORK/sweep/summary.csv") == 4 ]] || fail "summary.csv does not have a header and 3 rows"
+echo "ok: sweep of 3 points, summary table with 3 rows"
+
+# 3. Preemption: SIGUSR1 to the batch script mid-run -> checkpoint, exit 3, requeue, resume from latest;
+#    the final weights equal an uninterrupted run's.
+long=(--set fsdp.sharding_strategy=HYBRID_SHARD --set run.max_steps=200 --set run.epochs=100 --set checkpoint.every_steps=100
+      --set log.every_steps=20)
+ref=$(sbatch --parsable --nodes=2 --ntasks-per-node=2 --output="$WORK/%x_%j.out" slurm/train.sbatch "$DECK" "${long[@]}" \
+  --set run.out_dir="$WORK/straight") || fail "sbatch reference"
+jid=$(sbatch --parsable --nodes=2 --ntasks-per-node=2 --output="$WORK/%x_%j.out" slurm/train.sbatch "$DECK" "${long[@]}" \
+  --set run.out_dir="$WORK/preempted") || fail "sbatch preempted"
+for ((i = 0; i < 300; i++)); do grep -q "step 40/" "$WORK/fsdp_$jid.out" 2>/dev/null && break; sleep 0.5; done
+grep -q "step 40/" "$WORK/fsdp_$jid.out" || { cat "$WORK/fsdp_$jid.out"; fail "the job to preempt did not reach step 40"; }
+scancel --signal=USR1 --batch "$jid" || fail "scancel --signal=USR1"
+wait_state "$jid" "Restarts=1" 120 || fail "job $jid was not requeued"
+# Slurm holds a requeued job for about two minutes (BeginTime); a test need not wait for that.
+scontrol update JobId="$jid" StartTime=now >/dev/null 2>&1 || true
+wait_state "$jid" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 300 || fail "requeued job $jid did not end"
+[[ $(final_state "$jid") == JobState=COMPLETED ]] || { cat "$WORK/fsdp_$jid.out"; fail "requeued job: $(final_state "$jid")"; }
+out=$(cat "$WORK/fsdp_$jid.out")
+for want in "got SIGUSR1" "stopped by signal SIGUSR1 after step" "exited with code 3" "requeueing job $jid" "restart 1" \
+            "resumed from .*step_000000[0-9]+.h5 at step" "exited with code 0"; do
+  grep -Eq "$want" <<<"$out" || { echo "$out"; fail "the preempted job's output lacks '$want'"; }
+done
+wait_state "$ref" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 300 || fail "reference job did not end"
+[[ $(final_state "$ref") == JobState=COMPLETED ]] || { cat "$WORK/fsdp_$ref.out"; fail "reference job failed"; }
+"$BIN/fsdp-ckpt" diff "$WORK/preempted/checkpoints" "$WORK/straight/checkpoints" >"$WORK/preempt.diff" ||
+  { cat "$WORK/preempt.diff"; fail "the preempted and requeued run ended with other weights"; }
+echo "ok: preempted, checkpointed, requeued, resumed: final weights equal the uninterrupted run's"
+echo "all slurm cases passed"
