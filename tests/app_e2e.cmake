@@ -5,21 +5,7 @@
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 
-function(run expect_rc)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  set(last_output "${out}${err}" PARENT_SCOPE)
-  string(JOIN " " cmd ${ARGN})
-  if(NOT rc STREQUAL "${expect_rc}")
-    message(FATAL_ERROR "exit code ${rc}, expected ${expect_rc}: ${cmd}\n${out}\n${err}")
-  endif()
-  message(STATUS "ok (${rc}): ${cmd}")
-endfunction()
-
-function(expect_in text pattern)
-  if(NOT text MATCHES "${pattern}")
-    message(FATAL_ERROR "expected '${pattern}' in:\n${text}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/e2e_common.cmake)
 
 set(train2 ${MPIEXEC} -np 2 ${TRAIN})
 set(train1 ${MPIEXEC} -np 1 ${TRAIN})

@@ -5,23 +5,7 @@
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 
-function(run expect_ok)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  set(last_output "${out}${err}" PARENT_SCOPE)
-  string(JOIN " " cmd ${ARGN})
-  if(expect_ok AND NOT rc EQUAL 0)
-    message(FATAL_ERROR "failed (${rc}): ${cmd}\n${out}\n${err}")
-  elseif(NOT expect_ok AND rc EQUAL 0)
-    message(FATAL_ERROR "should have failed: ${cmd}\n${out}\n${err}")
-  endif()
-  message(STATUS "ok (${rc}): ${cmd}")
-endfunction()
-
-function(expect_in text pattern)
-  if(NOT text MATCHES "${pattern}")
-    message(FATAL_ERROR "expected '${pattern}' in:\n${text}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/e2e_common.cmake)
 
 set(train ${MPIEXEC} -np 2 ${EXAMPLE} --steps 6 --checkpoint-every 3)
 

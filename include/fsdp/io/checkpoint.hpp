@@ -368,6 +368,24 @@ inline h5::Id create_tensor_dataset(hid_t file, const TensorTarget& t, const cha
   return ds;
 }
 
+/// Tied parameters are stored once; their other names are hard links to the same dataset.
+template <class Engine>
+void link_tied_parameters(hid_t file, Engine& engine) {
+  for (const auto& [name, aliases] : engine.tied_parameter_aliases())
+    for (const auto& alias : aliases)
+      h5::check(H5Lcreate_hard(file, model_path(name).c_str(), file, model_path(alias).c_str(), H5P_DEFAULT, H5P_DEFAULT),
+                "cannot link " + model_path(alias));
+}
+
+/// Creates /model/<name> for a buffer; `writer` ranks write its values (with a collective `dxpl`
+/// every rank calls this, the others with nothing selected).
+inline void write_buffer(hid_t file, const std::string& name, const torch::Tensor& buffer, bool writer, hid_t dxpl) {
+  const auto b = buffer.detach().contiguous();
+  const TensorTarget t{model_path(name), b.sizes().vec(), element_type_of(b.scalar_type())};
+  h5::Id ds = create_tensor_dataset(file, t, "buffer");
+  h5::write_flat_range(ds, t.shape, 0, writer ? b.numel() : 0, t.type, b.data_ptr(), dxpl, t.path);
+}
+
 inline void write_rng_rows(hid_t file, const torch::Tensor& rows, std::int64_t world, int my_row, bool parallel, hid_t dxpl) {
   // rows: in parallel, this rank's state (1 x n); serially, every rank's (world x n).
   const std::int64_t n = rows.size(-1);
@@ -431,19 +449,9 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
   step([&] {
     if (options.on_stage) options.on_stage("writing", state.step);
   });
-  step([&] {
-    for (const auto& [name, aliases] : engine.tied_parameter_aliases())
-      for (const auto& alias : aliases)
-        h5::check(H5Lcreate_hard(file, model_path(name).c_str(), file, model_path(alias).c_str(), H5P_DEFAULT, H5P_DEFAULT),
-                  "cannot link " + model_path(alias));
-  });
+  step([&] { link_tied_parameters(file, engine); });
   for (const auto& [name, buffer] : named_buffers_of(engine)) {
-    step([&] {
-      const auto b = buffer.detach().contiguous();
-      const TensorTarget t{model_path(name), b.sizes().vec(), element_type_of(b.scalar_type())};
-      h5::Id ds = create_tensor_dataset(file, t, "buffer");
-      h5::write_flat_range(ds, t.shape, 0, world.rank() == 0 ? b.numel() : 0, t.type, b.data_ptr(), dxpl, t.path);
-    });
+    step([&] { write_buffer(file, name, buffer, world.rank() == 0, dxpl); });
     ++tensors;
   }
   if (opt) {
@@ -509,16 +517,8 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
     if (options.on_stage) options.on_stage("writing", state.step);
   }));
   on_writer([&] {
-    for (const auto& [name, aliases] : engine.tied_parameter_aliases())
-      for (const auto& alias : aliases)
-        h5::check(H5Lcreate_hard(file, model_path(name).c_str(), file, model_path(alias).c_str(), H5P_DEFAULT, H5P_DEFAULT),
-                  "cannot link " + model_path(alias));
-    for (const auto& [name, buffer] : named_buffers_of(engine)) {
-      const auto b = buffer.detach().contiguous();
-      const TensorTarget t{model_path(name), b.sizes().vec(), element_type_of(b.scalar_type())};
-      h5::Id ds = create_tensor_dataset(file, t, "buffer");
-      h5::write_flat_range(ds, t.shape, 0, b.numel(), t.type, b.data_ptr(), H5P_DEFAULT, t.path);
-    }
+    link_tied_parameters(file, engine);
+    for (const auto& [name, buffer] : named_buffers_of(engine)) write_buffer(file, name, buffer, true, H5P_DEFAULT);
     if (opt) write_optimizer_attributes(file, *opt);
   });
   tensors += static_cast<std::int64_t>(named_buffers_of(engine).size());
@@ -592,10 +592,7 @@ void write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const 
   }
   if (options.on_stage) options.on_stage("writing", state.step);
   for (const auto& [name, buffer] : named_buffers_of(engine)) {
-    const auto b = buffer.detach().contiguous();
-    const TensorTarget t{model_path(name), b.sizes().vec(), element_type_of(b.scalar_type())};
-    h5::Id ds = create_tensor_dataset(file, t, "buffer");
-    h5::write_flat_range(ds, t.shape, 0, b.numel(), t.type, b.data_ptr(), H5P_DEFAULT, t.path);
+    write_buffer(file, name, buffer, true, H5P_DEFAULT);
     ++tensors;
   }
   if (opt) write_optimizer_attributes(file, *opt);
