@@ -151,6 +151,10 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.backend", .type = T::kString, .default_value = "auto", .choices = {"auto", "mpi", "nccl"},
                .description = "communication: auto (mpi on CPUs), mpi, nccl (GPUs)", .unsupported_choices = {"nccl"}});
   // [checkpoint]
+  // [comm]
+  s.push_back({.key = "comm.timeout_s", .type = T::kFloat, .default_value = 600.0, .min = 0,
+               .description = "deadline of every collective, like NCCL's watchdog: a rank waiting longer names the collective, unit and "
+                              "step and ends the job (exit code 6); 0: no deadline"});
   s.push_back({.key = "checkpoint.dir", .type = T::kString, .default_value = "",
                .description = "checkpoint folder; empty: <run.out_dir>/checkpoints"});
   s.push_back({.key = "checkpoint.every_steps", .type = T::kInt, .default_value = I{0}, .min = 0,

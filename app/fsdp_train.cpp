@@ -416,6 +416,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   const std::string name = deck.get_string("run.name");
   const fs::path out_dir = deck.out_dir();
   const fs::path ckpt_dir = deck.checkpoint_dir();
+  fsdp::CollectiveWatchdog::instance().configure(deck.get_float("comm.timeout_s"), world.rank());
   int threads = static_cast<int>(deck.get_int("run.threads"));
   if (threads == 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, placement.local_size));
   torch::set_num_threads(threads);
@@ -630,6 +631,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         workers);
     for (std::int64_t micro = first_micro; micro < micro_end && !done; micro += accum) {
       const auto step_start = Clock::now();
+      fsdp::CollectiveWatchdog::instance().set_step(step + 1);
       const double lr = lr_at(deck, step, epoch, total_steps);
       for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
       optimizer->zero_grad();

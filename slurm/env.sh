@@ -15,9 +15,11 @@ export FSDP_BIN=${FSDP_BIN:-$FSDP_ROOT/build/bin}
 export FSDP_SRUN_MPI=${FSDP_SRUN_MPI:-pmix}
 export FSDP_LAUNCHER=${FSDP_LAUNCHER:-srun}
 
-# Extra srun options (e.g. "--cpu-bind=cores"); fsdp-train uses the cores of a node divided by its
-# ranks as intra-op threads unless the deck sets run.threads.
-export FSDP_SRUN_ARGS=${FSDP_SRUN_ARGS:-}
+# Extra srun options. --kill-on-bad-exit=1 ends the whole step as soon as one rank fails (e.g. a rank
+# that hit the collective deadline, comm.timeout_s), instead of leaving the others to their own
+# deadline. Add e.g. "--cpu-bind=cores"; fsdp-train uses the cores of a node divided by its ranks as
+# intra-op threads unless the deck sets run.threads.
+export FSDP_SRUN_ARGS=${FSDP_SRUN_ARGS:---kill-on-bad-exit=1}
 
 # Oversubscribed test clusters (more ranks than cores) need ranks that yield while they wait.
 # export OMPI_MCA_mpi_yield_when_idle=1

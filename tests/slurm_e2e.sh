@@ -72,7 +72,13 @@ for ((i = 0; i < 300; i++)); do grep -q "step 40/" "$WORK/fsdp_$jid.out" 2>/dev/
 grep -q "step 40/" "$WORK/fsdp_$jid.out" || { cat "$WORK/fsdp_$jid.out"; fail "the job to preempt did not reach step 40"; }
 scancel --signal=USR1 --batch "$jid" || fail "scancel --signal=USR1"
 wait_state "$jid" "Restarts=1" 120 || fail "job $jid was not requeued"
-# Slurm holds a requeued job for about two minutes (BeginTime); a test need not wait for that.
+# Slurm holds a requeued job for about two minutes (BeginTime), long enough for the nodes to clean up
+# the old job step. A test need not wait that long, but must let the nodes become idle first.
+for ((i = 0; i < 60; i++)); do
+  [[ -z $(sinfo -h -o '%T' | grep -v idle) ]] && break
+  sleep 1
+done
+sleep 2
 scontrol update JobId="$jid" StartTime=now >/dev/null 2>&1 || true
 wait_state "$jid" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 300 || fail "requeued job $jid did not end"
 [[ $(final_state "$jid") == JobState=COMPLETED ]] || { cat "$WORK/fsdp_$jid.out"; fail "requeued job: $(final_state "$jid")"; }

@@ -60,7 +60,7 @@ BOOST_AUTO_TEST_CASE(schema_is_consistent) {
       }
     }
   }
-  const std::vector<std::string> sections{"run", "model", "data", "optim", "fsdp", "checkpoint", "log"};
+  const std::vector<std::string> sections{"run", "model", "data", "optim", "fsdp", "comm", "checkpoint", "log"};
   BOOST_TEST(deck_sections() == sections, boost::test_tools::per_element());
   BOOST_TEST(find_key("optim.nope") == nullptr);
 }
@@ -163,7 +163,7 @@ BOOST_AUTO_TEST_CASE(unknown_section) {
   BOOST_TEST(problem_of("[run]\nseed = 2\n\n[optimizer]\nlr = 1\n") == "inputs/a.toml:4: optimizer: unknown section (did you mean optim?)");
   BOOST_TEST(problem_of("[checkpoints]\n") == "inputs/a.toml:1: checkpoints: unknown section (did you mean checkpoint?)");
   BOOST_TEST(problem_of("[training]\n") ==
-             "inputs/a.toml:1: training: unknown section (the sections are run, model, data, optim, fsdp, checkpoint, log)");
+             "inputs/a.toml:1: training: unknown section (the sections are run, model, data, optim, fsdp, comm, checkpoint, log)");
   BOOST_TEST(starts_with(problem_of("[[run]]\nseed = 1\n"), "inputs/a.toml:1: run: expected a table [run], got an array of tables"));
   BOOST_TEST(problem_of("run = 3\n") == "inputs/a.toml:1: run: expected a table [run], got an integer (3)");
 }

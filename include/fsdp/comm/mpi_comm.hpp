@@ -19,6 +19,7 @@
 
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/detail/reduce.hpp"
+#include "fsdp/comm/watchdog.hpp"
 
 #define FSDP_MPI_CHECK(call)                                                                  \
   do {                                                                                        \
@@ -204,6 +205,7 @@ class MpiComm {
   void all_gather(const void* send, void* recv, std::int64_t n, DType t) {
     count(state_->counters.all_gather_bytes, n, t);
     const Stopwatch timed(state_->counters.all_gather_seconds);
+    const CollectiveWatchdog::Scope watched("all_gather");
     const int c = detail::checked_count(n, "all_gather");
     if (size() == 1) return copy_if_distinct(send, recv, n, t);
     FSDP_MPI_CHECK(MPI_Allgather(send, c, detail::mpi_datatype(t), recv, c, detail::mpi_datatype(t), state_->comm));
@@ -214,6 +216,7 @@ class MpiComm {
     if (op == ReduceOp::kMax) throw CommError("reduce_scatter supports sum and avg only");
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
     const Stopwatch timed(state_->counters.reduce_scatter_seconds);
+    const CollectiveWatchdog::Scope watched("reduce_scatter");
     ring_reduce_scatter(send, recv, n, t);
     if (op == ReduceOp::kAvg) detail::scale_buffer(recv, n, t, 1.0 / size());
   }
@@ -222,6 +225,7 @@ class MpiComm {
   void all_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     count(state_->counters.all_reduce_bytes, n, t);
     const Stopwatch timed(state_->counters.all_reduce_seconds);
+    const CollectiveWatchdog::Scope watched("all_reduce");
     if (!detail::mpi_can_reduce(t) && op == ReduceOp::kMax) throw CommError("all_reduce max of " + std::string(dtype_name(t)) + " is not supported");
     const int c = detail::checked_count(n, "all_reduce");
     if (size() == 1) {
@@ -237,11 +241,15 @@ class MpiComm {
   void broadcast(void* buf, std::int64_t n, DType t, int root) {
     count(state_->counters.broadcast_bytes, n, t);
     const Stopwatch timed(state_->counters.broadcast_seconds);
+    const CollectiveWatchdog::Scope watched("broadcast");
     if (size() == 1) return;
     FSDP_MPI_CHECK(MPI_Bcast(buf, detail::checked_count(n, "broadcast"), detail::mpi_datatype(t), root, state_->comm));
   }
 
-  void barrier() { FSDP_MPI_CHECK(MPI_Barrier(state_->comm)); }
+  void barrier() {
+    const CollectiveWatchdog::Scope watched("barrier");
+    FSDP_MPI_CHECK(MPI_Barrier(state_->comm));
+  }
 
   /// A barrier that gives up: throws CommError (id fsdp.comm.deadline) naming `what` if not every rank
   /// has arrived within `seconds`, e.g. because `what` was called on some ranks only. seconds <= 0

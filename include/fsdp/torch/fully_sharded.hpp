@@ -776,7 +776,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       torch::NoGradGuard no_grad;
       u.full.copy_(source);
     } else {
+      CollectiveWatchdog::instance().set_unit(u.info.index);
       shard_comm_.all_gather(source.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(u.full.scalar_type()));
+      CollectiveWatchdog::instance().set_unit(-1);
     }
     u.gathered = true;
   }
@@ -919,12 +921,14 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     const auto reduce_dtype = mp.reduce_dtype ? *mp.reduce_dtype : (mp.param_dtype ? *mp.param_dtype : u.dtype);
     if (reduce_dtype != flat.scalar_type()) flat = flat.to(reduce_dtype);  // the collectives move these bytes
     const DType dt = detail::to_comm_dtype(flat.scalar_type());
+    CollectiveWatchdog::instance().set_unit(u.info.index);
     torch::Tensor shard_grad = flat;
     if (u.layout.group_size() > 1) {
       shard_grad = torch::empty({u.layout.shard_numel()}, flat.options());
       shard_comm_.reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), u.layout.shard_numel(), dt, ReduceOp::kAvg);
     }
     if (replica_comm_.size() > 1) replica_comm_.all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
+    CollectiveWatchdog::instance().set_unit(-1);
     release_after_backward(u);
     return shard_grad.scalar_type() == u.dtype ? shard_grad : shard_grad.to(u.dtype);  // into the master shard's dtype
   }

@@ -1,0 +1,95 @@
+// A deadline on every blocking collective (comm layer, std only), like NCCL's watchdog: a rank that
+// waits in one collective longer than the timeout prints which collective, which unit and which step,
+// and ends its process (exit code kWatchdogExitCode); the launcher (mpirun, srun --kill-on-bad-exit)
+// then ends the job, and ranks waiting elsewhere hit their own deadline. Off until configure().
+//
+// Cost on the hot path: a relaxed atomic load when off; a clock read and two atomic stores when on.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+namespace fsdp {
+
+inline constexpr int kWatchdogExitCode = 6;
+
+class CollectiveWatchdog {
+ public:
+  static CollectiveWatchdog& instance() {
+    static CollectiveWatchdog w;
+    return w;
+  }
+
+  /// Starts watching with `timeout_s` (<= 0: off) for world rank `rank`. Call once, early.
+  void configure(double timeout_s, int rank) {
+    rank_ = rank;
+    timeout_ns_.store(timeout_s > 0 ? static_cast<std::int64_t>(timeout_s * 1e9) : 0, std::memory_order_relaxed);
+    if (timeout_s > 0 && !thread_started_.exchange(true)) std::thread([this] { watch(); }).detach();
+  }
+  bool enabled() const noexcept { return timeout_ns_.load(std::memory_order_relaxed) > 0; }
+
+  /// What the process is doing, for the message: the FSDP unit (-1: none) and the training step.
+  void set_unit(int unit) noexcept { unit_.store(unit, std::memory_order_relaxed); }
+  void set_step(std::int64_t step) noexcept { step_.store(step, std::memory_order_relaxed); }
+
+  /// Marks one blocking collective (a string literal naming it) for its scope.
+  class Scope {
+   public:
+    explicit Scope(const char* op) noexcept : w_(instance()) {
+      if (!w_.enabled()) return;
+      active_ = true;
+      w_.since_ns_.store(now_ns(), std::memory_order_relaxed);
+      w_.op_.store(op, std::memory_order_release);
+    }
+    ~Scope() {
+      if (active_) w_.op_.store(nullptr, std::memory_order_release);
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    CollectiveWatchdog& w_;
+    bool active_ = false;
+  };
+
+ private:
+  static std::int64_t now_ns() noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+  void watch() {
+    for (;;) {
+      const std::int64_t timeout = timeout_ns_.load(std::memory_order_relaxed);
+      std::this_thread::sleep_for(std::chrono::milliseconds(timeout > 0 && timeout < 10'000'000'000 ? timeout / 10'000'000 + 1 : 1000));
+      const char* op = op_.load(std::memory_order_acquire);
+      if (!op || timeout <= 0) continue;
+      const std::int64_t waited = now_ns() - since_ns_.load(std::memory_order_relaxed);
+      if (waited < timeout || op != op_.load(std::memory_order_acquire)) continue;
+      const int unit = unit_.load(std::memory_order_relaxed);
+      const std::int64_t step = step_.load(std::memory_order_relaxed);
+      char where[96] = "";
+      if (unit >= 0) std::snprintf(where, sizeof where, ", unit %d", unit);
+      std::fprintf(stderr,
+                   "[fsdp.comm.deadline] rank %d waited %.1f s in %s (step %lld%s): a peer rank is missing, stuck or called "
+                   "another collective; ending the job (comm.timeout_s = %.1f, exit code %d)\n",
+                   rank_, static_cast<double>(waited) / 1e9, op, static_cast<long long>(step), where, static_cast<double>(timeout) / 1e9,
+                   kWatchdogExitCode);
+      std::fflush(stderr);
+      std::_Exit(kWatchdogExitCode);  // the launcher ends the other ranks
+    }
+  }
+
+  std::atomic<std::int64_t> timeout_ns_{0};
+  std::atomic<std::int64_t> since_ns_{0};
+  std::atomic<const char*> op_{nullptr};
+  std::atomic<int> unit_{-1};
+  std::atomic<std::int64_t> step_{0};
+  std::atomic<bool> thread_started_{false};
+  int rank_ = 0;
+};
+
+}  // namespace fsdp
