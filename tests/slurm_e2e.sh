@@ -11,6 +11,10 @@ if [[ ! -x $SLURM_LOCAL && ! -f $SLURM_LOCAL ]]; then
   echo "SKIP: $SLURM_LOCAL not found"
   exit 77
 fi
+if [[ $(id -u) != 0 ]]; then
+  echo "SKIP: the localhost Slurm daemons need root"
+  exit 77
+fi
 rm -rf "$WORK" && mkdir -p "$WORK"
 export SLURM_LOCAL_DIR=$WORK/cluster SLURM_LOCAL_NODES=2
 fail() { echo "FAIL: $*"; exit 1; }
