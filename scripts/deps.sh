@@ -2,7 +2,7 @@
 # Installs the Debian packages fsdp needs (idempotent: skips apt when everything is present).
 set -euo pipefail
 packages=(
-  build-essential cmake make ccache pkg-config
+  build-essential cmake make ccache pkg-config clang libclang-rt-14-dev
   libtorch-dev libopenblas0-pthread
   libopenmpi-dev openmpi-bin
   libhdf5-openmpi-dev hdf5-tools
