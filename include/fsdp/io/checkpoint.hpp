@@ -28,6 +28,7 @@
 
 #include "fsdp/errors.hpp"
 #include "fsdp/io/checkpoint_files.hpp"
+#include "fsdp/io/checkpoint_tools.hpp"
 #include "fsdp/io/h5.hpp"
 #include "fsdp/torch/fully_sharded.hpp"
 #include "fsdp/torch/optim_state.hpp"
@@ -215,17 +216,10 @@ inline void set_cpu_rng_state(const torch::Tensor& state) {
   generator.set_state(state);
 }
 
-inline std::string shape_text(const std::vector<std::int64_t>& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-/// Logical shape of a stored tensor (0-d tensors are stored with dims {1} and attribute scalar=1).
-inline std::vector<std::int64_t> logical_shape(hid_t dataset) {
-  if (h5::has_attribute(dataset, "scalar")) return {};
-  return h5::dataset_dims(dataset);
-}
+// Shared with the offline tools: "[2, 3]" and the logical shape of a stored tensor (0-d tensors are
+// stored with dims {1} and attribute scalar=1).
+using ckpt::detail::logical_shape;
+using ckpt::detail::shape_text;
 
 /// The element type of a stored tensor (uint8 datasets with attribute dtype = "bool" are bool).
 inline h5::ElementType tensor_element_type(hid_t dataset, const std::string& where) {
