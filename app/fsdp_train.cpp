@@ -83,7 +83,7 @@ void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_inp
   if (flag == 0) return;
   const int root = world.size() - static_cast<int>(flag);
   std::string text = fsdp::detail::broadcast_string(world, error ? *error : std::string(), root);
-  if (world.size() > 1) text += " (rank " + std::to_string(root) + ")";
+  if (world.size() > 1 && text.find("(reported by rank") == std::string::npos) text += " (rank " + std::to_string(root) + ")";
   throw RankError(text, bad != 0);
 }
 
@@ -610,6 +610,9 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   // SIGTERM (Slurm's time limit, scancel) and SIGUSR1 (sbatch --signal): finish the step, save, exit 3.
   std::signal(SIGTERM, request_stop);
   std::signal(SIGUSR1, request_stop);
+  // Past a file size limit (ulimit -f) a write then fails with EFBIG and the save reports it, instead
+  // of SIGXFSZ killing the rank in the middle of a checkpoint.
+  std::signal(SIGXFSZ, SIG_IGN);
   const bool skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
   std::int64_t skipped_steps = 0;
 

@@ -13,10 +13,14 @@ expect() {  # expect RC PATTERN LOGFILE
   grep -Eq "$pattern" "$log" || { cat "$log"; fail "no '$pattern' in $log"; }
   echo "ok: exit $rc, '$pattern'"
 }
-run() {  # run LOG ARGS...: runs in the foreground, records the exit code
-  local log=$1; shift
+run() {  # run LOG ARGS...: runs in the foreground, records the exit code and the seconds it took
+  local log=$1 start=$SECONDS; shift
   timeout 300 "$@" >"$log" 2>&1
   echo $? >"$log.rc"
+  echo $((SECONDS - start)) >"$log.secs"
+}
+quick() {  # quick LOG: the job ended within a minute (no collective was left waiting)
+  (( $(cat "$1.secs") < 60 )) || fail "$1: the job took $(cat "$1.secs") s to end"
 }
 short=(--set checkpoint.every_steps=0 --set checkpoint.keep_last=0)
 
@@ -42,6 +46,54 @@ grep -Eq '"skipped_steps": [1-9]' "$WORK/skip/summary.json" || fail "summary.jso
 touch "$WORK/blocked"
 run "$WORK/blocked.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/blk" --set checkpoint.dir="$WORK/blocked/ckpt"
 expect 2 "cannot create checkpoint folder '$WORK/blocked/ckpt'" "$WORK/blocked.log"
+
+# 3b. The disk fills up (or a file size limit, ulimit -f, is reached) while the job runs: the save
+#     fails with exit 2 naming the file and the cause, its partial file is deleted, and `latest`
+#     still names the previous checkpoint, which verifies.
+first_ckpt() {  # first_ckpt NAME CKPT_DIR: a job that stops after step 8 with step_00000008.h5 as latest
+  run "$WORK/$1.0.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/$1" --set checkpoint.dir="$2" --set run.max_steps=8
+  expect 0 "checkpoint .*step_00000008.h5" "$WORK/$1.0.log"
+}
+still_latest() {  # still_latest CKPT_DIR: step 8 is still `latest`, verifies, and no temporary is left
+  [[ $(cat "$1/latest") == step_00000008.h5 ]] || fail "latest in $1 is '$(cat "$1/latest")', not step_00000008.h5"
+  "$CKPT" verify "$1" >/dev/null || fail "the last checkpoint in $1 does not verify"
+  [[ -z $(find "$1" -name '.*.tmp*') ]] || fail "a partial checkpoint was left in $1: $(find "$1" -name '.*.tmp*')"
+  echo "ok: latest = step_00000008.h5 verifies, no partial file left"
+}
+first_ckpt fsize "$WORK/fsize/ckpt"
+ckpt_kib=$(( $(stat -c %s "$WORK/fsize/ckpt/step_00000008.h5") / 1024 ))
+# Bash's ulimit -f counts KiB; a third of a checkpoint is more than any log or metrics file here. The
+# limit is set inside each rank, and the ranks talk over TCP (mpirun and the shared-memory transport
+# need larger files than the limit).
+run "$WORK/fsize.log" env OMPI_MCA_btl=self,tcp "${MPI[@]}" -np 2 bash -c "ulimit -f $(( ckpt_kib / 3 )) && exec \"\$0\" \"\$@\"" "$TRAIN" "$DECK" \
+  --set run.out_dir="$WORK/fsize" --set checkpoint.dir="$WORK/fsize/ckpt"
+expect 2 "checkpoint.*step_00000016.h5.*(File too large|file size)" "$WORK/fsize.log"; quick "$WORK/fsize.log"
+still_latest "$WORK/fsize/ckpt"
+# A real full file system (a tmpfs with room for two checkpoints, less than the next save reserves) where mounting is allowed.
+mkdir -p "$WORK/tmpfs"
+if [[ $(id -u) == 0 ]] && mount -t tmpfs -o size=$(( ckpt_kib * 2 ))k fsdp_test "$WORK/tmpfs" 2>/dev/null; then
+  trap 'umount "$WORK/tmpfs" 2>/dev/null' EXIT
+  first_ckpt full "$WORK/tmpfs/ckpt"
+  run "$WORK/full.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/full" --set checkpoint.dir="$WORK/tmpfs/ckpt"
+  expect 2 "checkpoint.*step_00000016.h5.*(No space left|space)" "$WORK/full.log"; quick "$WORK/full.log"
+  still_latest "$WORK/tmpfs/ckpt"
+  # 3c. The checkpoint folder turns read-only (a remount, or a quota gone hard): same outcome.
+  mount -o remount,ro "$WORK/tmpfs" || fail "cannot remount $WORK/tmpfs read-only"
+  run "$WORK/ro.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/ro" --set checkpoint.dir="$WORK/tmpfs/ckpt"
+  expect 2 "checkpoint.*(Read-only|read-only)" "$WORK/ro.log"; quick "$WORK/ro.log"
+  still_latest "$WORK/tmpfs/ckpt"
+  umount "$WORK/tmpfs"; trap - EXIT
+elif [[ $(id -u) != 0 ]]; then
+  first_ckpt ro "$WORK/ro_ckpt"
+  chmod a-w "$WORK/ro_ckpt"
+  run "$WORK/ro.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/ro" --set checkpoint.dir="$WORK/ro_ckpt"
+  chmod u+w "$WORK/ro_ckpt"
+  expect 2 "checkpoint.*(Permission denied|permission)" "$WORK/ro.log"; quick "$WORK/ro.log"
+  still_latest "$WORK/ro_ckpt"
+  echo "skipped: full file system (needs root to mount a tmpfs)"
+else
+  echo "skipped: full file system and read-only folder (this root may not mount a tmpfs)"
+fi
 
 # 4. A straight run to 300 steps, the reference for the interrupted ones.
 long=(--set run.max_steps=300 --set run.epochs=100 --set log.every_steps=50 --set checkpoint.every_steps=25 --set checkpoint.keep_last=2)

@@ -662,6 +662,33 @@ TrainState broadcast_train_state(Comm& comm, const TrainState& state) {
 /// data position, scheduler values and deck must describe the whole job). Collective over the
 /// engine's world; a failure on any rank throws CheckpointError on every rank, leaving the previous
 /// checkpoint and `latest` untouched.
+namespace detail {
+/// An upper estimate of a FULL/SHARDED checkpoint file's size: every tensor once plus HDF5's object
+/// headers, chunk indexes and checksums (under 4 KiB per dataset here) and a spare 64 KiB.
+template <class Engine>
+std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* opt, int world_size) {
+  std::int64_t bytes = 0, datasets = 0;
+  for (const auto& up : engine.flat_units()) {
+    if (up->params.empty()) continue;
+    const auto numel = up->layout.numel();
+    const auto count = static_cast<std::int64_t>(up->params.size());
+    bytes += numel * static_cast<std::int64_t>(c10::elementSize(up->dtype));
+    datasets += count;
+    if (const auto view = unit_optimizer_state(opt, *up))
+      for (const auto& [name, t] : view->tensors) {
+        bytes += numel * static_cast<std::int64_t>(t.element_size());
+        datasets += count;
+      }
+  }
+  for (const auto& [name, buffer] : named_buffers_of(engine)) {
+    bytes += buffer.numel() * static_cast<std::int64_t>(buffer.element_size());
+    ++datasets;
+  }
+  bytes += world_size * cpu_rng_state().numel();
+  return bytes + datasets * 4096 + 65536;
+}
+}  // namespace detail
+
 template <class Engine>
 SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimizer, const std::string& dir, const TrainState& state,
                            const CheckpointOptions& options = {}) {
@@ -682,6 +709,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
       std::filesystem::create_directories(folder, ec);
       if (ec) throw CheckpointError("cannot create checkpoint folder '" + dir + "': " + ec.message());
       std::filesystem::remove_all(tmp, ec);  // left over by a save that crashed
+      if (!local) ckpt::reserve_space(tmp, detail::expected_file_bytes(engine, optimizer, world.size()), (folder / name).string());
       if (local) {
         std::filesystem::create_directories(tmp, ec);
         if (ec) throw CheckpointError("cannot create '" + tmp.string() + "': " + ec.message());
@@ -689,6 +717,17 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
     });
   }
   detail::agree(world, error);
+  // A failed write (disk full, quota, file size limit) leaves a partial temporary: rank 0 deletes it
+  // so that the space it holds goes back to the job; `latest` never pointed at it.
+  struct RemoveTemporaryOnFailure {
+    const std::filesystem::path& path;
+    bool armed;
+    ~RemoveTemporaryOnFailure() {
+      if (!armed) return;
+      std::error_code ignored;
+      std::filesystem::remove_all(path, ignored);
+    }
+  } cleanup{tmp, world.rank() == 0};
   const std::string created = detail::broadcast_string(world, ckpt::utc_now());
   switch (options.state_dict_type) {
     case StateDictType::SHARDED_STATE_DICT: detail::write_sharded_file(engine, optimizer, tmp.string(), written, options, created); break;
@@ -719,6 +758,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
     }
   }
   detail::agree(world, error);
+  cleanup.armed = false;
   if (options.on_stage) options.on_stage("committed", written.step);
   result.bytes = detail::size_on_disk(result.path);
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

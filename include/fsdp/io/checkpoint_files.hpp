@@ -8,6 +8,8 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/statvfs.h>
 #include <stdio.h>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
 #include <unistd.h>
 
@@ -83,6 +85,35 @@ inline void fsync_tree(const std::filesystem::path& dir) {
 
 /// Hidden temporary name under which `name` is written before the commit.
 inline std::string temporary_name(const std::string& name) { return "." + name + ".tmp"; }
+
+/// Claims `bytes` of disk for `path` (created or truncated) before a collective write into it:
+/// parallel HDF5 cannot fail one rank's write inside a collective call without leaving the others
+/// waiting, so a full disk, a quota or a file size limit (ulimit -f) must show here, with a clear
+/// error, rather than halfway through. The space is handed back when the writer truncates `path`.
+/// File systems without fallocate are checked against their free space and the size limit.
+/// `checkpoint` names the save in messages.
+inline void reserve_space(const std::filesystem::path& path, std::int64_t bytes, const std::string& checkpoint) {
+  auto fail = [&](const std::string& why) {
+    std::error_code ignored;
+    std::filesystem::remove(path, ignored);
+    throw CheckpointError("cannot save checkpoint '" + checkpoint + "': it needs about " + std::to_string((bytes + 1048575) / 1048576) +
+                          " MiB and " + why);
+  };
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw CheckpointError("cannot save checkpoint '" + checkpoint + "': cannot create '" + path.string() + "': " + std::strerror(errno));
+  const int rc = ::fallocate(fd, 0, 0, static_cast<off_t>(bytes));
+  const int err = rc == 0 ? 0 : errno;
+  ::close(fd);
+  if (err == 0) return;
+  if (err != EOPNOTSUPP && err != ENOSYS) fail(std::string("the file system refused it: ") + std::strerror(err));
+  struct statvfs fs {};
+  if (::statvfs(path.parent_path().empty() ? "." : path.parent_path().c_str(), &fs) == 0 &&
+      static_cast<long double>(fs.f_bavail) * fs.f_frsize < static_cast<long double>(bytes))
+    fail("only " + std::to_string(static_cast<long long>(static_cast<long double>(fs.f_bavail) * fs.f_frsize / 1048576)) + " MiB are free");
+  struct rlimit limit {};
+  if (::getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < static_cast<rlim_t>(bytes))
+    fail("the file size limit (ulimit -f) is " + std::to_string(limit.rlim_cur / 1024) + " KiB");
+}
 
 /// Writes `text` to `path` atomically: temporary file, fsync, rename, fsync of the directory.
 inline void write_file_atomically(const std::filesystem::path& path, const std::string& text) {
