@@ -141,7 +141,9 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.shard_group_size", .type = T::kInt, .default_value = I{0}, .min = 0,
                .description = "hybrid strategies: ranks per shard group; 0: the ranks of a node"});
   s.push_back({.key = "fsdp.offload_params", .type = T::kBool, .default_value = false,
-               .description = "keep the parameter shards in host memory (GPU runs)", .supported = false});
+               .description = "PyTorch's CPUOffload: parameter shards, gradients and optimizer state stay in host memory and the optimizer "
+                              "steps there; a unit is copied to the GPU for compute (with backend nccl). On CPU runs they are in host "
+                              "memory anyway: accepted, same results"});
   s.push_back({.key = "fsdp.mixed_precision", .type = T::kString, .default_value = "no", .choices = {"no", "bf16", "fp16"},
                .description = "bf16/fp16: parameters all-gathered and used, gradients reduced, buffers kept in that dtype; the optimizer keeps fp32 master shards (fp16 has no loss scaling yet)"});
   s.push_back({.key = "fsdp.activation_checkpointing", .type = T::kBool, .default_value = false,
@@ -149,7 +151,8 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.sync_module_states", .type = T::kBool, .default_value = true,
                .description = "broadcast rank 0's parameters and buffers at start, so every rank starts identical"});
   s.push_back({.key = "fsdp.backend", .type = T::kString, .default_value = "auto", .choices = {"auto", "mpi", "nccl"},
-               .description = "communication: auto (mpi on CPUs), mpi, nccl (GPUs)", .unsupported_choices = {"nccl"}});
+               .description = "communication: mpi (CPU tensors), nccl (GPU tensors: needs a CUDA LibTorch, a visible GPU and an "
+                              "fsdp-train built with NCCL; a clear error otherwise), auto (nccl when all that holds, else mpi)"});
   // [checkpoint]
   // [comm]
   s.push_back({.key = "comm.timeout_s", .type = T::kFloat, .default_value = 600.0, .min = 0,

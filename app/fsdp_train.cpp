@@ -301,8 +301,36 @@ fsdp::FsdpOptions fsdp_options(const Deck& deck) {
   if (mp == "bf16") o.mixed_precision = fsdp::MixedPrecision::bf16();
   else if (mp == "fp16") o.mixed_precision = fsdp::MixedPrecision::fp16();
   o.activation_checkpointing = deck.get_bool("fsdp.activation_checkpointing");
+  o.offload_params = deck.get_bool("fsdp.offload_params");
   o.all_units_called_through_forward = true;  // every model here calls its children through fsdp::forward
   return o;
+}
+
+#ifdef FSDP_WITH_NCCL
+constexpr bool kBuiltWithNccl = true;
+#else
+constexpr bool kBuiltWithNccl = false;
+#endif
+
+/// fsdp.backend resolved: "mpi" or "nccl". auto means NCCL when the tensors can live on a GPU (a CUDA
+/// LibTorch with a visible device, and an fsdp-train built with NCCL), MPI otherwise. Asking for
+/// nccl where that does not hold is a deck error naming what is missing.
+std::string resolve_backend(const Deck& deck) {
+  const std::string asked = deck.get_string("fsdp.backend");
+  const bool gpu = torch::cuda::is_available();
+  if (asked == "mpi") return asked;
+  if (asked == "auto") return kBuiltWithNccl && gpu ? "nccl" : "mpi";
+  const auto& set_at = deck.entry("fsdp.backend").where;
+  const std::string where = (set_at.empty() ? std::string() : set_at + ": ") + "fsdp.backend = \"nccl\": ";
+  if (!gpu) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    throw DeckError(where + "no CUDA device is usable on this rank (" +
+                    (torch::cuda::device_count() == 0 && !at::hasCUDA() ? std::string("this LibTorch was built without CUDA")
+                                                                        : std::string("no GPU visible")) +
+                    (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string()) + "); use \"mpi\" or \"auto\" on CPUs");
+  }
+  if (!kBuiltWithNccl) throw DeckError(where + "this fsdp-train was built without NCCL (configure with -DFSDP_WITH_NCCL=ON where CUDA and NCCL are installed)");
+  return asked;
 }
 
 std::unique_ptr<torch::optim::Optimizer> build_optimizer(const Deck& deck, Engine& model) {
@@ -422,7 +450,9 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   torch::set_num_threads(threads);
   torch::manual_seed(static_cast<std::uint64_t>(deck.get_int("run.seed")));
 
-  // 2. Data (each rank reads the files itself) and the model.
+  // 2. The communicator, data (each rank reads the files itself) and the model.
+  std::string backend;
+  on_all_ranks(world, [&] { backend = resolve_backend(deck); });
   Dataset data;
   on_all_ranks(world, [&] { data = load_dataset(deck); });
   std::shared_ptr<Engine> model;
@@ -449,6 +479,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   if (root) {
     std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, deck_path.c_str(), deck.echo_table().c_str());
     std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", world.size(), placement.nodes, placement.local_size, threads);
+    std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", backend.c_str(), deck.get_string("fsdp.backend").c_str(),
+                model->compute_device().str().c_str(), deck.get_bool("fsdp.offload_params") ? ", parameter shards offloaded to host memory" : "");
     std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model->sharding_strategy()), model->shard_group_size(),
                 units.size(), static_cast<long long>(model->num_params()));
     std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
@@ -770,7 +802,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     std::ostringstream js;
     js.precision(8);
     js << "{\n  \"name\": \"" << json_escape(name) << "\",\n  \"world_size\": " << world.size() << ",\n  \"nodes\": " << placement.nodes
-       << ",\n  \"ranks_per_node\": " << placement.local_size << ",\n  \"threads_per_rank\": " << threads << ",\n  \"strategy\": \""
+       << ",\n  \"ranks_per_node\": " << placement.local_size << ",\n  \"threads_per_rank\": " << threads << ",\n  \"backend\": \"" << backend << "\",\n  \"strategy\": \""
        << to_string(model->sharding_strategy()) << "\",\n  \"shard_group_size\": " << model->shard_group_size()
        << ",\n  \"replica_groups\": " << world.size() / model->shard_group_size() << ",\n  \"params\": " << model->num_params() << ",\n  \"steps\": " << step
        << ",\n  \"resumed_from_step\": " << state.step << ",\n  \"skipped_steps\": " << skipped_steps << ",\n  \"final_train_loss\": " << (std::isnan(last_loss) ? std::string("null") : std::to_string(last_loss));
@@ -784,6 +816,15 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       const auto& [n, s] = phase_stats[i];
       js << (i ? ",\n" : "\n") << "    \"" << n << "\": {\"min\": " << s.min << ", \"avg\": " << s.avg << ", \"max\": " << s.max << "}";
     }
+    // Rank 0's collectives over the same span as the phases (training, evaluation, checkpoints): bytes
+    // as the engine counts them (all_gather: this rank's shard; reduce_scatter: the full input buffer;
+    // all_reduce, broadcast: the buffer) and wall seconds inside the blocking calls.
+    js << "\n  },\n  \"comm\": {\"rank\": 0, \"calls\": " << comm.calls - comm_start.calls;
+    auto comm_kind = [&](const char* n, std::uint64_t bytes, double s) { js << ",\n    \"" << n << "\": {\"bytes\": " << bytes << ", \"seconds\": " << s << "}"; };
+    comm_kind("all_gather", comm.all_gather_bytes - comm_start.all_gather_bytes, all_gather_s);
+    comm_kind("reduce_scatter", comm.reduce_scatter_bytes - comm_start.reduce_scatter_bytes, reduce_scatter_s);
+    comm_kind("all_reduce", comm.all_reduce_bytes - comm_start.all_reduce_bytes, all_reduce_s);
+    comm_kind("broadcast", comm.broadcast_bytes - comm_start.broadcast_bytes, comm.broadcast_seconds - comm_start.broadcast_seconds);
     js << "\n  }\n}\n";
     std::ofstream(out_dir / "summary.json") << js.str();
     std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n",

@@ -68,7 +68,7 @@ run(2 ${train2} ${DECK} --set data.path=${WORK_DIR}/nowhere --set run.out_dir=${
 expect_in("${last_output}" "nowhere")
 run(2 ${train2} ${WORK_DIR}/missing.toml)
 expect_in("${last_output}" "missing.toml")
-run(2 ${train2} ${DECK} --set fsdp.offload_params=true)
+run(2 ${train2} ${DECK} --set fsdp.forward_prefetch=true)
 expect_in("${last_output}" "not supported yet")
 
 # 6. A rerun of a finished job trains nothing and keeps its summary; a deck of another model in the
@@ -94,3 +94,12 @@ expect_in("${last_output}" "no module of type \"Foo\"")
 # 8. bf16 mixed precision with activation checkpointing trains and evaluates.
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/bf16 --set fsdp.mixed_precision=bf16 --set fsdp.activation_checkpointing=true)
 expect_in("${last_output}" "test accuracy [0-9.]+%")
+
+# 9. Backends and offload on a CPU machine: auto runs MPI; nccl is a clear error on every rank (no
+#    GPU, CPU LibTorch); offload_params is accepted and ends with the same weights, bit for bit.
+run(2 ${train2} ${DECK} --set fsdp.backend=nccl --set run.out_dir=${WORK_DIR}/nccl)
+expect_in("${last_output}" "fsdp.backend = \"nccl\": no CUDA device is usable on this rank")
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/offload --set fsdp.offload_params=true --set fsdp.backend=auto)
+expect_in("${last_output}" "backend mpi \\(fsdp.backend = auto\\), compute on cpu, parameter shards offloaded to host memory")
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/offload/checkpoints ${WORK_DIR}/smoke/checkpoints)
+expect_in("${last_output}" "checkpoints match")

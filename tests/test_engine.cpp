@@ -623,6 +623,42 @@ BOOST_AUTO_TEST_CASE(configuration_errors_are_clear) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(cpu_offload_on_a_cpu_device_gives_identical_results) {
+  // offload_params keeps shards, gradients and optimizer state in host memory; on a CPU compute device
+  // that is where they are anyway, so every strategy must give bit-identical parameters to no offload
+  // (and match single-process training like any run).
+  const int world = MpiComm::world().size();
+  const auto ref = train_reference(ModelKind::kCnn, OptimKind::kAdam, world);
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+    BOOST_TEST_CONTEXT("np=" << world << " strategy=" << fsdp::to_string(strategy)) {
+      FsdpOptions options;
+      options.sharding_strategy = strategy;
+      options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+      const auto plain = train_fsdp(ModelKind::kCnn, OptimKind::kAdam, options);
+      options.offload_params = true;
+      const auto offloaded = train_fsdp(ModelKind::kCnn, OptimKind::kAdam, options);
+      BOOST_TEST(compare(offloaded.params, ref.params) <= 1e-5);
+      for (const auto& [name, t] : offloaded.params) BOOST_TEST(torch::equal(t, plain.params.at(name)), "offload changed " << name);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(compute_device_must_suit_the_communicator) {
+  auto world = MpiComm::world();
+  auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+  FsdpOptions options;
+  options.device = torch::Device(torch::kCUDA, 0);
+  try {
+    fsdp::make_fsdp(net, world, options);
+    BOOST_FAIL("expected a ConfigError");
+  } catch (const fsdp::ConfigError& e) {
+    BOOST_TEST(std::string(e.what()).find("moves host memory only (MpiComm): use NcclComm for GPUs") != std::string::npos, e.what());
+  }
+  options.device = torch::Device(torch::kCPU);
+  auto model = fsdp::make_fsdp(std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp)), world, options);
+  BOOST_TEST(model->compute_device() == torch::Device(torch::kCPU));
+}
+
 BOOST_AUTO_TEST_CASE(frozen_parameters_match_single_process) {
   const int world = MpiComm::world().size();
   Setup setup;

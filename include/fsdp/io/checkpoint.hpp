@@ -245,7 +245,7 @@ inline torch::Tensor read_buffer(hid_t file, const std::string& path, const std:
                        " " + h5::element_type_name(wanted) + ")");
     return {};
   }
-  auto t = torch::empty(like.sizes(), like.options().requires_grad(false));
+  auto t = torch::empty(like.sizes(), like.options().device(torch::kCPU).requires_grad(false));  // staged on the host
   h5::read_flat_range(ds, shape, 0, t.numel(), wanted, t.data_ptr(), "checkpoint '" + path + "' dataset " + ds_path);
   return t;
 }
@@ -374,7 +374,7 @@ void link_tied_parameters(hid_t file, Engine& engine) {
 /// Creates /model/<name> for a buffer; `writer` ranks write its values (with a collective `dxpl`
 /// every rank calls this, the others with nothing selected).
 inline void write_buffer(hid_t file, const std::string& name, const torch::Tensor& buffer, bool writer, hid_t dxpl) {
-  const auto b = buffer.detach().contiguous();
+  const auto b = buffer.detach().to(torch::kCPU).contiguous();  // HDF5 reads host memory
   const TensorTarget t{model_path(name), b.sizes().vec(), element_type_of(b.scalar_type())};
   h5::Id ds = create_tensor_dataset(file, t, "buffer");
   h5::write_flat_range(ds, t.shape, 0, writer ? b.numel() : 0, t.type, b.data_ptr(), dxpl, t.path);
@@ -423,7 +423,7 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
   auto write_unit_tensor = [&](const FlatUnit& u, const torch::Tensor& shard_like, const std::string& prefix, const char* kind) {
     const std::int64_t lo = shard_rank * u.layout.shard_numel(), hi = lo + u.layout.shard_numel();
     torch::Tensor src;
-    step([&] { src = shard_like.detach().contiguous(); });
+    step([&] { src = shard_like.detach().to(torch::kCPU).contiguous(); });  // HDF5 reads host memory
     const auto et = element_type_of(src.scalar_type());
     for (std::size_t i = 0; i < u.params.size(); ++i) {
       const TensorTarget t{prefix.empty() ? model_path(u.info.param_names[i]) : optim_path(u.info.param_names[i]) + "/" + prefix, u.shapes[i], et};
@@ -505,7 +505,7 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
   for (const auto& up : engine.flat_units()) {  // one unit at a time: memory bounded by the largest unit
     if (up->params.empty()) continue;
     const int index = up->info.index;
-    write_full(*up, engine.gather_flat(index, up->shard), "", "parameter");
+    write_full(*up, engine.gather_flat(index, up->shard).to(torch::kCPU), "", "parameter");
   }
   agree(world, capture_error([&] {
     if (options.on_stage) options.on_stage("writing", state.step);
@@ -520,7 +520,7 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
     for (const auto& up : engine.flat_units()) {
       const auto view = unit_optimizer_state(opt, *up);
       if (!view || up->params.empty()) continue;
-      for (const auto& [name, t] : view->tensors) write_full(*up, engine.gather_flat(up->info.index, t), name, "optimizer_state");
+      for (const auto& [name, t] : view->tensors) write_full(*up, engine.gather_flat(up->info.index, t).to(torch::kCPU), name, "optimizer_state");
       on_writer([&] {
         for (const auto& fqn : up->info.param_names) {
           h5::Id g = h5::require_group(file, optim_path(fqn));
@@ -571,7 +571,7 @@ void write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const 
     h5::write_attribute(g, "shard_numel", u.layout.shard_numel());
     if (u.params.empty()) continue;
     auto write_flat = [&](const std::string& p, const torch::Tensor& t) {
-      const auto src = t.detach().contiguous();
+      const auto src = t.detach().to(torch::kCPU).contiguous();
       const auto et = element_type_of(src.scalar_type());
       h5::Id ds = h5::create_dataset(file, p, et, {src.numel()});
       h5::write_flat_range(ds, {src.numel()}, 0, src.numel(), et, src.data_ptr(), H5P_DEFAULT, p);

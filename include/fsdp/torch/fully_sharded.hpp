@@ -110,7 +110,24 @@ struct FsdpOptions {
   /// tensor arguments and a tensor result) keeps no activations and runs again during backward, with
   /// the CPU RNG state of the first run, so dropout masks and results equal the run without it.
   bool activation_checkpointing = false;
+  /// The device the units compute on (PyTorch's device_id). Unset: where the module's parameters are.
+  /// The module is moved there at construction. MpiComm moves host memory: CPU only; a communicator
+  /// that moves device memory (NcclComm) takes CUDA devices.
+  std::optional<torch::Device> device;
+  /// PyTorch's CPUOffload(offload_params=True): parameter shards, their gradients and so the optimizer
+  /// state live in host memory (pinned when the compute device is a GPU) and the optimizer steps
+  /// there; a unit's shard is copied to the compute device for its all-gather, its reduced gradient
+  /// back. On a CPU compute device the copies are no-ops and results are identical to no offload.
+  bool offload_params = false;
 };
+
+/// True when `Comm` moves device (GPU) memory; such communicators declare
+/// `static constexpr bool kMovesDeviceMemory = true`. MpiComm and the test communicator move host memory.
+template <class Comm>
+constexpr bool comm_moves_device_memory() {
+  if constexpr (requires { Comm::kMovesDeviceMemory; }) return Comm::kMovesDeviceMemory;
+  else return false;
+}
 
 /// Bytes this rank holds for the model's training state (see memory_stats()).
 struct MemoryStats {
@@ -163,8 +180,9 @@ struct FlatUnit {
   bool low_precision = false;     // `full` is in MixedPrecision::param_dtype, not `dtype`
   torch::Tensor summoned;         // full-precision flat buffer inside summon_full_params (low_precision)
   std::vector<torch::Tensor> param_views;  // the parameters' views of `full`, to restore after summon
+  bool offloaded = false;         // `shard` lives in host memory, `full` on the compute device
   /// `full` has storage of its own that gather() fills and reshard() frees.
-  bool needs_gather() const noexcept { return layout.group_size() > 1 || low_precision; }
+  bool needs_gather() const noexcept { return layout.group_size() > 1 || low_precision || offloaded; }
 };
 
 /// Something UnitGather can call back into, found by id so a destroyed engine is detected, not used.
@@ -283,6 +301,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   std::shared_ptr<ModuleImpl> module() const { return module_; }
 
   const FsdpOptions& options() const noexcept { return options_; }
+  /// Where the units compute (FsdpOptions::device, or where the module's parameters were).
+  torch::Device compute_device() const noexcept { return compute_device_; }
   ShardingStrategy sharding_strategy() const noexcept { return options_.sharding_strategy; }
   Comm& comm() noexcept { return world_; }
   Comm& shard_comm() noexcept { return shard_comm_; }
@@ -490,7 +510,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   /// itself, or an optimizer state of the same shape). Collective over the shard group.
   torch::Tensor gather_flat(int unit, const torch::Tensor& shard_like) {
     const auto& u = *units_.at(static_cast<std::size_t>(unit));
-    auto src = shard_like.detach().contiguous();
+    auto src = shard_like.detach().to(compute_device_).contiguous();
     if (src.numel() != u.layout.shard_numel())
       throw ConfigError("gather_flat: unit " + std::to_string(unit) + " expects " + std::to_string(u.layout.shard_numel()) + " elements, got " +
                         std::to_string(src.numel()));
@@ -540,6 +560,24 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     replica_comm_ = world_.split(r % group, r);
   }
 
+  void resolve_compute_device() {
+    std::optional<torch::Device> found;
+    for (const auto& p : module_->parameters(/*recurse=*/true)) {
+      found = p.device();
+      break;
+    }
+    compute_device_ = options_.device ? *options_.device : found.value_or(torch::Device(torch::kCPU));
+    if constexpr (comm_moves_device_memory<Comm>()) {
+      if (!compute_device_.is_cuda())
+        throw ConfigError("this communicator moves GPU memory, but the compute device is " + compute_device_.str() +
+                          ": set FsdpOptions::device to a CUDA device (or use MpiComm for CPU training)");
+    } else if (!compute_device_.is_cpu()) {
+      throw ConfigError("the compute device is " + compute_device_.str() +
+                        ", but this communicator moves host memory only (MpiComm): use NcclComm for GPUs (fsdp.backend = \"nccl\")");
+    }
+    if (found && *found != compute_device_) module_->to(compute_device_);
+  }
+
   int node_size() {
     if constexpr (requires(Comm c) { c.split_node(); }) {
       return world_.split_node().size();
@@ -562,7 +600,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   };
 
   void build_units() {
-    // 0. Mixed precision: check the dtypes; buffers move to buffer_dtype (their own dtype is kept for checkpoints).
+    // 0. The compute device: asked for, or where the parameters are; the module moves there.
+    resolve_compute_device();
+    // Mixed precision: check the dtypes; buffers move to buffer_dtype (their own dtype is kept for checkpoints).
     const auto& mp = options_.mixed_precision;
     for (const auto& dt : {mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype})
       if (dt && !c10::isFloatingType(*dt))
@@ -648,7 +688,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     // but with no gradient and no optimizer state (PyTorch's use_orig_params case).
     const std::size_t regular_units = units_.size();
     for (auto& use : uses) {
-      if (!use.tensor.device().is_cpu()) throw ConfigError("parameter '" + use.name + "' is not on the CPU; MpiComm moves CPU tensors only");
+      if (use.tensor.device() != compute_device_)
+        throw ConfigError("parameter '" + use.name + "' is on " + use.tensor.device().str() + ", the module's other parameters on " +
+                          compute_device_.str() + ": move the whole module to one device (or set FsdpOptions::device)");
       auto* target = units_[static_cast<std::size_t>(use.unit)].get();
       if (!use.tensor.requires_grad()) {
         if (target->companion < 0) {
@@ -712,7 +754,12 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
         const auto i64 = static_cast<std::int64_t>(i);
         full.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64)).copy_(u.params[i].detach().reshape({-1}));
       }
-      if (group == 1) {
+      u.offloaded = options_.offload_params && !compute_device_.is_cpu();
+      if (u.offloaded) {  // the master shard in (pinned) host memory; `full` stays on the device
+        auto host = full.narrow(0, shard_rank * u.layout.shard_numel(), u.layout.shard_numel()).to(torch::kCPU).pin_memory();
+        u.shard = host.requires_grad_(!u.frozen);
+        u.full = full;
+      } else if (group == 1) {
         u.shard = full.detach().requires_grad_(!u.frozen);
         u.full = u.shard.detach();  // same storage: nothing to gather
       } else {
@@ -768,9 +815,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     }
     u.gathered_version = u.shard._version();
     torch::Tensor source = u.shard;
-    if (u.low_precision) {  // cast the shard first: the all-gather moves low-precision bytes
+    if (u.low_precision || u.offloaded) {  // cast (and copy to the device) first: the all-gather moves these bytes
       torch::NoGradGuard no_grad;
-      source = u.shard.detach().to(u.full.scalar_type());
+      source = u.shard.detach().to(u.full.device(), u.full.scalar_type(), /*non_blocking=*/u.offloaded);
     }
     if (u.layout.group_size() == 1) {
       torch::NoGradGuard no_grad;
@@ -899,7 +946,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
     torch::NoGradGuard no_grad;
-    auto flat = torch::empty({u.layout.padded_numel()}, u.shard.options().requires_grad(false));
+    auto flat = torch::empty({u.layout.padded_numel()}, u.shard.options().device(compute_device_).requires_grad(false));
     if (u.layout.padding() > 0) flat.narrow(0, u.layout.numel(), u.layout.padding()).zero_();
     for (std::size_t i = 0; i < u.params.size(); ++i) {
       const auto i64 = static_cast<std::int64_t>(i);
@@ -930,7 +977,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (replica_comm_.size() > 1) replica_comm_.all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
     CollectiveWatchdog::instance().set_unit(-1);
     release_after_backward(u);
-    return shard_grad.scalar_type() == u.dtype ? shard_grad : shard_grad.to(u.dtype);  // into the master shard's dtype
+    // Into the master shard's dtype and memory (host when offloaded).
+    return shard_grad.scalar_type() == u.dtype && !u.offloaded ? shard_grad : shard_grad.to(u.shard.device(), u.dtype);
   }
 
   void release_after_backward(detail::FlatUnit& u) {
@@ -1003,6 +1051,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   Comm shard_comm_ = world_;
   Comm replica_comm_ = world_;
   FsdpOptions options_;
+  torch::Device compute_device_{torch::kCPU};
   std::vector<std::unique_ptr<detail::FlatUnit>> units_;
   std::map<std::string, std::vector<std::string>> aliases_;  // canonical name -> other names of tied parameters
   std::map<std::string, c10::ScalarType> buffer_dtypes_;      // buffers cast by MixedPrecision::buffer_dtype: their own dtype
