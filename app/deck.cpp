@@ -183,6 +183,10 @@ std::vector<KeySpec> make_schema() {
                .description = "auto: a live line when started directly on a terminal, plain lines under mpirun/srun or into files; live, plain; none: no progress output"});
   s.push_back({.key = "log.metrics_file", .type = T::kString, .default_value = "metrics.csv",
                .description = "CSV of the metrics of every logged step, relative to run.out_dir; empty: none"});
+  s.push_back({.key = "log.trace", .type = T::kBool, .default_value = false,
+               .description = "write a Chrome trace-event timeline per rank (trace_rank<R>.json: steps, forward/backward per unit, "
+                              "all-gather, reduce-scatter, optimizer, checkpoint, memory counters; open in Perfetto) and the memory "
+                              "timeline memory_rank<R>.csv (for fsdp-plot)"});
   return s;
 }
 

@@ -52,11 +52,28 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-/// Adds the time of its scope to `total`.
+double current_rss_mb() {
+  std::ifstream statm("/proc/self/statm");
+  long pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / 1048576.0;
+}
+
+/// Adds the time of its scope to `total`; with log.trace on, also records it as a trace event named
+/// `name` (a string literal) and samples the resident memory at its end.
 struct Timed {
-  explicit Timed(double& total) : total_(total), start_(Clock::now()) {}
-  ~Timed() { total_ += seconds_since(start_); }
+  explicit Timed(double& total, const char* name = nullptr) : total_(total), name_(name), start_(Clock::now()) {}
+  ~Timed() {
+    const auto end = Clock::now();
+    total_ += std::chrono::duration<double>(end - start_).count();
+    auto& tracer = fsdp::Tracer::instance();
+    if (name_ && tracer.enabled()) {
+      tracer.complete(name_, "app", tracer.to_us(start_), tracer.to_us(end));
+      tracer.counter("resident memory", {{"MiB", current_rss_mb()}});
+    }
+  }
   double& total_;
+  const char* name_;
   Clock::time_point start_;
 };
 
@@ -445,6 +462,29 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   const fs::path out_dir = deck.out_dir();
   const fs::path ckpt_dir = deck.checkpoint_dir();
   fsdp::CollectiveWatchdog::instance().configure(deck.get_float("comm.timeout_s"), world.rank());
+  // log.trace: every rank records its timeline and writes it when the run ends, however it ends.
+  fsdp::Tracer::instance().enable(deck.get_bool("log.trace") && !dry_run);
+  struct TraceWriter {
+    fs::path dir;
+    int rank;
+    ~TraceWriter() {
+      auto& tracer = fsdp::Tracer::instance();
+      if (!tracer.enabled()) return;
+      try {
+        std::error_code ec;
+        fs::create_directories(dir, ec);
+        const auto trace = dir / ("trace_rank" + std::to_string(rank) + ".json");
+        tracer.write_json(trace.string(), rank);
+        std::ofstream csv(dir / ("memory_rank" + std::to_string(rank) + ".csv"), std::ios::trunc);
+        csv << "time_s,counter,mib\n";
+        for (const auto& e : tracer.events())
+          if (e.phase == 'C' && !e.args.empty()) csv << e.start_us / 1e6 << "," << e.name << "," << e.args.front().second << "\n";
+        if (rank == 0) std::printf("wrote %s (and one per rank; open them in https://ui.perfetto.dev)\n", trace.c_str());
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "fsdp-train: warning: cannot write the trace: %s\n", e.what());
+      }
+    }
+  } trace_writer{out_dir, world.rank()};
   int threads = static_cast<int>(deck.get_int("run.threads"));
   if (threads == 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, placement.local_size));
   torch::set_num_threads(threads);
@@ -623,7 +663,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   std::int64_t next_epoch = state.epoch, next_sample_index = state.sample_index;
   const bool save_final = deck.get_bool("checkpoint.save_final");
   auto save = [&] {
-    Timed t(phases.checkpoint);
+    Timed t(phases.checkpoint, "checkpoint");
     fsdp::TrainState s;
     s.step = step;
     s.epoch = next_epoch;
@@ -675,7 +715,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       for (std::int64_t a = 0; a < accum; ++a) {
         std::optional<Batch> b;
         {
-          Timed t(phases.data);
+          Timed t(phases.data, "data");
           b = loader.next();
         }
         if (!b) throw std::runtime_error("data loader ended early");
@@ -683,11 +723,11 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         if (a + 1 < accum) no_sync.emplace(model->no_sync());
         torch::Tensor loss;
         {
-          Timed t(phases.forward);
+          Timed t(phases.forward, "forward + loss");
           loss = loss_of(data, model->forward(b->x), b->y) / static_cast<double>(accum);
         }
         {
-          Timed t(phases.backward);
+          Timed t(phases.backward, "backward");
           loss.backward();
         }
         loss_sum += loss.item<double>();
@@ -697,7 +737,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       // stop signal? Every rank then takes the same branch.
       std::int64_t flags[2] = {g_stop_signal, 0};
       {
-        Timed t(phases.optimizer);
+        Timed t(phases.optimizer, "optimizer");
         const double norm = clip > 0 ? model->clip_grad_norm(clip) : 0.0;
         flags[1] = std::isfinite(loss_sum) && std::isfinite(norm) ? 0 : 1;
         world.all_reduce(flags, flags, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
@@ -712,6 +752,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       ++step;
       samples_trained += samples;
       step_ms.push_back(1000 * seconds_since(step_start));
+      if (auto& tracer = fsdp::Tracer::instance(); tracer.enabled())
+        tracer.complete("step " + std::to_string(step), "step", tracer.to_us(step_start), tracer.now_us(), {{"step", static_cast<double>(step)}});
       window_loss += loss_sum;
       ++window_steps;
       window_samples += samples;
@@ -766,7 +808,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     if (live && root && !quiet) std::printf("\n");
     if (data.has_test) {
       const auto pause_start = Clock::now();
-      Timed t(phases.eval);
+      Timed t(phases.eval, "eval");
       last_eval = evaluate(*model, data, deck.get_int("data.test_batch_size"), world);
       evaluated = true;
       if (root && !quiet)

@@ -8,6 +8,7 @@ packages=(
   libhdf5-openmpi-dev hdf5-tools
   libboost-test-dev libtomlplusplus-dev libcli11-dev zlib1g-dev
   dataset-fashion-mnist
+  gnuplot-nox python3-torch
 )
 missing=()
 for p in "${packages[@]}"; do

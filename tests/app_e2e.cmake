@@ -1,7 +1,7 @@
 # fsdp-train end to end under mpirun: a smoke run of the CI deck, np=2 with batch b equals np=1 with
 # batch 2b, a resumed run equals an uninterrupted one bit for bit, the echoed deck re-runs the same
 # job, and bad input ends every rank with exit code 2 and a message naming the file and line.
-# Variables: MPIEXEC (list), TRAIN, CKPT_TOOL, DECK (inputs/ci_tiny.toml), WORK_DIR.
+# Variables: MPIEXEC (list), TRAIN, CKPT_TOOL, DECK (inputs/ci_tiny.toml), WORK_DIR, PLOT (fsdp-plot).
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 
@@ -103,3 +103,34 @@ run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/offload --set fsdp.offload
 expect_in("${last_output}" "backend mpi \\(fsdp.backend = auto\\), compute on cpu, parameter shards offloaded to host memory")
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/offload/checkpoints ${WORK_DIR}/smoke/checkpoints)
 expect_in("${last_output}" "checkpoints match")
+
+# 10. log.trace: a Chrome trace per rank with the engine's and the app's events, a memory timeline per
+#     rank, and fsdp-plot draws both to PNG (when gnuplot is installed).
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/trace --set log.trace=true --set run.max_steps=8)
+foreach(rank 0 1)
+  file(READ ${WORK_DIR}/trace/trace_rank${rank}.json trace)
+  string(JSON n LENGTH "${trace}" traceEvents)   # parses the whole file: a JSON error fails here
+  if(n LESS 50)
+    message(FATAL_ERROR "trace_rank${rank}.json has only ${n} events")
+  endif()
+  foreach(event "\"all_gather\", \"cat\": \"comm\"" "\"reduce_scatter\", \"cat\": \"comm\"" "\"forward \\(root\\)\"" "\"forward fc1\""
+                "\"backward fc1\"" "\"optimizer\"" "\"checkpoint\"" "\"step 7\"" "\"resident memory\"" "\"gathered parameters\"")
+    expect_in("${trace}" "${event}")
+  endforeach()
+  file(STRINGS ${WORK_DIR}/trace/memory_rank${rank}.csv memory LIMIT_COUNT 2)
+  expect_in("${memory}" "time_s,counter,mib")
+endforeach()
+find_program(GNUPLOT gnuplot)
+if(GNUPLOT)
+  run(0 ${PLOT} ${WORK_DIR}/trace ${WORK_DIR}/smoke -o ${WORK_DIR}/plots)
+  foreach(png loss memory)
+    file(SIZE ${WORK_DIR}/plots/${png}.png size)
+    if(size LESS 1000)
+      message(FATAL_ERROR "${png}.png is ${size} bytes")
+    endif()
+  endforeach()
+  run(2 ${PLOT} ${WORK_DIR}/nowhere)
+  expect_in("${last_output}" "nowhere/metrics.csv not found")
+else()
+  message(STATUS "gnuplot not installed: fsdp-plot not tested")
+endif()

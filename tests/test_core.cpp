@@ -6,6 +6,11 @@
 #include <random>
 
 #include "fsdp/core/layout.hpp"
+#include "fsdp/trace.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 using fsdp::FlatLayout;
 
@@ -94,4 +99,34 @@ BOOST_AUTO_TEST_CASE(hash_is_stable) {
   static_assert(fsdp::fnv1a64("") == 14695981039346656037ull);
   BOOST_TEST(fsdp::fnv1a64("a") == 0xaf63dc4c8601ec8cull);
   BOOST_TEST(fsdp::fnv1a64("fc1.weight") != fsdp::fnv1a64("fc1.bias"));
+}
+
+BOOST_AUTO_TEST_CASE(tracer_records_only_when_enabled_and_writes_chrome_json) {
+  auto& tracer = fsdp::Tracer::instance();
+  tracer.clear();
+  { const fsdp::TraceScope off("ignored", "app"); }
+  tracer.counter("memory", {{"MiB", 1.0}});
+  BOOST_TEST(tracer.size() == 0u);
+  tracer.enable();
+  { const fsdp::TraceScope on("all_gather", "comm", {{"bytes", 4096.0}, {"unit", 2.0}}); }
+  { const fsdp::TraceScope named(std::string("forward \"layers.0\""), "forward"); }
+  tracer.counter("resident memory", {{"MiB", 12.5}});
+  tracer.enable(false);
+  const auto events = tracer.events();
+  BOOST_TEST_REQUIRE(events.size() == 3u);
+  BOOST_TEST(events[0].name == "all_gather");
+  BOOST_TEST(events[0].phase == 'X');
+  BOOST_TEST(events[0].duration_us >= 0);
+  BOOST_TEST(events[2].phase == 'C');
+  const auto path = std::filesystem::temp_directory_path() / "fsdp_test_trace.json";
+  tracer.write_json(path.string(), 3);
+  std::stringstream text;
+  text << std::ifstream(path).rdbuf();
+  const std::string json = text.str();
+  for (const char* want : {"\"traceEvents\"", "\"pid\": 3", "\"name\": \"rank 3\"", "\"name\": \"all_gather\", \"cat\": \"comm\", \"ph\": \"X\"",
+                           "\"bytes\": 4096", "\"unit\": 2", "forward \\\"layers.0\\\"", "\"ph\": \"C\"", "\"MiB\": 12.5"})
+    BOOST_TEST(json.find(want) != std::string::npos, "missing " << want << " in\n" << json);
+  BOOST_CHECK_THROW(tracer.write_json("/nonexistent/dir/trace.json", 0), fsdp::Error);
+  tracer.clear();
+  std::filesystem::remove(path);
 }

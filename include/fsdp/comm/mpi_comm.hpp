@@ -20,6 +20,7 @@
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/detail/reduce.hpp"
 #include "fsdp/comm/watchdog.hpp"
+#include "fsdp/trace.hpp"
 
 #define FSDP_MPI_CHECK(call)                                                                  \
   do {                                                                                        \
@@ -148,13 +149,30 @@ class MpiRequest {
 /// Adds the wall time of its scope to a counter.
 class Stopwatch {
  public:
-  explicit Stopwatch(double& total) noexcept : total_(total), start_(std::chrono::steady_clock::now()) {}
-  ~Stopwatch() { total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+  /// Adds the scope's wall time to `total`; with tracing on, also records a "comm" trace event named
+  /// `op` (a string literal) with the bytes moved and the FSDP unit being gathered or reduced.
+  Stopwatch(double& total, const char* op, std::int64_t bytes) noexcept
+      : total_(total), op_(op), bytes_(bytes), start_(std::chrono::steady_clock::now()) {}
+  explicit Stopwatch(double& total) noexcept : Stopwatch(total, nullptr, 0) {}
+  ~Stopwatch() {
+    const auto end = std::chrono::steady_clock::now();
+    total_ += std::chrono::duration<double>(end - start_).count();
+    auto& tracer = Tracer::instance();
+    if (op_ && tracer.enabled()) {
+      try {
+        tracer.complete(op_, "comm", tracer.to_us(start_), tracer.to_us(end),
+                        {{"bytes", static_cast<double>(bytes_)}, {"unit", CollectiveWatchdog::instance().unit()}});
+      } catch (...) {  // tracing must never turn a finished collective into a failure
+      }
+    }
+  }
   Stopwatch(const Stopwatch&) = delete;
   Stopwatch& operator=(const Stopwatch&) = delete;
 
  private:
   double& total_;
+  const char* op_;
+  std::int64_t bytes_;
   std::chrono::steady_clock::time_point start_;
 };
 
@@ -204,7 +222,7 @@ class MpiComm {
   /// recv (n * size elements) = concatenation over ranks of send (n elements). Collective.
   void all_gather(const void* send, void* recv, std::int64_t n, DType t) {
     count(state_->counters.all_gather_bytes, n, t);
-    const Stopwatch timed(state_->counters.all_gather_seconds);
+    const Stopwatch timed(state_->counters.all_gather_seconds, "all_gather", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
     const CollectiveWatchdog::Scope watched("all_gather");
     const int c = detail::checked_count(n, "all_gather");
     if (size() == 1) return copy_if_distinct(send, recv, n, t);
@@ -215,7 +233,7 @@ class MpiComm {
   void reduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     if (op == ReduceOp::kMax) throw CommError("reduce_scatter supports sum and avg only");
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
-    const Stopwatch timed(state_->counters.reduce_scatter_seconds);
+    const Stopwatch timed(state_->counters.reduce_scatter_seconds, "reduce_scatter", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
     const CollectiveWatchdog::Scope watched("reduce_scatter");
     ring_reduce_scatter(send, recv, n, t);
     if (op == ReduceOp::kAvg) detail::scale_buffer(recv, n, t, 1.0 / size());
@@ -224,7 +242,7 @@ class MpiComm {
   /// recv = reduction over ranks of send (n elements); send may equal recv. Collective.
   void all_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     count(state_->counters.all_reduce_bytes, n, t);
-    const Stopwatch timed(state_->counters.all_reduce_seconds);
+    const Stopwatch timed(state_->counters.all_reduce_seconds, "all_reduce", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const CollectiveWatchdog::Scope watched("all_reduce");
     if (!detail::mpi_can_reduce(t) && op == ReduceOp::kMax) throw CommError("all_reduce max of " + std::string(dtype_name(t)) + " is not supported");
     const int c = detail::checked_count(n, "all_reduce");
@@ -240,7 +258,7 @@ class MpiComm {
   /// Copies root's buffer to every rank. Collective.
   void broadcast(void* buf, std::int64_t n, DType t, int root) {
     count(state_->counters.broadcast_bytes, n, t);
-    const Stopwatch timed(state_->counters.broadcast_seconds);
+    const Stopwatch timed(state_->counters.broadcast_seconds, "broadcast", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const CollectiveWatchdog::Scope watched("broadcast");
     if (size() == 1) return;
     FSDP_MPI_CHECK(MPI_Bcast(buf, detail::checked_count(n, "broadcast"), detail::mpi_datatype(t), root, state_->comm));

@@ -35,6 +35,8 @@ class CollectiveWatchdog {
   /// What the process is doing, for the message: the FSDP unit (-1: none) and the training step.
   void set_unit(int unit) noexcept { unit_.store(unit, std::memory_order_relaxed); }
   void set_step(std::int64_t step) noexcept { step_.store(step, std::memory_order_relaxed); }
+  int unit() const noexcept { return unit_.load(std::memory_order_relaxed); }
+  std::int64_t step() const noexcept { return step_.load(std::memory_order_relaxed); }
 
   /// Marks one blocking collective (a string literal naming it) for its scope.
   class Scope {

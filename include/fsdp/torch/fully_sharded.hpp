@@ -32,6 +32,7 @@
 #include "fsdp/torch/hooks.hpp"
 #include "fsdp/torch/optim_state.hpp"
 #include "fsdp/torch/wrap_policy.hpp"
+#include "fsdp/trace.hpp"
 
 namespace fsdp {
 
@@ -181,6 +182,10 @@ struct FlatUnit {
   torch::Tensor summoned;         // full-precision flat buffer inside summon_full_params (low_precision)
   std::vector<torch::Tensor> param_views;  // the parameters' views of `full`, to restore after summon
   bool offloaded = false;         // `shard` lives in host memory, `full` on the compute device
+  std::int64_t forward_began_us = -1;   // trace clock when the unit's forward / backward began (tracing on)
+  std::int64_t backward_began_us = -1;
+  /// The unit's name in traces: its module path, "(root)" for unit 0.
+  std::string trace_name() const { return info.module_path.empty() ? std::string("(root)") : info.module_path; }
   /// `full` has storage of its own that gather() fills and reshard() frees.
   bool needs_gather() const noexcept { return layout.group_size() > 1 || low_precision || offloaded; }
 };
@@ -276,6 +281,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   /// Runs the wrapped module's forward on this rank's local batch. Collective.
   template <class... Args>
   auto forward(Args&&... args) {
+    const TraceScope traced("forward (root)", "forward");
     root_pre_forward();
     auto result = module_->forward(cast_input(std::forward<Args>(args))...);
     std::vector<at::Tensor> outputs;
@@ -828,6 +834,17 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       CollectiveWatchdog::instance().set_unit(-1);
     }
     u.gathered = true;
+    trace_gathered_bytes();
+  }
+
+  // With tracing on: a counter of the bytes held in gathered unit buffers, after each gather/free.
+  void trace_gathered_bytes() const {
+    auto& tracer = Tracer::instance();
+    if (!tracer.enabled()) return;
+    std::int64_t bytes = 0;
+    for (const auto& u : units_)
+      if (u->gathered && u->needs_gather()) bytes += u->layout.padded_numel() * static_cast<std::int64_t>(u->full.element_size());
+    tracer.counter("gathered parameters", {{"MiB", static_cast<double>(bytes) / 1048576.0}});
   }
 
   void reshard(detail::FlatUnit& u) {
@@ -837,6 +854,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     storage->set_data_ptr_noswap(c10::DataPtr(nullptr, u.full.device()));
     storage->set_nbytes(0);
     u.gathered = false;
+    trace_gathered_bytes();
   }
 
   // Makes the module's parameters of `u` views of `flat` (a padded flat buffer of the unit).
@@ -897,6 +915,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   void pre_forward(int unit) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
     u.entered = true;
+    if (Tracer::instance().enabled()) u.forward_began_us = Tracer::instance().now_us();
     if (u.hooked == detail::FlatUnit::Hooked::kUnknown) u.hooked = detail::FlatUnit::Hooked::kYes;
     gather(u);  // also when the root grafted it: a second call may follow a free after the first
     if (!u.grafted_by_root) graft(u);
@@ -926,6 +945,16 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     // Without a pending backward (e.g. evaluation under NoGradGuard) keeping the unit gathered helps
     // nothing, whatever the strategy.
     if (!backward_needs_params || (reshard_after_forward() && hooked && complete)) reshard(u);
+    trace_unit_span(u.forward_began_us, "forward ", u);
+  }
+
+  // Records [began, now) as "<what><unit name>" when tracing is on and the span began.
+  static void trace_unit_span(std::int64_t& began_us, const char* what, const detail::FlatUnit& u) {
+    auto& tracer = Tracer::instance();
+    if (began_us < 0 || !tracer.enabled()) return;
+    tracer.complete(what + u.trace_name(), what[0] == 'f' ? "forward" : "backward", began_us, tracer.now_us(),
+                    {{"unit", u.info.index}});
+    began_us = -1;
   }
 
   void pre_backward(int unit) override {
@@ -935,6 +964,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
         if (const auto it = detail::reducer_registry().find(id); it != detail::reducer_registry().end()) it->second->end_of_backward();
       });
     }
+    if (Tracer::instance().enabled()) units_[static_cast<std::size_t>(unit)]->backward_began_us = Tracer::instance().now_us();
     if (unit == 0) {
       for (auto& u : units_)
         if (u->grafted_by_root && (u->info.index == 0 || u->hooked != detail::FlatUnit::Hooked::kYes)) gather(*u);
@@ -977,6 +1007,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (replica_comm_.size() > 1) replica_comm_.all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
     CollectiveWatchdog::instance().set_unit(-1);
     release_after_backward(u);
+    trace_unit_span(u.backward_began_us, "backward ", u);
     // Into the master shard's dtype and memory (host when offloaded).
     return shard_grad.scalar_type() == u.dtype && !u.offloaded ? shard_grad : shard_grad.to(u.shard.device(), u.dtype);
   }
