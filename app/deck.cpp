@@ -131,10 +131,14 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.transformer_layer_cls_to_wrap", .type = T::kString, .default_value = "TransformerBlock",
                .description = "TRANSFORMER_BASED_WRAP: module type names to wrap, comma-separated"});
   s.push_back({.key = "fsdp.backward_prefetch", .type = T::kString, .default_value = "NO_PREFETCH",
-               .choices = {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"},
-               .description = "gather the next unit's parameters during backward", .supported = false});
+               .choices = {"NO_PREFETCH", "BACKWARD_PRE", "BACKWARD_POST"},
+               .description = "overlap: issue the next unit's all-gather when the current unit's backward begins (BACKWARD_PRE) or "
+                              "when its gradients are ready (BACKWARD_POST), on a collective worker thread"});
   s.push_back({.key = "fsdp.forward_prefetch", .type = T::kBool, .default_value = false,
-               .description = "gather the next unit's parameters during forward", .supported = false});
+               .description = "overlap: issue the next unit's all-gather (previous step's order) when a unit's forward begins"});
+  s.push_back({.key = "fsdp.limit_all_gathers", .type = T::kInt, .default_value = I{1}, .min = 0,
+               .description = "at most this many prefetched units in flight or gathered ahead of use (bounds the memory "
+                              "prefetching adds); 0: no limit"});
   s.push_back({.key = "fsdp.reshard_after_forward", .type = T::kString, .default_value = "auto", .choices = {"auto", "true", "false"},
                .description = "free a unit's gathered parameters after its forward; auto: the strategy decides "
                               "(true for FULL_SHARD and HYBRID_SHARD); a TOML boolean is accepted too"});

@@ -68,8 +68,8 @@ run(2 ${train2} ${DECK} --set data.path=${WORK_DIR}/nowhere --set run.out_dir=${
 expect_in("${last_output}" "nowhere")
 run(2 ${train2} ${WORK_DIR}/missing.toml)
 expect_in("${last_output}" "missing.toml")
-run(2 ${train2} ${DECK} --set fsdp.forward_prefetch=true)
-expect_in("${last_output}" "not supported yet")
+run(2 ${train2} ${DECK} --set fsdp.backward_prefetch=SOMETIMES)
+expect_in("${last_output}" "fsdp.backward_prefetch")
 
 # 6. A rerun of a finished job trains nothing and keeps its summary; a deck of another model in the
 #    same folder is refused instead of silently starting a second run there.
@@ -134,3 +134,16 @@ if(GNUPLOT)
 else()
   message(STATUS "gnuplot not installed: fsdp-plot not tested")
 endif()
+
+# 11. Prefetching (a collective worker thread; MPI_THREAD_MULTIPLE) overlaps all-gathers and ends with the
+#     same weights, bit for bit; summary.json reports what was prefetched and the exposed all-gather time.
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/prefetch --set fsdp.backward_prefetch=BACKWARD_PRE --set fsdp.forward_prefetch=true)
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/prefetch/checkpoints ${WORK_DIR}/smoke/checkpoints)
+expect_in("${last_output}" "checkpoints match")
+file(READ ${WORK_DIR}/prefetch/summary.json summary)
+string(JSON prefetched GET "${summary}" overlap prefetched)
+if(prefetched LESS 24)
+  message(FATAL_ERROR "only ${prefetched} unit all-gathers were prefetched in 24 steps")
+endif()
+string(JSON exposed GET "${summary}" overlap exposed_all_gather_s avg)
+message(STATUS "prefetched ${prefetched} unit all-gathers; exposed all-gather time ${exposed} s per rank")

@@ -217,29 +217,21 @@ BOOST_AUTO_TEST_CASE(bad_choice_and_normalization) {
   BOOST_TEST(Deck::parse("", "x", {"fsdp.sharding_strategy=hybrid_shard_zero2"}).get_string("fsdp.sharding_strategy") == "HYBRID_SHARD_ZERO2");
 }
 
-BOOST_AUTO_TEST_CASE(unsupported_features) {
-  BOOST_TEST(problem_of("[fsdp]\nforward_prefetch = true\n") ==
-             "inputs/a.toml:2: fsdp.forward_prefetch = true is not supported yet (the feature has not landed; only the default false is "
-             "accepted)");
-  BOOST_TEST(starts_with(problem_of("[fsdp]\n\nforward_prefetch = true\n"), "inputs/a.toml:3: fsdp.forward_prefetch = true is not supported yet"));
-  BOOST_TEST(starts_with(problem_of("[fsdp]\nbackward_prefetch = 'backward_pre'\n"),
-                         "inputs/a.toml:2: fsdp.backward_prefetch = \"BACKWARD_PRE\" is not supported yet"));
-  BOOST_TEST(starts_with(problem_of("[fsdp]\nforward_prefetch = true\n"), "inputs/a.toml:2: fsdp.forward_prefetch = true is not supported yet"));
-  // nccl and offload parse (choices are normalized); whether a GPU is there is fsdp-train's check.
-  BOOST_TEST(Deck::parse("[fsdp]\nbackend = 'NCCL'\noffload_params = true\n", "ok.toml").get_string("fsdp.backend") == "nccl");
-  // The default of an unsupported key, and the supported choices, are accepted.
+BOOST_AUTO_TEST_CASE(every_feature_key_takes_its_values) {
+  // Keys of features that once were refused ("not supported yet") all take every value now.
   const Deck d = Deck::parse(
-      "[fsdp]\nmixed_precision = 'no'\noffload_params = false\nbackward_prefetch = 'NO_PREFETCH'\nforward_prefetch = false\n"
-      "activation_checkpointing = false\nbackend = 'mpi'\n",
+      "[fsdp]\nmixed_precision = 'bf16'\noffload_params = true\nbackward_prefetch = 'backward_pre'\nforward_prefetch = true\n"
+      "limit_all_gathers = 2\nactivation_checkpointing = true\nbackend = 'NCCL'\n",
       "ok.toml");
-  BOOST_TEST(d.get_string("fsdp.backend") == "mpi");
-  BOOST_TEST(starts_with(problem_of("", {"fsdp.forward_prefetch=true"}),
-                         "--set fsdp.forward_prefetch=true: fsdp.forward_prefetch = true is not supported yet"));
-  // Landed features take every value.
-  BOOST_TEST(Deck::parse("[fsdp]\nmixed_precision = 'bf16'\nactivation_checkpointing = true\n", "ok.toml").get_string("fsdp.mixed_precision") == "bf16");
+  BOOST_TEST(d.get_string("fsdp.backward_prefetch") == "BACKWARD_PRE");  // choices are normalized
+  BOOST_TEST(d.get_string("fsdp.backend") == "nccl");  // whether a GPU is there is fsdp-train's check
+  BOOST_TEST(d.get_bool("fsdp.forward_prefetch"));
+  BOOST_TEST(d.get_int("fsdp.limit_all_gathers") == 2);
+  BOOST_TEST(starts_with(problem_of("[fsdp]\nbackward_prefetch = 'backward'\n"), "inputs/a.toml:2: fsdp.backward_prefetch: "));
+  BOOST_TEST(starts_with(problem_of("[fsdp]\nlimit_all_gathers = -1\n"), "inputs/a.toml:2: fsdp.limit_all_gathers: -1 is below the minimum 0"));
   Deck p;
-  BOOST_CHECK_THROW(p.set("fsdp.forward_prefetch", true), DeckError);
-  BOOST_CHECK_NO_THROW(p.set("fsdp.forward_prefetch", false));
+  BOOST_CHECK_NO_THROW(p.set("fsdp.forward_prefetch", true));
+  BOOST_CHECK_NO_THROW(p.set("fsdp.offload_params", true));
 }
 
 BOOST_AUTO_TEST_CASE(toml_syntax_error) {

@@ -20,7 +20,7 @@ using fsdp::ShardingStrategy;
 struct MpiFixture {
   MpiFixture() {
     auto& suite = boost::unit_test::framework::master_test_suite();
-    env = std::make_unique<fsdp::MpiEnvironment>(&suite.argc, &suite.argv);
+    env = std::make_unique<fsdp::MpiEnvironment>(&suite.argc, &suite.argv, MPI_THREAD_MULTIPLE);  // prefetching
     torch::set_num_threads(1);  // ranks x threads <= cores
   }
   std::unique_ptr<fsdp::MpiEnvironment> env;
@@ -202,6 +202,7 @@ std::vector<torch::Tensor> trainable(std::vector<torch::Tensor> params) {
 struct Trained {
   std::map<std::string, torch::Tensor> params;
   std::vector<double> norms;  ///< gradient norms returned by clipping, per step
+  fsdp::OverlapStats overlap;
 };
 
 /// Single-process training on the whole global batch. Parameters that get no gradient in a step get a
@@ -255,6 +256,7 @@ Trained train_fsdp_typed(ModelKind kind, OptimKind optim, const FsdpOptions& opt
     opt->step();
   }
   for (auto& [name, t] : model->full_parameters()) result.params[name] = t;
+  result.overlap = model->overlap_stats();
   return result;
 }
 
@@ -641,6 +643,46 @@ BOOST_AUTO_TEST_CASE(cpu_offload_on_a_cpu_device_gives_identical_results) {
       for (const auto& [name, t] : offloaded.params) BOOST_TEST(torch::equal(t, plain.params.at(name)), "offload changed " << name);
     }
   }
+}
+
+BOOST_AUTO_TEST_CASE(prefetching_overlaps_and_changes_no_result) {
+  // Prefetched all-gathers run on the collective worker over a duplicate communicator; the parameters
+  // must be bit-identical to the run without prefetching, for every strategy that gathers.
+  const int world = MpiComm::world().size();
+  const auto ref = train_reference(ModelKind::kCnn, OptimKind::kAdam, world);
+  std::vector<ShardingStrategy> strategies = {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP};
+  if (world % 2 == 0 && world > 2) strategies.push_back(ShardingStrategy::HYBRID_SHARD);
+  struct Prefetch {
+    fsdp::BackwardPrefetch backward;
+    bool forward;
+    int limit;
+  };
+  for (auto strategy : strategies) {
+    FsdpOptions options;
+    options.sharding_strategy = strategy;
+    options.shard_group_size = strategy == ShardingStrategy::HYBRID_SHARD ? 2 : 0;
+    options.auto_wrap_policy = AutoWrapPolicy::module_types({"Conv2d", "Linear"});
+    const auto plain = train_fsdp(ModelKind::kCnn, OptimKind::kAdam, options);
+    BOOST_TEST(plain.overlap.prefetched == 0);
+    for (const auto& p : {Prefetch{fsdp::BackwardPrefetch::BACKWARD_PRE, false, 1}, Prefetch{fsdp::BackwardPrefetch::BACKWARD_POST, false, 1},
+                          Prefetch{fsdp::BackwardPrefetch::NO_PREFETCH, true, 1}, Prefetch{fsdp::BackwardPrefetch::BACKWARD_PRE, true, 0}}) {
+      BOOST_TEST_CONTEXT("np=" << world << " strategy=" << fsdp::to_string(strategy) << " backward_prefetch=" << fsdp::to_string(p.backward)
+                               << " forward_prefetch=" << p.forward << " limit=" << p.limit) {
+        options.backward_prefetch = p.backward;
+        options.forward_prefetch = p.forward;
+        options.limit_all_gathers = p.limit;
+        const auto got = train_fsdp(ModelKind::kCnn, OptimKind::kAdam, options);
+        BOOST_TEST(compare(got.params, ref.params) <= 1e-5);
+        for (const auto& [name, t] : got.params) BOOST_TEST(torch::equal(t, plain.params.at(name)), "prefetching changed " << name);
+        // Units are re-gathered in backward only when the strategy frees them after forward.
+        const bool regathers = strategy != ShardingStrategy::SHARD_GRAD_OP;
+        if (world > 1 && (regathers || p.forward)) BOOST_TEST(got.overlap.prefetched > 0);
+        if (world == 1) BOOST_TEST(got.overlap.prefetched == 0);  // nothing to gather
+      }
+    }
+  }
+  BOOST_CHECK_THROW(fsdp::parse_backward_prefetch("BACKWARDS"), fsdp::ConfigError);
+  BOOST_TEST(fsdp::parse_backward_prefetch("backward_post") == fsdp::BackwardPrefetch::BACKWARD_POST);
 }
 
 BOOST_AUTO_TEST_CASE(compute_device_must_suit_the_communicator) {

@@ -182,6 +182,14 @@ class MpiComm {
   /// The world communicator (MPI must be initialized, e.g. by MpiEnvironment).
   static MpiComm world() { return MpiComm(MPI_COMM_WORLD, /*owned=*/false); }
 
+  /// True when MPI was initialized with MPI_THREAD_MULTIPLE, so that two threads may run collectives
+  /// (on different communicators) at the same time; the engine's prefetching needs it.
+  static bool threads_may_call_concurrently() {
+    int provided = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&provided);
+    return provided == MPI_THREAD_MULTIPLE;
+  }
+
   int rank() const noexcept { return state_->rank; }
   int size() const noexcept { return state_->size; }
   MPI_Comm native() const noexcept { return state_->comm; }

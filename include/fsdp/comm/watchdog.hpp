@@ -4,6 +4,8 @@
 // then ends the job, and ranks waiting elsewhere hit their own deadline. Off until configure().
 //
 // Cost on the hot path: a relaxed atomic load when off; a clock read and two atomic stores when on.
+// Each thread that runs collectives (the main thread, the engine's collective worker when prefetching)
+// has its own slot, so a collective on one thread cannot hide a stuck one on another.
 #pragma once
 
 #include <atomic>
@@ -18,6 +20,13 @@ namespace fsdp {
 inline constexpr int kWatchdogExitCode = 6;
 
 class CollectiveWatchdog {
+  static constexpr std::size_t kSlots = 4;
+  struct Slot {
+    std::atomic<std::int64_t> since_ns{0};
+    std::atomic<const char*> op{nullptr};
+    std::atomic<int> unit{-1};
+  };
+
  public:
   static CollectiveWatchdog& instance() {
     static CollectiveWatchdog w;
@@ -33,9 +42,10 @@ class CollectiveWatchdog {
   bool enabled() const noexcept { return timeout_ns_.load(std::memory_order_relaxed) > 0; }
 
   /// What the process is doing, for the message: the FSDP unit (-1: none) and the training step.
-  void set_unit(int unit) noexcept { unit_.store(unit, std::memory_order_relaxed); }
+  /// The unit is per thread (the collective worker gathers one unit while the main thread computes another).
+  void set_unit(int unit) noexcept { slots_[thread_slot()].unit.store(unit, std::memory_order_relaxed); }
   void set_step(std::int64_t step) noexcept { step_.store(step, std::memory_order_relaxed); }
-  int unit() const noexcept { return unit_.load(std::memory_order_relaxed); }
+  int unit() const noexcept { return slots_[thread_slot()].unit.load(std::memory_order_relaxed); }
   std::int64_t step() const noexcept { return step_.load(std::memory_order_relaxed); }
 
   /// Marks one blocking collective (a string literal naming it) for its scope.
@@ -43,19 +53,19 @@ class CollectiveWatchdog {
    public:
     explicit Scope(const char* op) noexcept : w_(instance()) {
       if (!w_.enabled()) return;
-      active_ = true;
-      w_.since_ns_.store(now_ns(), std::memory_order_relaxed);
-      w_.op_.store(op, std::memory_order_release);
+      slot_ = &w_.slots_[thread_slot()];
+      slot_->since_ns.store(now_ns(), std::memory_order_relaxed);
+      slot_->op.store(op, std::memory_order_release);
     }
     ~Scope() {
-      if (active_) w_.op_.store(nullptr, std::memory_order_release);
+      if (slot_) slot_->op.store(nullptr, std::memory_order_release);
     }
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;
 
    private:
     CollectiveWatchdog& w_;
-    bool active_ = false;
+    Slot* slot_ = nullptr;
   };
 
  private:
@@ -63,15 +73,30 @@ class CollectiveWatchdog {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
 
+  /// This thread's slot: threads take slots in the order they first run a collective (more threads
+  /// than slots share them, which only weakens the deadline for the extra ones).
+  static std::size_t thread_slot() noexcept {
+    static std::atomic<std::size_t> next{0};
+    thread_local const std::size_t mine = next.fetch_add(1, std::memory_order_relaxed) % kSlots;
+    return mine;
+  }
+
   void watch() {
     for (;;) {
       const std::int64_t timeout = timeout_ns_.load(std::memory_order_relaxed);
       std::this_thread::sleep_for(std::chrono::milliseconds(timeout > 0 && timeout < 10'000'000'000 ? timeout / 10'000'000 + 1 : 1000));
-      const char* op = op_.load(std::memory_order_acquire);
-      if (!op || timeout <= 0) continue;
-      const std::int64_t waited = now_ns() - since_ns_.load(std::memory_order_relaxed);
-      if (waited < timeout || op != op_.load(std::memory_order_acquire)) continue;
-      const int unit = unit_.load(std::memory_order_relaxed);
+      if (timeout <= 0) continue;
+      for (auto& slot : slots_) check(slot, timeout);
+    }
+  }
+
+  void check(Slot& slot, std::int64_t timeout) {
+    {
+      const char* op = slot.op.load(std::memory_order_acquire);
+      if (!op) return;
+      const std::int64_t waited = now_ns() - slot.since_ns.load(std::memory_order_relaxed);
+      if (waited < timeout || op != slot.op.load(std::memory_order_acquire)) return;
+      const int unit = slot.unit.load(std::memory_order_relaxed);
       const std::int64_t step = step_.load(std::memory_order_relaxed);
       char where[96] = "";
       if (unit >= 0) std::snprintf(where, sizeof where, ", unit %d", unit);
@@ -86,9 +111,7 @@ class CollectiveWatchdog {
   }
 
   std::atomic<std::int64_t> timeout_ns_{0};
-  std::atomic<std::int64_t> since_ns_{0};
-  std::atomic<const char*> op_{nullptr};
-  std::atomic<int> unit_{-1};
+  Slot slots_[kSlots];
   std::atomic<std::int64_t> step_{0};
   std::atomic<bool> thread_started_{false};
   int rank_ = 0;

@@ -13,6 +13,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
+#include <future>
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
@@ -26,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/comm/collective_worker.hpp"
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/core/layout.hpp"
 #include "fsdp/errors.hpp"
@@ -67,6 +70,41 @@ inline ShardingStrategy parse_sharding_strategy(const std::string& text) {
     if (up == to_string(s)) return s;
   throw ConfigError("unknown sharding strategy '" + text + "' (valid: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2)");
 }
+
+/// When backward gathers the next unit's parameters (PyTorch's BackwardPrefetch). The next unit is the
+/// one that ran before the current one in this step's forward.
+enum class BackwardPrefetch {
+  NO_PREFETCH,    ///< gather each unit when its backward needs it
+  BACKWARD_PRE,   ///< issue the next unit's all-gather when the current unit's backward begins
+  BACKWARD_POST,  ///< issue it when the current unit's gradients are computed, before its reduce-scatter
+};
+
+inline const char* to_string(BackwardPrefetch p) noexcept {
+  switch (p) {
+    case BackwardPrefetch::NO_PREFETCH: return "NO_PREFETCH";
+    case BackwardPrefetch::BACKWARD_PRE: return "BACKWARD_PRE";
+    case BackwardPrefetch::BACKWARD_POST: return "BACKWARD_POST";
+  }
+  return "?";
+}
+
+inline std::ostream& operator<<(std::ostream& os, BackwardPrefetch p) { return os << to_string(p); }
+
+/// Parses "BACKWARD_PRE", "backward_pre", ...; throws ConfigError naming the valid values.
+inline BackwardPrefetch parse_backward_prefetch(const std::string& text) {
+  std::string up = text;
+  std::transform(up.begin(), up.end(), up.begin(), [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  for (auto p : {BackwardPrefetch::NO_PREFETCH, BackwardPrefetch::BACKWARD_PRE, BackwardPrefetch::BACKWARD_POST})
+    if (up == to_string(p)) return p;
+  throw ConfigError("unknown backward prefetch '" + text + "' (valid: NO_PREFETCH, BACKWARD_PRE, BACKWARD_POST)");
+}
+
+/// Communication that overlapped computation, and what did not (see FullyShardedDataParallel::overlap_stats()).
+struct OverlapStats {
+  std::int64_t prefetched = 0;             ///< unit all-gathers issued ahead on the collective worker
+  std::int64_t gathered_on_demand = 0;     ///< unit all-gathers run when the unit was needed
+  double exposed_all_gather_seconds = 0;   ///< time the computing thread waited for unit all-gathers
+};
 
 /// Mixed precision (PyTorch's MixedPrecision). The optimizer keeps full-precision master shards; an
 /// unset dtype keeps full precision for that part.
@@ -120,6 +158,14 @@ struct FsdpOptions {
   /// there; a unit's shard is copied to the compute device for its all-gather, its reduced gradient
   /// back. On a CPU compute device the copies are no-ops and results are identical to no offload.
   bool offload_params = false;
+  /// Overlap of all-gathers with computation (PyTorch's backward_prefetch / forward_prefetch /
+  /// limit_all_gathers). With MpiComm, prefetched all-gathers run on a collective worker thread over a
+  /// duplicate of the shard group; MPI must be initialized with MPI_THREAD_MULTIPLE.
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::NO_PREFETCH;
+  /// Issue the next unit's all-gather (in the previous step's forward order) when a unit's forward begins.
+  bool forward_prefetch = false;
+  /// At most this many prefetched units in flight or gathered ahead of use (memory bound); 0: no limit.
+  int limit_all_gathers = 1;
 };
 
 /// True when `Comm` moves device (GPU) memory; such communicators declare
@@ -182,6 +228,7 @@ struct FlatUnit {
   torch::Tensor summoned;         // full-precision flat buffer inside summon_full_params (low_precision)
   std::vector<torch::Tensor> param_views;  // the parameters' views of `full`, to restore after summon
   bool offloaded = false;         // `shard` lives in host memory, `full` on the compute device
+  std::shared_future<void> in_flight;  // a prefetched all-gather into `full` not yet waited for
   std::int64_t forward_began_us = -1;   // trace clock when the unit's forward / backward began (tracing on)
   std::int64_t backward_began_us = -1;
   /// The unit's name in traces: its module path, "(root)" for unit 0.
@@ -264,11 +311,15 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (!module_) throw ConfigError("FullyShardedDataParallel: module is null");
     setup_groups();
     build_units();
+    setup_prefetch();
     engine_id_ = detail::next_engine_id();
     detail::reducer_registry()[engine_id_] = this;
   }
 
   ~FullyShardedDataParallel() override {
+    for (auto& u : units_)
+      if (u->in_flight.valid()) u->in_flight.wait();  // the worker writes into `full`
+    worker_.reset();
     detail::reducer_registry().erase(engine_id_);
     auto& hooks = detail::hook_registry();
     for (const auto& u : units_)
@@ -307,6 +358,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   std::shared_ptr<ModuleImpl> module() const { return module_; }
 
   const FsdpOptions& options() const noexcept { return options_; }
+  /// All-gathers that overlapped computation and the time the computing thread still waited. Local.
+  const OverlapStats& overlap_stats() const noexcept { return overlap_; }
+
   /// Where the units compute (FsdpOptions::device, or where the module's parameters were).
   torch::Device compute_device() const noexcept { return compute_device_; }
   ShardingStrategy sharding_strategy() const noexcept { return options_.sharding_strategy; }
@@ -566,6 +620,58 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     replica_comm_ = world_.split(r % group, r);
   }
 
+  void setup_prefetch() {
+    const bool wanted = options_.backward_prefetch != BackwardPrefetch::NO_PREFETCH || options_.forward_prefetch;
+    if (options_.limit_all_gathers < 0) throw ConfigError("limit_all_gathers must be >= 0, got " + std::to_string(options_.limit_all_gathers));
+    if (!wanted || shard_comm_.size() == 1) return;  // nothing is all-gathered: nothing to overlap
+    if constexpr (requires { Comm::threads_may_call_concurrently(); }) {
+      if (!Comm::threads_may_call_concurrently())
+        throw ConfigError("prefetching runs all-gathers on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
+                          "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
+    }
+    prefetch_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));  // a duplicate: its own collective sequence
+    worker_ = std::make_unique<detail::CollectiveWorker>();
+  }
+
+  // Issues unit `index`'s all-gather on the worker if prefetching is on, the unit will need one and the
+  // limit allows it. Every rank makes the same decision (same order, same state).
+  void prefetch(int index) {
+    if (!worker_ || index <= 0) return;
+    auto& u = *units_[static_cast<std::size_t>(index)];
+    if (u.params.empty() || u.frozen || !u.needs_gather() || u.in_flight.valid()) return;
+    if (u.gathered && u.gathered_version == u.shard._version()) return;
+    if (options_.limit_all_gathers > 0 && prefetched_ahead() >= options_.limit_all_gathers) return;
+    gather(u, /*ahead=*/true);
+  }
+
+  int prefetched_ahead() const {
+    int n = 0;
+    for (const auto& u : units_) n += u->in_flight.valid() ? 1 : 0;
+    return n;
+  }
+
+  // Waits for a prefetched all-gather of `u` (the exposed part of its communication).
+  void finish_prefetch(detail::FlatUnit& u) {
+    if (!u.in_flight.valid()) return;
+    const auto began = std::chrono::steady_clock::now();
+    {
+      const TraceScope traced("wait for prefetched all_gather", "comm", {{"unit", static_cast<double>(u.info.index)}});
+      const CollectiveWatchdog::Scope watched("all_gather (prefetched, waiting for the worker)");
+      auto done = std::move(u.in_flight);
+      u.in_flight = {};
+      done.get();  // rethrows the worker's CommError
+    }
+    overlap_.exposed_all_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  }
+
+  // The unit that runs after `index` in `order` (+1) or before it (-1); -1 if none.
+  static int neighbour(const std::vector<int>& order, int index, int direction) {
+    const auto it = std::find(order.begin(), order.end(), index);
+    if (it == order.end()) return direction < 0 && index == 0 && !order.empty() ? order.back() : -1;
+    const auto pos = (it - order.begin()) + direction;
+    return pos >= 0 && pos < static_cast<std::ptrdiff_t>(order.size()) ? order[static_cast<std::size_t>(pos)] : -1;
+  }
+
   void resolve_compute_device() {
     std::optional<torch::Device> found;
     for (const auto& p : module_->parameters(/*recurse=*/true)) {
@@ -809,9 +915,12 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
 
   // Allocates and fills `full`. A unit still gathered from a forward that had no backward is filled
   // again if the optimizer changed the shard since (its version counter moved).
-  void gather(detail::FlatUnit& u) {
-    if (u.companion >= 0) gather(*units_[static_cast<std::size_t>(u.companion)]);
+  // With `ahead`, the all-gather is queued on the collective worker (a prefetch) and gather() returns
+  // at once; a later gather() of the unit waits for it.
+  void gather(detail::FlatUnit& u, bool ahead = false) {
+    if (u.companion >= 0) gather(*units_[static_cast<std::size_t>(u.companion)], ahead);
     if (u.params.empty() || !u.needs_gather()) return;
+    if (!ahead) finish_prefetch(u);
     if (u.gathered && u.gathered_version == u.shard._version()) return;
     if (!u.gathered) {
       auto* storage = u.full.storage().unsafeGetStorageImpl();
@@ -828,10 +937,21 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (u.layout.group_size() == 1) {
       torch::NoGradGuard no_grad;
       u.full.copy_(source);
+    } else if (ahead) {
+      ++overlap_.prefetched;
+      u.in_flight = worker_->submit([comm = &*prefetch_comm_, source, out = u.full.data_ptr(), n = u.layout.shard_numel(),
+                                     dt = detail::to_comm_dtype(u.full.scalar_type()), unit = u.info.index] {
+        CollectiveWatchdog::instance().set_unit(unit);
+        comm->all_gather(source.data_ptr(), out, n, dt);
+        CollectiveWatchdog::instance().set_unit(-1);
+      });
     } else {
+      ++overlap_.gathered_on_demand;
+      const auto began = std::chrono::steady_clock::now();
       CollectiveWatchdog::instance().set_unit(u.info.index);
       shard_comm_.all_gather(source.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(u.full.scalar_type()));
       CollectiveWatchdog::instance().set_unit(-1);
+      overlap_.exposed_all_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     }
     u.gathered = true;
     trace_gathered_bytes();
@@ -848,6 +968,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   }
 
   void reshard(detail::FlatUnit& u) {
+    finish_prefetch(u);  // the worker may still be writing into `full`
     if (u.companion >= 0) reshard(*units_[static_cast<std::size_t>(u.companion)]);
     if (!u.gathered || !u.needs_gather() || u.params.empty()) return;
     auto* storage = u.full.storage().unsafeGetStorageImpl();
@@ -878,6 +999,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
 
   void root_pre_forward() {
     end_of_backward_queued_ = false;  // a backward that threw never ran its end-of-backward callback
+    if (!forward_order_.empty()) previous_forward_order_ = std::move(forward_order_);
+    forward_order_.clear();
     for (auto& u : units_) {
       u->entered = false;
       u->grafted_by_root = false;
@@ -919,6 +1042,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (u.hooked == detail::FlatUnit::Hooked::kUnknown) u.hooked = detail::FlatUnit::Hooked::kYes;
     gather(u);  // also when the root grafted it: a second call may follow a free after the first
     if (!u.grafted_by_root) graft(u);
+    if (std::find(forward_order_.begin(), forward_order_.end(), unit) == forward_order_.end()) forward_order_.push_back(unit);
+    if (options_.forward_prefetch) prefetch(neighbour(previous_forward_order_, unit, +1));
   }
 
   at::Tensor checkpoint_anchor(int unit) override {
@@ -971,10 +1096,13 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     } else {
       gather(*units_[static_cast<std::size_t>(unit)]);
     }
+    // The next unit to run backward is the one that ran before this one in forward.
+    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) prefetch(neighbour(forward_order_, unit, -1));
   }
 
   torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
+    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(neighbour(forward_order_, unit, -1));
     torch::NoGradGuard no_grad;
     auto flat = torch::empty({u.layout.padded_numel()}, u.shard.options().device(compute_device_).requires_grad(false));
     if (u.layout.padding() > 0) flat.narrow(0, u.layout.numel(), u.layout.padding()).zero_();
@@ -1083,6 +1211,11 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   Comm replica_comm_ = world_;
   FsdpOptions options_;
   torch::Device compute_device_{torch::kCPU};
+  std::optional<Comm> prefetch_comm_;                  // the worker's duplicate of the shard group
+  std::unique_ptr<detail::CollectiveWorker> worker_;   // runs prefetched all-gathers (when prefetching)
+  std::vector<int> forward_order_;                     // nested units in the order this step's forward ran them
+  std::vector<int> previous_forward_order_;            // ... and the previous forward's (forward prefetch)
+  OverlapStats overlap_;
   std::vector<std::unique_ptr<detail::FlatUnit>> units_;
   std::map<std::string, std::vector<std::string>> aliases_;  // canonical name -> other names of tied parameters
   std::map<std::string, c10::ScalarType> buffer_dtypes_;      // buffers cast by MixedPrecision::buffer_dtype: their own dtype
