@@ -6,6 +6,9 @@
 // training aborts the whole job (MPI_Abort) so that no rank is left waiting in a collective.
 #include <CLI/CLI.hpp>
 #include <fsdp/fsdp.hpp>
+#ifdef FSDP_WITH_NCCL
+#include <fsdp/comm/nccl_comm.hpp>
+#endif
 #include <sys/resource.h>
 
 #include <csignal>
@@ -24,6 +27,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "data.hpp"
@@ -47,7 +51,9 @@ constexpr int kExitNonFinite = 4;
 volatile std::sig_atomic_t g_stop_signal = 0;
 extern "C" void request_stop(int signo) { g_stop_signal = signo; }
 
-using Engine = fsdp::FullyShardedDataParallel<AppModel, MpiComm>;
+/// The engine over communicator `Comm`: MpiComm (CPU tensors) or, built with NCCL, NcclComm (GPUs).
+template <class Comm>
+using EngineOver = fsdp::FullyShardedDataParallel<AppModel, Comm>;
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -215,6 +221,11 @@ Dataset load_dataset(const Deck& deck) {
 struct Batch {
   torch::Tensor x, y;
   std::int64_t samples = 0;
+  /// The batch on `device` (the engine's compute device; a no-op on CPU).
+  Batch to(const torch::Device& device) && {
+    if (x.device() != device) x = x.to(device), y = y.to(device);
+    return std::move(*this);
+  }
 };
 
 Batch make_batch(const Dataset& d, bool train, const std::vector<std::int64_t>& idx, std::size_t begin, std::size_t end) {
@@ -353,6 +364,7 @@ std::string resolve_backend(const Deck& deck) {
   return asked;
 }
 
+template <class Engine>
 std::unique_ptr<torch::optim::Optimizer> build_optimizer(const Deck& deck, Engine& model) {
   const std::string kind = deck.get_string("optim.kind");
   const double lr = deck.get_float("optim.lr"), wd = deck.get_float("optim.weight_decay");
@@ -397,6 +409,7 @@ struct EvalResult {
 };
 
 /// The tutorial's test(): loss summed and correct predictions counted on each rank, reduced.
+template <class Engine>
 EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, MpiComm& world) {
   model.eval();
   torch::NoGradGuard no_grad;
@@ -410,13 +423,13 @@ EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, MpiComm
   for (std::int64_t k = 0; k < batches; ++k) {
     const auto begin = std::min(static_cast<std::size_t>(k * batch), idx.size());
     const auto end = std::min(begin + static_cast<std::size_t>(batch), idx.size());
-    auto b = make_batch(d, false, idx, begin, end);
+    Batch b = make_batch(d, false, idx, begin, end).to(model.compute_device());
     if (b.samples == 0) {  // keep the collectives in step with an empty batch
-      b = make_batch(d, false, std::vector<std::int64_t>{0}, 0, 1);
+      b = make_batch(d, false, std::vector<std::int64_t>{0}, 0, 1).to(model.compute_device());
       model.forward(b.x);
       continue;
     }
-    auto out = model.forward(b.x);
+    torch::Tensor out = model.forward(b.x);
     sums[0] += loss_of(d, out, b.y, true).item<double>();
     sums[1] += out.argmax(-1).eq(b.y).sum().item<double>();
     sums[2] += static_cast<double>(b.y.numel());
@@ -496,6 +509,10 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   // 2. The communicator, data (each rank reads the files itself) and the model.
   std::string backend;
   on_all_ranks(world, [&] { backend = resolve_backend(deck); });
+  // The rest runs with the engine over the chosen communicator.
+  auto train = [&](auto comm_type) -> int {
+  using Comm = typename decltype(comm_type)::type;
+  using Engine = EngineOver<Comm>;
   Dataset data;
   on_all_ranks(world, [&] { data = load_dataset(deck); });
   std::shared_ptr<Engine> model;
@@ -507,7 +524,17 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     if (group > 0 && world.size() % group != 0)
       throw DeckError(deck.entry("fsdp.shard_group_size").where + ": fsdp.shard_group_size: " + std::to_string(group) +
                       " does not divide the world size " + std::to_string(world.size()));
-    model = std::make_shared<Engine>(net, world, fsdp_options(deck));
+    auto options = fsdp_options(deck);
+    if constexpr (std::is_same_v<Comm, MpiComm>) {
+      model = std::make_shared<Engine>(net, world, options);
+    } else {  // NCCL: this rank's GPU on its node; NCCL's own deadline is comm.timeout_s
+      fsdp::NcclOptions nccl;
+      nccl.timeout_s = deck.get_float("comm.timeout_s");
+      nccl.device = placement.local_rank;
+      auto comm = fsdp::NcclComm::from_mpi(world, nccl);
+      options.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm.device()));
+      model = std::make_shared<Engine>(net, comm, options);
+    }
     optimizer = build_optimizer(deck, *model);
   });
 
@@ -722,12 +749,12 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
           b = loader.next();
         }
         if (!b) throw std::runtime_error("data loader ended early");
-        std::optional<Engine::NoSyncScope> no_sync;
+        std::optional<typename Engine::NoSyncScope> no_sync;
         if (a + 1 < accum) no_sync.emplace(model->no_sync());
         torch::Tensor loss;
         {
           Timed t(phases.forward, "forward + loss");
-          loss = loss_of(data, model->forward(b->x), b->y) / static_cast<double>(accum);
+          loss = loss_of(data, model->forward(b->x.to(model->compute_device())), b->y.to(model->compute_device())) / static_cast<double>(accum);
         }
         {
           Timed t(phases.backward, "backward");
@@ -890,9 +917,19 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     if (evaluated) std::printf("test accuracy %.2f%%, test loss %.4f\n", 100 * last_eval.accuracy, last_eval.loss);
     std::printf("wrote %s%s%s\n", (out_dir / "summary.json").c_str(), write_metrics ? " and " : "", write_metrics ? metrics_path.c_str() : "");
   }
+  return 0;
+  };  // train
+
   (void)argc;
   (void)argv;
-  return 0;
+  if (backend == "nccl") {
+#ifdef FSDP_WITH_NCCL
+    return train(std::type_identity<fsdp::NcclComm>{});
+#else
+    throw std::logic_error("fsdp.backend resolved to nccl in a build without NCCL");  // resolve_backend refuses it
+#endif
+  }
+  return train(std::type_identity<MpiComm>{});
 }
 
 }  // namespace

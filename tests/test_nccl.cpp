@@ -270,6 +270,27 @@ BOOST_AUTO_TEST_CASE(all_reduce_sum_avg_max_match_mpi) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(host_buffers_are_staged_and_match_mpi) {
+  // The checkpoint layer and fsdp-train pass host memory (flags, sizes, names) to the engine's
+  // communicator: NcclComm stages it through device memory.
+  auto w = MpiComm::world();
+  auto nc = NcclComm::from_mpi(w, test_options());
+  const DType t = DType::kInt64;
+  const std::int64_t n = 3;
+  const auto send = encode(t, samples(t, w.rank(), n));
+  std::vector<std::byte> want(send.size() * static_cast<std::size_t>(w.size())), got(want.size());
+  w.all_gather(send.data(), want.data(), n, t);
+  nc.all_gather(send.data(), got.data(), n, t);
+  BOOST_TEST((got == want), "all_gather of host buffers");
+  std::vector<std::byte> sum = send, mpi_sum = send;
+  nc.all_reduce(sum.data(), sum.data(), n, t, ReduceOp::kMax);
+  w.all_reduce(mpi_sum.data(), mpi_sum.data(), n, t, ReduceOp::kMax);
+  BOOST_TEST((sum == mpi_sum), "in-place all_reduce of a host buffer");
+  std::vector<std::byte> root = encode(t, samples(t, 0, n)), mine = send;
+  nc.broadcast(mine.data(), n, t, 0);
+  BOOST_TEST((mine == root), "broadcast into a host buffer");
+}
+
 BOOST_AUTO_TEST_CASE(broadcast_and_barrier) {
   auto w = MpiComm::world();
   auto nc = NcclComm::from_mpi(w, test_options());

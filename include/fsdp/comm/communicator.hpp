@@ -1,7 +1,8 @@
 // The Communicator concept (comm layer): collectives over typed byte buffers, independent of LibTorch.
 //
 // Every collective must be called by all ranks of the communicator, in the same order, with the same
-// counts and dtypes. Implementations: MpiComm (CPU buffers). Counts are elements, not bytes.
+// counts and dtypes. Implementations: MpiComm (CPU buffers), NcclComm (CUDA buffers; host buffers are
+// staged). Counts are elements, not bytes.
 #pragma once
 
 #include <concepts>

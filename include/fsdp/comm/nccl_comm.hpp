@@ -633,6 +633,9 @@ class NcclRequest {
 /// elements; buffers are device memory of this communicator's device.
 class NcclComm {
  public:
+  /// The engine computes on CUDA devices with this communicator (see comm_moves_device_memory()).
+  static constexpr bool kMovesDeviceMemory = true;
+
   /// Bootstrap over MPI: rank 0 calls ncclGetUniqueId and the id is broadcast over `mpi`. The device
   /// is options.device, or the rank's index on its node (MPI_COMM_TYPE_SHARED split of `mpi`) modulo
   /// the visible device count; it becomes the calling thread's current device. Every rank agrees
@@ -720,6 +723,12 @@ class NcclComm {
   /// The CUDA device of this communicator's buffers and streams.
   int device() const noexcept { return state_->device; }
   ncclComm_t native() const noexcept { return state_->comm; }
+  /// The MPI communicator over the same ranks in the same order (bootstrapped over MPI, or split from
+  /// such a communicator): parallel HDF5 checkpoints write through it. Throws CommError otherwise.
+  const MpiComm& mpi() const {
+    if (!state_->mpi) throw CommError(state_->who() + ": this communicator was not bootstrapped over MPI (NcclComm::from_mpi)");
+    return *state_->mpi;
+  }
   /// The stream the collectives run on (created non-blocking with respect to the default stream).
   cudaStream_t comm_stream() const noexcept { return state_->comm_stream; }
   /// The stream producing the collectives' inputs and consuming their results; 0 (the default stream) unless set.
@@ -821,6 +830,8 @@ class NcclComm {
 
   /// recv (n * size elements) = concatenation over ranks of send (n elements). Collective.
   void all_gather(const void* send, void* recv, std::int64_t n, DType t) {
+    if (!on_device(send) || !on_device(recv))
+      return staged(send, bytes(n, t), recv, bytes(n, t) * size(), [&](const void* s, void* r) { all_gather(s, r, n, t); });
     const std::size_t c = detail::nccl_count(n, "all_gather");
     count(state_->counters.all_gather_bytes, n, t);
     if (c == 0) return;
@@ -831,6 +842,8 @@ class NcclComm {
 
   /// send holds n * size elements; recv (n elements) = reduction (sum or avg) over ranks of chunk `rank`. Collective.
   void reduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+    if (!on_device(send) || !on_device(recv))
+      return staged(send, bytes(n, t) * size(), recv, bytes(n, t), [&](const void* s, void* r) { reduce_scatter(s, r, n, t, op); });
     const std::size_t c = check_reduce_scatter(n, op);
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
     if (c == 0) return;
@@ -841,6 +854,8 @@ class NcclComm {
 
   /// recv = reduction (sum, avg or max) over ranks of send (n elements); send may equal recv. Collective.
   void all_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+    if (!on_device(send) || !on_device(recv))
+      return staged(send, bytes(n, t), recv, bytes(n, t), [&](const void* s, void* r) { all_reduce(s, r, n, t, op); });
     const std::size_t c = detail::nccl_count(n, "all_reduce");
     count(state_->counters.all_reduce_bytes, n, t);
     if (c == 0) return;
@@ -851,6 +866,7 @@ class NcclComm {
 
   /// Copies root's buffer (n elements) to every rank. Collective.
   void broadcast(void* buf, std::int64_t n, DType t, int root) {
+    if (!on_device(buf)) return staged(buf, bytes(n, t), buf, bytes(n, t), [&](const void*, void* r) { broadcast(r, n, t, root); }, true);
     const std::size_t c = check_broadcast(n, root);
     count(state_->counters.broadcast_bytes, n, t);
     if (c == 0) return;
@@ -950,6 +966,31 @@ class NcclComm {
   }
 
   static std::int64_t bytes(std::int64_t n, DType t) noexcept { return n * static_cast<std::int64_t>(dtype_bytes(t)); }
+
+  /// Device (or managed) memory NCCL can use directly; host memory is staged.
+  static bool on_device(const void* p) noexcept {
+    if (p == nullptr) return true;
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();  // plain host memory on old runtimes; clear the sticky-free error
+      return false;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  }
+
+  /// Host buffers (the checkpoint layer's and the application's small control messages: flags, sizes,
+  /// names) go through this communicator's device scratch: copied in, the collective `run` on device
+  /// pointers, copied out. `in_place`: the result is written over the input (broadcast).
+  template <class Run>
+  void staged(const void* send, std::int64_t send_bytes, void* recv, std::int64_t recv_bytes, Run&& run, bool in_place = false) {
+    const detail::CudaDeviceGuard on(state_->device);
+    const auto in = static_cast<std::size_t>(send_bytes), out = static_cast<std::size_t>(recv_bytes);
+    auto* scratch = static_cast<char*>(state_->ensure_scratch(in + (in_place ? 0 : out) + 1));
+    char* result = in_place ? scratch : scratch + in;
+    if (in > 0) FSDP_CUDA_CHECK(cudaMemcpy(scratch, send, in, cudaMemcpyHostToDevice));
+    run(scratch, result);  // waits for the collective on the host
+    if (out > 0) FSDP_CUDA_CHECK(cudaMemcpy(recv, result, out, cudaMemcpyDeviceToHost));
+  }
 
   void count(std::uint64_t& field, std::int64_t n, DType t) noexcept {
     field += static_cast<std::uint64_t>(n) * dtype_bytes(t);

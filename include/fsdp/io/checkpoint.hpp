@@ -303,6 +303,14 @@ std::vector<torch::Tensor> live_buffers_of(Engine& engine) {
   return out;
 }
 
+/// The MPI communicator parallel HDF5 writes through: the engine's own (MpiComm), or the MPI
+/// communicator over the same ranks that a GPU communicator was bootstrapped from (NcclComm::mpi()).
+template <class Comm>
+MPI_Comm mpi_handle(Comm& comm) {
+  if constexpr (requires { { comm.native() } -> std::convertible_to<MPI_Comm>; }) return comm.native();
+  else return comm.mpi().native();
+}
+
 template <class Engine>
 void write_root_attributes(hid_t file, Engine& engine, StateDictType type, const TrainState& state, const std::string& created,
                            const std::string& deck) {
@@ -410,7 +418,7 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
                                 const CheckpointOptions& options, const std::string& created) {
   auto& world = engine.comm();
   auto step = [&world](auto&& f) { agree(world, capture_error(f)); };
-  MPI_Comm native = world.native();
+  MPI_Comm native = mpi_handle(world);
   h5::Id file, dxpl;
   step([&] {
     file = h5::create_file(path, &native);
