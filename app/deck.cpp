@@ -152,6 +152,11 @@ std::vector<KeySpec> make_schema() {
                .description = "bf16/fp16: parameters all-gathered and used, gradients reduced, buffers kept in that dtype; the optimizer keeps fp32 master shards (fp16 has no loss scaling yet)"});
   s.push_back({.key = "fsdp.activation_checkpointing", .type = T::kBool, .default_value = false,
                .description = "recompute each nested unit's forward in backward instead of keeping its activations (dropout replayed exactly)"});
+  s.push_back({.key = "fsdp.deferred_init", .type = T::kBool, .default_value = false,
+               .description = "memory-bounded construction: each layer's storage is released as it is built and the engine "
+                              "initializes the model unit by unit (seeded by run.seed and each module's name), so no rank ever holds "
+                              "the whole unsharded model; the values are the same at any world size (but not those of the default "
+                              "initialization)"});
   s.push_back({.key = "fsdp.sync_module_states", .type = T::kBool, .default_value = true,
                .description = "broadcast rank 0's parameters and buffers at start, so every rank starts identical"});
   s.push_back({.key = "fsdp.backend", .type = T::kString, .default_value = "auto", .choices = {"auto", "mpi", "nccl"},

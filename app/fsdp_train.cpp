@@ -275,8 +275,9 @@ std::shared_ptr<AppModel> build_model(const Deck& deck) {
   const std::string kind = deck.get_string("model.kind");
   std::optional<double> dropout;
   if (deck.is_set("model.dropout")) dropout = deck.get_float("model.dropout");
-  if (kind == "cnn") return std::make_shared<TutorialCnnImpl>(dropout);
-  if (kind == "mlp") return std::make_shared<MlpImpl>(deck.get_int_array("model.hidden_sizes"), dropout);
+  const bool deferred = deck.get_bool("fsdp.deferred_init");
+  if (kind == "cnn") return std::make_shared<TutorialCnnImpl>(dropout, deferred);
+  if (kind == "mlp") return std::make_shared<MlpImpl>(deck.get_int_array("model.hidden_sizes"), dropout, deferred);
   GptConfig c;
   c.vocab_size = deck.get_int("model.vocab_size");
   c.context = deck.get_int("model.context");
@@ -286,6 +287,7 @@ std::shared_ptr<AppModel> build_model(const Deck& deck) {
   c.mlp_ratio = deck.get_int("model.mlp_ratio");
   c.dropout = dropout.value_or(0.1);
   c.tie_embeddings = deck.get_bool("model.tie_embeddings");
+  c.deferred = deferred;
   return std::make_shared<GptImpl>(c);
 }
 
@@ -333,6 +335,12 @@ fsdp::FsdpOptions fsdp_options(const Deck& deck) {
   o.backward_prefetch = fsdp::parse_backward_prefetch(deck.get_string("fsdp.backward_prefetch"));
   o.forward_prefetch = deck.get_bool("fsdp.forward_prefetch");
   o.limit_all_gathers = static_cast<int>(deck.get_int("fsdp.limit_all_gathers"));
+  if (deck.get_bool("fsdp.deferred_init")) {  // the layers were released as built: initialized unit by unit
+    const bool gpt = deck.get_string("model.kind") == "transformer";
+    o.param_init_fn = [gpt](torch::nn::Module& m, const std::string&) { init_module(m, gpt); };
+    o.init_seed = static_cast<std::uint64_t>(deck.get_int("run.seed"));
+    o.sync_module_states = false;  // every rank computes the same values: nothing to broadcast
+  }
   o.all_units_called_through_forward = true;  // every model here calls its children through fsdp::forward
   return o;
 }

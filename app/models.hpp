@@ -15,6 +15,14 @@ namespace fsdp::app {
 
 namespace F = torch::nn::functional;
 
+/// fsdp.deferred_init: releases a freshly built layer's storage (fsdp::defer_init), so that the model
+/// never exists whole; the engine initializes it unit by unit with init_module().
+template <class Holder>
+Holder deferred_if(bool deferred, Holder module) {
+  if (deferred) fsdp::defer_init(*module);
+  return module;
+}
+
 /// What the training loop needs from any model: one tensor in, one tensor out.
 struct AppModel : torch::nn::Module {
   using torch::nn::Module::Module;
@@ -24,13 +32,13 @@ struct AppModel : torch::nn::Module {
 /// The CNN of the PyTorch FSDP tutorial (and PyTorch's MNIST example), exactly: conv1 1->32 3x3,
 /// conv2 32->64 3x3, max-pool 2, dropout 0.25, fc1 9216->128, dropout 0.5, fc2 128->10, log-softmax.
 struct TutorialCnnImpl : AppModel {
-  explicit TutorialCnnImpl(std::optional<double> dropout) : AppModel("TutorialCnn") {
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).stride(1)));
-    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).stride(1)));
+  explicit TutorialCnnImpl(std::optional<double> dropout, bool deferred = false) : AppModel("TutorialCnn") {
+    conv1 = register_module("conv1", deferred_if(deferred, torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).stride(1))));
+    conv2 = register_module("conv2", deferred_if(deferred, torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).stride(1))));
     dropout1 = register_module("dropout1", torch::nn::Dropout(dropout.value_or(0.25)));
     dropout2 = register_module("dropout2", torch::nn::Dropout(dropout.value_or(0.5)));
-    fc1 = register_module("fc1", torch::nn::Linear(9216, 128));
-    fc2 = register_module("fc2", torch::nn::Linear(128, 10));
+    fc1 = register_module("fc1", deferred_if(deferred, torch::nn::Linear(9216, 128)));
+    fc2 = register_module("fc2", deferred_if(deferred, torch::nn::Linear(128, 10)));
   }
   torch::Tensor forward(torch::Tensor x) override {
     x = torch::relu(fsdp::forward(conv1, x));
@@ -47,13 +55,14 @@ struct TutorialCnnImpl : AppModel {
 
 /// 784 -> hidden_sizes... -> 10 with ReLU (and dropout, default none), log-softmax.
 struct MlpImpl : AppModel {
-  MlpImpl(const std::vector<std::int64_t>& hidden_sizes, std::optional<double> dropout) : AppModel("Mlp"), p_(dropout.value_or(0.0)) {
+  MlpImpl(const std::vector<std::int64_t>& hidden_sizes, std::optional<double> dropout, bool deferred = false)
+      : AppModel("Mlp"), p_(dropout.value_or(0.0)) {
     std::int64_t in = 784;
     for (std::size_t i = 0; i < hidden_sizes.size(); ++i) {
-      layers.push_back(register_module("fc" + std::to_string(i + 1), torch::nn::Linear(in, hidden_sizes[i])));
+      layers.push_back(register_module("fc" + std::to_string(i + 1), deferred_if(deferred, torch::nn::Linear(in, hidden_sizes[i]))));
       in = hidden_sizes[i];
     }
-    layers.push_back(register_module("out", torch::nn::Linear(in, 10)));
+    layers.push_back(register_module("out", deferred_if(deferred, torch::nn::Linear(in, 10))));
   }
   torch::Tensor forward(torch::Tensor x) override {
     x = x.flatten(1);
@@ -71,6 +80,7 @@ struct GptConfig {
   std::int64_t vocab_size = 256, context = 64, d_model = 128, n_heads = 4, n_layers = 4, mlp_ratio = 4;
   double dropout = 0.1;
   bool tie_embeddings = true;
+  bool deferred = false;  ///< fsdp.deferred_init: layers released as built, initialized by init_module()
 };
 
 /// Causal multi-head self-attention.
@@ -134,11 +144,13 @@ struct GptImpl : AppModel {
   explicit GptImpl(const GptConfig& c) : AppModel("Gpt"), config(c) {
     if (c.d_model % c.n_heads != 0)
       throw ConfigError("model.d_model (" + std::to_string(c.d_model) + ") must be divisible by model.n_heads (" + std::to_string(c.n_heads) + ")");
-    tok = register_module("tok", torch::nn::Embedding(c.vocab_size, c.d_model));
-    pos = register_module("pos", torch::nn::Embedding(c.context, c.d_model));
-    for (std::int64_t i = 0; i < c.n_layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), TransformerBlock(c)));
-    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
-    head = register_module("head", LmHead(c.d_model, c.vocab_size, c.tie_embeddings ? tok->weight : torch::Tensor()));
+    const bool d = c.deferred;
+    tok = register_module("tok", deferred_if(d, torch::nn::Embedding(c.vocab_size, c.d_model)));
+    pos = register_module("pos", deferred_if(d, torch::nn::Embedding(c.context, c.d_model)));
+    for (std::int64_t i = 0; i < c.n_layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), deferred_if(d, TransformerBlock(c))));
+    ln_f = register_module("ln_f", deferred_if(d, torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}))));
+    head = register_module("head", deferred_if(d, LmHead(c.d_model, c.vocab_size, c.tie_embeddings ? tok->weight : torch::Tensor())));
+    if (d) return;  // init_module() initializes it, unit by unit, inside the engine
     // GPT-2 initialization: N(0, 0.02) for weights and embeddings, zero biases.
     torch::NoGradGuard no_grad;
     for (auto& p : named_parameters()) {
@@ -150,7 +162,7 @@ struct GptImpl : AppModel {
   torch::Tensor forward(torch::Tensor idx) override {
     const auto t = idx.size(1);
     if (t > config.context) throw ConfigError("sequence of " + std::to_string(t) + " tokens exceeds model.context " + std::to_string(config.context));
-    auto positions = torch::arange(t, torch::kLong);
+    auto positions = torch::arange(t, idx.options().dtype(torch::kLong));  // on the input's device
     auto x = fsdp::forward(tok, idx) + fsdp::forward(pos, positions).unsqueeze(0);
     x = F::dropout(x, F::DropoutFuncOptions().p(config.dropout).training(is_training()));
     for (auto& b : blocks) x = fsdp::forward(b, x);
@@ -162,5 +174,29 @@ struct GptImpl : AppModel {
   torch::nn::LayerNorm ln_f{nullptr};
   LmHead head{nullptr};
 };
+
+/// fsdp.deferred_init's FsdpOptions::param_init_fn: initializes the parameters and buffers `m` holds
+/// itself. The GPT family (`gpt`) gets GPT-2's N(0, 0.02) weights and embeddings, zero biases, unit
+/// LayerNorms and its causal mask; the CNN and MLP their layers' default (PyTorch) initialization.
+inline void init_module(torch::nn::Module& m, bool gpt) {
+  torch::NoGradGuard no_grad;
+  if (auto* ln = m.as<torch::nn::LayerNorm>()) return ln->reset_parameters();
+  if (auto* attn = m.as<CausalSelfAttention>()) {
+    for (auto& b : attn->named_buffers(/*recurse=*/false))
+      if (b.key() == "mask") b.value().copy_(torch::ones({b.value().size(2), b.value().size(3)}).tril().view_as(b.value()));
+    return;
+  }
+  if (gpt) {
+    for (auto& p : m.named_parameters(/*recurse=*/false)) {
+      if (p.key() == "bias") p.value().zero_();
+      else p.value().normal_(0, 0.02);
+    }
+    return;
+  }
+  if (auto* linear = m.as<torch::nn::Linear>()) return linear->reset_parameters();
+  if (auto* conv = m.as<torch::nn::Conv2d>()) return conv->reset_parameters();
+  if (!m.named_parameters(/*recurse=*/false).is_empty())
+    throw ConfigError("fsdp.deferred_init: no initialization for module " + m.name());
+}
 
 }  // namespace fsdp::app

@@ -147,3 +147,15 @@ if(prefetched LESS 24)
 endif()
 string(JSON exposed GET "${summary}" overlap exposed_all_gather_s avg)
 message(STATUS "prefetched ${prefetched} unit all-gathers; exposed all-gather time ${exposed} s per rank")
+
+# 12. Memory-bounded construction (fsdp.deferred_init): the GPT's layers are released as built and
+#     initialized unit by unit inside the engine; the values do not depend on the world size, so
+#     2 ranks x batch 8 == 1 rank x batch 16 (SGD, no dropout, rel <= 1e-5).
+set(deferred --set fsdp.deferred_init=true --set model.kind=transformer --set data.kind=tokens --set data.num_samples=256
+             --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set run.max_steps=4 --set model.dropout=0.0
+             --set optim.kind=sgd --set optim.lr=0.05 --set optim.momentum=0.9 --set checkpoint.every_steps=0
+             --set fsdp.auto_wrap_policy=TRANSFORMER_BASED_WRAP)
+run(0 ${train2} ${DECK} ${deferred} --set data.batch_size=8 --set run.out_dir=${WORK_DIR}/deferred2)
+run(0 ${train1} ${DECK} ${deferred} --set data.batch_size=16 --set run.out_dir=${WORK_DIR}/deferred1)
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/deferred2/checkpoints ${WORK_DIR}/deferred1/checkpoints --rtol 1e-5)
+expect_in("${last_output}" "checkpoints match")

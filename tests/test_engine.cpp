@@ -685,6 +685,101 @@ BOOST_AUTO_TEST_CASE(prefetching_overlaps_and_changes_no_result) {
   BOOST_TEST(fsdp::parse_backward_prefetch("backward_post") == fsdp::BackwardPrefetch::BACKWARD_POST);
 }
 
+namespace {
+/// Five Linear units and a BatchNorm (buffers) under the root; with `meta`, each layer's storage is
+/// released (fsdp::defer_init) right after it is built, so the whole model never exists in memory.
+struct WideImpl : torch::nn::Module {
+  explicit WideImpl(bool meta) {
+    auto place = [meta](auto module) {
+      if (meta) fsdp::defer_init(*module);
+      return module;
+    };
+    for (int i = 0; i < 5; ++i) layers.push_back(register_module("fc" + std::to_string(i), place(torch::nn::Linear(64, 64))));
+    norm = register_module("norm", place(torch::nn::BatchNorm1d(64)));
+    head = register_module("head", place(torch::nn::Linear(64, 4)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = torch::relu(fsdp::forward(l, x));
+    return head(norm(x));
+  }
+  std::vector<torch::nn::Linear> layers;
+  torch::nn::BatchNorm1d norm{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
+/// Bytes of parameter storage the module's tree holds right now (meta and freed storage count 0).
+std::int64_t live_param_bytes(torch::nn::Module& m) {
+  std::int64_t bytes = 0;
+  std::set<const void*> seen;
+  for (const auto& p : m.parameters(/*recurse=*/true)) {
+    if (!p.has_storage()) continue;
+    const void* key = p.storage().unsafeGetStorageImpl();
+    if (seen.insert(key).second) bytes += static_cast<std::int64_t>(p.storage().nbytes());
+  }
+  return bytes;
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(memory_bounded_construction_with_deferred_init) {
+  auto world = MpiComm::world();
+  std::int64_t worst_live = 0;
+  torch::nn::Module* root = nullptr;
+  auto init = [&](torch::nn::Module& m, const std::string&) {
+    if (root) worst_live = std::max(worst_live, live_param_bytes(*root));
+    if (auto* linear = m.as<torch::nn::Linear>()) linear->reset_parameters();
+    if (auto* bn = m.as<torch::nn::BatchNorm1d>()) {
+      bn->reset_running_stats();
+      bn->reset_parameters();
+      bn->running_mean.fill_(0.5);  // something the default init would not give
+    }
+  };
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+    BOOST_TEST_CONTEXT("np=" << world.size() << " strategy=" << fsdp::to_string(strategy)) {
+      std::map<std::string, torch::Tensor> results[2];
+      for (bool meta : {false, true}) {
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+        options.param_init_fn = init;
+        options.init_seed = 99;
+        auto net = std::make_shared<WideImpl>(meta);
+        root = meta ? net.get() : nullptr;
+        worst_live = 0;
+        torch::manual_seed(5);
+        auto model = fsdp::make_fsdp(net, world, options);
+        root = nullptr;
+        if (meta) {
+          // At any init call the tree held at most one unit's unsharded parameters (a Linear(64, 64)),
+          // where units are sharded; NO_SHARD and one rank keep every parameter whole by definition.
+          const std::int64_t unit = (64 * 64 + 64) * 4, all = 5 * unit + (64 * 4 + 4) * 4 + 2 * 64 * 4;
+          const bool sharded = strategy != ShardingStrategy::NO_SHARD && world.size() > 1;
+          BOOST_TEST(worst_live <= (sharded ? unit : all), "live parameter bytes during construction: " << worst_live);
+          for (const auto& b : net->buffers()) BOOST_TEST(b.storage().nbytes() > 0u);
+        }
+        torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+        for (int step = 0; step < 3; ++step) {
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(77 + step);
+          auto x = torch::randn({4 * world.size(), 64}, gen).narrow(0, 4 * world.rank(), 4);
+          opt.zero_grad();
+          model->forward(x).pow(2).mean().backward();
+          opt.step();
+        }
+        for (auto& [name, t] : model->full_parameters()) results[meta ? 1 : 0][name] = t;
+        auto buffers = net->named_buffers();
+        BOOST_TEST(buffers["norm.running_var"].defined());
+      }
+      for (const auto& [name, t] : results[0]) BOOST_TEST(torch::equal(t, results[1].at(name)), "meta-built differs in " << name);
+    }
+  }
+  // A meta module without param_init_fn is refused.
+  try {
+    fsdp::make_fsdp(std::make_shared<WideImpl>(true), world, FsdpOptions{});
+    BOOST_FAIL("expected a ConfigError");
+  } catch (const fsdp::ConfigError& e) {
+    BOOST_TEST(std::string(e.what()).find("param_init_fn") != std::string::npos, e.what());
+  }
+}
+
 BOOST_AUTO_TEST_CASE(compute_device_must_suit_the_communicator) {
   auto world = MpiComm::world();
   auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));

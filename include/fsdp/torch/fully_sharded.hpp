@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <future>
 #include <cmath>
 #include <cstdio>
@@ -166,7 +167,49 @@ struct FsdpOptions {
   bool forward_prefetch = false;
   /// At most this many prefetched units in flight or gathered ahead of use (memory bound); 0: no limit.
   int limit_all_gathers = 1;
+  /// PyTorch's param_init_fn, for memory-bounded construction: (re)initializes the parameters and
+  /// buffers `module` holds itself (not its children's). When set, the engine calls it for every
+  /// module, unit by unit, right before flattening that unit, with the CPU RNG seeded from init_seed
+  /// and the module's path, so the values depend on neither the world size nor the build order.
+  /// Tensors released by fsdp::defer_init() get their storage back first: release each layer right
+  /// after building it and no rank ever holds more than about one unsharded unit plus its shards.
+  /// Every rank computes the same values, so nothing is broadcast. The same function on a module
+  /// built normally gives the same parameters, bit for bit.
+  std::function<void(torch::nn::Module& module, const std::string& path)> param_init_fn;
+  std::uint64_t init_seed = 0;
 };
+
+namespace detail {
+/// A tensor whose storage fsdp::defer_init() released: it has elements but no bytes.
+inline bool is_deferred(const torch::Tensor& t) {
+  return t.defined() && t.numel() > 0 && t.has_storage() && t.storage().nbytes() == 0;
+}
+
+/// Gives a released tensor fresh (uninitialized) storage of its size.
+inline void restore_storage(const torch::Tensor& t) {
+  if (!is_deferred(t)) return;
+  if (t.storage_offset() != 0 || !t.is_contiguous()) throw ConfigError("fsdp::defer_init: a released tensor is a strided view; cannot restore it");
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  const std::size_t nbytes = static_cast<std::size_t>(t.numel()) * t.element_size();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+}  // namespace detail
+
+/// Memory-bounded construction (the C++ counterpart of building on the meta device, which LibTorch
+/// 1.13 cannot turn back into CPU tensors in place): releases the storage of every parameter and
+/// buffer of `module` and its children, keeping their shapes, dtypes and identities. Call it on each
+/// layer right after building it; FsdpOptions::param_init_fn then initializes the layers unit by unit.
+inline void defer_init(torch::nn::Module& module) {
+  auto release = [](const torch::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return;
+    auto* storage = t.storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+    storage->set_nbytes(0);
+  };
+  for (const auto& p : module.parameters(/*recurse=*/true)) release(p);
+  for (const auto& b : module.buffers(/*recurse=*/true)) release(b);
+}
 
 /// True when `Comm` moves device (GPU) memory; such communicators declare
 /// `static constexpr bool kMovesDeviceMemory = true`. MpiComm and the test communicator move host memory.
@@ -687,7 +730,30 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       throw ConfigError("the compute device is " + compute_device_.str() +
                         ", but this communicator moves host memory only (MpiComm): use NcclComm for GPUs (fsdp.backend = \"nccl\")");
     }
-    if (found && *found != compute_device_) module_->to(compute_device_);
+    bool deferred = false;
+    for (const auto& p : module_->parameters(/*recurse=*/true)) deferred = deferred || detail::is_deferred(p);
+    for (const auto& b : module_->buffers(/*recurse=*/true)) deferred = deferred || detail::is_deferred(b);
+    if (deferred && !options_.param_init_fn)
+      throw ConfigError("the module has parameters or buffers released by fsdp::defer_init(): set FsdpOptions::param_init_fn to "
+                        "initialize them unit by unit");
+    if (found && *found != compute_device_) {
+      if (deferred) throw ConfigError("a module released by fsdp::defer_init() must be built on the CPU; it is moved unit by unit");
+      module_->to(compute_device_);
+    }
+  }
+
+  // Memory-bounded construction: materializes meta tensors that `module` holds itself on the compute
+  // device and runs param_init_fn on it with a seed of its own.
+  void initialize_module(torch::nn::Module& module, const std::string& path) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : module.named_parameters(/*recurse=*/false)) detail::restore_storage(p.value());
+    for (auto& b : module.named_buffers(/*recurse=*/false)) detail::restore_storage(b.value());
+    torch::manual_seed(fnv1a64(path, 14695981039346656037ull ^ options_.init_seed));
+    options_.param_init_fn(module, path);
+    if (!compute_device_.is_cpu()) {  // built and initialized on the CPU, one module at a time
+      for (auto& p : module.named_parameters(/*recurse=*/false)) p.value().set_data(p.value().to(compute_device_));
+      for (auto& b : module.named_buffers(/*recurse=*/false)) b.value().set_data(b.value().to(compute_device_));
+    }
   }
 
   int node_size() {
@@ -800,7 +866,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     // but with no gradient and no optimizer state (PyTorch's use_orig_params case).
     const std::size_t regular_units = units_.size();
     for (auto& use : uses) {
-      if (use.tensor.device() != compute_device_)
+      if (use.tensor.device() != compute_device_ && !(options_.param_init_fn && use.tensor.is_cpu()))
         throw ConfigError("parameter '" + use.name + "' is on " + use.tensor.device().str() + ", the module's other parameters on " +
                           compute_device_.str() + ": move the whole module to one device (or set FsdpOptions::device)");
       auto* target = units_[static_cast<std::size_t>(use.unit)].get();
@@ -827,23 +893,28 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     }
     (void)regular_units;
 
-    if (options_.sync_module_states && world_.size() > 1) {
+    const bool sync = options_.sync_module_states && world_.size() > 1;
+    auto broadcast = [this](torch::Tensor t) {
       torch::NoGradGuard no_grad;
-      auto broadcast = [this](torch::Tensor t) {
-        auto c = t.contiguous();
-        world_.broadcast(c.data_ptr(), c.numel(), detail::to_comm_dtype(c.scalar_type()), 0);
-        if (!c.is_same(t)) t.copy_(c);
-      };
-      for (auto& use : uses) broadcast(use.tensor);
-      for (auto& b : module_->buffers(/*recurse=*/true))
-        if (b.defined() && b.numel() > 0) broadcast(b);
-    }
+      auto c = t.contiguous();
+      world_.broadcast(c.data_ptr(), c.numel(), detail::to_comm_dtype(c.scalar_type()), 0);
+      if (!c.is_same(t)) t.copy_(c);
+    };
+    // param_init_fn: the RNG of the caller is left as it was.
+    std::optional<torch::Tensor> caller_rng;
+    if (options_.param_init_fn) caller_rng = at::detail::getDefaultCPUGenerator().get_state();
 
     // 5. Flatten, shard, alias.
     const int group = shard_comm_.size();
     const int shard_rank = shard_comm_.rank();
     for (auto& up : units_) {
       auto& u = *up;
+      // Memory-bounded construction: this unit's modules (not nested units') get their values now.
+      if (options_.param_init_fn && !u.frozen)
+        for (std::size_t id = 0; id < nodes.size(); ++id)
+          if (owner[id] == u.info.index) initialize_module(*nodes[id].module, nodes[id].path);
+      if (sync)
+        for (auto& p : u.params) broadcast(p);
       std::vector<std::int64_t> numels;
       for (const auto& p : u.params) numels.push_back(p.numel());
       u.layout = FlatLayout(numels, group);
@@ -885,6 +956,14 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       reshard(u);
       if (!u.frozen) register_parameter("flat_shard_" + std::to_string(u.info.index), u.shard, /*requires_grad=*/true);
     }
+    if (caller_rng) {
+      at::Generator generator = at::detail::getDefaultCPUGenerator();  // shares the default generator
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(*caller_rng);
+    }
+    if (sync)
+      for (auto& b : module_->buffers(/*recurse=*/true))
+        if (b.defined() && b.numel() > 0) broadcast(b);
     for (auto& up : units_) {
       if (up->info.index == 0 || up->frozen) continue;
       detail::hook_registry()[up->module] = {this, up->info.index};
