@@ -3,6 +3,7 @@
 #   make build   configure + build
 #   make test    build, then run every test through CTest
 #   make run     build, then train the default deck inputs/mnist_fsdp.toml on 2 ranks (NP=, DECK=)
+#   make bench   build what it needs, then fsdp-train vs PyTorch DDP/FSDP, MPI and checkpoint bandwidth -> build/bench/results.md (~13 min; BENCH_QUICK=1: ~3 min smoke test)
 #   make check-gpu  build, then run the GPU tests (ctest -L gpu; skipped without a CUDA device)
 BUILD_DIR ?= build
 BUILD_TYPE ?= Release
@@ -48,6 +49,14 @@ DECK ?= inputs/mnist_fsdp.toml
 RUN_ARGS ?= --set checkpoint.resume=none
 run: build
 	$(MPIRUN) -np $(NP) $(BUILD_DIR)/bin/fsdp-train $(DECK) $(RUN_ARGS)
+
+# Benchmarks side by side and interleaved (bench/run_bench.py): fsdp-train (FULL_SHARD, SHARD_GRAD_OP,
+# NO_SHARD) against the PyTorch peer bench/train_peer.py (DDP, PyTorch FSDP) at 1, 2 and 4 ranks.
+# Builds only what it runs.
+.PHONY: bench
+bench: $(BUILD_DIR)/CMakeCache.txt
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target fsdp-train fsdp_mpi_bandwidth fsdp_ckpt_bench
+	/usr/bin/python3 bench/run_bench.py
 
 clean:
 	rm -rf $(BUILD_DIR)

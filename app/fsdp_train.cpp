@@ -907,6 +907,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     comm_kind("reduce_scatter", comm.reduce_scatter_bytes - comm_start.reduce_scatter_bytes, reduce_scatter_s);
     comm_kind("all_reduce", comm.all_reduce_bytes - comm_start.all_reduce_bytes, all_reduce_s);
     comm_kind("broadcast", comm.broadcast_bytes - comm_start.broadcast_bytes, comm.broadcast_seconds - comm_start.broadcast_seconds);
+    js << ",\n    \"skew_s\": " << comm.skew_seconds - comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
     // Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the
     // computing thread waited for unit all-gathers (across ranks): the exposed communication.
     js << "\n  },\n  \"overlap\": {\"backward_prefetch\": \"" << deck.get_string("fsdp.backward_prefetch")

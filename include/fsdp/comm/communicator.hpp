@@ -59,6 +59,9 @@ struct CommCounters {
   double reduce_scatter_seconds = 0;
   double all_reduce_seconds = 0;
   double broadcast_seconds = 0;
+  /// With the skew probe on (MpiComm: FSDP_COMM_SKEW_PROBE=1), time spent in a barrier right before each
+  /// collective: waiting for the slowest rank to arrive, which the collectives' own seconds then exclude.
+  double skew_seconds = 0;
   CommCounters& operator+=(const CommCounters& o) noexcept {
     all_gather_bytes += o.all_gather_bytes;
     reduce_scatter_bytes += o.reduce_scatter_bytes;
@@ -69,6 +72,7 @@ struct CommCounters {
     reduce_scatter_seconds += o.reduce_scatter_seconds;
     all_reduce_seconds += o.all_reduce_seconds;
     broadcast_seconds += o.broadcast_seconds;
+    skew_seconds += o.skew_seconds;
     return *this;
   }
   std::uint64_t total_bytes() const noexcept {

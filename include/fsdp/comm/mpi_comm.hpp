@@ -9,6 +9,7 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -182,6 +183,17 @@ class MpiComm {
   /// The world communicator (MPI must be initialized, e.g. by MpiEnvironment).
   static MpiComm world() { return MpiComm(MPI_COMM_WORLD, /*owned=*/false); }
 
+  /// FSDP_COMM_SKEW_PROBE=1 (a measurement aid, read once): every blocking all-gather, reduce-scatter and
+  /// all-reduce first waits in a timed barrier, so that the collective's seconds measure the transfer
+  /// alone and CommCounters::skew_seconds the time spent waiting for the slowest rank.
+  static bool skew_probe() {
+    static const bool on = [] {
+      const char* v = std::getenv("FSDP_COMM_SKEW_PROBE");
+      return v != nullptr && std::string(v) == "1";
+    }();
+    return on;
+  }
+
   /// True when MPI was initialized with MPI_THREAD_MULTIPLE, so that two threads may run collectives
   /// (on different communicators) at the same time; the engine's prefetching needs it.
   static bool threads_may_call_concurrently() {
@@ -230,6 +242,7 @@ class MpiComm {
   /// recv (n * size elements) = concatenation over ranks of send (n elements). Collective.
   void all_gather(const void* send, void* recv, std::int64_t n, DType t) {
     count(state_->counters.all_gather_bytes, n, t);
+    probe_skew();
     const Stopwatch timed(state_->counters.all_gather_seconds, "all_gather", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
     const CollectiveWatchdog::Scope watched("all_gather");
     const int c = detail::checked_count(n, "all_gather");
@@ -241,6 +254,7 @@ class MpiComm {
   void reduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     if (op == ReduceOp::kMax) throw CommError("reduce_scatter supports sum and avg only");
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
+    probe_skew();
     const Stopwatch timed(state_->counters.reduce_scatter_seconds, "reduce_scatter", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
     const CollectiveWatchdog::Scope watched("reduce_scatter");
     ring_reduce_scatter(send, recv, n, t);
@@ -250,6 +264,7 @@ class MpiComm {
   /// recv = reduction over ranks of send (n elements); send may equal recv. Collective.
   void all_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     count(state_->counters.all_reduce_bytes, n, t);
+    probe_skew();
     const Stopwatch timed(state_->counters.all_reduce_seconds, "all_reduce", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const CollectiveWatchdog::Scope watched("all_reduce");
     if (!detail::mpi_can_reduce(t) && op == ReduceOp::kMax) throw CommError("all_reduce max of " + std::string(dtype_name(t)) + " is not supported");
@@ -274,6 +289,14 @@ class MpiComm {
 
   void barrier() {
     const CollectiveWatchdog::Scope watched("barrier");
+    FSDP_MPI_CHECK(MPI_Barrier(state_->comm));
+  }
+
+  /// The skew probe (skew_probe()): a timed barrier before a collective.
+  void probe_skew() {
+    if (!skew_probe() || size() == 1) return;
+    const Stopwatch timed(state_->counters.skew_seconds, "waiting for peers (skew probe)", 0);
+    const CollectiveWatchdog::Scope watched("barrier (skew probe)");
     FSDP_MPI_CHECK(MPI_Barrier(state_->comm));
   }
 

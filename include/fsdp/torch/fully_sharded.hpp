@@ -589,6 +589,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       CommCounters total = world_.counters();
       total += shard_comm_.counters();
       total += replica_comm_.counters();
+      if (prefetch_comm_) total += prefetch_comm_->counters();  // the collective worker's all-gathers
       return total;
     } else {
       return {};
