@@ -1,0 +1,327 @@
+// fsdp-plan: predicts the memory of an fsdp-train run per rank from its deck, without MPI and without
+// allocating the model, and finds the largest model of the deck's family that fits a budget.
+//   fsdp-plan DECK --np N [--set section.key=value ...] [--memory GIB] [--ranks-per-node R]
+//                  [--baseline-mib MIB] [--units] [--check-model]
+// The deck is read and validated exactly as fsdp-train does (Deck::parse and the same checks between
+// keys), so a bad deck gives the same message and exit code 2. docs/planning.md explains the model.
+// Exit status: 0 done, 1 --check-model found a difference (or another failure), 2 bad input.
+#include <CLI/CLI.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "deck.hpp"
+#include "fsdp/version.hpp"
+#include "plan.hpp"
+
+using namespace fsdp::app;
+using fsdp::ShardingStrategy;
+
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitBadInput = 2;
+
+constexpr ShardingStrategy kStrategies[] = {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD,
+                                            ShardingStrategy::HYBRID_SHARD, ShardingStrategy::HYBRID_SHARD_ZERO2};
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DeckError("cannot read deck '" + path + "'");  // fsdp-train's message
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+double mib(std::int64_t bytes) { return static_cast<double>(bytes) / 1048576.0; }
+
+/// 1234567 -> "1,234,567"
+std::string grouped(std::int64_t v) {
+  std::string s = std::to_string(v < 0 ? -v : v), out;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (i && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
+  return (v < 0 ? "-" : "") + out;
+}
+
+std::string join(const std::vector<std::int64_t>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
+}
+
+/// The checks fsdp-train makes after Deck::parse, with its messages: the wrap types must exist in the
+/// model, and the hybrid shard group must divide the world size.
+void check_like_fsdp_train(const Deck& deck, const ModelDesc& desc, int np, int ranks_per_node) {
+  if (deck.get_string("fsdp.auto_wrap_policy") == "TRANSFORMER_BASED_WRAP") {
+    const auto types = desc.types();
+    std::set<std::string> full;
+    for (const auto& m : desc.modules) full.insert(m.full_type);
+    std::string known;
+    for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
+    for (const auto& n : layer_classes(deck))
+      if (!types.count(n) && !full.count(n))
+        throw DeckError(deck.entry("fsdp.transformer_layer_cls_to_wrap").where + ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" +
+                        n + "\" (its types: " + known + ")");
+  }
+  (void)shard_group_size(deck, fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy")), np, ranks_per_node);
+}
+
+void print_prediction(const Deck& deck, const ModelShape& shape, const RunShape& run, const Prediction& p, bool list_units) {
+  std::printf("  model %s: %s parameters (closed form), %zu unit(s) under %s, largest unit %s (%s padded elements)\n", shape.kind.c_str(),
+              grouped(p.num_params).c_str(), p.units, run.wrap.policy.c_str(), p.largest_unit_path.c_str(), grouped(p.largest_unit).c_str());
+  std::printf("  strategy %s, shard group %lld, %lld replica group(s), %s, optimizer %s (%d state tensor(s) per shard), batch %lld per rank%s\n",
+              to_string(run.strategy), static_cast<long long>(run.group), static_cast<long long>(run.replicas),
+              run.param_bytes == 4 ? "fp32" : ("mixed precision " + deck.get_string("fsdp.mixed_precision")).c_str(), run.optimizer.c_str(),
+              run.optimizer_copies, static_cast<long long>(run.batch), run.activation_checkpointing ? ", activation checkpointing" : "");
+  std::printf("  parameters %lld\n", static_cast<long long>(p.num_params));
+  std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
+              static_cast<long long>(p.shard_elements), static_cast<long long>(p.padding), mib(p.state_bytes));
+  std::printf("  data %s: %s (%.1f MiB)\n", deck.get_string("data.kind").c_str(), run.data.note.c_str(), mib(run.data.resident_bytes));
+  if (list_units) {
+    std::printf("\n  unit  parent  module                         params        numel       padded        shard\n");
+    for (const auto& u : p.unit_list)
+      std::printf("  %4d  %6d  %-28s %7zu %12lld %12lld %12lld\n", u.index, u.parent, u.path.empty() ? "(root)" : u.path.c_str(), u.params.size(),
+                  static_cast<long long>(u.numel), static_cast<long long>(u.padded), static_cast<long long>(u.shard));
+  }
+
+  std::printf("\nPredicted memory per rank (every rank alike: shards are padded to equal size)\n");
+  std::printf("  %-40s %12s %12s\n", "component", "at peak MiB", "own max MiB");
+  const char* notes[kMemKinds] = {
+      "fp32 master shards",
+      "shard-sized, kept between steps",
+      "",
+      "unsharded units allocated (all-gathered)",
+      "autograd's per-parameter grads, flat buffer, reduced shard",
+      "saved for backward, and activation gradients",
+      "",
+      "ring reduce-scatter scratch, MPI buffers",
+      "original parameters, flat copies",
+      "replicated on every rank",
+      "",
+  };
+  for (int k = 0; k < kMemKinds; ++k) {
+    const auto kind = static_cast<Mem>(k);
+    if (p.max_by_kind[static_cast<std::size_t>(k)] == 0) continue;
+    std::string label = mem_label(kind);
+    if (kind == Mem::kOptimizer) label += " (" + run.optimizer + ")";
+    std::printf("  %-40s %12.2f %12.2f   %s\n", label.c_str(), mib(p.at_peak[static_cast<std::size_t>(k)]), mib(p.max_by_kind[static_cast<std::size_t>(k)]),
+                notes[k]);
+  }
+  std::printf("  %-40s %12.2f %12s   %s\n", "allocator retention", mib(p.retained_at_peak), "", "freed and fragmented heap glibc keeps");
+  std::printf("  %-40s %12.2f %12s   %s\n", "process baseline", mib(p.baseline_bytes), "", "LibTorch + MPI before the model (--baseline-mib)");
+  std::printf("  %-40s %12.2f\n", "total", mib(p.total_bytes));
+  std::printf("  allocator model at the peak: %.1f MiB in mmap()ed blocks, heap high-water %.1f MiB x %.2f (--heap-factor); most bytes live at once %.1f MiB\n",
+              mib(p.mapped_at_peak), mib(p.heap_at_peak), run.heap_factor, mib(p.live_peak));
+  std::printf("  phases without the baseline: construction %.1f MiB, training step %.1f MiB, evaluation %.1f MiB\n", mib(p.construction_peak),
+              mib(p.step_peak), run.evaluate ? mib(p.eval_peak) : 0.0);
+  std::printf("predicted peak RSS per rank: %.1f MiB (during the %s)\n", mib(p.total_bytes), p.peak_phase.c_str());
+}
+
+/// `shape` with n_layers / d_model / hidden sizes changed (the search's knobs).
+ModelShape with_layers(ModelShape s, std::int64_t n) {
+  s.gpt.n_layers = n;
+  return s;
+}
+ModelShape with_width(ModelShape s, std::int64_t first) {
+  if (s.kind == "transformer") {
+    s.gpt.d_model = first;
+    return s;
+  }
+  const double scale = static_cast<double>(first) / static_cast<double>(s.hidden_sizes.front());
+  for (auto& h : s.hidden_sizes) h = std::max<std::int64_t>(1, std::llround(static_cast<double>(h) * scale));
+  s.hidden_sizes.front() = first;
+  return s;
+}
+
+int plan(const std::string& deck_path, const std::vector<std::string>& overrides, int np, int ranks_per_node, double memory_gib, double baseline_mib,
+         double heap_factor, bool list_units, bool check_model) {
+  const std::string text = read_text_file(deck_path);
+  const Deck deck = Deck::parse(text, deck_path, overrides);
+  const ModelShape shape = model_shape(deck);
+  const ModelDesc desc = describe_model(shape);
+  check_like_fsdp_train(deck, desc, np, ranks_per_node);
+  const auto strategy = fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
+  const DataFootprint data = data_footprint(deck);
+
+  std::printf("fsdp-plan %s: deck %s, %d rank(s)%s\n", fsdp::kVersion, deck_path.c_str(), np,
+              ranks_per_node > 0 ? (", " + std::to_string(ranks_per_node) + " per node").c_str() : " on one node");
+  for (const auto& o : deck.overrides()) std::printf("  %s\n", o.c_str());
+  for (const auto& w : data.warnings) std::printf("warning: %s\n", w.c_str());
+  if (deck.get_string("fsdp.backend") == "nccl")
+    std::printf("note: fsdp.backend = \"nccl\": this plan is of host memory with MPI (the GPU path is not modelled)\n");
+
+  if (check_model) {
+    // The closed form against the model LibTorch builds (models.hpp): tree, names, shapes, ties, counts.
+    torch::manual_seed(0);
+    auto built = build_app_model(shape);
+    std::int64_t numel = 0, tensors = 0;
+    std::set<const void*> seen;  // Module::parameters() lists a tied tensor once per name: count it once
+    for (const auto& p : built->parameters()) {
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+      numel += p.numel();
+      ++tensors;
+    }
+    const ModelDesc built_desc = describe_module(*built, shape.kind);
+    std::string diff = compare_descriptions(desc, built_desc);
+    if (closed_form_num_params(shape) != numel)
+      diff += "parameter count: formula " + std::to_string(closed_form_num_params(shape)) + ", built " + std::to_string(numel) + "\n";
+    if (desc.num_params() != numel) diff += "parameter count: description " + std::to_string(desc.num_params()) + ", built " + std::to_string(numel) + "\n";
+    if (!diff.empty()) {
+      std::fprintf(stderr, "fsdp-plan: error: the closed-form model differs from the built one:\n%s", diff.c_str());
+      return kExitFailure;
+    }
+    std::printf("model check: the closed form matches the built model (%lld parameters in %lld tensors, %zu modules)\n",
+                static_cast<long long>(numel), static_cast<long long>(tensors), desc.modules.size());
+  }
+
+  RunShape run = run_shape(deck, np, ranks_per_node, strategy, data);
+  run.baseline_mib = baseline_mib;
+  run.heap_factor = heap_factor;
+  const Prediction p = predict(shape, run);
+  print_prediction(deck, shape, run, p, list_units);
+
+  // Every strategy side by side at this world size.
+  struct Row {
+    ShardingStrategy strategy;
+    std::optional<RunShape> run;
+    std::string why;
+  };
+  std::vector<Row> rows;
+  for (auto s : kStrategies) {
+    Row r{s, std::nullopt, ""};
+    try {
+      r.run = run_shape(deck, np, ranks_per_node, s, data);
+      r.run->baseline_mib = baseline_mib;
+      r.run->heap_factor = heap_factor;
+    } catch (const std::exception& e) {
+      r.why = e.what();
+    }
+    rows.push_back(std::move(r));
+  }
+  std::printf("\nEvery strategy at %d rank(s), same deck otherwise\n", np);
+  std::printf("  %-20s %6s %16s %14s %14s %14s\n", "strategy", "group", "state MiB", "gathered MiB", "activ. MiB", "peak MiB");
+  for (const auto& r : rows) {
+    if (!r.run) {
+      std::printf("  %-20s n/a: %s\n", to_string(r.strategy), r.why.c_str());
+      continue;
+    }
+    const Prediction q = predict(shape, *r.run);
+    std::printf("  %-20s %6lld %16.2f %14.2f %14.2f %14.1f%s\n", to_string(r.strategy), static_cast<long long>(r.run->group), mib(q.state_bytes),
+                mib(q.max_by_kind[static_cast<std::size_t>(Mem::kGathered)]), mib(q.max_by_kind[static_cast<std::size_t>(Mem::kActivations)]),
+                mib(q.total_bytes), r.strategy == strategy ? "   <- the deck's" : "");
+  }
+
+  if (memory_gib > 0) {
+    const auto budget = static_cast<std::int64_t>(memory_gib * 1073741824.0);
+    std::printf("\nLargest model of the %s family that fits %.2f GiB per rank (predicted peak RSS, baseline included)\n", shape.kind.c_str(), memory_gib);
+    if (p.total_bytes <= budget) std::printf("  the deck's model fits with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
+    else std::printf("  the deck's model does NOT fit with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
+    constexpr std::int64_t kCap = std::int64_t{1} << 20;
+    if (shape.kind == "transformer")
+      std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", "strategy", "n_layers", "parameters", "d_model", "parameters", "batch_size");
+    else if (shape.kind == "mlp")
+      std::printf("  %-20s %-28s %16s  %10s\n", "strategy", "hidden_sizes", "parameters", "batch_size");
+    else
+      std::printf("  %-20s %10s   (the tutorial CNN has no size keys)\n", "strategy", "batch_size");
+    for (const auto& r : rows) {
+      if (!r.run) {
+        std::printf("  %-20s n/a\n", to_string(r.strategy));
+        continue;
+      }
+      auto fits = [&](const ModelShape& s, const RunShape& run_at) { return predict(s, run_at).total_bytes <= budget; };
+      const std::int64_t batch = largest_fitting(1, kCap, [&](std::int64_t b) {
+        RunShape x = *r.run;
+        x.batch = b;
+        return fits(shape, x);
+      });
+      if (shape.kind == "transformer") {
+        // Every block adds the same tensors, so beyond a few hundred layers the peak grows by the same
+        // amount per layer: extrapolate from 128 and 256 layers, then check exactly where affordable.
+        constexpr std::int64_t kExact = 256, kVerify = 4096;
+        bool extrapolated = false;
+        std::int64_t layers = largest_fitting(1, kExact, [&](std::int64_t n) { return fits(with_layers(shape, n), *r.run); });
+        if (layers == kExact) {
+          const auto m1 = predict(with_layers(shape, kExact / 2), *r.run).total_bytes, m2 = predict(with_layers(shape, kExact), *r.run).total_bytes;
+          const std::int64_t per_layer = std::max<std::int64_t>(1, (m2 - m1) / (kExact / 2));
+          layers = std::min(kCap, kExact + (budget - m2) / per_layer);
+          if (layers <= kVerify) {
+            while (layers > kExact && !fits(with_layers(shape, layers), *r.run)) --layers;
+            while (layers < kVerify && fits(with_layers(shape, layers + 1), *r.run)) ++layers;
+          } else {
+            extrapolated = true;
+          }
+        }
+        const std::int64_t heads = shape.gpt.n_heads;
+        const std::int64_t width = heads * largest_fitting(1, kCap, [&](std::int64_t k) { return fits(with_width(shape, k * heads), *r.run); });
+        std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", to_string(r.strategy),
+                    layers ? ((extrapolated ? "~" : "") + std::to_string(layers)).c_str() : "none",
+                    layers ? grouped(gpt_num_params(with_layers(shape, layers).gpt)).c_str() : "-", width ? std::to_string(width).c_str() : "none",
+                    width ? grouped(gpt_num_params(with_width(shape, width).gpt)).c_str() : "-", batch ? std::to_string(batch).c_str() : "none");
+      } else if (shape.kind == "mlp") {
+        const std::int64_t first = largest_fitting(1, kCap, [&](std::int64_t w) { return fits(with_width(shape, w), *r.run); });
+        const auto widest = with_width(shape, std::max<std::int64_t>(first, 1));
+        std::printf("  %-20s %-28s %16s  %10s\n", to_string(r.strategy), first ? join(widest.hidden_sizes).c_str() : "none",
+                    first ? grouped(mlp_num_params(widest.hidden_sizes)).c_str() : "-", batch ? std::to_string(batch).c_str() : "none");
+      } else {
+        std::printf("  %-20s %10s\n", to_string(r.strategy), batch ? std::to_string(batch).c_str() : "none");
+      }
+    }
+    if (shape.kind == "transformer")
+      std::printf("  (n_layers at d_model %lld, ~: extrapolated from 128 and 256 layers; d_model, a multiple of n_heads, at n_layers %lld;\n"
+                  "   batch_size for the deck's model)\n",
+                  static_cast<long long>(shape.gpt.d_model), static_cast<long long>(shape.gpt.n_layers));
+    else if (shape.kind == "mlp")
+      std::printf("  (every hidden width scaled by one factor; batch_size for the deck's model)\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App cli{"fsdp-plan: predict per-rank memory of an fsdp-train deck, and the largest model that fits", "fsdp-plan"};
+  std::string deck_path;
+  std::vector<std::string> overrides;
+  int np = 1, ranks_per_node = 0;
+  double memory_gib = 0, baseline_mib = kDefaultBaselineMib, heap_factor = kDefaultHeapFactor;
+  bool list_units = false, check_model = false;
+  cli.add_option("DECK", deck_path, "the input deck (TOML)")->required();
+  cli.add_option("--np", np, "number of ranks (mpirun -np)")->required()->check(CLI::Range(1, 1 << 24));
+  cli.add_option("--set", overrides, "override a deck value: section.key=value (repeatable)");
+  cli.add_option("--memory", memory_gib, "GiB per rank: also find the largest model of the deck's family that fits")->check(CLI::PositiveNumber);
+  cli.add_option("--ranks-per-node", ranks_per_node, "ranks per node (the hybrid strategies' default shard group); 0: all on one node")
+      ->check(CLI::Range(0, 1 << 24));
+  cli.add_option("--baseline-mib", baseline_mib, "resident MiB of a rank before data and model (LibTorch + MPI); default measured here")
+      ->check(CLI::Range(0.0, 1e9));
+  cli.add_option("--heap-factor", heap_factor, "resident heap per byte of its live high-water mark (glibc fragmentation); default measured here")
+      ->check(CLI::Range(1.0, 100.0));
+  cli.add_flag("--units", list_units, "list the FSDP units");
+  cli.add_flag("--check-model", check_model, "build the deck's model with LibTorch and check the closed form against it");
+  try {
+    cli.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return cli.exit(e) == 0 ? 0 : kExitBadInput;
+  }
+  try {
+    return plan(deck_path, overrides, np, ranks_per_node, memory_gib, baseline_mib, heap_factor, list_units, check_model);
+  } catch (const fsdp::ConfigError& e) {  // DeckError, DataError and the engine's configuration errors
+    std::fflush(stdout);
+    std::fprintf(stderr, "fsdp-plan: error: %s\n", e.what());
+    return kExitBadInput;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "fsdp-plan: error: %s\n", e.what());
+    return kExitFailure;
+  }
+}

@@ -1,0 +1,224 @@
+# fsdp-plan against fsdp-train (cmake -P script; registered in tests/CMakeLists.txt as plan_end_to_end).
+#  1. The closed-form model of every family equals the model LibTorch builds (fsdp-plan --check-model).
+#  2. The process baseline: the peak RSS of a run whose model and data are negligible, minus what the
+#     plan predicts for them (reported next to the default, kDefaultBaselineMib in app/plan.hpp).
+#  3. For an MLP of 24M parameters and a GPT of 7M parameters, FULL_SHARD and NO_SHARD at np 2 (torch
+#     threads 1, 3 steps, no checkpoints): the predicted parameter count equals summary.json's "params",
+#     the predicted params + grads + optimizer state equal fsdp-train's "expected ... MiB", the units,
+#     shard elements and padding equal fsdp-train's echo, and every rank's peak_rss_mb is within 15% of
+#     the predicted peak.
+#  4. --memory: the largest n_layers reported fits and one more layer does not.
+#  5. Bad decks: the same message and exit code 2 as fsdp-train.
+# Variables: MPIEXEC (list), TRAIN (fsdp-train), PLAN (fsdp-plan), WORK_DIR.
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+include(${CMAKE_CURRENT_LIST_DIR}/e2e_common.cmake)
+
+set(tolerance_pct 15)
+set(train2 ${MPIEXEC} -np 2 ${TRAIN})
+set(train1 ${MPIEXEC} -np 1 ${TRAIN})
+set(common --set run.threads=1 --set checkpoint.every_steps=0 --set checkpoint.save_final=false --set checkpoint.resume=none
+           --set log.progress=plain)
+
+# The decks: training state dominates memory.
+file(WRITE ${WORK_DIR}/mlp.toml [=[
+# MLP, 24,202,250 parameters (fc1, fc2, fc3 units under SIZE_BASED_WRAP), Adam, batch 64 per rank.
+[run]
+name = "plan_mlp"
+max_steps = 3
+[model]
+kind = "mlp"
+hidden_sizes = [4096, 4096, 1024]
+[data]
+kind = "fashion-mnist"
+batch_size = 64
+test_samples = 256
+test_batch_size = 128
+[optim]
+kind = "adam"
+lr = 1e-3
+[fsdp]
+auto_wrap_policy = "SIZE_BASED_WRAP"
+]=])
+file(WRITE ${WORK_DIR}/gpt.toml [=[
+# GPT, 7,221,504 parameters (d_model 384, 4 blocks, each a unit), AdamW with weight decay, dropout 0.1,
+# batch 8 x 64 tokens per rank.
+[run]
+name = "plan_gpt"
+max_steps = 3
+[model]
+kind = "transformer"
+vocab_size = 256
+context = 64
+d_model = 384
+n_heads = 6
+n_layers = 4
+[data]
+kind = "tokens"
+num_samples = 512
+batch_size = 8
+test_samples = 16
+test_batch_size = 8
+[optim]
+kind = "adamw"
+lr = 1e-3
+weight_decay = 0.1
+[fsdp]
+auto_wrap_policy = "TRANSFORMER_BASED_WRAP"
+]=])
+file(WRITE ${WORK_DIR}/tiny.toml [=[
+# Next to nothing: its peak RSS is the process baseline.
+[run]
+name = "plan_tiny"
+max_steps = 3
+[model]
+kind = "transformer"
+vocab_size = 16
+context = 8
+d_model = 8
+n_heads = 1
+n_layers = 1
+[data]
+kind = "tokens"
+num_samples = 64
+batch_size = 2
+test_batch_size = 2
+[optim]
+kind = "sgd"
+lr = 0.1
+]=])
+
+# value_of(VAR TEXT REGEX): the first capture group of REGEX in TEXT, or a failure.
+function(value_of var text pattern)
+  if(NOT text MATCHES "${pattern}")
+    message(FATAL_ERROR "expected '${pattern}' in:\n${text}")
+  endif()
+  set(${var} "${CMAKE_MATCH_1}" PARENT_SCOPE)
+endfunction()
+
+# MiB as an integer (CMake's math is integer only): "787.12" -> 787
+function(whole var text)
+  string(REGEX REPLACE "\\..*$" "" w "${text}")
+  set(${var} "${w}" PARENT_SCOPE)
+endfunction()
+
+# 1. Closed forms against the built models.
+foreach(variant "${WORK_DIR}/mlp.toml" "${WORK_DIR}/gpt.toml" "${WORK_DIR}/gpt.toml;--set;model.tie_embeddings=false;--set;model.mlp_ratio=3"
+                "${WORK_DIR}/mlp.toml;--set;model.kind=cnn" "${WORK_DIR}/mlp.toml;--set;model.hidden_sizes=[7]")
+  run(0 ${PLAN} ${variant} --np 3 --check-model --units)
+  expect_in("${last_output}" "model check: the closed form matches the built model")
+endforeach()
+
+# 2. The baseline.
+run(0 ${train2} ${WORK_DIR}/tiny.toml ${common} --set run.out_dir=${WORK_DIR}/tiny)
+file(READ ${WORK_DIR}/tiny/summary.json summary)
+string(JSON rss0 GET "${summary}" peak_rss_mb 0)
+string(JSON rss1 GET "${summary}" peak_rss_mb 1)
+run(0 ${PLAN} ${WORK_DIR}/tiny.toml --np 2 ${common} --baseline-mib 0)
+value_of(tiny_model "${last_output}" "predicted peak RSS per rank: ([0-9.]+) MiB")
+whole(r0 ${rss0})
+whole(r1 ${rss1})
+whole(m ${tiny_model})
+if(r1 GREATER r0)
+  set(r0 ${r1})
+endif()
+math(EXPR baseline "${r0} - ${m}")
+file(STRINGS ${CMAKE_CURRENT_LIST_DIR}/../app/plan.hpp default_line REGEX "kDefaultBaselineMib = ")
+value_of(default_baseline "${default_line}" "kDefaultBaselineMib = ([0-9.]+)")
+message(STATUS "process baseline measured: ${baseline} MiB (peak RSS ${rss0} / ${rss1} MiB minus ${tiny_model} MiB predicted for the "
+               "tiny model and data); fsdp-plan's default: ${default_baseline} MiB")
+
+# 3. Predicted against measured.
+set(report "")
+foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD")
+  list(GET case 0 deck)
+  list(GET case 1 strategy)
+  set(out ${WORK_DIR}/${deck}_${strategy})
+  set(sets ${common} --set fsdp.sharding_strategy=${strategy} --set run.out_dir=${out})
+  run(0 ${train2} ${WORK_DIR}/${deck}.toml ${sets})
+  set(train_out "${last_output}")
+  run(0 ${PLAN} ${WORK_DIR}/${deck}.toml --np 2 ${sets} --baseline-mib ${baseline})
+  set(plan_out "${last_output}")
+  message(STATUS "fsdp-plan:\n${plan_out}")
+
+  file(READ ${out}/summary.json summary)
+  string(JSON params GET "${summary}" params)
+  value_of(planned_params "${plan_out}" "\n  parameters ([0-9]+)\n")
+  if(NOT params STREQUAL planned_params)
+    message(FATAL_ERROR "${deck} ${strategy}: summary.json params ${params}, fsdp-plan ${planned_params}")
+  endif()
+  set(state_re "expected ([0-9.]+) MiB of params \\+ grads \\+ optimizer state")
+  value_of(state_train "${train_out}" "${state_re}")
+  value_of(state_plan "${plan_out}" "${state_re}")
+  if(NOT state_train STREQUAL state_plan)
+    message(FATAL_ERROR "${deck} ${strategy}: fsdp-train expects ${state_train} MiB of state per rank, fsdp-plan ${state_plan} MiB")
+  endif()
+  set(shard_re "([0-9]+ shard elements \\([0-9]+ padding in all units\\))")
+  value_of(shards_train "${train_out}" "${shard_re}")
+  value_of(shards_plan "${plan_out}" "${shard_re}")
+  value_of(units_train "${train_out}" "([0-9]+) unit\\(s\\), ")
+  value_of(units_plan "${plan_out}" "([0-9]+) unit\\(s\\) under")
+  if(NOT shards_train STREQUAL shards_plan OR NOT units_train STREQUAL units_plan)
+    message(FATAL_ERROR "${deck} ${strategy}: fsdp-train: ${units_train} units, ${shards_train}; fsdp-plan: ${units_plan} units, ${shards_plan}")
+  endif()
+
+  value_of(predicted "${plan_out}" "predicted peak RSS per rank: ([0-9.]+) MiB")
+  whole(p ${predicted})
+  string(JSON nranks LENGTH "${summary}" peak_rss_mb)
+  math(EXPR last "${nranks} - 1")
+  set(measured "")
+  foreach(r RANGE ${last})
+    string(JSON rss GET "${summary}" peak_rss_mb ${r})
+    whole(m ${rss})
+    list(APPEND measured ${m})
+    math(EXPR diff "${m} - ${p}")
+    if(diff LESS 0)
+      math(EXPR diff "-(${diff})")
+    endif()
+    math(EXPR err_permille "1000 * ${diff} / ${p}")
+    math(EXPR lhs "100 * ${diff}")
+    math(EXPR rhs "${tolerance_pct} * ${p}")
+    string(APPEND report "  ${deck} ${strategy} rank ${r}: predicted ${predicted} MiB, measured ${rss} MiB, |error| ${err_permille} per mille\n")
+    if(lhs GREATER rhs)
+      message(FATAL_ERROR "${deck} ${strategy} rank ${r}: measured peak RSS ${rss} MiB is not within ${tolerance_pct}% of the predicted ${predicted} MiB")
+    endif()
+  endforeach()
+  message(STATUS "${deck} ${strategy}: params ${params}, state ${state_plan} MiB per rank, peak RSS measured ${measured} MiB, predicted ${predicted} MiB")
+endforeach()
+message(STATUS "predicted vs measured peak RSS per rank (baseline ${baseline} MiB):\n${report}")
+
+# 4. --memory: the reported largest n_layers fits, one more does not (same baseline).
+run(0 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 --memory 1.5 --baseline-mib ${baseline})
+string(FIND "${last_output}" "Largest model" at)
+string(SUBSTRING "${last_output}" ${at} -1 largest)
+value_of(layers "${largest}" "\n  FULL_SHARD +([0-9]+) ")
+math(EXPR more "${layers} + 1")
+run(0 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 --baseline-mib ${baseline} --set model.n_layers=${layers})
+value_of(at "${last_output}" "predicted peak RSS per rank: ([0-9.]+) MiB")
+run(0 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 --baseline-mib ${baseline} --set model.n_layers=${more})
+value_of(above "${last_output}" "predicted peak RSS per rank: ([0-9.]+) MiB")
+whole(a ${at})
+whole(b ${above})
+if(a GREATER 1536 OR b LESS 1536)
+  message(FATAL_ERROR "--memory 1.5: n_layers ${layers} predicts ${at} MiB, ${more} predicts ${above} MiB (budget 1536 MiB)")
+endif()
+message(STATUS "--memory 1.5 GiB: FULL_SHARD fits n_layers ${layers} (${at} MiB), not ${more} (${above} MiB)")
+
+# 5. Bad decks: fsdp-plan says what fsdp-train says, with exit code 2.
+file(WRITE ${WORK_DIR}/bad.toml "[run]\nname = \"bad\"\n\n[optim]\nlrr = 0.1\n[data]\nbatch_size = -4\n")
+foreach(bad "${WORK_DIR}/bad.toml" "${WORK_DIR}/missing.toml" "${WORK_DIR}/gpt.toml;--set;data.kind=mnist"
+            "${WORK_DIR}/gpt.toml;--set;fsdp.transformer_layer_cls_to_wrap=Blok"
+            "${WORK_DIR}/gpt.toml;--set;fsdp.sharding_strategy=HYBRID_SHARD;--set;fsdp.shard_group_size=3"
+            "${WORK_DIR}/gpt.toml;--set;fsdp.shard_group_size=2")
+  run(2 ${train1} ${bad} --dry-run --set run.out_dir=${WORK_DIR}/bad_run)
+  value_of(train_error "${last_output}" "fsdp-train: error: ([^\n]*)")
+  run(2 ${PLAN} ${bad} --np 1)
+  value_of(plan_error "${last_output}" "fsdp-plan: error: ([^\n]*)")
+  if(NOT train_error STREQUAL plan_error)
+    message(FATAL_ERROR "different errors for ${bad}:\n  fsdp-train: ${train_error}\n  fsdp-plan:  ${plan_error}")
+  endif()
+endforeach()
+run(2 ${PLAN} ${WORK_DIR}/bad.toml --np 2)
+expect_in("${last_output}" "bad.toml:5: optim.lrr: unknown key \\(did you mean optim.lr\\?\\)")
+expect_in("${last_output}" "bad.toml:7: data.batch_size: -4 is below the minimum 1")
+message(STATUS "all fsdp-plan cases passed")
