@@ -18,6 +18,7 @@ CONFIGS=(
   "gpt201m_no_shard NO_SHARD 1024 16"
   "gpt252m_no_shard NO_SHARD 1024 20"
   "gpt302m_no_shard NO_SHARD 1024 24"
+  "gpt252m_full_shard FULL_SHARD 1024 20"
   "gpt302m_full_shard FULL_SHARD 1024 24"
   "gpt1007m_full_shard FULL_SHARD 2048 20"
 )
