@@ -73,12 +73,31 @@ class CollectiveWatchdog {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
   }
 
-  /// This thread's slot: threads take slots in the order they first run a collective (more threads
-  /// than slots share them, which only weakens the deadline for the extra ones).
+  /// This thread's slot: a thread takes a free slot when it first runs a collective and gives it back
+  /// when it ends (engines' collective workers come and go). More live threads than slots share them,
+  /// which only weakens the deadline for the extra ones.
   static std::size_t thread_slot() noexcept {
-    static std::atomic<std::size_t> next{0};
-    thread_local const std::size_t mine = next.fetch_add(1, std::memory_order_relaxed) % kSlots;
-    return mine;
+    struct Holder {
+      std::size_t index;
+      bool owned;
+      Holder() : index(0), owned(false) {
+        auto& w = instance();
+        for (std::size_t i = 0; i < kSlots; ++i) {
+          bool expected = false;
+          if (w.slot_taken_[i].compare_exchange_strong(expected, true)) {
+            index = i;
+            owned = true;
+            return;
+          }
+        }
+        index = w.shared_next_.fetch_add(1, std::memory_order_relaxed) % kSlots;
+      }
+      ~Holder() {
+        if (owned) instance().slot_taken_[index].store(false);
+      }
+    };
+    thread_local const Holder holder;
+    return holder.index;
   }
 
   void watch() {
@@ -112,6 +131,8 @@ class CollectiveWatchdog {
 
   std::atomic<std::int64_t> timeout_ns_{0};
   Slot slots_[kSlots];
+  std::atomic<bool> slot_taken_[kSlots] = {};
+  std::atomic<std::size_t> shared_next_{0};
   std::atomic<std::int64_t> step_{0};
   std::atomic<bool> thread_started_{false};
   int rank_ = 0;

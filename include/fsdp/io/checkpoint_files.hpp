@@ -99,6 +99,12 @@ inline void reserve_space(const std::filesystem::path& path, std::int64_t bytes,
     throw CheckpointError("cannot save checkpoint '" + checkpoint + "': it needs about " + std::to_string((bytes + 1048575) / 1048576) +
                           " MiB and " + why);
   };
+  // The size limit first: fallocate past it raises SIGXFSZ, which kills a process that does not ignore it.
+  struct rlimit limit {};
+  const bool limited = ::getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY;
+  if (limited && limit.rlim_cur < static_cast<rlim_t>(bytes))
+    throw CheckpointError("cannot save checkpoint '" + checkpoint + "': it needs about " + std::to_string((bytes + 1048575) / 1048576) +
+                          " MiB and the file size limit (ulimit -f) is " + std::to_string(limit.rlim_cur / 1024) + " KiB");
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw CheckpointError("cannot save checkpoint '" + checkpoint + "': cannot create '" + path.string() + "': " + std::strerror(errno));
   const int rc = ::fallocate(fd, 0, 0, static_cast<off_t>(bytes));
@@ -110,9 +116,6 @@ inline void reserve_space(const std::filesystem::path& path, std::int64_t bytes,
   if (::statvfs(path.parent_path().empty() ? "." : path.parent_path().c_str(), &fs) == 0 &&
       static_cast<long double>(fs.f_bavail) * fs.f_frsize < static_cast<long double>(bytes))
     fail("only " + std::to_string(static_cast<long long>(static_cast<long double>(fs.f_bavail) * fs.f_frsize / 1048576)) + " MiB are free");
-  struct rlimit limit {};
-  if (::getrlimit(RLIMIT_FSIZE, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur < static_cast<rlim_t>(bytes))
-    fail("the file size limit (ulimit -f) is " + std::to_string(limit.rlim_cur / 1024) + " KiB");
 }
 
 /// Writes `text` to `path` atomically: temporary file, fsync, rename, fsync of the directory.

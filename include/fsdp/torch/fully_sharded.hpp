@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <set>
 #include <future>
 #include <cmath>
 #include <cstdio>
@@ -472,6 +473,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   /// With `writeback`, changes made to the parameters inside the scope (under torch::NoGradGuard, the
   /// same on every rank) are kept; without it they are discarded. Collective on entry; the end is local.
   [[nodiscard]] FullParamsScope summon_full_params(bool writeback = false) {
+    for (auto& u : units_) finish_prefetch(*u);  // a prefetch left by a forward that did not use it
     std::vector<int> gathered_here;
     std::vector<torch::Tensor> saved(units_.size());
     for (auto& u : units_) {
@@ -674,15 +676,20 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
                           "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
     }
     prefetch_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));  // a duplicate: its own collective sequence
-    worker_ = std::make_unique<detail::CollectiveWorker>();
+    // A GPU communicator overlaps on its own stream: the prefetch is a non-blocking collective issued
+    // from this thread (one issuing order on every rank). MPI needs the worker thread.
+    if constexpr (!comm_moves_device_memory<Comm>()) worker_ = std::make_unique<detail::CollectiveWorker>();
   }
 
   // Issues unit `index`'s all-gather on the worker if prefetching is on, the unit will need one and the
   // limit allows it. Every rank makes the same decision (same order, same state).
-  void prefetch(int index) {
-    if (!worker_ || index <= 0) return;
+  // `for_backward`: only a unit whose backward is still to come (the root's gradients are reduced last,
+  // after every nested unit's backward).
+  void prefetch(int index, bool for_backward = false) {
+    if (!prefetch_comm_ || index <= 0) return;
     auto& u = *units_[static_cast<std::size_t>(index)];
     if (u.params.empty() || u.frozen || !u.needs_gather() || u.in_flight.valid()) return;
+    if (for_backward && u.pending_backward <= 0) return;
     if (u.gathered && u.gathered_version == u.shard._version()) return;
     if (options_.limit_all_gathers > 0 && prefetched_ahead() >= options_.limit_all_gathers) return;
     gather(u, /*ahead=*/true);
@@ -703,7 +710,12 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       const CollectiveWatchdog::Scope watched("all_gather (prefetched, waiting for the worker)");
       auto done = std::move(u.in_flight);
       u.in_flight = {};
-      done.get();  // rethrows the worker's CommError
+      try {
+        done.get();  // rethrows the collective's CommError
+      } catch (...) {
+        u.gathered_version = -1;  // `full` holds garbage: the next gather() fills it again
+        throw;
+      }
     }
     overlap_.exposed_all_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   }
@@ -738,8 +750,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       throw ConfigError("the module has parameters or buffers released by fsdp::defer_init(): set FsdpOptions::param_init_fn to "
                         "initialize them unit by unit");
     if (found && *found != compute_device_) {
-      if (deferred) throw ConfigError("a module released by fsdp::defer_init() must be built on the CPU; it is moved unit by unit");
-      module_->to(compute_device_);
+      if (!deferred) module_->to(compute_device_);
+      else if (!found->is_cpu()) throw ConfigError("a module released by fsdp::defer_init() must be built on the CPU; it is moved unit by unit");
     }
   }
 
@@ -751,6 +763,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     for (auto& b : module.named_buffers(/*recurse=*/false)) detail::restore_storage(b.value());
     torch::manual_seed(fnv1a64(path, 14695981039346656037ull ^ options_.init_seed));
     options_.param_init_fn(module, path);
+    for (auto& b : module.named_buffers(/*recurse=*/false))
+      if (deferred_buffer_casts_.erase(detail::join_path(path, b.key())) > 0) b.value().set_data(b.value().to(*options_.mixed_precision.buffer_dtype));
     if (!compute_device_.is_cpu()) {  // built and initialized on the CPU, one module at a time
       for (auto& p : module.named_parameters(/*recurse=*/false)) p.value().set_data(p.value().to(compute_device_));
       for (auto& b : module.named_buffers(/*recurse=*/false)) b.value().set_data(b.value().to(compute_device_));
@@ -791,7 +805,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       for (const auto& b : module_->named_buffers(/*recurse=*/true)) {
         if (!b.value().defined() || !b.value().is_floating_point() || b.value().scalar_type() == *mp.buffer_dtype) continue;
         buffer_dtypes_[b.key()] = b.value().scalar_type();
-        b.value().set_data(b.value().to(*mp.buffer_dtype));
+        if (detail::is_deferred(b.value())) deferred_buffer_casts_.insert(b.key());  // cast once initialized
+        else b.value().set_data(b.value().to(*mp.buffer_dtype));
       }
     }
 
@@ -916,6 +931,11 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
           if (owner[id] == u.info.index) initialize_module(*nodes[id].module, nodes[id].path);
       if (sync)
         for (auto& p : u.params) broadcast(p);
+      for (std::size_t i = 0; i < u.params.size(); ++i)
+        if (detail::is_deferred(u.params[i]))
+          throw ConfigError("parameter '" + u.info.param_names[i] + "' is still released (fsdp::defer_init) when unit '" + u.info.module_path +
+                            "' is flattened: it is tied to a module of another unit, which deferred initialization does not support; "
+                            "wrap the tied modules into one unit or build them normally");
       std::vector<std::int64_t> numels;
       for (const auto& p : u.params) numels.push_back(p.numel());
       u.layout = FlatLayout(numels, group);
@@ -1017,6 +1037,11 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (u.layout.group_size() == 1) {
       torch::NoGradGuard no_grad;
       u.full.copy_(source);
+    } else if (ahead && !worker_) {  // a GPU communicator: a non-blocking all-gather on its stream
+      ++overlap_.prefetched;
+      auto request = std::make_shared<decltype(prefetch_comm_->iall_gather(nullptr, nullptr, 0, DType::kFloat32))>(
+          prefetch_comm_->iall_gather(source.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(u.full.scalar_type())));
+      u.in_flight = std::async(std::launch::deferred, [request, source] { request->wait(); }).share();  // runs in finish_prefetch
     } else if (ahead) {
       ++overlap_.prefetched;
       u.in_flight = worker_->submit([comm = &*prefetch_comm_, source, out = u.full.data_ptr(), n = u.layout.shard_numel(),
@@ -1177,12 +1202,12 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       gather(*units_[static_cast<std::size_t>(unit)]);
     }
     // The next unit to run backward is the one that ran before this one in forward.
-    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) prefetch(neighbour(forward_order_, unit, -1));
+    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) prefetch(neighbour(forward_order_, unit, -1), /*for_backward=*/true);
   }
 
   torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
-    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(neighbour(forward_order_, unit, -1));
+    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(neighbour(forward_order_, unit, -1), /*for_backward=*/true);
     torch::NoGradGuard no_grad;
     auto flat = torch::empty({u.layout.padded_numel()}, u.shard.options().device(compute_device_).requires_grad(false));
     if (u.layout.padding() > 0) flat.narrow(0, u.layout.numel(), u.layout.padding()).zero_();
@@ -1299,6 +1324,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   std::vector<std::unique_ptr<detail::FlatUnit>> units_;
   std::map<std::string, std::vector<std::string>> aliases_;  // canonical name -> other names of tied parameters
   std::map<std::string, c10::ScalarType> buffer_dtypes_;      // buffers cast by MixedPrecision::buffer_dtype: their own dtype
+  std::set<std::string> deferred_buffer_casts_;               // ... of those, released ones, cast after param_init_fn
   std::int64_t engine_id_ = 0;
   bool end_of_backward_queued_ = false;
   bool no_sync_ = false;
