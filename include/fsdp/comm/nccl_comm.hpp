@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "fsdp/comm/communicator.hpp"
+#include "fsdp/core/layout.hpp"  // fnv1a64
 #include "fsdp/comm/mpi_comm.hpp"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
@@ -344,9 +345,7 @@ inline ncclUniqueId read_id_file(const std::string& path, const std::string& tag
 inline std::int64_t host_hash() {
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
-  std::uint64_t h = 1469598103934665603ull;
-  for (const char* p = host; *p != '\0'; ++p) h = (h ^ static_cast<unsigned char>(*p)) * 1099511628211ull;
-  return static_cast<std::int64_t>(h);
+  return static_cast<std::int64_t>(fnv1a64(host));
 }
 
 // ---- one NCCL communicator with its stream, events and deadline --------------------------------------
