@@ -139,6 +139,11 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.limit_all_gathers", .type = T::kInt, .default_value = I{1}, .min = 0,
                .description = "at most this many prefetched units in flight or gathered ahead of use (bounds the memory "
                               "prefetching adds); 0: no limit"});
+  s.push_back({.key = "fsdp.overlap_grad_reduce", .type = T::kString, .default_value = "auto", .choices = {"auto", "true", "false"},
+               .description = "overlap: reduce each unit's gradients on a collective worker thread while backward goes on "
+                              "(like DDP's buckets); false: on the computing thread as each unit finishes; auto: overlap when the "
+                              "rank has a core to spare for the worker (its CPUs > run.threads and ranks per node x run.threads < "
+                              "the node's cores). Same results either way; a TOML boolean is accepted too"});
   s.push_back({.key = "fsdp.reshard_after_forward", .type = T::kString, .default_value = "auto", .choices = {"auto", "true", "false"},
                .description = "free a unit's gathered parameters after its forward; auto: the strategy decides "
                               "(true for FULL_SHARD and HYBRID_SHARD); a TOML boolean is accepted too"});

@@ -9,6 +9,7 @@
 #ifdef FSDP_WITH_NCCL
 #include <fsdp/comm/nccl_comm.hpp>
 #endif
+#include <sched.h>
 #include <sys/resource.h>
 
 #include <csignal>
@@ -316,6 +317,18 @@ void check_layer_classes(const Deck& deck, const torch::nn::Module& model) {
                       n + "\" (its types: " + known + ")");
 }
 
+/// fsdp.overlap_grad_reduce = auto: the collective worker pays only with a core of its own, i.e. when
+/// this rank may run on more CPUs than its compute threads and the node's ranks leave cores idle.
+bool resolve_overlap_grad_reduce(const Deck& deck, int ranks_per_node, int threads) {
+  const std::string v = deck.get_string("fsdp.overlap_grad_reduce");
+  if (v != "auto") return v == "true";
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int mine = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return mine > threads && ranks_per_node * threads < cores;
+}
+
 fsdp::FsdpOptions fsdp_options(const Deck& deck) {
   fsdp::FsdpOptions o;
   o.sharding_strategy = fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
@@ -512,6 +525,11 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   int threads = static_cast<int>(deck.get_int("run.threads"));
   if (threads == 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, placement.local_size));
   torch::set_num_threads(threads);
+  // Every rank must decide the same (the engine splits communicators for the worker): any rank
+  // without a spare core turns the overlap off for all.
+  double no_overlap = resolve_overlap_grad_reduce(deck, placement.local_size, threads) ? 0.0 : 1.0;
+  world.all_reduce(&no_overlap, &no_overlap, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
+  const bool overlap_grad_reduce = no_overlap == 0.0;
   torch::manual_seed(static_cast<std::uint64_t>(deck.get_int("run.seed")));
 
   // 2. The communicator, data (each rank reads the files itself) and the model.
@@ -533,6 +551,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       throw DeckError(deck.entry("fsdp.shard_group_size").where + ": fsdp.shard_group_size: " + std::to_string(group) +
                       " does not divide the world size " + std::to_string(world.size()));
     auto options = fsdp_options(deck);
+    options.overlap_grad_reduce = overlap_grad_reduce;
     if constexpr (std::is_same_v<Comm, MpiComm>) {
       model = std::make_shared<Engine>(net, world, options);
     } else {  // NCCL: this rank's GPU on its node; NCCL's own deadline is comm.timeout_s
@@ -870,6 +889,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   for (const auto& [n, v] : phase_list) phase_stats.emplace_back(n, across_ranks(world, v));
   const auto overlap = model->overlap_stats();
   const Stats exposed_all_gather = across_ranks(world, overlap.exposed_all_gather_seconds);
+  const Stats exposed_reduce = across_ranks(world, overlap.exposed_reduce_seconds);
   std::vector<double> rss(static_cast<std::size_t>(world.size()));
   const double my_rss = peak_rss_mb();
   world.all_gather(&my_rss, rss.data(), 1, fsdp::DType::kFloat64);
@@ -914,6 +934,11 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
        << "\", \"forward_prefetch\": " << (deck.get_bool("fsdp.forward_prefetch") ? "true" : "false") << ", \"prefetched\": " << overlap.prefetched
        << ", \"gathered_on_demand\": " << overlap.gathered_on_demand << ", \"exposed_all_gather_s\": {\"min\": " << exposed_all_gather.min
        << ", \"avg\": " << exposed_all_gather.avg << ", \"max\": " << exposed_all_gather.max << "}";
+    // Gradient reductions run on the worker while backward went on, and the time the computing
+    // thread then waited for them (end of backward, or the in-flight bound).
+    js << ", \"overlap_grad_reduce\": " << (overlap_grad_reduce ? "true" : "false")
+       << ", \"reductions_overlapped\": " << overlap.reductions_overlapped << ", \"reductions_synchronous\": " << overlap.reductions_synchronous
+       << ", \"exposed_reduce_s\": {\"min\": " << exposed_reduce.min << ", \"avg\": " << exposed_reduce.avg << ", \"max\": " << exposed_reduce.max << "}";
     js << "\n  }\n}\n";
     std::ofstream(out_dir / "summary.json") << js.str();
     std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n",

@@ -6,7 +6,16 @@
 //   reduce_scatter_block MPI_Reduce_scatter_block (MPI_SUM) of the full buffer
 //   fsdp_all_gather      fsdp::MpiComm::all_gather (MPI_Allgather + the engine's counters and deadline)
 //   fsdp_reduce_scatter  fsdp::MpiComm::reduce_scatter, kAvg: the ring of MPI_Sendrecv the engine uses
-//   allreduce            MPI_Allreduce (MPI_SUM) of the full buffer (NO_SHARD's gradient reduction)
+//   allreduce            MPI_Allreduce (MPI_SUM) of the full buffer
+//   fsdp_all_reduce      fsdp::MpiComm::all_reduce, kAvg: the ring reduce-scatter + MPI_Allgather the
+//                        engine runs for NO_SHARD's and the hybrid replicas' gradients
+// and, to tell what the engine's all-gathers inside training meet that these do not:
+//   fsdp_all_gather_fresh   into an output buffer allocated for the call (posix_memalign, 64-byte
+//                           aligned like LibTorch's CPU allocator) and freed after: the engine
+//                           allocates a unit's gathered buffer at each gather and frees it at reshard
+//   fsdp_all_gather_cold    the reused buffers, with the caches flushed before each call (a 64 MiB
+//                           buffer written outside the timed span): the computation evicts them
+//   fsdp_all_gather_fresh_cold  both
 // Each repetition: MPI_Barrier, the call timed on every rank, the slowest rank's time taken
 // (MPI_Allreduce MAX). Warm-up repetitions are dropped; the median of the rest is reported.
 // Bandwidth = full buffer bytes (padded numel x 4) / median time, 1 GB/s = 1e9 bytes/s.
@@ -87,10 +96,11 @@ struct Result {
 };
 
 // Times `op` (a collective) as the slowest rank's time, after a barrier; warm-up runs dropped.
-Result time_collective(const Args& a, const std::function<void()>& op) {
+Result time_collective(const Args& a, const std::function<void()>& op, const std::function<void()>& prepare) {
   std::vector<double> t;
   double spent = 0;
   for (int r = 0; r < a.warmup + a.reps || (spent < a.min_seconds && r < a.warmup + 100 * a.reps); ++r) {
+    if (prepare) prepare();  // not timed
     MPI_Barrier(MPI_COMM_WORLD);
     const auto t0 = std::chrono::steady_clock::now();
     op();
@@ -103,6 +113,13 @@ Result time_collective(const Args& a, const std::function<void()>& op) {
     }
   }
   return {median(t), *std::min_element(t.begin(), t.end()), static_cast<int>(t.size())};
+}
+
+// Writes a buffer larger than the last-level cache, so the collective's buffers start cold.
+void flush_caches() {
+  static std::vector<char> scratch(64u << 20);
+  static char value = 0;
+  std::memset(scratch.data(), ++value, scratch.size());
 }
 
 }  // namespace
@@ -133,10 +150,21 @@ int main(int argc, char** argv) {
       kinds.emplace_back("fsdp_all_gather", [&] { world.all_gather(part.data(), out.data(), shard, fsdp::DType::kFloat32); });
       kinds.emplace_back("fsdp_reduce_scatter", [&] { world.reduce_scatter(full.data(), part.data(), shard, fsdp::DType::kFloat32, fsdp::ReduceOp::kAvg); });
       kinds.emplace_back("allreduce", [&] { MPI_Allreduce(full.data(), out.data(), p, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); });
+      kinds.emplace_back("fsdp_all_reduce", [&] { world.all_reduce(full.data(), out.data(), padded, fsdp::DType::kFloat32, fsdp::ReduceOp::kAvg); });
+      auto gather_fresh = [&] {
+        void* fresh = nullptr;
+        if (posix_memalign(&fresh, 64, static_cast<std::size_t>(padded) * sizeof(float)) != 0) throw std::runtime_error("out of memory");
+        world.all_gather(part.data(), fresh, shard, fsdp::DType::kFloat32);
+        std::free(fresh);
+      };
+      kinds.emplace_back("fsdp_all_gather_fresh", gather_fresh);
+      kinds.emplace_back("fsdp_all_gather_cold", [&] { world.all_gather(part.data(), out.data(), shard, fsdp::DType::kFloat32); });
+      kinds.emplace_back("fsdp_all_gather_fresh_cold", gather_fresh);
       const double bytes = static_cast<double>(padded) * 4.0;
       js << (si ? "," : "") << "\n    {\"numel\": " << numel << ", \"padded\": " << padded << ", \"bytes\": " << padded * 4 << ", \"kinds\": {";
       for (std::size_t k = 0; k < kinds.size(); ++k) {
-        const auto r = time_collective(a, kinds[k].second);
+        const bool cold = kinds[k].first.ends_with("_cold");
+        const auto r = time_collective(a, kinds[k].second, cold ? std::function<void()>(flush_caches) : std::function<void()>());
         const double gbps = bytes / r.median_s / 1e9;
         if (rank == 0) {
           std::printf("numel %10lld (%8.3f MB)  %-21s median %10.6f s  min %10.6f s  %7.3f GB/s  (%d reps)\n", numel, bytes / 1e6,

@@ -75,12 +75,18 @@ MODELS = {
 }
 
 # (label, runner, strategy, minimum world size[, extra fsdp-train --set values])
-PREFETCH = ("fsdp.backward_prefetch=BACKWARD_PRE", "fsdp.forward_prefetch=true")
+# Reductions on the computing thread unless a configuration says otherwise (the deck's default, auto,
+# would decide by the cores this machine has to spare; the tables should not depend on it).
+SYNC = ("fsdp.overlap_grad_reduce=false",)
+PREFETCH = ("fsdp.backward_prefetch=BACKWARD_PRE", "fsdp.forward_prefetch=true") + SYNC
+OVERLAP_REDUCE = ("fsdp.overlap_grad_reduce=true",)
 CONFIGS = [
-    ("fsdp FULL_SHARD", "fsdp", "FULL_SHARD", 1),
+    ("fsdp FULL_SHARD", "fsdp", "FULL_SHARD", 1, SYNC),
     ("fsdp FULL_SHARD + prefetch", "fsdp", "FULL_SHARD", 2, PREFETCH),  # collective worker thread: overlap
-    ("fsdp SHARD_GRAD_OP", "fsdp", "SHARD_GRAD_OP", 2),  # identical to FULL_SHARD's work at 1 rank: skipped there
-    ("fsdp NO_SHARD", "fsdp", "NO_SHARD", 1),
+    ("fsdp FULL_SHARD + prefetch + overlapped reduction", "fsdp", "FULL_SHARD", 2, PREFETCH[:2] + OVERLAP_REDUCE),
+    ("fsdp SHARD_GRAD_OP", "fsdp", "SHARD_GRAD_OP", 2, SYNC),  # identical to FULL_SHARD's work at 1 rank: skipped there
+    ("fsdp NO_SHARD", "fsdp", "NO_SHARD", 1, SYNC),
+    ("fsdp NO_SHARD + overlapped reduction", "fsdp", "NO_SHARD", 2, OVERLAP_REDUCE),  # DDP's bucket overlap
     ("PyTorch DDP", "ddp", "NO_SHARD", 1),
     ("PyTorch FSDP FULL_SHARD", "torch-fsdp", "FULL_SHARD", 1),
 ]
@@ -256,8 +262,10 @@ def unit_weights(strategy, nunits):
     return {"all_reduce": [1] * nunits}
 
 
-RAW_KIND = {"all_gather": ["allgather", "fsdp_all_gather"], "reduce_scatter": ["reduce_scatter_block", "fsdp_reduce_scatter"],
-            "all_reduce": ["allreduce"]}
+# Raw kinds per collective: MPI's own, what fsdp::MpiComm runs (the reference for "training / raw"),
+# and for all-gathers the same with cold caches and a fresh output buffer (as inside training).
+RAW_KIND = {"all_gather": ["allgather", "fsdp_all_gather", "fsdp_all_gather_fresh_cold"],
+            "reduce_scatter": ["reduce_scatter_block", "fsdp_reduce_scatter"], "all_reduce": ["allreduce", "fsdp_all_reduce"]}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -339,6 +347,9 @@ def aggregate(runs):
             if ok[0].get("overlap"):  # time the computing thread waited for unit all-gathers, per step (avg over ranks)
                 a["exposed_all_gather_ms_per_step"] = med([1000 * r["overlap"]["exposed_all_gather_s"]["avg"] / r["steps"] for r in ok])
                 a["prefetched_per_step"] = med([r["overlap"]["prefetched"] / r["steps"] for r in ok])
+                if "exposed_reduce_s" in ok[0]["overlap"]:  # time it waited for overlapped gradient reductions
+                    a["exposed_reduce_ms_per_step"] = med([1000 * r["overlap"]["exposed_reduce_s"]["avg"] / r["steps"] for r in ok])
+                    a["reductions_overlapped_per_step"] = med([r["overlap"]["reductions_overlapped"] / r["steps"] for r in ok])
             if ok[0].get("comm"):
                 a["comm"] = {}
                 for kind in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
@@ -366,7 +377,7 @@ def bandwidth_rows(agg, units, mpi):
     for a in agg:
         if not a.get("comm") or a["np"] < 2 or a["model"] not in units or a["np"] not in mpi or "error" in mpi[a["np"]]:
             continue
-        if "prefetch" in a["config"]:  # prefetched all-gathers run on the worker's own communicator: not in these counters
+        if "+" in a["config"]:  # prefetching and overlapped reductions run on the worker's communicators, beside computation
             continue
         strategy = a["config"].split()[-1]
         weights = unit_weights(strategy, len(units[a["model"]]))
@@ -380,8 +391,10 @@ def bandwidth_rows(agg, units, mpi):
                 num = sum(wi * sizes[n]["bytes"] for wi, n in zip(w, units[a["model"]]))
                 den = sum(wi * sizes[n]["kinds"][raw]["median_s"] for wi, n in zip(w, units[a["model"]]))
                 row[f"raw_{raw}_gbps"] = num / den / 1e9 if den else None
-            best_raw = row.get(f"raw_{RAW_KIND[kind][-1]}_gbps")
-            row["train_of_raw"] = (c["gbps"] / best_raw) if (c["gbps"] and best_raw) else None
+            warm = row.get(f"raw_{RAW_KIND[kind][1]}_gbps")
+            row["train_of_raw"] = (c["gbps"] / warm) if (c["gbps"] and warm) else None
+            cold = row.get(f"raw_{RAW_KIND[kind][2]}_gbps") if len(RAW_KIND[kind]) > 2 else None
+            row["train_of_raw_cold"] = (c["gbps"] / cold) if (c["gbps"] and cold) else None
             rows.append(row)
     return rows
 
@@ -428,17 +441,28 @@ def write_report(results):
                       f"{fmt(a['peak_rss_mb_max'], '{:.0f}')} | {fmt(a.get('throughput_vs_ddp'), '{:.2f}')} |")
         md.append("")
 
-    md.append("## Overlap: exposed all-gather time\n")
+    md.append("## Overlap: exposed communication\n")
     md.append("Time the computing thread waited for unit all-gathers (summary.json \"overlap\": synchronous all-gathers in full, "
-              "prefetched ones only while waiting for the worker), per step, averaged over ranks; with prefetch, BACKWARD_PRE and "
-              "forward prefetch issue the next unit's all-gather on the collective worker thread (fsdp.limit_all_gathers = 1).\n")
-    md.append("| model | np | configuration | exposed all-gather ms/step | prefetched all-gathers/step | median step ms |")
-    md.append("|---|---:|---|---:|---:|---:|")
+              "prefetched ones only while waiting for the worker) and for gradient reductions (synchronous: the reduce-scatter / "
+              "all-reduce seconds; overlapped: only the wait at the end of backward), per step, averaged over ranks (reductions: "
+              "rank 0's collective seconds when synchronous). Prefetch: BACKWARD_PRE and forward prefetch issue the next unit's "
+              "all-gather on the collective worker thread (fsdp.limit_all_gathers = 1); overlapped reduction "
+              "(fsdp.overlap_grad_reduce = true): each unit's reduce-scatter / all-reduce runs on the worker while backward goes on.\n")
+    md.append("| model | np | configuration | exposed all-gather ms/step | prefetched all-gathers/step | exposed reduction ms/step | "
+              "overlapped reductions/step | median step ms |")
+    md.append("|---|---:|---|---:|---:|---:|---:|---:|")
     for a in results["training"]:
-        if a.get("exposed_all_gather_ms_per_step") is None or not a["config"].startswith("fsdp FULL_SHARD") or a["np"] < 2:
+        if a.get("exposed_all_gather_ms_per_step") is None or not a["config"].startswith("fsdp") or a["np"] < 2:
             continue
+        overlapped = (a.get("reductions_overlapped_per_step") or 0) > 0
+        if overlapped:
+            reduce_ms = a.get("exposed_reduce_ms_per_step")
+        else:
+            kinds = a.get("comm") or {}
+            reduce_ms = sum(1000 * (kinds.get(k, {}).get("seconds_per_step") or 0) for k in ("reduce_scatter", "all_reduce")) if kinds else None
         md.append(f"| {a['model']} | {a['np']} | {a['config']} | {fmt(a['exposed_all_gather_ms_per_step'], '{:.2f}')} | "
-                  f"{fmt(a.get('prefetched_per_step'), '{:.1f}')} | {fmt(a.get('step_ms_median'))} |")
+                  f"{fmt(a.get('prefetched_per_step'), '{:.1f}')} | {fmt(reduce_ms, '{:.2f}')} | "
+                  f"{fmt(a.get('reductions_overlapped_per_step'), '{:.1f}')} | {fmt(a.get('step_ms_median'))} |")
     md.append("")
 
     md.append("## Collective bandwidth inside training against raw MPI at the same sizes\n")
@@ -451,27 +475,35 @@ def write_report(results):
               "slowest rank.\n")
     md.append("Every fsdp-train run sets FSDP_COMM_SKEW_PROBE=1: a timed barrier before each collective takes the waiting for "
               "the slowest rank out of the collectives' seconds (reported as skew, all collectives of the step together).\n")
+    md.append("Raw with cold caches (all-gather): the same fsdp::MpiComm::all_gather into an output buffer allocated for the call, "
+              "after a 64 MiB buffer was written outside the timed span, as inside training, where the computation between two "
+              "gathers evicts the shard, the gathered buffer and MPI's shared-memory segments from the caches.\n")
     md.append("| model | np | configuration | collective | MB per step (eval included) | ms per step | skew ms per step (all collectives) | "
-              "in training GB/s | raw MPI GB/s | raw fsdp::MpiComm GB/s | training / raw (fsdp::MpiComm; MPI for all_reduce) |")
-    md.append("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+              "in training GB/s | raw MPI GB/s | raw fsdp::MpiComm GB/s | raw fsdp::MpiComm, cold caches GB/s | training / raw (fsdp::MpiComm) | "
+              "training / raw, cold caches |")
+    md.append("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results["bandwidth"]:
         raws = RAW_KIND[r["collective"]]
         md.append(f"| {r['model']} | {r['np']} | {r['config']} | {r['collective']} | {r['bytes_per_step'] / 1e6:.2f} | "
                   f"{fmt(r['seconds_per_step'] and 1000 * r['seconds_per_step'], '{:.2f}')} | {fmt(r.get('skew_ms_per_step'), '{:.2f}')} | "
                   f"{fmt(r['train_gbps'], '{:.2f}')} | "
-                  f"{fmt(r.get('raw_' + raws[0] + '_gbps'), '{:.2f}')} | {fmt(r.get('raw_' + raws[1] + '_gbps') if len(raws) > 1 else None, '{:.2f}')} | "
-                  f"{fmt(r['train_of_raw'], '{:.0%}')} |")
+                  f"{fmt(r.get('raw_' + raws[0] + '_gbps'), '{:.2f}')} | {fmt(r.get('raw_' + raws[1] + '_gbps'), '{:.2f}')} | "
+                  f"{fmt(r.get('raw_' + raws[2] + '_gbps') if len(raws) > 2 else None, '{:.2f}')} | "
+                  f"{fmt(r['train_of_raw'], '{:.0%}')} | {fmt(r.get('train_of_raw_cold'), '{:.0%}')} |")
     for np_, d in sorted(results["mpi_bandwidth"].items()):
         if "error" in d:
             md.append(f"\nfsdp_mpi_bandwidth at np {np_} failed: {d['error']}")
     md.append("\nRaw MPI per size (GB/s, median):\n")
-    md.append("| np | numel | MB | MPI_Allgather | MPI_Reduce_scatter_block | fsdp all_gather | fsdp reduce_scatter (ring) | MPI_Allreduce |")
-    md.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    md.append("| np | numel | MB | MPI_Allgather | MPI_Reduce_scatter_block | fsdp all_gather | fsdp all_gather, fresh buffer | "
+              "fsdp all_gather, cold caches | fsdp all_gather, both | fsdp reduce_scatter (ring) | MPI_Allreduce | fsdp all_reduce (ring + all-gather) |")
+    md.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for np_, d in sorted(results["mpi_bandwidth"].items()):
         for s in d.get("sizes", []):
             k = s["kinds"]
             md.append(f"| {np_} | {s['numel']} | {s['bytes'] / 1e6:.2f} | {k['allgather']['gbps']:.2f} | {k['reduce_scatter_block']['gbps']:.2f} | "
-                      f"{k['fsdp_all_gather']['gbps']:.2f} | {k['fsdp_reduce_scatter']['gbps']:.2f} | {k['allreduce']['gbps']:.2f} |")
+                      f"{k['fsdp_all_gather']['gbps']:.2f} | {k['fsdp_all_gather_fresh']['gbps']:.2f} | {k['fsdp_all_gather_cold']['gbps']:.2f} | "
+                      f"{k['fsdp_all_gather_fresh_cold']['gbps']:.2f} | {k['fsdp_reduce_scatter']['gbps']:.2f} | {k['allreduce']['gbps']:.2f} | "
+                      f"{k['fsdp_all_reduce']['gbps']:.2f} |")
     md.append("")
 
     ck = results.get("checkpoint")

@@ -159,3 +159,24 @@ run(0 ${train2} ${DECK} ${deferred} --set data.batch_size=8 --set run.out_dir=${
 run(0 ${train1} ${DECK} ${deferred} --set data.batch_size=16 --set run.out_dir=${WORK_DIR}/deferred1)
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/deferred2/checkpoints ${WORK_DIR}/deferred1/checkpoints --rtol 1e-5)
 expect_in("${last_output}" "checkpoints match")
+
+# 13. Overlapped gradient reductions (fsdp.overlap_grad_reduce = true: reduce-scatters and all-reduces
+#     on the collective worker while backward goes on) end with the same weights, bit for bit, as
+#     reductions on the computing thread, for FULL_SHARD (against the smoke run) and NO_SHARD;
+#     summary.json says how many ran overlapped.
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/overlap --set fsdp.overlap_grad_reduce=true)
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/overlap/checkpoints ${WORK_DIR}/smoke/checkpoints)
+expect_in("${last_output}" "checkpoints match")
+file(READ ${WORK_DIR}/overlap/summary.json summary)
+string(JSON overlapped GET "${summary}" overlap reductions_overlapped)
+string(JSON synchronous GET "${summary}" overlap reductions_synchronous)
+if(overlapped LESS 24 OR NOT synchronous EQUAL 0)
+  message(FATAL_ERROR "overlap_grad_reduce=true: ${overlapped} reductions overlapped, ${synchronous} synchronous in 24 steps")
+endif()
+set(no_shard --set fsdp.sharding_strategy=NO_SHARD --set run.max_steps=8 --set checkpoint.every_steps=0)
+run(0 ${train2} ${DECK} ${no_shard} --set run.out_dir=${WORK_DIR}/no_shard_sync --set fsdp.overlap_grad_reduce=false)
+run(0 ${train2} ${DECK} ${no_shard} --set run.out_dir=${WORK_DIR}/no_shard_overlap --set fsdp.overlap_grad_reduce=true)
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/no_shard_overlap/checkpoints ${WORK_DIR}/no_shard_sync/checkpoints)
+expect_in("${last_output}" "checkpoints match")
+string(JSON exposed GET "${summary}" overlap exposed_reduce_s avg)
+message(STATUS "overlapped ${overlapped} gradient reductions; exposed reduction time ${exposed} s per rank")

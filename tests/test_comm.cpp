@@ -3,6 +3,7 @@
 #include <boost/test/unit_test.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "fsdp/comm/mpi_comm.hpp"
@@ -160,4 +161,59 @@ BOOST_AUTO_TEST_CASE(placement_on_one_machine) {
   BOOST_TEST(p.nodes == 1);  // every rank of a test run shares this machine
   BOOST_TEST(p.local_size == w.size());
   BOOST_TEST(p.local_rank == w.rank());
+}
+
+// The collective worker's communicators wait by polling and sleeping (set_waiting_yields_cpu): every
+// collective must give the same bits as the blocking form, floating-point all-reduce included (both
+// run the ring, whose order of additions is fixed), in place and not, for sizes that are and are not
+// multiples of the ranks.
+BOOST_AUTO_TEST_CASE(yielding_waits_give_the_same_bits_as_blocking) {
+  auto blocking = MpiComm::world();
+  auto yielding = blocking.split(0, blocking.rank());
+  yielding.set_waiting_yields_cpu(true);
+  BOOST_TEST(yielding.waiting_yields_cpu());
+  BOOST_TEST(!blocking.waiting_yields_cpu());
+  const int world = blocking.size();
+  for (std::int64_t n : {1, 7, 64, 10001}) {
+    BOOST_TEST_CONTEXT("n=" << n) {
+      std::vector<float> x(static_cast<std::size_t>(n * world));
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::sin(static_cast<float>(i) * 0.37f + static_cast<float>(blocking.rank())) * 1e3f;
+      for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+        std::vector<float> a(x), b(x), c(x.size()), d(x.size());
+        blocking.all_reduce(a.data(), a.data(), n, DType::kFloat32, op);  // in place
+        yielding.all_reduce(b.data(), b.data(), n, DType::kFloat32, op);
+        blocking.all_reduce(x.data(), c.data(), n * world, DType::kFloat32, op);  // out of place, another size
+        yielding.all_reduce(x.data(), d.data(), n * world, DType::kFloat32, op);
+        BOOST_TEST(std::memcmp(a.data(), b.data(), static_cast<std::size_t>(n) * 4) == 0);
+        BOOST_TEST(std::memcmp(c.data(), d.data(), c.size() * 4) == 0);
+        for (std::int64_t i = 0; i < n; ++i) {  // and the value: the sum over ranks
+          double expect = 0;
+          for (int r = 0; r < world; ++r) expect += std::sin(static_cast<float>(i) * 0.37f + static_cast<float>(r)) * 1e3f;
+          if (op == ReduceOp::kAvg) expect /= world;
+          BOOST_TEST(a[static_cast<std::size_t>(i)] == expect, boost::test_tools::tolerance(1e-4));
+        }
+        std::vector<float> rs1(static_cast<std::size_t>(n)), rs2(static_cast<std::size_t>(n));
+        blocking.reduce_scatter(x.data(), rs1.data(), n, DType::kFloat32, op);
+        yielding.reduce_scatter(x.data(), rs2.data(), n, DType::kFloat32, op);
+        BOOST_TEST(std::memcmp(rs1.data(), rs2.data(), rs1.size() * 4) == 0);
+      }
+      std::vector<float> g1(x.size()), g2(x.size());
+      blocking.all_gather(x.data(), g1.data(), n, DType::kFloat32);
+      yielding.all_gather(x.data(), g2.data(), n, DType::kFloat32);
+      BOOST_TEST(std::memcmp(g1.data(), g2.data(), g1.size() * 4) == 0);
+      std::vector<std::uint16_t> h1(static_cast<std::size_t>(n)), h2(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) h1[static_cast<std::size_t>(i)] = h2[static_cast<std::size_t>(i)] = fsdp::detail::float_to_bf16(x[static_cast<std::size_t>(i)]);
+      blocking.all_reduce(h1.data(), h1.data(), n, DType::kBFloat16, ReduceOp::kAvg);
+      yielding.all_reduce(h2.data(), h2.data(), n, DType::kBFloat16, ReduceOp::kAvg);
+      BOOST_TEST(h1 == h2);
+      std::vector<std::int64_t> i1(3, blocking.rank() + 1), i2(i1);
+      blocking.all_reduce(i1.data(), i1.data(), 3, DType::kInt64, ReduceOp::kSum);
+      yielding.all_reduce(i2.data(), i2.data(), 3, DType::kInt64, ReduceOp::kSum);
+      BOOST_TEST(i1 == i2);
+      std::vector<float> bc(static_cast<std::size_t>(n), static_cast<float>(blocking.rank()));
+      yielding.broadcast(bc.data(), n, DType::kFloat32, world - 1);
+      BOOST_TEST(bc.front() == static_cast<float>(world - 1));
+      BOOST_TEST(bc.back() == static_cast<float>(world - 1));
+    }
+  }
 }

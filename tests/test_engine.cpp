@@ -685,6 +685,41 @@ BOOST_AUTO_TEST_CASE(prefetching_overlaps_and_changes_no_result) {
   BOOST_TEST(fsdp::parse_backward_prefetch("backward_post") == fsdp::BackwardPrefetch::BACKWARD_POST);
 }
 
+BOOST_AUTO_TEST_CASE(overlapped_gradient_reductions_change_no_result) {
+  // Reductions on the collective worker (the default) against reductions on the computing thread:
+  // bit-identical parameters for every strategy, with and without prefetching and accumulation, and
+  // the overlap statistics say which path ran.
+  const int world = MpiComm::world().size();
+  for (const auto kind : {ModelKind::kMlp, ModelKind::kCnn}) {
+    for (const auto& [strategy, group] : strategies_and_groups(world)) {
+      for (const auto& [prefetch, accum] : {std::pair{false, 1}, std::pair{true, 1}, std::pair{false, 2}}) {
+        BOOST_TEST_CONTEXT("np=" << world << " model=" << static_cast<int>(kind) << " strategy=" << strategy << " group=" << group
+                                 << " prefetch=" << prefetch << " accumulate=" << accum) {
+          FsdpOptions options;
+          options.sharding_strategy = strategy;
+          options.shard_group_size = group;
+          options.auto_wrap_policy = kind == ModelKind::kCnn ? AutoWrapPolicy::module_types({"Conv2d", "Linear"}) : AutoWrapPolicy::size_based(200);
+          if (prefetch) options.backward_prefetch = fsdp::BackwardPrefetch::BACKWARD_PRE;
+          const Setup setup{.accum = accum};
+          options.overlap_grad_reduce = false;
+          const auto sync = train_fsdp(kind, OptimKind::kAdam, options, setup);
+          options.overlap_grad_reduce = true;
+          const auto overlapped = train_fsdp(kind, OptimKind::kAdam, options, setup);
+          for (const auto& [name, t] : overlapped.params) BOOST_TEST(torch::equal(t, sync.params.at(name)), "overlapped reduction changed " << name);
+          BOOST_TEST(sync.overlap.reductions_overlapped == 0);
+          BOOST_TEST(sync.overlap.reductions_synchronous > 0);
+          if (world > 1) {
+            BOOST_TEST(overlapped.overlap.reductions_overlapped == sync.overlap.reductions_synchronous);
+            BOOST_TEST(overlapped.overlap.reductions_synchronous == 0);
+          } else {
+            BOOST_TEST(overlapped.overlap.reductions_overlapped == 0);  // nothing to reduce across ranks
+          }
+        }
+      }
+    }
+  }
+}
+
 namespace {
 /// Five Linear units and a BatchNorm (buffers) under the root; with `meta`, each layer's storage is
 /// released (fsdp::defer_init) right after it is built, so the whole model never exists in memory.
@@ -858,7 +893,9 @@ BOOST_AUTO_TEST_CASE(no_sync_moves_no_gradient_bytes) {
       options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
       auto model = fsdp::make_fsdp(net, world, options);
       auto reduced_bytes = [&] {
-        return model->shard_comm().counters().reduce_scatter_bytes + model->replica_comm().counters().all_reduce_bytes;
+        // All of the engine's communicators: overlapped reductions run on the worker's duplicates.
+        const auto c = model->comm_counters();
+        return c.reduce_scatter_bytes + c.all_reduce_bytes;
       };
       const auto before = reduced_bytes();
       {

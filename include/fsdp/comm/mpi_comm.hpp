@@ -208,6 +208,16 @@ class MpiComm {
   CommCounters counters() const noexcept { return state_->counters; }
   void reset_counters() noexcept { state_->counters = {}; }
 
+  /// How this communicator's blocking collectives wait for their peers. By default MPI spins, which
+  /// is fastest for the thread that computes. A background thread (the engine's collective worker)
+  /// that spins takes a core from computation, and on a node with as many busy threads as cores every
+  /// microsecond it waits for a slower rank is a microsecond of computation lost. With
+  /// `yield_cpu`, the collectives run as their non-blocking forms (the same algorithms for
+  /// reduce-scatter; MPI's non-blocking all-reduce for all-reduce) and the thread polls them, spinning
+  /// only briefly and then sleeping between polls. Set it on a communicator only one thread uses.
+  void set_waiting_yields_cpu(bool yield_cpu) noexcept { state_->yield_cpu = yield_cpu; }
+  bool waiting_yields_cpu() const noexcept { return state_->yield_cpu; }
+
   /// Ranks on this node (MPI_COMM_TYPE_SHARED), and this rank's index among them. Collective.
   MpiComm split_node() const {
     MPI_Comm node = MPI_COMM_NULL;
@@ -247,6 +257,11 @@ class MpiComm {
     const CollectiveWatchdog::Scope watched("all_gather");
     const int c = detail::checked_count(n, "all_gather");
     if (size() == 1) return copy_if_distinct(send, recv, n, t);
+    if (state_->yield_cpu) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      FSDP_MPI_CHECK(MPI_Iallgather(send, c, detail::mpi_datatype(t), recv, c, detail::mpi_datatype(t), state_->comm, &r));
+      return complete_yielding(&r, 1);
+    }
     FSDP_MPI_CHECK(MPI_Allgather(send, c, detail::mpi_datatype(t), recv, c, detail::mpi_datatype(t), state_->comm));
   }
 
@@ -273,8 +288,14 @@ class MpiComm {
       copy_if_distinct(send, recv, n, t);
       return;
     }
-    if (!detail::mpi_can_reduce(t)) return all_reduce_16bit(send, recv, n, t, op);
-    FSDP_MPI_CHECK(MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, c, detail::mpi_datatype(t), detail::mpi_op(op), state_->comm));
+    if (is_floating(t) && op != ReduceOp::kMax) return all_reduce_ring(send, recv, n, t, op);
+    if (state_->yield_cpu) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      FSDP_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, c, detail::mpi_datatype(t), detail::mpi_op(op), state_->comm, &r));
+      complete_yielding(&r, 1);
+    } else {
+      FSDP_MPI_CHECK(MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, c, detail::mpi_datatype(t), detail::mpi_op(op), state_->comm));
+    }
     if (op == ReduceOp::kAvg) detail::scale_buffer(recv, n, t, 1.0 / size());
   }
 
@@ -284,6 +305,11 @@ class MpiComm {
     const Stopwatch timed(state_->counters.broadcast_seconds, "broadcast", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const CollectiveWatchdog::Scope watched("broadcast");
     if (size() == 1) return;
+    if (state_->yield_cpu) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      FSDP_MPI_CHECK(MPI_Ibcast(buf, detail::checked_count(n, "broadcast"), detail::mpi_datatype(t), root, state_->comm, &r));
+      return complete_yielding(&r, 1);
+    }
     FSDP_MPI_CHECK(MPI_Bcast(buf, detail::checked_count(n, "broadcast"), detail::mpi_datatype(t), root, state_->comm));
   }
 
@@ -380,6 +406,7 @@ class MpiComm {
     int rank = 0;
     int size = 1;
     CommCounters counters;
+    bool yield_cpu = false;          // set_waiting_yields_cpu
     std::vector<std::byte> scratch;  // ring buffers, reused across calls
     ~State() {
       int finalized = 0;
@@ -405,20 +432,40 @@ class MpiComm {
     if (send != recv && n > 0) std::memmove(recv, send, static_cast<std::size_t>(n) * dtype_bytes(t));
   }
 
-  // MPI has no reduction for bf16/fp16: a ring reduce-scatter with our own (fp32) add over the buffer
-  // padded to a multiple of the ranks, then an all-gather of the reduced chunks.
-  void all_reduce_16bit(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
-    if (op == ReduceOp::kMax) throw CommError("all_reduce max of " + std::string(dtype_name(t)) + " is not supported");
+  static constexpr bool is_floating(DType t) noexcept {
+    return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kFloat16 || t == DType::kBFloat16;
+  }
+
+  // Floating-point sums: the ring reduce-scatter (our own add; MPI has none for bf16/fp16) over the
+  // buffer padded to a multiple of the ranks, then an all-gather of the reduced chunks. The order of
+  // additions is fixed by the ring, not by MPI's choice of algorithm, so blocking and yielding waits
+  // (MPI's blocking and non-blocking all-reduce differ) give the same bits; the bandwidth is MPI's
+  // all-reduce's (docs/performance.md, raw MPI table).
+  void all_reduce_ring(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     const std::int64_t chunk = (n + size() - 1) / size();
     const std::size_t eb = dtype_bytes(t);
-    std::vector<std::byte> padded(static_cast<std::size_t>(chunk * size()) * eb, std::byte{0});
-    std::memcpy(padded.data(), send, static_cast<std::size_t>(n) * eb);
-    std::vector<std::byte> mine(static_cast<std::size_t>(chunk) * eb);
-    ring_reduce_scatter(padded.data(), mine.data(), chunk, t);
-    if (op == ReduceOp::kAvg) detail::scale_buffer(mine.data(), chunk, t, 1.0 / size());
+    const bool pad = chunk * size() != n;
+    std::unique_ptr<std::byte[]> padded;
+    const void* source = send;
+    void* target = recv;
+    if (pad) {  // only when n is not a multiple of the ranks
+      padded.reset(new std::byte[static_cast<std::size_t>(chunk * size()) * eb]);
+      std::memcpy(padded.get(), send, static_cast<std::size_t>(n) * eb);
+      std::memset(padded.get() + n * eb, 0, static_cast<std::size_t>(chunk * size() - n) * eb);
+      source = target = padded.get();
+    }
+    std::unique_ptr<std::byte[]> mine(new std::byte[static_cast<std::size_t>(chunk) * eb]);
+    ring_reduce_scatter(source, mine.get(), chunk, t);  // reads all of `source` before `target` is written
+    if (op == ReduceOp::kAvg) detail::scale_buffer(mine.get(), chunk, t, 1.0 / size());
     const int c = detail::checked_count(chunk, "all_reduce");
-    FSDP_MPI_CHECK(MPI_Allgather(mine.data(), c, detail::mpi_datatype(t), padded.data(), c, detail::mpi_datatype(t), state_->comm));
-    std::memcpy(recv, padded.data(), static_cast<std::size_t>(n) * eb);
+    if (state_->yield_cpu) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      FSDP_MPI_CHECK(MPI_Iallgather(mine.get(), c, detail::mpi_datatype(t), target, c, detail::mpi_datatype(t), state_->comm, &r));
+      complete_yielding(&r, 1);
+    } else {
+      FSDP_MPI_CHECK(MPI_Allgather(mine.get(), c, detail::mpi_datatype(t), target, c, detail::mpi_datatype(t), state_->comm));
+    }
+    if (pad) std::memcpy(recv, padded.get(), static_cast<std::size_t>(n) * eb);
   }
 
   // Ring reduce-scatter: at step s rank r sends its running sum of chunk (r-s-1) to r+1 and receives
@@ -444,9 +491,31 @@ class MpiComm {
       const int send_idx = ((r - s - 1) % world + world) % world;
       const int recv_idx = ((r - s - 2) % world + world) % world;
       const void* out = s == 0 ? static_cast<const void*>(src + send_idx * chunk_bytes) : static_cast<const void*>(acc);
-      FSDP_MPI_CHECK(MPI_Sendrecv(out, c, type, next, 7301, incoming, c, type, prev, 7301, state_->comm, MPI_STATUS_IGNORE));
+      if (state_->yield_cpu) {
+        MPI_Request pair[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+        FSDP_MPI_CHECK(MPI_Irecv(incoming, c, type, prev, 7301, state_->comm, &pair[0]));
+        FSDP_MPI_CHECK(MPI_Isend(out, c, type, next, 7301, state_->comm, &pair[1]));
+        complete_yielding(pair, 2);
+      } else {
+        FSDP_MPI_CHECK(MPI_Sendrecv(out, c, type, next, 7301, incoming, c, type, prev, 7301, state_->comm, MPI_STATUS_IGNORE));
+      }
       std::byte* target = (s == world - 2) ? static_cast<std::byte*>(recv) : acc;
       detail::add_buffers(src + recv_idx * chunk_bytes, incoming, target, n, t);
+    }
+  }
+
+  // Completes `count` requests for a thread that should not hold a core while it waits: polls them,
+  // spinning for the first kSpin (a transfer in progress needs MPI to be called to move on), then
+  // sleeping kNap between polls (the peers are late; the computing threads get the core).
+  static void complete_yielding(MPI_Request* requests, int count) {
+    constexpr auto kSpin = std::chrono::microseconds(50);
+    constexpr auto kNap = std::chrono::microseconds(20);
+    const auto began = std::chrono::steady_clock::now();
+    for (;;) {
+      int done = 0;
+      FSDP_MPI_CHECK(MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE));
+      if (done) return;
+      if (std::chrono::steady_clock::now() - began > kSpin) std::this_thread::sleep_for(kNap);
     }
   }
 

@@ -20,6 +20,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <map>
 #include <memory>
 #include <optional>
@@ -106,6 +108,9 @@ struct OverlapStats {
   std::int64_t prefetched = 0;             ///< unit all-gathers issued ahead on the collective worker
   std::int64_t gathered_on_demand = 0;     ///< unit all-gathers run when the unit was needed
   double exposed_all_gather_seconds = 0;   ///< time the computing thread waited for unit all-gathers
+  std::int64_t reductions_overlapped = 0;  ///< gradient reductions run on the collective worker during backward
+  std::int64_t reductions_synchronous = 0; ///< gradient reductions run by the computing thread
+  double exposed_reduce_seconds = 0;       ///< time the computing thread waited for gradient reductions
 };
 
 /// Mixed precision (PyTorch's MixedPrecision). The optimizer keeps full-precision master shards; an
@@ -168,6 +173,17 @@ struct FsdpOptions {
   bool forward_prefetch = false;
   /// At most this many prefetched units in flight or gathered ahead of use (memory bound); 0: no limit.
   int limit_all_gathers = 1;
+  /// Overlap of gradient reductions with the rest of backward (what PyTorch does on its reduction
+  /// stream and DDP with its buckets): a unit's reduce-scatter / all-reduce runs on the collective
+  /// worker thread while backward goes on to earlier units; backward waits for all of them at its end
+  /// and then adds each reduced gradient to its shard's grad, in the order the units finished, so the
+  /// result is bit-identical to reducing synchronously. Sharded units keep at most
+  /// kMaxReductionsInFlight unreduced gradients alive (memory bound); NO_SHARD holds its full gradients
+  /// anyway. It pays where the worker has a core to itself: on a node whose cores are all busy
+  /// computing, the worker's copies and reductions slow the computation by about what they hide
+  /// (docs/performance.md). With MpiComm, MPI must be initialized with MPI_THREAD_MULTIPLE; NcclComm
+  /// reduces on its own stream and ignores it.
+  bool overlap_grad_reduce = false;
   /// PyTorch's param_init_fn, for memory-bounded construction: (re)initializes the parameters and
   /// buffers `module` holds itself (not its children's). When set, the engine calls it for every
   /// module, unit by unit, right before flattening that unit, with the CPU RNG seeded from init_seed
@@ -355,7 +371,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (!module_) throw ConfigError("FullyShardedDataParallel: module is null");
     setup_groups();
     build_units();
-    setup_prefetch();
+    setup_overlap();
     engine_id_ = detail::next_engine_id();
     detail::reducer_registry()[engine_id_] = this;
   }
@@ -363,6 +379,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   ~FullyShardedDataParallel() override {
     for (auto& u : units_)
       if (u->in_flight.valid()) u->in_flight.wait();  // the worker writes into `full`
+    for (auto& r : pending_reductions_) r.done.wait();  // ... and into gradient buffers
     worker_.reset();
     detail::reducer_registry().erase(engine_id_);
     auto& hooks = detail::hook_registry();
@@ -591,7 +608,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       CommCounters total = world_.counters();
       total += shard_comm_.counters();
       total += replica_comm_.counters();
-      if (prefetch_comm_) total += prefetch_comm_->counters();  // the collective worker's all-gathers
+      if (prefetch_comm_) total += prefetch_comm_->counters();  // the collective worker's all-gathers and reduce-scatters
+      if (worker_replica_comm_) total += worker_replica_comm_->counters();  // ... and all-reduces
       return total;
     } else {
       return {};
@@ -666,19 +684,37 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     replica_comm_ = world_.split(r % group, r);
   }
 
-  void setup_prefetch() {
-    const bool wanted = options_.backward_prefetch != BackwardPrefetch::NO_PREFETCH || options_.forward_prefetch;
+  static bool comm_threads_may_call_concurrently() {
+    if constexpr (requires { Comm::threads_may_call_concurrently(); }) return Comm::threads_may_call_concurrently();
+    else return true;
+  }
+
+  void setup_overlap() {
+    const bool prefetch_wanted = options_.backward_prefetch != BackwardPrefetch::NO_PREFETCH || options_.forward_prefetch;
     if (options_.limit_all_gathers < 0) throw ConfigError("limit_all_gathers must be >= 0, got " + std::to_string(options_.limit_all_gathers));
-    if (!wanted || shard_comm_.size() == 1) return;  // nothing is all-gathered: nothing to overlap
-    if constexpr (requires { Comm::threads_may_call_concurrently(); }) {
-      if (!Comm::threads_may_call_concurrently())
-        throw ConfigError("prefetching runs all-gathers on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
-                          "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
-    }
-    prefetch_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));  // a duplicate: its own collective sequence
+    const bool prefetch = prefetch_wanted && shard_comm_.size() > 1;  // else nothing is all-gathered: nothing to overlap
+    if (prefetch && !comm_threads_may_call_concurrently())
+      throw ConfigError("prefetching runs all-gathers on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
+                        "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
+    // A GPU communicator's collectives already run on their own stream: reductions stay as they are.
+    overlap_reduce_ = options_.overlap_grad_reduce && world_.size() > 1 && !comm_moves_device_memory<Comm>();
+    if (overlap_reduce_ && !comm_threads_may_call_concurrently())
+      throw ConfigError("overlap_grad_reduce runs reductions on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
+                        "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
+    // Duplicates of the groups: the worker's collectives form their own sequence on every rank.
+    // Every collective is issued in the same order everywhere, so both groups are split on all ranks.
+    if (prefetch || (overlap_reduce_ && shard_comm_.size() > 1)) prefetch_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));
+    if (overlap_reduce_ && replica_comm_.size() > 1) worker_replica_comm_.emplace(replica_comm_.split(0, replica_comm_.rank()));
     // A GPU communicator overlaps on its own stream: the prefetch is a non-blocking collective issued
     // from this thread (one issuing order on every rank). MPI needs the worker thread.
-    if constexpr (!comm_moves_device_memory<Comm>()) worker_ = std::make_unique<detail::CollectiveWorker>();
+    if constexpr (!comm_moves_device_memory<Comm>()) {
+      if (prefetch || overlap_reduce_) worker_ = std::make_unique<detail::CollectiveWorker>();
+      // The worker runs beside the computing threads: waiting for a late peer must not take their core.
+      if constexpr (requires(Comm& c) { c.set_waiting_yields_cpu(true); }) {
+        if (prefetch_comm_) prefetch_comm_->set_waiting_yields_cpu(true);
+        if (worker_replica_comm_) worker_replica_comm_->set_waiting_yields_cpu(true);
+      }
+    }
   }
 
   // Issues unit `index`'s all-gather on the worker if prefetching is on, the unit will need one and the
@@ -1187,13 +1223,16 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     began_us = -1;
   }
 
+  void queue_end_of_backward() {
+    if (end_of_backward_queued_) return;
+    end_of_backward_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([id = engine_id_] {
+      if (const auto it = detail::reducer_registry().find(id); it != detail::reducer_registry().end()) it->second->end_of_backward();
+    });
+  }
+
   void pre_backward(int unit) override {
-    if (!end_of_backward_queued_) {
-      end_of_backward_queued_ = true;
-      torch::autograd::Engine::get_default_engine().queue_callback([id = engine_id_] {
-        if (const auto it = detail::reducer_registry().find(id); it != detail::reducer_registry().end()) it->second->end_of_backward();
-      });
-    }
+    queue_end_of_backward();
     if (Tracer::instance().enabled()) units_[static_cast<std::size_t>(unit)]->backward_began_us = Tracer::instance().now_us();
     if (unit == 0) {
       for (auto& u : units_)
@@ -1231,18 +1270,83 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     const auto reduce_dtype = mp.reduce_dtype ? *mp.reduce_dtype : (mp.param_dtype ? *mp.param_dtype : u.dtype);
     if (reduce_dtype != flat.scalar_type()) flat = flat.to(reduce_dtype);  // the collectives move these bytes
     const DType dt = detail::to_comm_dtype(flat.scalar_type());
-    CollectiveWatchdog::instance().set_unit(u.info.index);
-    torch::Tensor shard_grad = flat;
-    if (u.layout.group_size() > 1) {
-      shard_grad = torch::empty({u.layout.shard_numel()}, flat.options());
-      shard_comm_.reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), u.layout.shard_numel(), dt, ReduceOp::kAvg);
+    const bool sharded = u.layout.group_size() > 1;
+    torch::Tensor shard_grad = sharded ? torch::empty({u.layout.shard_numel()}, flat.options()) : flat;
+    if (overlap_reduce_) {
+      // The worker reduces while backward goes on; the shard's grad is set in end_of_backward, so
+      // autograd gets no gradient for the shard here.
+      queue_end_of_backward();
+      ++overlap_.reductions_overlapped;
+      if (sharded) {
+        // Memory bound: at most kMaxReductionsInFlight full-size unit gradients wait for the worker.
+        while (in_flight_sharded_reductions() >= kMaxReductionsInFlight) finish_oldest_reduction();
+      }
+      Comm* shard_group = sharded ? &*prefetch_comm_ : nullptr;
+      Comm* replica_group = worker_replica_comm_ ? &*worker_replica_comm_ : nullptr;
+      auto done = worker_->submit([shard_group, replica_group, flat, shard_grad, dt, unit = u.info.index] {
+        CollectiveWatchdog::instance().set_unit(unit);
+        if (shard_group) shard_group->reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
+        if (replica_group) replica_group->all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
+        CollectiveWatchdog::instance().set_unit(-1);
+      });
+      pending_reductions_.push_back({unit, sharded, std::move(done), shard_grad});
+      release_after_backward(u);
+      trace_unit_span(u.backward_began_us, "backward ", u);
+      return torch::Tensor();
     }
+    ++overlap_.reductions_synchronous;
+    CollectiveWatchdog::instance().set_unit(u.info.index);
+    if (sharded) shard_comm_.reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), u.layout.shard_numel(), dt, ReduceOp::kAvg);
     if (replica_comm_.size() > 1) replica_comm_.all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
     CollectiveWatchdog::instance().set_unit(-1);
     release_after_backward(u);
     trace_unit_span(u.backward_began_us, "backward ", u);
-    // Into the master shard's dtype and memory (host when offloaded).
+    return to_master(u, shard_grad);
+  }
+
+  // A reduced gradient in the master shard's dtype and memory (host when offloaded).
+  static torch::Tensor to_master(const detail::FlatUnit& u, const torch::Tensor& shard_grad) {
     return shard_grad.scalar_type() == u.dtype && !u.offloaded ? shard_grad : shard_grad.to(u.shard.device(), u.dtype);
+  }
+
+  int in_flight_sharded_reductions() const {
+    int n = 0;
+    for (const auto& r : pending_reductions_) n += r.sharded ? 1 : 0;
+    return n;
+  }
+
+  // Waits for the oldest overlapped reduction and does what autograd's AccumulateGrad would have done
+  // with the gradient: set the shard's grad, or add to it (the same arithmetic, in the same order).
+  void finish_oldest_reduction() {
+    PendingReduction r = std::move(pending_reductions_.front());
+    pending_reductions_.pop_front();
+    const auto began = std::chrono::steady_clock::now();
+    {
+      const TraceScope traced("wait for gradient reduction", "comm", {{"unit", static_cast<double>(r.unit)}});
+      const CollectiveWatchdog::Scope watched("gradient reduction (overlapped, waiting for the worker)");
+      r.done.get();  // rethrows the collective's CommError
+    }
+    overlap_.exposed_reduce_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    auto& u = *units_[static_cast<std::size_t>(r.unit)];
+    torch::NoGradGuard no_grad;
+    torch::Tensor grad = to_master(u, r.shard_grad);
+    auto& slot = u.shard.mutable_grad();
+    if (slot.defined()) slot.add_(grad);
+    else slot = grad.detach();
+  }
+
+  // Every overlapped reduction of this backward into its shard's grad. On an error the rest are still
+  // waited for (the worker writes into their buffers) and the first error is rethrown.
+  void finish_reductions() {
+    std::exception_ptr first;
+    while (!pending_reductions_.empty()) {
+      try {
+        finish_oldest_reduction();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
   }
 
   void release_after_backward(detail::FlatUnit& u) {
@@ -1258,6 +1362,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       u->pending_backward = 0;
       reshard(*u);
     }
+    finish_reductions();
   }
 
   void sync_buffers() {
@@ -1317,7 +1422,17 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   FsdpOptions options_;
   torch::Device compute_device_{torch::kCPU};
   std::optional<Comm> prefetch_comm_;                  // the worker's duplicate of the shard group
-  std::unique_ptr<detail::CollectiveWorker> worker_;   // runs prefetched all-gathers (when prefetching)
+  std::optional<Comm> worker_replica_comm_;            // the worker's duplicate of the replica group
+  std::unique_ptr<detail::CollectiveWorker> worker_;   // runs prefetched all-gathers and overlapped reductions
+  bool overlap_reduce_ = false;                        // gradient reductions run on the worker
+  struct PendingReduction {
+    int unit = -1;
+    bool sharded = false;               // holds a full-size unit gradient until reduced
+    std::shared_future<void> done;
+    torch::Tensor shard_grad;           // the worker's result
+  };
+  std::deque<PendingReduction> pending_reductions_;    // overlapped reductions of this backward, oldest first
+  static constexpr int kMaxReductionsInFlight = 2;
   std::vector<int> forward_order_;                     // nested units in the order this step's forward ran them
   std::vector<int> previous_forward_order_;            // ... and the previous forward's (forward prefetch)
   OverlapStats overlap_;
