@@ -50,6 +50,11 @@ std::vector<KeySpec> make_schema() {
                .description = "output folder (resolved deck, metrics, checkpoints); empty: runs/<run.name>"});
   s.push_back({.key = "run.threads", .type = T::kInt, .default_value = I{0}, .min = 0,
                .description = "intra-op threads per rank; 0: the node's cores divided by the ranks on the node"});
+  s.push_back({.key = "run.malloc_mmap_threshold_mib", .type = T::kInt, .default_value = I{0}, .min = 0, .max = I{32},
+               .description = "memory: allocations of at least this many MiB get their own mapping and go back to the system "
+                              "when freed (glibc's M_MMAP_THRESHOLD, fixed); peak RSS then follows the bytes live, at the cost of "
+                              "page faults on every large allocation. 0: glibc's default, a threshold that rises to 32 MiB and "
+                              "keeps freed memory in the heap (docs/performance.md)"});
   s.push_back({.key = "run.on_nonfinite", .type = T::kString, .default_value = "stop", .choices = {"stop", "skip"},
                .description = "a non-finite loss or gradient norm on any rank: stop (exit code 4, no checkpoint of the poisoned state) "
                               "or skip the step (no optimizer update)"});

@@ -126,6 +126,14 @@ void print_prediction(const Deck& deck, const ModelShape& shape, const RunShape&
   std::printf("  phases without the baseline: construction %.1f MiB, training step %.1f MiB, evaluation %.1f MiB\n", mib(p.construction_peak),
               mib(p.step_peak), run.evaluate ? mib(p.eval_peak) : 0.0);
   std::printf("predicted peak RSS per rank: %.1f MiB (during the %s)\n", mib(p.total_bytes), p.peak_phase.c_str());
+  // glibc's retained heap is the one cost a deck key removes: say what it would give.
+  if (run.mmap_threshold_bytes == 0 && p.retained_at_peak > p.total_bytes / 10) {
+    RunShape fixed = run;
+    fixed.mmap_threshold_bytes = std::int64_t{1} << 20;
+    const Prediction q = predict(shape, fixed);
+    std::printf("  with --set run.malloc_mmap_threshold_mib=1 (freed blocks of 1 MiB or more go back to the system; page faults on every "
+                "large allocation): %.1f MiB\n", mib(q.total_bytes));
+  }
 }
 
 /// `shape` with n_layers / d_model / hidden sizes changed (the search's knobs).

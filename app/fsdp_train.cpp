@@ -9,6 +9,7 @@
 #ifdef FSDP_WITH_NCCL
 #include <fsdp/comm/nccl_comm.hpp>
 #endif
+#include <malloc.h>
 #include <sched.h>
 #include <sys/resource.h>
 
@@ -525,6 +526,11 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   int threads = static_cast<int>(deck.get_int("run.threads"));
   if (threads == 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, placement.local_size));
   torch::set_num_threads(threads);
+  if (const auto mib = deck.get_int("run.malloc_mmap_threshold_mib"); mib > 0) {
+    // Before the model exists: its shards, gathered units and gradients are allocated from here on.
+    if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(mib << 20)) != 1)
+      throw DeckError(deck.entry("run.malloc_mmap_threshold_mib").where + ": run.malloc_mmap_threshold_mib: glibc refused " + std::to_string(mib) + " MiB");
+  }
   // Every rank must decide the same (the engine splits communicators for the worker): any rank
   // without a spare core turns the overlap off for all.
   double no_overlap = resolve_overlap_grad_reduce(deck, placement.local_size, threads) ? 0.0 : 1.0;

@@ -534,6 +534,7 @@ struct RunShape {
   WrapDesc wrap;
   double baseline_mib = kDefaultBaselineMib;
   double heap_factor = kDefaultHeapFactor;
+  std::int64_t mmap_threshold_bytes = 0;  ///< run.malloc_mmap_threshold_mib; 0: glibc's dynamic threshold
 };
 
 /// Optimizer state tensors per parameter element: fsdp-train's optimizer_state_copies().
@@ -592,6 +593,7 @@ inline RunShape run_shape(const Deck& deck, int world, int ranks_per_node, Shard
   if (find_key("fsdp.deferred_init")) r.deferred_init = deck.get_bool("fsdp.deferred_init");
   if (find_key("fsdp.backward_prefetch")) r.backward_prefetch = deck.get_string("fsdp.backward_prefetch");
   if (find_key("fsdp.forward_prefetch")) r.forward_prefetch = deck.get_bool("fsdp.forward_prefetch");
+  if (find_key("run.malloc_mmap_threshold_mib")) r.mmap_threshold_bytes = deck.get_int("run.malloc_mmap_threshold_mib") << 20;
   r.batch = deck.get_int("data.batch_size");
   r.data = data;
   const std::int64_t test_per_rank = (data.test_samples + world - 1) / world;
@@ -914,7 +916,9 @@ using MemArray = std::array<std::int64_t, kMemKinds>;
 /// (fragmentation).
 class MemorySim {
  public:
-  explicit MemorySim(double heap_factor = kDefaultHeapFactor) : heap_factor_(heap_factor) {}
+  /// `fixed_threshold` > 0: mallopt(M_MMAP_THRESHOLD) was called, the threshold no longer moves.
+  explicit MemorySim(double heap_factor = kDefaultHeapFactor, std::int64_t fixed_threshold = 0)
+      : heap_factor_(heap_factor), threshold_(fixed_threshold > 0 ? fixed_threshold : kMmapThresholdStartBytes), threshold_fixed_(fixed_threshold > 0) {}
   int alloc(Mem kind, std::int64_t bytes) {
     if (bytes <= 0) return -1;
     const bool mapped = bytes >= threshold_;
@@ -953,7 +957,7 @@ class MemorySim {
       live_[static_cast<std::size_t>(b.kind)] -= b.bytes;
       if (b.mapped) {
         mapped_ -= b.bytes;
-        if (b.bytes > threshold_ && b.bytes <= kMmapThresholdMaxBytes) threshold_ = b.bytes;  // glibc's dynamic threshold
+        if (!threshold_fixed_ && b.bytes > threshold_ && b.bytes <= kMmapThresholdMaxBytes) threshold_ = b.bytes;  // glibc's dynamic threshold
       } else {
         heap_ -= b.bytes;
       }
@@ -998,6 +1002,7 @@ class MemorySim {
   MemArray live_{}, max_{}, at_peak_{};
   double heap_factor_;
   std::int64_t heap_ = 0, heap_hw_ = 0, mapped_ = 0, threshold_ = kMmapThresholdStartBytes;
+  bool threshold_fixed_ = false;
   std::int64_t peak_ = 0, retained_at_peak_ = 0, live_peak_ = 0, mapped_at_peak_ = 0, heap_at_peak_ = 0;
   std::string phase_ = "start", peak_phase_;
   std::map<std::string, std::int64_t> phase_peak_;
@@ -1032,7 +1037,7 @@ namespace detail {
 class RunSimulator {
  public:
   RunSimulator(const ModelShape& shape, const ModelDesc& desc, const std::vector<PlanUnit>& units, const RunShape& run)
-      : shape_(shape), desc_(desc), units_(units), run_(run), mem_(run.heap_factor) {
+      : shape_(shape), desc_(desc), units_(units), run_(run), mem_(run.heap_factor, run.mmap_threshold_bytes) {
     module_unit_.assign(desc.modules.size(), -1);
     for (const auto& u : units) module_unit_[static_cast<std::size_t>(u.module)] = u.index;
     for (const auto& u : units)

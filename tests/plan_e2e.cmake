@@ -130,11 +130,20 @@ message(STATUS "process baseline measured: ${baseline} MiB (peak RSS ${rss0} / $
 
 # 3. Predicted against measured.
 set(report "")
-foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD")
+# A third field: run.malloc_mmap_threshold_mib (glibc's fixed mmap threshold; fsdp-plan models both).
+foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "mlp;FULL_SHARD;1" "gpt;NO_SHARD;1")
   list(GET case 0 deck)
   list(GET case 1 strategy)
   set(out ${WORK_DIR}/${deck}_${strategy})
-  set(sets ${common} --set fsdp.sharding_strategy=${strategy} --set run.out_dir=${out})
+  set(sets ${common} --set fsdp.sharding_strategy=${strategy})
+  list(LENGTH case fields)
+  if(fields GREATER 2)
+    list(GET case 2 mmap_mib)
+    set(out ${out}_mmap${mmap_mib})
+    list(APPEND sets --set run.malloc_mmap_threshold_mib=${mmap_mib})
+    set(strategy "${strategy} (mmap threshold ${mmap_mib} MiB)")
+  endif()
+  list(APPEND sets --set run.out_dir=${out})
   run(0 ${train2} ${WORK_DIR}/${deck}.toml ${sets})
   set(train_out "${last_output}")
   run(0 ${PLAN} ${WORK_DIR}/${deck}.toml --np 2 ${sets} --baseline-mib ${baseline})
