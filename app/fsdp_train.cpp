@@ -942,7 +942,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
        << ", \"avg\": " << exposed_all_gather.avg << ", \"max\": " << exposed_all_gather.max << "}";
     // Gradient reductions run on the worker while backward went on, and the time the computing
     // thread then waited for them (end of backward, or the in-flight bound).
-    js << ", \"overlap_grad_reduce\": " << (overlap_grad_reduce ? "true" : "false")
+    // NCCL reduces on its own stream: the setting is not used there.
+    js << ", \"overlap_grad_reduce\": " << (overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>() ? "true" : "false")
        << ", \"reductions_overlapped\": " << overlap.reductions_overlapped << ", \"reductions_synchronous\": " << overlap.reductions_synchronous
        << ", \"exposed_reduce_s\": {\"min\": " << exposed_reduce.min << ", \"avg\": " << exposed_reduce.avg << ", \"max\": " << exposed_reduce.max << "}";
     js << "\n  }\n}\n";

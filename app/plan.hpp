@@ -21,6 +21,7 @@
 #include <sstream>
 #include <string>
 #include <unordered_map>
+#include <thread>
 #include <vector>
 
 #include "deck.hpp"
@@ -527,6 +528,7 @@ struct RunShape {
   bool deferred_init = false;         ///< fsdp.deferred_init: the model is built and initialized unit by unit
   std::string backward_prefetch = "NO_PREFETCH";  ///< fsdp.backward_prefetch
   bool forward_prefetch = false;      ///< fsdp.forward_prefetch
+  bool overlap_grad_reduce = false;   ///< fsdp.overlap_grad_reduce, resolved (auto: see run_shape)
   std::int64_t batch = 64;       ///< per rank
   std::int64_t test_batch = 0;   ///< first evaluation batch per rank; 0: no evaluation
   bool evaluate = true;
@@ -593,6 +595,15 @@ inline RunShape run_shape(const Deck& deck, int world, int ranks_per_node, Shard
   if (find_key("fsdp.deferred_init")) r.deferred_init = deck.get_bool("fsdp.deferred_init");
   if (find_key("fsdp.backward_prefetch")) r.backward_prefetch = deck.get_string("fsdp.backward_prefetch");
   if (find_key("fsdp.forward_prefetch")) r.forward_prefetch = deck.get_bool("fsdp.forward_prefetch");
+  if (find_key("fsdp.overlap_grad_reduce")) {
+    // auto as fsdp-train decides it, for this machine's cores: a spare core per rank.
+    const std::string v = deck.get_string("fsdp.overlap_grad_reduce");
+    const auto threads = deck.get_int("run.threads");
+    const int local = ranks_per_node > 0 ? ranks_per_node : world;
+    const auto cores = static_cast<std::int64_t>(std::thread::hardware_concurrency());
+    const std::int64_t per_rank = threads > 0 ? threads : std::max<std::int64_t>(1, cores / local);
+    r.overlap_grad_reduce = v == "true" || (v == "auto" && world > 1 && local * per_rank < cores);
+  }
   if (find_key("run.malloc_mmap_threshold_mib")) r.mmap_threshold_bytes = deck.get_int("run.malloc_mmap_threshold_mib") << 20;
   r.batch = deck.get_int("data.batch_size");
   r.data = data;
@@ -1264,11 +1275,23 @@ class RunSimulator {
       flat = low;
     }
     int shard_grad = flat;
+    const bool overlapped = run_.overlap_grad_reduce && run_.group * run_.replicas > 1;
     if (run_.group > 1) {
       shard_grad = mem_.alloc(Mem::kGradFlight, u.shard * run_.reduce_bytes);
-      grow_scratch(shard_scratch_, shard_scratch_bytes_, 2 * u.shard * run_.reduce_bytes);
+      grow_scratch(overlapped ? worker_shard_scratch_ : shard_scratch_, overlapped ? worker_shard_scratch_bytes_ : shard_scratch_bytes_,
+                   2 * u.shard * run_.reduce_bytes);
     }
-    if (run_.replicas > 1) all_reduce(u.shard * run_.reduce_bytes, run_.reduce_bytes);
+    if (run_.replicas > 1) all_reduce(u.shard * run_.reduce_bytes, run_.reduce_bytes, overlapped);
+    if (overlapped && flat != shard_grad) {
+      // The engine keeps at most two unreduced unit gradients waiting for the worker; this one waits
+      // until two more are issued or backward ends (worst case: the worker is behind).
+      while (waiting_flats_.size() >= 2) {
+        mem_.free(waiting_flats_.front());
+        waiting_flats_.erase(waiting_flats_.begin());
+      }
+      waiting_flats_.push_back(flat);
+      flat = shard_grad;  // not freed below
+    }
     int returned = shard_grad;
     if (run_.reduce_bytes != 4) returned = mem_.alloc(Mem::kGradFlight, u.shard * 4);  // back to the master's dtype
     free_pending(ui);
@@ -1293,18 +1316,15 @@ class RunSimulator {
     bytes = want;
   }
 
-  // MPI_Allreduce (Open MPI allocates a receive buffer of the message size) or, for 16-bit floats, our
-  // ring reduce-scatter over a padded copy plus MPI_Allgather.
-  void all_reduce(std::int64_t bytes, int element_bytes) {
-    if (element_bytes == 4) {
-      int tmp = mem_.alloc(Mem::kComm, bytes);
-      mem_.free(tmp);
-      return;
-    }
+  // fsdp::MpiComm's floating-point all-reduce: the ring reduce-scatter (two chunks of scratch, kept by
+  // the communicator: the worker's own when overlapped) into a chunk, then MPI_Allgather; a padded
+  // copy only when the elements are not a multiple of the ranks.
+  void all_reduce(std::int64_t bytes, int element_bytes, bool overlapped) {
     const std::int64_t n = bytes / element_bytes, chunk = (n + run_.replicas - 1) / run_.replicas;
-    int padded = mem_.alloc(Mem::kComm, chunk * run_.replicas * element_bytes);
+    int padded = chunk * run_.replicas == n ? -1 : mem_.alloc(Mem::kComm, chunk * run_.replicas * element_bytes);
     int mine = mem_.alloc(Mem::kComm, chunk * element_bytes);
-    grow_scratch(replica_scratch_, replica_scratch_bytes_, 2 * chunk * element_bytes);
+    grow_scratch(overlapped ? worker_replica_scratch_ : replica_scratch_, overlapped ? worker_replica_scratch_bytes_ : replica_scratch_bytes_,
+                 2 * chunk * element_bytes);
     mem_.free(mine);
     mem_.free(padded);
   }
@@ -1371,8 +1391,11 @@ class RunSimulator {
       }
     }
     reduce(0, no_sync);
-    // end of backward: everything still gathered is freed; the step's tensors die.
+    // end of backward: everything still gathered is freed; the step's tensors die; the overlapped
+    // reductions are waited for.
     for (std::size_t ui = 0; ui < units_.size(); ++ui) reshard(static_cast<int>(ui));
+    for (int& h : waiting_flats_) mem_.free(h);
+    waiting_flats_.clear();
     for (auto& h : handle_) mem_.free(h);
     mem_.free(x);
     mem_.free(y);
@@ -1452,6 +1475,9 @@ class RunSimulator {
   int data_ = -1, indices_ = -1;
   int shard_scratch_ = -1, replica_scratch_ = -1;
   std::int64_t shard_scratch_bytes_ = 0, replica_scratch_bytes_ = 0;
+  int worker_shard_scratch_ = -1, worker_replica_scratch_ = -1;  // the collective worker's communicators
+  std::int64_t worker_shard_scratch_bytes_ = 0, worker_replica_scratch_bytes_ = 0;
+  std::vector<int> waiting_flats_;  // overlapped reductions' unit gradients not yet reduced
   std::vector<int> handle_, refs_;
   std::vector<int> order_, order_pos_;
   Trace train_trace_;

@@ -686,7 +686,7 @@ BOOST_AUTO_TEST_CASE(prefetching_overlaps_and_changes_no_result) {
 }
 
 BOOST_AUTO_TEST_CASE(overlapped_gradient_reductions_change_no_result) {
-  // Reductions on the collective worker (the default) against reductions on the computing thread:
+  // Reductions on the collective worker (overlap_grad_reduce) against reductions on the computing thread:
   // bit-identical parameters for every strategy, with and without prefetching and accumulation, and
   // the overlap statistics say which path ran.
   const int world = MpiComm::world().size();
@@ -885,11 +885,13 @@ BOOST_AUTO_TEST_CASE(frozen_parameters_match_single_process) {
 BOOST_AUTO_TEST_CASE(no_sync_moves_no_gradient_bytes) {
   auto world = MpiComm::world();
   for (const auto& [strategy, group] : strategies_and_groups(world.size())) {
-    BOOST_TEST_CONTEXT("strategy=" << strategy << " group=" << group) {
+   for (bool overlap : {false, true}) {
+    BOOST_TEST_CONTEXT("strategy=" << strategy << " group=" << group << " overlap_grad_reduce=" << overlap) {
       auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
       FsdpOptions options;
       options.sharding_strategy = strategy;
       options.shard_group_size = group;
+      options.overlap_grad_reduce = overlap;
       options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
       auto model = fsdp::make_fsdp(net, world, options);
       auto reduced_bytes = [&] {
@@ -909,6 +911,7 @@ BOOST_AUTO_TEST_CASE(no_sync_moves_no_gradient_bytes) {
       if (world.size() > 1) BOOST_TEST(reduced_bytes() > before);
       for (const auto& p : model->parameters()) BOOST_TEST(p.grad().defined());
     }
+   }
   }
 }
 
@@ -996,6 +999,52 @@ BOOST_AUTO_TEST_CASE(unit_called_twice_and_forward_without_backward) {
           options.all_units_called_through_forward = promise;
           BOOST_TEST(compare(train_twice(options, dropped), ref) <= 1e-5);
         }
+      }
+    }
+  }
+}
+
+/// TwiceImpl (a unit called twice per forward) trained with two backward passes per optimizer step
+/// accumulating into the shards' grads (no zero_grad between them), and at step 1 a backward that
+/// throws first (from a hook on the input, after every unit's reduction was issued), then zero_grad.
+std::map<std::string, torch::Tensor> train_twice_accumulating(const FsdpOptions& options, bool throw_once) {
+  auto world = MpiComm::world();
+  torch::manual_seed(11);
+  auto net = std::make_shared<TwiceImpl>();
+  auto model = fsdp::make_fsdp(net, world, options);
+  auto opt = make_optimizer(OptimKind::kAdam, model->parameters());
+  for (int step = 0; step < kSteps; ++step) {
+    auto gen = at::detail::createCPUGenerator(700 + step + 13 * world.rank());
+    if (throw_once && step == 1) {
+      auto x = torch::randn({2, 8}, gen).requires_grad_(true);
+      x.register_hook([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("a hook failed"); });
+      BOOST_CHECK_THROW(model->forward(x).pow(2).mean().backward(), std::exception);
+    }
+    opt->zero_grad();
+    for (int pass = 0; pass < 2; ++pass) model->forward(torch::randn({2, 8}, gen)).pow(2).mean().backward();
+    opt->step();
+  }
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [name, t] : model->full_parameters()) out[name] = t;
+  return out;
+}
+
+BOOST_AUTO_TEST_CASE(overlapped_reductions_accumulate_like_autograd_and_survive_a_failed_backward) {
+  // Two UnitGather nodes of one unit feed one AccumulateGrad, which adds their sum to an existing
+  // grad: the overlapped path must do the same arithmetic. A backward that throws never runs its
+  // end-of-backward callback: its overlapped reductions must not reach the next step.
+  const int world = MpiComm::world().size();
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+    for (bool throw_once : {false, true}) {
+      BOOST_TEST_CONTEXT("np=" << world << " strategy=" << strategy << " throw_once=" << throw_once) {
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+        options.overlap_grad_reduce = false;
+        const auto sync = train_twice_accumulating(options, throw_once);
+        options.overlap_grad_reduce = true;
+        const auto overlapped = train_twice_accumulating(options, throw_once);
+        for (const auto& [name, t] : overlapped) BOOST_TEST(torch::equal(t, sync.at(name)), "overlapped reduction changed " << name);
       }
     }
   }

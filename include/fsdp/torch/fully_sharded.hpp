@@ -1140,6 +1140,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
 
   void root_pre_forward() {
     end_of_backward_queued_ = false;  // a backward that threw never ran its end-of-backward callback
+    discard_reductions();             // ... nor waited for its overlapped reductions: they must not reach a later step
     if (!forward_order_.empty()) previous_forward_order_ = std::move(forward_order_);
     forward_order_.clear();
     for (auto& u : units_) {
@@ -1246,6 +1247,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
 
   torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
+    // A backward that builds a graph (create_graph) needs the shard gradient from this node itself.
+    const bool overlap = overlap_reduce_ && !torch::GradMode::is_enabled();
     if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(neighbour(forward_order_, unit, -1), /*for_backward=*/true);
     torch::NoGradGuard no_grad;
     auto flat = torch::empty({u.layout.padded_numel()}, u.shard.options().device(compute_device_).requires_grad(false));
@@ -1272,7 +1275,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     const DType dt = detail::to_comm_dtype(flat.scalar_type());
     const bool sharded = u.layout.group_size() > 1;
     torch::Tensor shard_grad = sharded ? torch::empty({u.layout.shard_numel()}, flat.options()) : flat;
-    if (overlap_reduce_) {
+    if (overlap) {
       // The worker reduces while backward goes on; the shard's grad is set in end_of_backward, so
       // autograd gets no gradient for the shard here.
       queue_end_of_backward();
@@ -1315,8 +1318,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     return n;
   }
 
-  // Waits for the oldest overlapped reduction and does what autograd's AccumulateGrad would have done
-  // with the gradient: set the shard's grad, or add to it (the same arithmetic, in the same order).
+  // Waits for the oldest overlapped reduction and sums it into its unit's gradient of this backward,
+  // as autograd's input buffer sums what several nodes send to one AccumulateGrad (a unit called
+  // twice); apply_reduced_grads() then does what AccumulateGrad does.
   void finish_oldest_reduction() {
     PendingReduction r = std::move(pending_reductions_.front());
     pending_reductions_.pop_front();
@@ -1330,9 +1334,34 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     auto& u = *units_[static_cast<std::size_t>(r.unit)];
     torch::NoGradGuard no_grad;
     torch::Tensor grad = to_master(u, r.shard_grad);
-    auto& slot = u.shard.mutable_grad();
-    if (slot.defined()) slot.add_(grad);
-    else slot = grad.detach();
+    const auto it = std::find_if(reduced_.begin(), reduced_.end(), [&](const auto& e) { return e.first == r.unit; });
+    if (it == reduced_.end()) reduced_.emplace_back(r.unit, grad);
+    else it->second = it->second + grad;
+  }
+
+  // AccumulateGrad's arithmetic for every unit reduced in this backward: set the shard's grad, or add
+  // this backward's gradient to it, in the order the units finished.
+  void apply_reduced_grads() {
+    torch::NoGradGuard no_grad;
+    for (auto& [unit, grad] : reduced_) {
+      auto& slot = units_[static_cast<std::size_t>(unit)]->shard.mutable_grad();
+      if (slot.defined()) slot.add_(grad);
+      else slot = grad.detach();
+    }
+    reduced_.clear();
+  }
+
+  // After a backward that threw: its reductions are waited for (the worker writes into their
+  // buffers) and dropped.
+  void discard_reductions() noexcept {
+    for (auto& r : pending_reductions_) {
+      try {
+        r.done.wait();
+      } catch (...) {
+      }
+    }
+    pending_reductions_.clear();
+    reduced_.clear();
   }
 
   // Every overlapped reduction of this backward into its shard's grad. On an error the rest are still
@@ -1346,7 +1375,11 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
         if (!first) first = std::current_exception();
       }
     }
-    if (first) std::rethrow_exception(first);
+    if (first) {
+      reduced_.clear();
+      std::rethrow_exception(first);
+    }
+    apply_reduced_grads();
   }
 
   void release_after_backward(detail::FlatUnit& u) {
@@ -1432,6 +1465,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     torch::Tensor shard_grad;           // the worker's result
   };
   std::deque<PendingReduction> pending_reductions_;    // overlapped reductions of this backward, oldest first
+  std::vector<std::pair<int, torch::Tensor>> reduced_; // ... finished: unit -> its summed shard gradient, in finishing order
   static constexpr int kMaxReductionsInFlight = 2;
   std::vector<int> forward_order_;                     // nested units in the order this step's forward ran them
   std::vector<int> previous_forward_order_;            // ... and the previous forward's (forward prefetch)
