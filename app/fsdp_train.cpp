@@ -101,15 +101,11 @@ struct RankError : std::runtime_error {
 };
 
 void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_input) {
-  std::int64_t flag = error ? world.size() - world.rank() : 0;
-  std::int64_t bad = error && bad_input ? 1 : 0;
-  world.all_reduce(&flag, &flag, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
-  world.all_reduce(&bad, &bad, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
-  if (flag == 0) return;
-  const int root = world.size() - static_cast<int>(flag);
-  std::string text = fsdp::detail::broadcast_string(world, error ? *error : std::string(), root);
-  if (world.size() > 1 && text.find("(reported by rank") == std::string::npos) text += " (rank " + std::to_string(root) + ")";
-  throw RankError(text, bad != 0);
+  const auto failure = fsdp::agree_on_failure(world, error, bad_input);
+  if (!failure) return;
+  std::string text = failure->message;
+  if (world.size() > 1 && text.find("(reported by rank") == std::string::npos) text += " (rank " + std::to_string(failure->rank) + ")";
+  throw RankError(text, failure->flagged);
 }
 
 /// Runs `f` on every rank; a failure on any rank becomes a RankError on all of them.

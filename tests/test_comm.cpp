@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "fsdp/comm/agree.hpp"
 #include "fsdp/comm/mpi_comm.hpp"
 
 using fsdp::DType;
@@ -216,4 +217,28 @@ BOOST_AUTO_TEST_CASE(yielding_waits_give_the_same_bits_as_blocking) {
       BOOST_TEST(bc.back() == static_cast<float>(world - 1));
     }
   }
+}
+
+BOOST_AUTO_TEST_CASE(agree_on_failure_names_the_lowest_failing_rank) {
+  auto w = MpiComm::world();
+  BOOST_TEST(!fsdp::agree_on_failure(w, std::nullopt).has_value());
+  // The odd ranks fail (rank 1 is the lowest); rank 3 also sets the flag.
+  std::optional<std::string> error;
+  if (w.rank() % 2 == 1) error = "rank " + std::to_string(w.rank()) + " failed";
+  const auto odd = fsdp::agree_on_failure(w, error, w.rank() == 3);
+  if (w.size() == 1) {
+    BOOST_TEST(!odd.has_value());
+  } else {
+    BOOST_REQUIRE(odd.has_value());
+    BOOST_TEST(odd->rank == 1);
+    BOOST_TEST(odd->message == "rank 1 failed");
+    BOOST_TEST(odd->failed_ranks == w.size() / 2);
+    BOOST_TEST(odd->flagged == (w.size() > 3));
+  }
+  const auto all = fsdp::agree_on_failure(w, "failed on " + std::to_string(w.rank()));
+  BOOST_REQUIRE(all.has_value());
+  BOOST_TEST(all->rank == 0);
+  BOOST_TEST(all->message == "failed on 0");
+  BOOST_TEST(all->failed_ranks == w.size());
+  BOOST_TEST(!all->flagged);
 }

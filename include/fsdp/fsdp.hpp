@@ -4,6 +4,7 @@
 //   io/     HDF5 checkpoints (save_checkpoint, load_checkpoint, resume_from_latest, load_full_state_dict)
 #pragma once
 
+#include "fsdp/comm/agree.hpp"
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/mpi_comm.hpp"
 #include "fsdp/core/layout.hpp"

@@ -50,6 +50,7 @@
 
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/core/layout.hpp"  // fnv1a64
+#include "fsdp/comm/agree.hpp"
 #include "fsdp/comm/mpi_comm.hpp"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
@@ -933,11 +934,10 @@ class NcclComm {
 
   /// All ranks of `mpi` learn whether any had a problem; each then throws (its own text, or the peers').
   static void agree(MpiComm& mpi, const std::exception_ptr& failure, const char* what) {
-    std::int32_t failed = failure ? 1 : 0;
-    mpi.all_reduce(&failed, &failed, 1, DType::kInt32, ReduceOp::kSum);
-    if (failed == 0) return;
+    const auto agreed = agree_on_failure(mpi, failure ? std::optional<std::string>(what) : std::nullopt);
+    if (!agreed) return;
     if (failure) std::rethrow_exception(failure);
-    throw CommError("rank " + std::to_string(detail::process_rank()) + ": " + std::to_string(failed) + " other rank(s) " + what);
+    throw CommError("rank " + std::to_string(detail::process_rank()) + ": " + std::to_string(agreed->failed_ranks) + " other rank(s) " + what);
   }
 
   NcclSplit resolve_split() const {

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/comm/agree.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/io/checkpoint_files.hpp"
 #include "fsdp/io/checkpoint_tools.hpp"
@@ -155,26 +156,14 @@ inline std::pair<std::string, std::string> split_error(const std::string& text) 
 /// Id of errors where the checkpoint is readable but belongs to another model, optimizer or plan.
 inline constexpr const char* kMismatchId = "fsdp.ckpt.mismatch";
 
-template <Communicator Comm>
-std::string broadcast_string(Comm& comm, std::string text, int root = 0) {
-  std::int64_t n = static_cast<std::int64_t>(text.size());
-  comm.broadcast(&n, 1, DType::kInt64, root);
-  text.resize(static_cast<std::size_t>(n));
-  if (n > 0) comm.broadcast(text.data(), n, DType::kUInt8, root);
-  return text;
-}
-
 /// Every rank learns whether any rank failed; if so all throw the lowest failing rank's message.
 template <Communicator Comm>
 void agree(Comm& comm, const std::optional<std::string>& error) {
-  std::int64_t flags[2] = {error ? comm.size() - comm.rank() : 0, error ? 1 : 0};  // max picks the lowest failing rank
-  comm.all_reduce(&flags[0], &flags[0], 1, DType::kInt64, ReduceOp::kMax);
-  if (flags[0] == 0) return;
-  comm.all_reduce(&flags[1], &flags[1], 1, DType::kInt64, ReduceOp::kSum);
-  const int root = comm.size() - static_cast<int>(flags[0]);
-  const auto [id, text] = split_error(broadcast_string(comm, error ? *error : std::string(), root));
-  const bool everyone = flags[1] == comm.size();
-  throw CheckpointError(everyone ? text : text + " (reported by rank " + std::to_string(root) + ")", id.rfind("fsdp.ckpt", 0) == 0 ? id : "fsdp.ckpt");
+  const auto failure = agree_on_failure(comm, error);
+  if (!failure) return;
+  const auto [id, text] = split_error(failure->message);
+  const bool everyone = failure->failed_ranks == comm.size();
+  throw CheckpointError(everyone ? text : text + " (reported by rank " + std::to_string(failure->rank) + ")", id.rfind("fsdp.ckpt", 0) == 0 ? id : "fsdp.ckpt");
 }
 
 /// A little length-prefixed serializer for broadcasting metadata from rank 0.
