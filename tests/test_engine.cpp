@@ -582,6 +582,35 @@ BOOST_AUTO_TEST_CASE(buffers_stay_identical_across_ranks) {
   }
 }
 
+namespace {
+struct StridedBufferImpl : torch::nn::Module {
+  StridedBufferImpl() {
+    fc = register_module("fc", torch::nn::Linear(4, 3));
+    stat = register_buffer("stat", torch::zeros({4, 3}).t());  // a transposed view: not contiguous
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc(x); }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor stat;
+};
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(strided_buffers_are_synchronized) {
+  auto world = MpiComm::world();
+  auto net = std::make_shared<StridedBufferImpl>();
+  BOOST_TEST(!net->stat.is_contiguous());
+  FsdpOptions options;
+  options.sync_module_states = true;  // broadcasts the strided buffer at construction
+  auto model = fsdp::make_fsdp(net, world, options);
+  {
+    torch::NoGradGuard no_grad;
+    net->stat.fill_(static_cast<float>(world.rank()));
+  }
+  model->train();
+  (void)model->forward(torch::randn({2, 4}));  // training forward: floating buffers are averaged
+  BOOST_TEST(!net->stat.is_contiguous());
+  BOOST_TEST(torch::equal(net->stat, torch::full({3, 4}, static_cast<float>(world.size() - 1) / 2.0f)));
+}
+
 BOOST_AUTO_TEST_CASE(eval_under_no_grad_frees_parameters) {
   auto world = MpiComm::world();
   for (const auto& [strategy, group] : strategies_and_groups(world.size())) {

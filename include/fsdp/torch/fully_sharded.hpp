@@ -946,11 +946,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     (void)regular_units;
 
     const bool sync = options_.sync_module_states && world_.size() > 1;
-    auto broadcast = [this](torch::Tensor t) {
-      torch::NoGradGuard no_grad;
-      auto c = t.contiguous();
-      world_.broadcast(c.data_ptr(), c.numel(), detail::to_comm_dtype(c.scalar_type()), 0);
-      if (!c.is_same(t)) t.copy_(c);
+    auto broadcast = [this](const torch::Tensor& t) {
+      on_contiguous(t, [this](const torch::Tensor& c) { world_.broadcast(c.data_ptr(), c.numel(), detail::to_comm_dtype(c.scalar_type()), 0); });
     };
     // param_init_fn: the RNG of the caller is left as it was.
     std::optional<torch::Tensor> caller_rng;
@@ -1398,15 +1395,25 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     finish_reductions();
   }
 
+  // Runs `collective` on `t`'s elements in a contiguous buffer (a copy when `t` is strided, written
+  // back after): the collectives take flat memory, buffers and parameters may be views.
+  template <class F>
+  static void on_contiguous(const torch::Tensor& t, F&& collective) {
+    torch::NoGradGuard no_grad;
+    auto c = t.contiguous();
+    collective(c);
+    if (!c.is_same(t)) t.copy_(c);
+  }
+
   void sync_buffers() {
     if (world_.size() == 1) return;
-    torch::NoGradGuard no_grad;
     for (auto& b : module_->buffers(/*recurse=*/true)) {
       if (!b.defined() || b.numel() == 0) continue;
-      if (!b.is_contiguous()) throw ConfigError("buffer is not contiguous; cannot synchronize it");
-      const DType dt = detail::to_comm_dtype(b.scalar_type());
-      if (b.is_floating_point()) world_.all_reduce(b.data_ptr(), b.data_ptr(), b.numel(), dt, ReduceOp::kAvg);
-      else world_.broadcast(b.data_ptr(), b.numel(), dt, 0);
+      on_contiguous(b, [this](const torch::Tensor& c) {
+        const DType dt = detail::to_comm_dtype(c.scalar_type());
+        if (c.is_floating_point()) world_.all_reduce(c.data_ptr(), c.data_ptr(), c.numel(), dt, ReduceOp::kAvg);
+        else world_.broadcast(c.data_ptr(), c.numel(), dt, 0);
+      });
     }
   }
 
