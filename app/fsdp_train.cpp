@@ -317,13 +317,11 @@ void check_layer_classes(const Deck& deck, const torch::nn::Module& model) {
 /// fsdp.overlap_grad_reduce = auto: the collective worker pays only with a core of its own, i.e. when
 /// this rank may run on more CPUs than its compute threads and the node's ranks leave cores idle.
 bool resolve_overlap_grad_reduce(const Deck& deck, int ranks_per_node, int threads) {
-  const std::string v = deck.get_string("fsdp.overlap_grad_reduce");
-  if (v != "auto") return v == "true";
   cpu_set_t set;
   CPU_ZERO(&set);
   const int mine = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  return mine > threads && ranks_per_node * threads < cores;
+  return overlap_grad_reduce_resolved(deck.get_string("fsdp.overlap_grad_reduce"), mine, threads, ranks_per_node,
+                                      static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 fsdp::FsdpOptions fsdp_options(const Deck& deck) {

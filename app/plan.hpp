@@ -596,13 +596,12 @@ inline RunShape run_shape(const Deck& deck, int world, int ranks_per_node, Shard
   if (find_key("fsdp.backward_prefetch")) r.backward_prefetch = deck.get_string("fsdp.backward_prefetch");
   if (find_key("fsdp.forward_prefetch")) r.forward_prefetch = deck.get_bool("fsdp.forward_prefetch");
   if (find_key("fsdp.overlap_grad_reduce")) {
-    // auto as fsdp-train decides it, for this machine's cores: a spare core per rank.
-    const std::string v = deck.get_string("fsdp.overlap_grad_reduce");
-    const auto threads = deck.get_int("run.threads");
+    // auto as fsdp-train decides it, for this machine's cores, ranks not bound to CPUs.
     const int local = ranks_per_node > 0 ? ranks_per_node : world;
-    const auto cores = static_cast<std::int64_t>(std::thread::hardware_concurrency());
-    const std::int64_t per_rank = threads > 0 ? threads : std::max<std::int64_t>(1, cores / local);
-    r.overlap_grad_reduce = v == "true" || (v == "auto" && world > 1 && local * per_rank < cores);
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    const auto threads = deck.get_int("run.threads");
+    const int per_rank = threads > 0 ? static_cast<int>(threads) : std::max(1, cores / local);
+    r.overlap_grad_reduce = world > 1 && overlap_grad_reduce_resolved(deck.get_string("fsdp.overlap_grad_reduce"), cores, per_rank, local, cores);
   }
   if (find_key("run.malloc_mmap_threshold_mib")) r.mmap_threshold_bytes = deck.get_int("run.malloc_mmap_threshold_mib") << 20;
   r.batch = deck.get_int("data.batch_size");

@@ -379,7 +379,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   ~FullyShardedDataParallel() override {
     for (auto& u : units_)
       if (u->in_flight.valid()) u->in_flight.wait();  // the worker writes into `full`
-    for (auto& r : pending_reductions_) r.done.wait();  // ... and into gradient buffers
+    discard_reductions();  // ... and into gradient buffers
     worker_.reset();
     detail::reducer_registry().erase(engine_id_);
     auto& hooks = detail::hook_registry();
@@ -608,7 +608,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       CommCounters total = world_.counters();
       total += shard_comm_.counters();
       total += replica_comm_.counters();
-      if (prefetch_comm_) total += prefetch_comm_->counters();  // the collective worker's all-gathers and reduce-scatters
+      if (worker_shard_comm_) total += worker_shard_comm_->counters();  // the collective worker's all-gathers and reduce-scatters
       if (worker_replica_comm_) total += worker_replica_comm_->counters();  // ... and all-reduces
       return total;
     } else {
@@ -703,7 +703,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
                         "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
     // Duplicates of the groups: the worker's collectives form their own sequence on every rank.
     // Every collective is issued in the same order everywhere, so both groups are split on all ranks.
-    if (prefetch || (overlap_reduce_ && shard_comm_.size() > 1)) prefetch_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));
+    if (prefetch || (overlap_reduce_ && shard_comm_.size() > 1)) worker_shard_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));
     if (overlap_reduce_ && replica_comm_.size() > 1) worker_replica_comm_.emplace(replica_comm_.split(0, replica_comm_.rank()));
     // A GPU communicator overlaps on its own stream: the prefetch is a non-blocking collective issued
     // from this thread (one issuing order on every rank). MPI needs the worker thread.
@@ -711,7 +711,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       if (prefetch || overlap_reduce_) worker_ = std::make_unique<detail::CollectiveWorker>();
       // The worker runs beside the computing threads: waiting for a late peer must not take their core.
       if constexpr (requires(Comm& c) { c.set_waiting_yields_cpu(true); }) {
-        if (prefetch_comm_) prefetch_comm_->set_waiting_yields_cpu(true);
+        if (worker_shard_comm_) worker_shard_comm_->set_waiting_yields_cpu(true);
         if (worker_replica_comm_) worker_replica_comm_->set_waiting_yields_cpu(true);
       }
     }
@@ -722,7 +722,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   // `for_backward`: only a unit whose backward is still to come (the root's gradients are reduced last,
   // after every nested unit's backward).
   void prefetch(int index, bool for_backward = false) {
-    if (!prefetch_comm_ || index <= 0) return;
+    if (!worker_shard_comm_ || index <= 0) return;
     auto& u = *units_[static_cast<std::size_t>(index)];
     if (u.params.empty() || u.frozen || !u.needs_gather() || u.in_flight.valid()) return;
     if (for_backward && u.pending_backward <= 0) return;
@@ -1072,12 +1072,12 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       u.full.copy_(source);
     } else if (ahead && !worker_) {  // a GPU communicator: a non-blocking all-gather on its stream
       ++overlap_.prefetched;
-      auto request = std::make_shared<decltype(prefetch_comm_->iall_gather(nullptr, nullptr, 0, DType::kFloat32))>(
-          prefetch_comm_->iall_gather(source.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(u.full.scalar_type())));
+      auto request = std::make_shared<decltype(worker_shard_comm_->iall_gather(nullptr, nullptr, 0, DType::kFloat32))>(
+          worker_shard_comm_->iall_gather(source.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(u.full.scalar_type())));
       u.in_flight = std::async(std::launch::deferred, [request, source] { request->wait(); }).share();  // runs in finish_prefetch
     } else if (ahead) {
       ++overlap_.prefetched;
-      u.in_flight = worker_->submit([comm = &*prefetch_comm_, source, out = u.full.data_ptr(), n = u.layout.shard_numel(),
+      u.in_flight = worker_->submit([comm = &*worker_shard_comm_, source, out = u.full.data_ptr(), n = u.layout.shard_numel(),
                                      dt = detail::to_comm_dtype(u.full.scalar_type()), unit = u.info.index] {
         CollectiveWatchdog::instance().set_unit(unit);
         comm->all_gather(source.data_ptr(), out, n, dt);
@@ -1281,7 +1281,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
         // Memory bound: at most kMaxReductionsInFlight full-size unit gradients wait for the worker.
         while (in_flight_sharded_reductions() >= kMaxReductionsInFlight) finish_oldest_reduction();
       }
-      Comm* shard_group = sharded ? &*prefetch_comm_ : nullptr;
+      Comm* shard_group = sharded ? &*worker_shard_comm_ : nullptr;
       Comm* replica_group = worker_replica_comm_ ? &*worker_replica_comm_ : nullptr;
       auto done = worker_->submit([shard_group, replica_group, flat, shard_grad, dt, unit = u.info.index] {
         CollectiveWatchdog::instance().set_unit(unit);
@@ -1461,7 +1461,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   Comm replica_comm_ = world_;
   FsdpOptions options_;
   torch::Device compute_device_{torch::kCPU};
-  std::optional<Comm> prefetch_comm_;                  // the worker's duplicate of the shard group
+  std::optional<Comm> worker_shard_comm_;              // the worker's duplicate of the shard group
   std::optional<Comm> worker_replica_comm_;            // the worker's duplicate of the replica group
   std::unique_ptr<detail::CollectiveWorker> worker_;   // runs prefetched all-gathers and overlapped reductions
   bool overlap_reduce_ = false;                        // gradient reductions run on the worker
