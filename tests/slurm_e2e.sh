@@ -66,16 +66,20 @@ echo "ok: sweep of 3 points, summary table with 3 rows"
 
 # 3. Preemption: SIGUSR1 to the batch script mid-run -> checkpoint, exit 3, requeue, resume from latest;
 #    the final weights equal an uninterrupted run's.
+#    The signal must arrive before the job's 200 steps are done: ci_tiny's 52k-parameter MLP takes under
+#    5 ms a step on a quiet machine, so this run widens it to 670k parameters (about 30 ms a step) and
+#    signals at step 20, leaving 180 steps for the signal to travel scancel -> slurmctld -> batch script
+#    -> ranks. The checkpoint it stops at may be any step, also past the periodic one at 100.
 long=(--set fsdp.sharding_strategy=HYBRID_SHARD --set run.max_steps=200 --set run.epochs=100 --set checkpoint.every_steps=100
-      --set log.every_steps=20)
+      --set log.every_steps=10 --set "model.hidden_sizes=[512,512]")
 ref=$(sbatch --parsable --nodes=2 --ntasks-per-node=2 --output="$WORK/%x_%j.out" slurm/train.sbatch "$DECK" "${long[@]}" \
   --set run.out_dir="$WORK/straight") || fail "sbatch reference"
 jid=$(sbatch --parsable --nodes=2 --ntasks-per-node=2 --output="$WORK/%x_%j.out" slurm/train.sbatch "$DECK" "${long[@]}" \
   --set run.out_dir="$WORK/preempted") || fail "sbatch preempted"
-for ((i = 0; i < 300; i++)); do grep -q "step 40/" "$WORK/fsdp_$jid.out" 2>/dev/null && break; sleep 0.5; done
-grep -q "step 40/" "$WORK/fsdp_$jid.out" || { cat "$WORK/fsdp_$jid.out"; fail "the job to preempt did not reach step 40"; }
+for ((i = 0; i < 3000; i++)); do grep -q "step 20/" "$WORK/fsdp_$jid.out" 2>/dev/null && break; sleep 0.05; done
+grep -q "step 20/" "$WORK/fsdp_$jid.out" || { cat "$WORK/fsdp_$jid.out"; fail "the job to preempt did not reach step 20"; }
 scancel --signal=USR1 --batch "$jid" || fail "scancel --signal=USR1"
-wait_state "$jid" "Restarts=1" 120 || fail "job $jid was not requeued"
+wait_state "$jid" "Restarts=1" 120 || { cat "$WORK/fsdp_$jid.out"; fail "job $jid was not requeued (did it end before the signal came?)"; }
 # Slurm holds a requeued job for about two minutes (BeginTime), long enough for the nodes to clean up
 # the old job step. A test need not wait that long, but must let the nodes become idle first.
 for ((i = 0; i < 60; i++)); do
@@ -88,7 +92,7 @@ wait_state "$jid" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 300 || fail "r
 [[ $(final_state "$jid") == JobState=COMPLETED ]] || { cat "$WORK/fsdp_$jid.out"; fail "requeued job: $(final_state "$jid")"; }
 out=$(cat "$WORK/fsdp_$jid.out")
 for want in "got SIGUSR1" "stopped by signal SIGUSR1 after step" "exited with code 3" "requeueing job $jid" "restart 1" \
-            "resumed from .*step_000000[0-9]+.h5 at step" "exited with code 0"; do
+            "resumed from .*/step_[0-9]+\\.h5 at step [0-9]+" "exited with code 0"; do
   grep -Eq "$want" <<<"$out" || { echo "$out"; fail "the preempted job's output lacks '$want'"; }
 done
 wait_state "$ref" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 300 || fail "reference job did not end"
