@@ -95,8 +95,11 @@ else
   echo "skipped: full file system and read-only folder (this root may not mount a tmpfs)"
 fi
 
-# 4. A straight run to 300 steps, the reference for the interrupted ones.
-long=(--set run.max_steps=300 --set run.epochs=100 --set log.every_steps=50 --set checkpoint.every_steps=25 --set checkpoint.keep_last=2)
+# 4. A straight run to 150 steps, the reference for the interrupted ones. The signals and the kill below
+#    must land before the run ends: ci_tiny's 52k-parameter MLP takes 2-5 ms a step, so these runs widen
+#    it to 1.9M parameters (about 30 ms a step at 2 ranks), leaving seconds, not tenths, for a signal.
+long=(--set run.max_steps=150 --set run.epochs=100 --set log.every_steps=10 --set checkpoint.every_steps=25 --set checkpoint.keep_last=2
+      --set "model.hidden_sizes=[1024,1024]")
 run "$WORK/straight.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/straight" "${long[@]}"
 expect 0 "test accuracy" "$WORK/straight.log"
 
@@ -108,7 +111,7 @@ interrupt() {  # interrupt NAME SIGNAL TARGET_PATTERN
   ( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/$name" "${long[@]}" >"$WORK/$name.log" 2>&1
     echo $? >"$WORK/$name.log.rc" ) &
   local job=$!
-  for _ in $(seq 200); do grep -q "step 50/" "$WORK/$name.log" 2>/dev/null && break; sleep 0.1; done
+  for _ in $(seq 1000); do grep -q "step 20/" "$WORK/$name.log" 2>/dev/null && break; sleep 0.05; done
   pkill "-$sig" -f "$pattern"
   wait $job
   expect 3 "stopped by signal SIG$sig after step [0-9]+; checkpoint saved" "$WORK/$name.log"
@@ -128,7 +131,7 @@ start=$SECONDS
 ( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/kill" "${long[@]}" >"$WORK/kill.log" 2>&1
   echo $? >"$WORK/kill.log.rc" ) &
 job=$!
-for _ in $(seq 200); do grep -q "step 100/" "$WORK/kill.log" 2>/dev/null && break; sleep 0.1; done
+for _ in $(seq 1000); do grep -q "step 60/" "$WORK/kill.log" 2>/dev/null && break; sleep 0.05; done
 victim=$(pgrep -f "^[^ ]*fsdp-train .*$WORK/kill" | tail -1)
 kill -KILL "$victim"
 wait $job
