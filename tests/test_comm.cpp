@@ -166,8 +166,9 @@ BOOST_AUTO_TEST_CASE(placement_on_one_machine) {
 
 // The collective worker's communicators wait by polling and sleeping (set_waiting_yields_cpu): every
 // collective must give the same bits as the blocking form, floating-point all-reduce included (both
-// run the ring, whose order of additions is fixed), in place and not, for sizes that are and are not
-// multiples of the ranks.
+// run the same algorithm with a fixed order of additions: the gather-and-add for small buffers, n = 1,
+// 7, 64 here, the ring for large ones, n = 10001), in place and not, for sizes that are and are not
+// multiples of the ranks; and every rank must hold the same bits.
 BOOST_AUTO_TEST_CASE(yielding_waits_give_the_same_bits_as_blocking) {
   auto blocking = MpiComm::world();
   auto yielding = blocking.split(0, blocking.rank());
@@ -187,6 +188,9 @@ BOOST_AUTO_TEST_CASE(yielding_waits_give_the_same_bits_as_blocking) {
         yielding.all_reduce(x.data(), d.data(), n * world, DType::kFloat32, op);
         BOOST_TEST(std::memcmp(a.data(), b.data(), static_cast<std::size_t>(n) * 4) == 0);
         BOOST_TEST(std::memcmp(c.data(), d.data(), c.size() * 4) == 0);
+        std::vector<float> everyones(static_cast<std::size_t>(n * world));
+        blocking.all_gather(a.data(), everyones.data(), n, DType::kFloat32);
+        for (int r = 1; r < world; ++r) BOOST_TEST(std::memcmp(everyones.data(), everyones.data() + r * n, static_cast<std::size_t>(n) * 4) == 0);
         for (std::int64_t i = 0; i < n; ++i) {  // and the value: the sum over ranks
           double expect = 0;
           for (int r = 0; r < world; ++r) expect += std::sin(static_cast<float>(i) * 0.37f + static_cast<float>(r)) * 1e3f;
