@@ -1317,7 +1317,8 @@ class RunSimulator {
 
   // fsdp::MpiComm's floating-point all-reduce: the ring reduce-scatter (two chunks of scratch, kept by
   // the communicator: the worker's own when overlapped) into a chunk, then MPI_Allgather; a padded
-  // copy only when the elements are not a multiple of the ranks.
+  // copy only when the elements are not a multiple of the ranks. (At most 8 KiB gathered it gathers the
+  // whole buffers instead: a few KiB, not modelled.)
   void all_reduce(std::int64_t bytes, int element_bytes, bool overlapped) {
     const std::int64_t n = bytes / element_bytes, chunk = (n + run_.replicas - 1) / run_.replicas;
     int padded = chunk * run_.replicas == n ? -1 : mem_.alloc(Mem::kComm, chunk * run_.replicas * element_bytes);

@@ -62,18 +62,20 @@ BOOST_AUTO_TEST_CASE(reduce_scatter_bfloat16_uses_ring_add) {
 
 BOOST_AUTO_TEST_CASE(all_reduce_of_16_bit_floats) {
   auto w = MpiComm::world();
-  for (std::int64_t n : {1, 5, 7}) {  // not multiples of the world size: padded internally
+  // 1, 5, 7: the gather-and-add path for small buffers; 5003 (prime: padded for every world size > 1):
+  // the ring. Values stay small integers, exact in bf16 and fp16.
+  for (std::int64_t n : {1, 5, 7, 5003}) {
     std::vector<std::uint16_t> b(static_cast<std::size_t>(n)), h(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) {
-      b[static_cast<std::size_t>(i)] = fsdp::detail::float_to_bf16(static_cast<float>(w.rank() + i));
-      h[static_cast<std::size_t>(i)] = fsdp::detail::float_to_f16(static_cast<float>(2 * i));
+      b[static_cast<std::size_t>(i)] = fsdp::detail::float_to_bf16(static_cast<float>(w.rank() + i % 8));
+      h[static_cast<std::size_t>(i)] = fsdp::detail::float_to_f16(static_cast<float>(2 * (i % 8)));
     }
     w.all_reduce(b.data(), b.data(), n, DType::kBFloat16, ReduceOp::kSum);
     w.all_reduce(h.data(), h.data(), n, DType::kFloat16, ReduceOp::kAvg);
     const float rank_sum = static_cast<float>(w.size() * (w.size() - 1) / 2);
     for (std::int64_t i = 0; i < n; ++i) {
-      BOOST_TEST(fsdp::detail::bf16_to_float(b[static_cast<std::size_t>(i)]) == rank_sum + static_cast<float>(i * w.size()));
-      BOOST_TEST(fsdp::detail::f16_to_float(h[static_cast<std::size_t>(i)]) == static_cast<float>(2 * i));
+      BOOST_TEST(fsdp::detail::bf16_to_float(b[static_cast<std::size_t>(i)]) == rank_sum + static_cast<float>(i % 8 * w.size()));
+      BOOST_TEST(fsdp::detail::f16_to_float(h[static_cast<std::size_t>(i)]) == static_cast<float>(2 * (i % 8)));
     }
   }
   std::uint16_t one = fsdp::detail::float_to_bf16(1.0f);
@@ -166,9 +168,9 @@ BOOST_AUTO_TEST_CASE(placement_on_one_machine) {
 
 // The collective worker's communicators wait by polling and sleeping (set_waiting_yields_cpu): every
 // collective must give the same bits as the blocking form, floating-point all-reduce included (both
-// run the same algorithm with a fixed order of additions: the gather-and-add for small buffers, n = 1,
-// 7, 64 here, the ring for large ones, n = 10001), in place and not, for sizes that are and are not
-// multiples of the ranks; and every rank must hold the same bits.
+// run the same algorithm with a fixed order of additions: the gather-and-add for buffers of at most
+// 8 KiB gathered, the ring above; both sides of the cut-off are tested), in place and not, for sizes
+// that are and are not multiples of the ranks; and every rank must hold the same bits.
 BOOST_AUTO_TEST_CASE(yielding_waits_give_the_same_bits_as_blocking) {
   auto blocking = MpiComm::world();
   auto yielding = blocking.split(0, blocking.rank());
@@ -176,7 +178,12 @@ BOOST_AUTO_TEST_CASE(yielding_waits_give_the_same_bits_as_blocking) {
   BOOST_TEST(yielding.waiting_yields_cpu());
   BOOST_TEST(!blocking.waiting_yields_cpu());
   const int world = blocking.size();
-  for (std::int64_t n : {1, 7, 64, 10001}) {
+  std::vector<float> nothing;  // n = 0: every rank returns at once, and the ranks stay in step
+  blocking.all_reduce(nothing.data(), nothing.data(), 0, DType::kFloat32, ReduceOp::kSum);
+  yielding.all_reduce(nothing.data(), nothing.data(), 0, DType::kFloat32, ReduceOp::kAvg);
+  // The cut-off between the two paths: 8 KiB gathered is the last size that gathers and adds.
+  const std::int64_t last_gathered = 8 * 1024 / (4 * world);
+  for (std::int64_t n : {std::int64_t{1}, std::int64_t{7}, std::int64_t{64}, last_gathered, last_gathered + 1, std::int64_t{10001}}) {
     BOOST_TEST_CONTEXT("n=" << n) {
       std::vector<float> x(static_cast<std::size_t>(n * world));
       for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::sin(static_cast<float>(i) * 0.37f + static_cast<float>(blocking.rank())) * 1e3f;
