@@ -22,7 +22,11 @@ CMAKE_FLAGS += -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=
 endif
 
 .PHONY: deps build test run clean
-.PHONY: check-gpu
+.PHONY: check-gpu format
+
+# Formats every C++ file with the root .clang-format (clang-format from `make deps`).
+format:
+	git ls-files '*.hpp' '*.cpp' '*.h' | xargs clang-format -i
 
 deps:
 	bash scripts/deps.sh

@@ -54,8 +54,7 @@ std::size_t gz_read(gzFile f, std::uint8_t* out, std::size_t n, const std::strin
     if (r < 0) {
       int errnum = 0;
       const char* msg = gzerror(f, &errnum);
-      throw DataError(path + ": cannot read (" + (errnum == Z_ERRNO ? std::strerror(errno) : msg) +
-                      "): corrupt or not a gzip/IDX file");
+      throw DataError(path + ": cannot read (" + (errnum == Z_ERRNO ? std::strerror(errno) : msg) + "): corrupt or not a gzip/IDX file");
     }
     got += static_cast<std::size_t>(r);
     if (static_cast<unsigned>(r) < want) break;  // end of stream
@@ -107,8 +106,7 @@ constexpr std::array<int, 4> kSuccessorPercent = {50, 25, 10, 5};
 int num_successors(int vocab) { return std::min<int>(vocab, static_cast<int>(kSuccessorPercent.size())); }
 
 // Windows of length context + 1 starting at multiples of context inside [begin, end) of `ids`.
-TokenSplit make_windows(const std::vector<std::int32_t>& ids, std::int64_t begin, std::int64_t end,
-                        std::int64_t context, int vocab) {
+TokenSplit make_windows(const std::vector<std::int32_t>& ids, std::int64_t begin, std::int64_t end, std::int64_t context, int vocab) {
   TokenSplit split;
   split.length = context + 1;
   split.vocab = vocab;
@@ -135,21 +133,18 @@ IdxArray read_idx(const std::string& path) {
   std::array<std::uint8_t, 4> magic{};
   if (gz_read(file.get(), magic.data(), 4, path) < 4)
     throw DataError(path + ": not an IDX file: shorter than the 4-byte magic" + gz_truncation_note(file.get()));
-  const auto magic_text = hex_byte(magic[0]) + " " + hex_byte(magic[1]) + " " + hex_byte(magic[2]) + " " +
-                          hex_byte(magic[3]);
+  const auto magic_text = hex_byte(magic[0]) + " " + hex_byte(magic[1]) + " " + hex_byte(magic[2]) + " " + hex_byte(magic[3]);
   const char* type_name = idx_type_name(magic[2]);
   if (magic[0] != 0 || magic[1] != 0 || type_name == nullptr || magic[3] == 0)
-    throw DataError(path + ": not an IDX file (bad magic " + magic_text +
-                    "; expected 0x00 0x00 <element type> <number of dimensions>)");
+    throw DataError(path + ": not an IDX file (bad magic " + magic_text + "; expected 0x00 0x00 <element type> <number of dimensions>)");
   if (magic[2] != 0x08)
-    throw DataError(path + ": unsupported IDX element type " + hex_byte(magic[2]) + " (" + type_name +
-                    "); only 0x08 (unsigned byte) is supported");
+    throw DataError(path + ": unsupported IDX element type " + hex_byte(magic[2]) + " (" + type_name + "); only 0x08 (unsigned byte) is supported");
 
   const int ndims = magic[3];
   std::vector<std::uint8_t> raw(static_cast<std::size_t>(4 * ndims));
   if (gz_read(file.get(), raw.data(), raw.size(), path) < raw.size())
-    throw DataError(path + ": truncated: the file ends inside the " + std::to_string(ndims) +
-                    " dimensions of the IDX header" + gz_truncation_note(file.get()));
+    throw DataError(path + ": truncated: the file ends inside the " + std::to_string(ndims) + " dimensions of the IDX header" +
+                    gz_truncation_note(file.get()));
   IdxArray out;
   std::int64_t expected = 1;
   for (int d = 0; d < ndims; ++d) {
@@ -175,16 +170,15 @@ IdxArray read_idx(const std::string& path) {
     if (r < want) break;
   }
   if (got < expected)
-    throw DataError(path + ": truncated: dims " + dims_string(out.dims) + " expected " + std::to_string(expected) +
-                    " bytes of data, found " + std::to_string(got) + gz_truncation_note(file.get()));
+    throw DataError(path + ": truncated: dims " + dims_string(out.dims) + " expected " + std::to_string(expected) + " bytes of data, found " +
+                    std::to_string(got) + gz_truncation_note(file.get()));
 
   std::int64_t trailing = 0;
   std::array<std::uint8_t, 4096> scratch{};
-  for (std::size_t r; (r = gz_read(file.get(), scratch.data(), scratch.size(), path)) > 0;)
-    trailing += static_cast<std::int64_t>(r);
+  for (std::size_t r; (r = gz_read(file.get(), scratch.data(), scratch.size(), path)) > 0;) trailing += static_cast<std::int64_t>(r);
   if (trailing > 0)
-    throw DataError(path + ": trailing garbage: " + std::to_string(trailing) + " bytes after the " +
-                    std::to_string(expected) + " bytes of data (dims " + dims_string(out.dims) + ")");
+    throw DataError(path + ": trailing garbage: " + std::to_string(trailing) + " bytes after the " + std::to_string(expected) +
+                    " bytes of data (dims " + dims_string(out.dims) + ")");
   // All data is there but the gzip trailer (CRC, length) is missing: the file is still damaged.
   if (const auto note = gz_truncation_note(file.get()); !note.empty()) throw DataError(path + ": truncated" + note);
   return out;
@@ -202,31 +196,30 @@ ImageSplit load_mnist_split(const std::string& dir, bool train) {
     }
     std::error_code ec;
     throw DataError(std::string("MNIST ") + (train ? "train" : "test") + " " + what + " not found in " + dir +
-                    (fs::is_directory(dir, ec) ? "" : " (no such directory)") + ": tried " + names[0] + ", " +
-                    names[1]);
+                    (fs::is_directory(dir, ec) ? "" : " (no such directory)") + ": tried " + names[0] + ", " + names[1]);
   };
   const auto images_path = find(prefix + "-images-idx3-ubyte", "images");
   const auto labels_path = find(prefix + "-labels-idx1-ubyte", "labels");
 
   auto images = read_idx(images_path);
   if (images.dims.size() != 3)
-    throw DataError(images_path + ": expected 3 dimensions (n x rows x cols), found " +
-                    std::to_string(images.dims.size()) + " (" + dims_string(images.dims) + ")");
+    throw DataError(images_path + ": expected 3 dimensions (n x rows x cols), found " + std::to_string(images.dims.size()) + " (" +
+                    dims_string(images.dims) + ")");
   if (images.dims[0] == 0 || images.dims[1] == 0 || images.dims[2] == 0)
     throw DataError(images_path + ": empty images (" + dims_string(images.dims) + ")");
   auto labels = read_idx(labels_path);
   if (labels.dims.size() != 1)
-    throw DataError(labels_path + ": expected 1 dimension (n labels), found " + std::to_string(labels.dims.size()) +
-                    " (" + dims_string(labels.dims) + ")");
+    throw DataError(labels_path + ": expected 1 dimension (n labels), found " + std::to_string(labels.dims.size()) + " (" + dims_string(labels.dims) +
+                    ")");
   if (labels.dims[0] != images.dims[0])
-    throw DataError("count mismatch: " + images_path + " has " + std::to_string(images.dims[0]) + " images but " +
-                    labels_path + " has " + std::to_string(labels.dims[0]) + " labels");
+    throw DataError("count mismatch: " + images_path + " has " + std::to_string(images.dims[0]) + " images but " + labels_path + " has " +
+                    std::to_string(labels.dims[0]) + " labels");
 
   ImageSplit split;
   for (std::size_t i = 0; i < labels.data.size(); ++i)
     if (labels.data[i] >= split.num_classes)
-      throw DataError(labels_path + ": label " + std::to_string(labels.data[i]) + " at index " + std::to_string(i) +
-                      " is out of range [0, " + std::to_string(split.num_classes) + ")");
+      throw DataError(labels_path + ": label " + std::to_string(labels.data[i]) + " at index " + std::to_string(i) + " is out of range [0, " +
+                      std::to_string(split.num_classes) + ")");
   split.n = images.dims[0];
   split.rows = images.dims[1];
   split.cols = images.dims[2];
@@ -252,11 +245,9 @@ std::vector<std::int64_t> random_permutation(std::int64_t n, std::uint64_t seed)
 DistributedSampler::DistributedSampler(std::int64_t n, int num_replicas, int rank, bool shuffle, std::uint64_t seed)
     : n_(n), num_replicas_(num_replicas), rank_(rank), shuffle_(shuffle), seed_(seed) {
   if (n < 0) throw DataError("DistributedSampler: n must be >= 0, got " + std::to_string(n));
-  if (num_replicas < 1)
-    throw DataError("DistributedSampler: num_replicas must be >= 1, got " + std::to_string(num_replicas));
+  if (num_replicas < 1) throw DataError("DistributedSampler: num_replicas must be >= 1, got " + std::to_string(num_replicas));
   if (rank < 0 || rank >= num_replicas)
-    throw DataError("DistributedSampler: rank " + std::to_string(rank) + " out of range [0, " +
-                    std::to_string(num_replicas) + ")");
+    throw DataError("DistributedSampler: rank " + std::to_string(rank) + " out of range [0, " + std::to_string(num_replicas) + ")");
 }
 
 std::int64_t DistributedSampler::num_samples() const { return (n_ + num_replicas_ - 1) / num_replicas_; }
@@ -274,8 +265,7 @@ std::vector<std::int64_t> DistributedSampler::indices() const {
   mine.reserve(static_cast<std::size_t>(num_samples()));
   // Positions >= n are padding: order[pos % n] repeats the first indices, cyclically when the padding
   // is longer than n (n < num_replicas), exactly like PyTorch's `indices * ceil(...)`.
-  for (std::int64_t pos = rank_; pos < total_size(); pos += num_replicas_)
-    mine.push_back(order[static_cast<std::size_t>(pos % n_)]);
+  for (std::int64_t pos = rank_; pos < total_size(); pos += num_replicas_) mine.push_back(order[static_cast<std::size_t>(pos % n_)]);
   return mine;
 }
 
@@ -285,27 +275,24 @@ std::int64_t num_batches(std::int64_t num_samples, std::int64_t batch) {
   return (num_samples + batch - 1) / batch;
 }
 
-std::vector<std::int64_t> batch_indices(const std::vector<std::int64_t>& indices, std::int64_t batch,
-                                        std::int64_t step) {
+std::vector<std::int64_t> batch_indices(const std::vector<std::int64_t>& indices, std::int64_t batch, std::int64_t step) {
   const auto size = static_cast<std::int64_t>(indices.size());
   const auto steps = num_batches(size, batch);
   if (step < 0 || step >= steps)
-    throw DataError("batch step " + std::to_string(step) + " out of range [0, " + std::to_string(steps) + ") for " +
-                    std::to_string(size) + " samples in batches of " + std::to_string(batch));
+    throw DataError("batch step " + std::to_string(step) + " out of range [0, " + std::to_string(steps) + ") for " + std::to_string(size) +
+                    " samples in batches of " + std::to_string(batch));
   const auto begin = indices.begin() + step * batch;
   return {begin, begin + std::min(batch, size - step * batch)};
 }
 
 // ---- tokens -------------------------------------------------------------------------------------
 
-TokenSplit make_synthetic_tokens(std::int64_t num_sequences, std::int64_t context, int vocab, std::uint64_t seed,
-                                 std::uint64_t chain_seed) {
+TokenSplit make_synthetic_tokens(std::int64_t num_sequences, std::int64_t context, int vocab, std::uint64_t seed, std::uint64_t chain_seed) {
   if (num_sequences < 0) throw DataError("synthetic tokens: num_sequences must be >= 0, got " + std::to_string(num_sequences));
   if (context < 1) throw DataError("synthetic tokens: context must be >= 1, got " + std::to_string(context));
   if (vocab < 1) throw DataError("synthetic tokens: vocab must be >= 1, got " + std::to_string(vocab));
   if (num_sequences > 0 && context + 1 > (std::int64_t{1} << 40) / num_sequences)
-    throw DataError("synthetic tokens: " + std::to_string(num_sequences) + " x " + std::to_string(context + 1) +
-                    " tokens is too many");
+    throw DataError("synthetic tokens: " + std::to_string(num_sequences) + " x " + std::to_string(context + 1) + " tokens is too many");
 
   // The chain: successors[v * k + j] is the j-th likely successor of v. Each row is a partial
   // Fisher-Yates draw over one shared array; any starting order gives a uniform k-subset, and it costs
@@ -364,8 +351,7 @@ double synthetic_token_entropy(int vocab) {
 
 TextCorpus load_text(const std::string& path, std::int64_t context, int max_vocab) {
   if (context < 1) throw DataError(path + ": context must be >= 1, got " + std::to_string(context));
-  if (context > (std::numeric_limits<std::int64_t>::max() - 1) / 10)
-    throw DataError(path + ": context " + std::to_string(context) + " is too large");
+  if (context > (std::numeric_limits<std::int64_t>::max() - 1) / 10) throw DataError(path + ": context " + std::to_string(context) + " is too large");
   if (max_vocab < 1) throw DataError(path + ": max_vocab must be >= 1, got " + std::to_string(max_vocab));
   require_file(path);
   std::ifstream in(path, std::ios::binary);
@@ -384,18 +370,15 @@ TextCorpus load_text(const std::string& path, std::int64_t context, int max_voca
     corpus.vocab.push_back(static_cast<std::uint8_t>(b));
   }
   const int vocab = static_cast<int>(corpus.vocab.size());
-  if (vocab > max_vocab)
-    throw DataError(path + ": " + std::to_string(vocab) + " distinct bytes, more than max_vocab = " +
-                    std::to_string(max_vocab));
+  if (vocab > max_vocab) throw DataError(path + ": " + std::to_string(vocab) + " distinct bytes, more than max_vocab = " + std::to_string(max_vocab));
 
   // The test part is ceil(size / 10) bytes and needs context + 1 of them: size >= 10 * context + 1
   // (the train part is then larger). Refused rather than returning an empty split.
   const auto size = static_cast<std::int64_t>(bytes.size());
   const std::int64_t train_bytes = size / 10 * 9 + size % 10 * 9 / 10;  // floor(9 size / 10), no overflow
   if (size - train_bytes < context + 1)
-    throw DataError(path + ": too short: " + std::to_string(size) + " bytes; context " + std::to_string(context) +
-                    " needs at least " + std::to_string(10 * context + 1) +
-                    " bytes (90/10 train/test split, one window of context + 1 characters each)");
+    throw DataError(path + ": too short: " + std::to_string(size) + " bytes; context " + std::to_string(context) + " needs at least " +
+                    std::to_string(10 * context + 1) + " bytes (90/10 train/test split, one window of context + 1 characters each)");
 
   std::vector<std::int32_t> ids(bytes.size());
   std::transform(bytes.begin(), bytes.end(), ids.begin(), [&](std::uint8_t b) { return id[b]; });

@@ -99,8 +99,7 @@ std::int64_t num_batches(std::int64_t num_samples, std::int64_t batch);
 /// out of range. With DistributedSampler, N ranks at batch b see at step k exactly the samples one rank
 /// at batch N * b sees at step k (when n is a multiple of N * b): both are global positions
 /// [k N b, (k + 1) N b) of the same permutation.
-std::vector<std::int64_t> batch_indices(const std::vector<std::int64_t>& indices, std::int64_t batch,
-                                        std::int64_t step);
+std::vector<std::int64_t> batch_indices(const std::vector<std::int64_t>& indices, std::int64_t batch, std::int64_t step);
 
 // ---- token data ---------------------------------------------------------------------------------
 
@@ -122,8 +121,8 @@ inline constexpr std::uint64_t kDefaultChainSeed = 0x5eed'c4a1'0000'0001ULL;
 /// 50/25/10/5 %, and the remaining mass (10 % for vocab >= 4) goes to a uniformly random token. `seed`
 /// picks the sequences (the first token of each is uniform). Deterministic; the first m sequences are
 /// the same for any num_sequences >= m. DataError unless num_sequences >= 0, context >= 1, vocab >= 1.
-TokenSplit make_synthetic_tokens(std::int64_t num_sequences, std::int64_t context, int vocab,
-                                 std::uint64_t seed, std::uint64_t chain_seed = kDefaultChainSeed);
+TokenSplit make_synthetic_tokens(std::int64_t num_sequences, std::int64_t context, int vocab, std::uint64_t seed,
+                                 std::uint64_t chain_seed = kDefaultChainSeed);
 
 /// The conditional entropy of that chain in nats per token: the lowest expected cross-entropy loss on
 /// the targets (every target depends on its predecessor only). ln(vocab) is the loss of a uniform guess.
@@ -154,8 +153,7 @@ TextCorpus load_text(const std::string& path, std::int64_t context, int max_voca
 template <class Batch>
 class Prefetcher {
  public:
-  Prefetcher(std::int64_t num_batches, std::function<Batch(std::int64_t index)> make, int num_workers,
-             int depth = 4);
+  Prefetcher(std::int64_t num_batches, std::function<Batch(std::int64_t index)> make, int num_workers, int depth = 4);
   ~Prefetcher();
   Prefetcher(const Prefetcher&) = delete;
   Prefetcher& operator=(const Prefetcher&) = delete;
@@ -186,8 +184,7 @@ class Prefetcher {
 // ---- Prefetcher implementation ------------------------------------------------------------------
 
 template <class Batch>
-Prefetcher<Batch>::Prefetcher(std::int64_t num_batches, std::function<Batch(std::int64_t)> make,
-                              int num_workers, int depth)
+Prefetcher<Batch>::Prefetcher(std::int64_t num_batches, std::function<Batch(std::int64_t)> make, int num_workers, int depth)
     : num_batches_(num_batches), make_(std::move(make)), depth_(depth) {
   if (num_batches < 0) throw DataError("Prefetcher: num_batches must be >= 0, got " + std::to_string(num_batches));
   if (num_workers < 0) throw DataError("Prefetcher: num_workers must be >= 0, got " + std::to_string(num_workers));

@@ -38,171 +38,315 @@ std::vector<KeySpec> make_schema() {
   using T = KeyType;
   std::vector<KeySpec> s;
   // [run]
-  s.push_back({.key = "run.name", .type = T::kString, .default_value = "fsdp",
-               .description = "name of the run; the default run.out_dir is runs/<run.name>"});
-  s.push_back({.key = "run.seed", .type = T::kInt, .default_value = I{1}, .min = 0,
+  s.push_back(
+      {.key = "run.name", .type = T::kString, .default_value = "fsdp", .description = "name of the run; the default run.out_dir is runs/<run.name>"});
+  s.push_back({.key = "run.seed",
+               .type = T::kInt,
+               .default_value = I{1},
+               .min = 0,
                .description = "random seed: initial weights (the same on every rank), data order, dropout"});
-  s.push_back({.key = "run.epochs", .type = T::kInt, .default_value = I{2}, .min = 1,
-               .description = "passes over the training data"});
-  s.push_back({.key = "run.max_steps", .type = T::kInt, .default_value = I{0}, .min = 0,
+  s.push_back({.key = "run.epochs", .type = T::kInt, .default_value = I{2}, .min = 1, .description = "passes over the training data"});
+  s.push_back({.key = "run.max_steps",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
                .description = "stop after this many optimizer steps; 0: run all of run.epochs"});
-  s.push_back({.key = "run.out_dir", .type = T::kString, .default_value = "",
+  s.push_back({.key = "run.out_dir",
+               .type = T::kString,
+               .default_value = "",
                .description = "output folder (resolved deck, metrics, checkpoints); empty: runs/<run.name>"});
-  s.push_back({.key = "run.threads", .type = T::kInt, .default_value = I{0}, .min = 0,
+  s.push_back({.key = "run.threads",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
                .description = "intra-op threads per rank; 0: the node's cores divided by the ranks on the node"});
-  s.push_back({.key = "run.malloc_mmap_threshold_mib", .type = T::kInt, .default_value = I{0}, .min = 0, .max = I{32},
+  s.push_back({.key = "run.malloc_mmap_threshold_mib",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .max = I{32},
                .description = "memory: allocations of at least this many MiB get their own mapping and go back to the system "
                               "when freed (glibc's M_MMAP_THRESHOLD, fixed); peak RSS then follows the bytes live, at the cost of "
                               "page faults on every large allocation. 0: glibc's default, a threshold that rises to 32 MiB and "
                               "keeps freed memory in the heap (docs/performance.md)"});
-  s.push_back({.key = "run.on_nonfinite", .type = T::kString, .default_value = "stop", .choices = {"stop", "skip"},
+  s.push_back({.key = "run.on_nonfinite",
+               .type = T::kString,
+               .default_value = "stop",
+               .choices = {"stop", "skip"},
                .description = "a non-finite loss or gradient norm on any rank: stop (exit code 4, no checkpoint of the poisoned state) "
                               "or skip the step (no optimizer update)"});
   // [model]
-  s.push_back({.key = "model.kind", .type = T::kString, .default_value = "cnn", .choices = {"cnn", "mlp", "transformer"},
+  s.push_back({.key = "model.kind",
+               .type = T::kString,
+               .default_value = "cnn",
+               .choices = {"cnn", "mlp", "transformer"},
                .description = "cnn (the PyTorch FSDP tutorial's MNIST net), mlp, or transformer (decoder-only, for data.kind tokens or text)"});
-  s.push_back({.key = "model.dropout", .type = T::kFloat, .default_value = std::monostate{}, .min = 0, .max = 1,
-               .description = "every dropout probability of the model; unset: each model's own (cnn 0.25 and 0.5, mlp none, transformer 0.1); 0: none",
-               .max_exclusive = true});
-  s.push_back({.key = "model.hidden_sizes", .type = T::kIntArray, .default_value = Ints{512, 256}, .min = 1,
+  s.push_back(
+      {.key = "model.dropout",
+       .type = T::kFloat,
+       .default_value = std::monostate{},
+       .min = 0,
+       .max = 1,
+       .description = "every dropout probability of the model; unset: each model's own (cnn 0.25 and 0.5, mlp none, transformer 0.1); 0: none",
+       .max_exclusive = true});
+  s.push_back({.key = "model.hidden_sizes",
+               .type = T::kIntArray,
+               .default_value = Ints{512, 256},
+               .min = 1,
                .description = "mlp: widths of the hidden layers"});
-  s.push_back({.key = "model.vocab_size", .type = T::kInt, .default_value = I{256}, .min = 1,
-               .description = "transformer: vocabulary size (256: bytes)"});
-  s.push_back({.key = "model.context", .type = T::kInt, .default_value = I{64}, .min = 1,
-               .description = "transformer: tokens per sequence"});
-  s.push_back({.key = "model.d_model", .type = T::kInt, .default_value = I{128}, .min = 1,
+  s.push_back(
+      {.key = "model.vocab_size", .type = T::kInt, .default_value = I{256}, .min = 1, .description = "transformer: vocabulary size (256: bytes)"});
+  s.push_back({.key = "model.context", .type = T::kInt, .default_value = I{64}, .min = 1, .description = "transformer: tokens per sequence"});
+  s.push_back({.key = "model.d_model",
+               .type = T::kInt,
+               .default_value = I{128},
+               .min = 1,
                .description = "transformer: width of the residual stream, a multiple of model.n_heads"});
-  s.push_back({.key = "model.n_heads", .type = T::kInt, .default_value = I{4}, .min = 1,
-               .description = "transformer: attention heads per block"});
-  s.push_back({.key = "model.n_layers", .type = T::kInt, .default_value = I{4}, .min = 1,
-               .description = "transformer: number of blocks"});
-  s.push_back({.key = "model.mlp_ratio", .type = T::kInt, .default_value = I{4}, .min = 1,
+  s.push_back({.key = "model.n_heads", .type = T::kInt, .default_value = I{4}, .min = 1, .description = "transformer: attention heads per block"});
+  s.push_back({.key = "model.n_layers", .type = T::kInt, .default_value = I{4}, .min = 1, .description = "transformer: number of blocks"});
+  s.push_back({.key = "model.mlp_ratio",
+               .type = T::kInt,
+               .default_value = I{4},
+               .min = 1,
                .description = "transformer: width of each block's MLP as a multiple of model.d_model"});
-  s.push_back({.key = "model.tie_embeddings", .type = T::kBool, .default_value = true,
+  s.push_back({.key = "model.tie_embeddings",
+               .type = T::kBool,
+               .default_value = true,
                .description = "transformer: the output projection shares the token embedding's weights"});
   // [data]
-  s.push_back({.key = "data.kind", .type = T::kString, .default_value = "fashion-mnist",
+  s.push_back({.key = "data.kind",
+               .type = T::kString,
+               .default_value = "fashion-mnist",
                .choices = {"fashion-mnist", "mnist", "tokens", "text"},
                .description = "fashion-mnist or mnist (IDX files in data.path), tokens (synthetic sequences), text (a file, one token per byte)"});
-  s.push_back({.key = "data.path", .type = T::kString, .default_value = "/usr/share/datasets/fashion-mnist",
+  s.push_back({.key = "data.path",
+               .type = T::kString,
+               .default_value = "/usr/share/datasets/fashion-mnist",
                .description = "folder of the IDX files (fashion-mnist, mnist) or the text file (text); unused for tokens"});
-  s.push_back({.key = "data.batch_size", .type = T::kInt, .default_value = I{64}, .min = 1,
+  s.push_back({.key = "data.batch_size",
+               .type = T::kInt,
+               .default_value = I{64},
+               .min = 1,
                .description = "training samples per rank and step (the global batch is batch_size x ranks)"});
-  s.push_back({.key = "data.test_batch_size", .type = T::kInt, .default_value = I{1000}, .min = 1,
-               .description = "evaluation samples per rank and batch"});
-  s.push_back({.key = "data.shuffle", .type = T::kBool, .default_value = true,
+  s.push_back(
+      {.key = "data.test_batch_size", .type = T::kInt, .default_value = I{1000}, .min = 1, .description = "evaluation samples per rank and batch"});
+  s.push_back({.key = "data.shuffle",
+               .type = T::kBool,
+               .default_value = true,
                .description = "reshuffle the training samples every epoch (seeded by run.seed)"});
-  s.push_back({.key = "data.num_workers", .type = T::kInt, .default_value = I{0}, .min = 0,
+  s.push_back({.key = "data.num_workers",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
                .description = "background loading threads per rank; 0: load on the training thread"});
-  s.push_back({.key = "data.train_samples", .type = T::kInt, .default_value = I{0}, .min = 0,
+  s.push_back({.key = "data.train_samples",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
                .description = "use only the first this many training samples (sequences for tokens and text); 0: all"});
-  s.push_back({.key = "data.test_samples", .type = T::kInt, .default_value = I{0}, .min = 0,
+  s.push_back({.key = "data.test_samples",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
                .description = "use only the first this many test samples; 0: all"});
-  s.push_back({.key = "data.num_samples", .type = T::kInt, .default_value = I{4096}, .min = 1,
-               .description = "tokens: number of synthetic sequences"});
+  s.push_back(
+      {.key = "data.num_samples", .type = T::kInt, .default_value = I{4096}, .min = 1, .description = "tokens: number of synthetic sequences"});
   // [optim]
-  s.push_back({.key = "optim.kind", .type = T::kString, .default_value = "adadelta", .choices = {"sgd", "adam", "adamw", "adadelta"},
+  s.push_back({.key = "optim.kind",
+               .type = T::kString,
+               .default_value = "adadelta",
+               .choices = {"sgd", "adam", "adamw", "adadelta"},
                .description = "optimizer (the PyTorch FSDP tutorial: adadelta, lr 1.0, step schedule with gamma 0.7)"});
-  s.push_back({.key = "optim.lr", .type = T::kFloat, .default_value = 1.0, .min = 0,
-               .description = "learning rate (the peak, after optim.warmup_steps)", .min_exclusive = true});
-  s.push_back({.key = "optim.weight_decay", .type = T::kFloat, .default_value = 0.0, .min = 0,
+  s.push_back({.key = "optim.lr",
+               .type = T::kFloat,
+               .default_value = 1.0,
+               .min = 0,
+               .description = "learning rate (the peak, after optim.warmup_steps)",
+               .min_exclusive = true});
+  s.push_back({.key = "optim.weight_decay",
+               .type = T::kFloat,
+               .default_value = 0.0,
+               .min = 0,
                .description = "weight decay (decoupled for adamw, L2 otherwise)"});
-  s.push_back({.key = "optim.momentum", .type = T::kFloat, .default_value = 0.0, .min = 0, .max = 1,
-               .description = "sgd: momentum", .max_exclusive = true});
-  s.push_back({.key = "optim.betas", .type = T::kFloatArray, .default_value = Floats{0.9, 0.999}, .min = 0, .max = 1,
-               .description = "adam, adamw: decay rates of the running averages (beta1, beta2)", .max_exclusive = true,
+  s.push_back(
+      {.key = "optim.momentum", .type = T::kFloat, .default_value = 0.0, .min = 0, .max = 1, .description = "sgd: momentum", .max_exclusive = true});
+  s.push_back({.key = "optim.betas",
+               .type = T::kFloatArray,
+               .default_value = Floats{0.9, 0.999},
+               .min = 0,
+               .max = 1,
+               .description = "adam, adamw: decay rates of the running averages (beta1, beta2)",
+               .max_exclusive = true,
                .array_size = 2});
-  s.push_back({.key = "optim.schedule", .type = T::kString, .default_value = "step", .choices = {"constant", "step", "cosine"},
+  s.push_back({.key = "optim.schedule",
+               .type = T::kString,
+               .default_value = "step",
+               .choices = {"constant", "step", "cosine"},
                .description = "learning-rate schedule: constant; step (times optim.gamma after every epoch); cosine (down to 0 at the last step)"});
-  s.push_back({.key = "optim.gamma", .type = T::kFloat, .default_value = 0.7, .min = 0,
-               .description = "step schedule: factor applied to the learning rate after every epoch", .min_exclusive = true});
-  s.push_back({.key = "optim.warmup_steps", .type = T::kInt, .default_value = I{0}, .min = 0,
+  s.push_back({.key = "optim.gamma",
+               .type = T::kFloat,
+               .default_value = 0.7,
+               .min = 0,
+               .description = "step schedule: factor applied to the learning rate after every epoch",
+               .min_exclusive = true});
+  s.push_back({.key = "optim.warmup_steps",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
                .description = "linear warmup from 0 to optim.lr over this many optimizer steps"});
-  s.push_back({.key = "optim.clip_grad_norm", .type = T::kFloat, .default_value = 0.0, .min = 0,
+  s.push_back({.key = "optim.clip_grad_norm",
+               .type = T::kFloat,
+               .default_value = 0.0,
+               .min = 0,
                .description = "clip the global gradient norm to this value; 0: no clipping"});
-  s.push_back({.key = "optim.grad_accum_steps", .type = T::kInt, .default_value = I{1}, .min = 1,
+  s.push_back({.key = "optim.grad_accum_steps",
+               .type = T::kInt,
+               .default_value = I{1},
+               .min = 1,
                .description = "micro-batches accumulated per optimizer step"});
   // [fsdp]
-  s.push_back({.key = "fsdp.sharding_strategy", .type = T::kString, .default_value = "FULL_SHARD",
+  s.push_back({.key = "fsdp.sharding_strategy",
+               .type = T::kString,
+               .default_value = "FULL_SHARD",
                .choices = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"},
                .description = "FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP), HYBRID_SHARD and HYBRID_SHARD_ZERO2 "
                               "(shard inside a group of fsdp.shard_group_size ranks, replicate across groups)"});
-  s.push_back({.key = "fsdp.auto_wrap_policy", .type = T::kString, .default_value = "NO_WRAP",
+  s.push_back({.key = "fsdp.auto_wrap_policy",
+               .type = T::kString,
+               .default_value = "NO_WRAP",
                .choices = {"NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"},
                .description = "which submodules become FSDP units: none but the root; those of fsdp.min_num_params parameters or more; "
                               "modules of the fsdp.transformer_layer_cls_to_wrap types"});
-  s.push_back({.key = "fsdp.min_num_params", .type = T::kInt, .default_value = I{100000}, .min = 1,
+  s.push_back({.key = "fsdp.min_num_params",
+               .type = T::kInt,
+               .default_value = I{100000},
+               .min = 1,
                .description = "SIZE_BASED_WRAP: wrap a submodule holding at least this many parameters"});
-  s.push_back({.key = "fsdp.transformer_layer_cls_to_wrap", .type = T::kString, .default_value = "TransformerBlock",
+  s.push_back({.key = "fsdp.transformer_layer_cls_to_wrap",
+               .type = T::kString,
+               .default_value = "TransformerBlock",
                .description = "TRANSFORMER_BASED_WRAP: module type names to wrap, comma-separated"});
-  s.push_back({.key = "fsdp.backward_prefetch", .type = T::kString, .default_value = "NO_PREFETCH",
+  s.push_back({.key = "fsdp.backward_prefetch",
+               .type = T::kString,
+               .default_value = "NO_PREFETCH",
                .choices = {"NO_PREFETCH", "BACKWARD_PRE", "BACKWARD_POST"},
                .description = "overlap: issue the next unit's all-gather when the current unit's backward begins (BACKWARD_PRE) or "
                               "when its gradients are ready (BACKWARD_POST), on a collective worker thread"});
-  s.push_back({.key = "fsdp.forward_prefetch", .type = T::kBool, .default_value = false,
+  s.push_back({.key = "fsdp.forward_prefetch",
+               .type = T::kBool,
+               .default_value = false,
                .description = "overlap: issue the next unit's all-gather (previous step's order) when a unit's forward begins"});
-  s.push_back({.key = "fsdp.limit_all_gathers", .type = T::kInt, .default_value = I{1}, .min = 0,
+  s.push_back({.key = "fsdp.limit_all_gathers",
+               .type = T::kInt,
+               .default_value = I{1},
+               .min = 0,
                .description = "at most this many prefetched units in flight or gathered ahead of use (bounds the memory "
                               "prefetching adds); 0: no limit"});
-  s.push_back({.key = "fsdp.overlap_grad_reduce", .type = T::kString, .default_value = "auto", .choices = {"auto", "true", "false"},
+  s.push_back({.key = "fsdp.overlap_grad_reduce",
+               .type = T::kString,
+               .default_value = "auto",
+               .choices = {"auto", "true", "false"},
                .description = "overlap: reduce each unit's gradients on a collective worker thread while backward goes on "
                               "(like DDP's buckets); false: on the computing thread as each unit finishes; auto: overlap when the "
                               "rank has a core to spare for the worker (its CPUs > run.threads and ranks per node x run.threads < "
                               "the node's cores). Same results either way; a TOML boolean is accepted too"});
-  s.push_back({.key = "fsdp.reshard_after_forward", .type = T::kString, .default_value = "auto", .choices = {"auto", "true", "false"},
+  s.push_back({.key = "fsdp.reshard_after_forward",
+               .type = T::kString,
+               .default_value = "auto",
+               .choices = {"auto", "true", "false"},
                .description = "free a unit's gathered parameters after its forward; auto: the strategy decides "
                               "(true for FULL_SHARD and HYBRID_SHARD); a TOML boolean is accepted too"});
-  s.push_back({.key = "fsdp.shard_group_size", .type = T::kInt, .default_value = I{0}, .min = 0,
+  s.push_back({.key = "fsdp.shard_group_size",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
                .description = "hybrid strategies: ranks per shard group; 0: the ranks of a node"});
-  s.push_back({.key = "fsdp.offload_params", .type = T::kBool, .default_value = false,
+  s.push_back({.key = "fsdp.offload_params",
+               .type = T::kBool,
+               .default_value = false,
                .description = "PyTorch's CPUOffload: parameter shards, gradients and optimizer state stay in host memory and the optimizer "
                               "steps there; a unit is copied to the GPU for compute (with backend nccl). On CPU runs they are in host "
                               "memory anyway: accepted, same results"});
-  s.push_back({.key = "fsdp.mixed_precision", .type = T::kString, .default_value = "no", .choices = {"no", "bf16", "fp16"},
-               .description = "bf16/fp16: parameters all-gathered and used, gradients reduced, buffers kept in that dtype; the optimizer keeps fp32 master shards (fp16 has no loss scaling yet)"});
-  s.push_back({.key = "fsdp.activation_checkpointing", .type = T::kBool, .default_value = false,
+  s.push_back({.key = "fsdp.mixed_precision",
+               .type = T::kString,
+               .default_value = "no",
+               .choices = {"no", "bf16", "fp16"},
+               .description = "bf16/fp16: parameters all-gathered and used, gradients reduced, buffers kept in that dtype; the optimizer keeps fp32 "
+                              "master shards (fp16 has no loss scaling yet)"});
+  s.push_back({.key = "fsdp.activation_checkpointing",
+               .type = T::kBool,
+               .default_value = false,
                .description = "recompute each nested unit's forward in backward instead of keeping its activations (dropout replayed exactly)"});
-  s.push_back({.key = "fsdp.deferred_init", .type = T::kBool, .default_value = false,
+  s.push_back({.key = "fsdp.deferred_init",
+               .type = T::kBool,
+               .default_value = false,
                .description = "memory-bounded construction: each layer's storage is released as it is built and the engine "
                               "initializes the model unit by unit (seeded by run.seed and each module's name), so no rank ever holds "
                               "the whole unsharded model; the values are the same at any world size (but not those of the default "
                               "initialization)"});
-  s.push_back({.key = "fsdp.sync_module_states", .type = T::kBool, .default_value = true,
+  s.push_back({.key = "fsdp.sync_module_states",
+               .type = T::kBool,
+               .default_value = true,
                .description = "broadcast rank 0's parameters and buffers at start, so every rank starts identical"});
-  s.push_back({.key = "fsdp.backend", .type = T::kString, .default_value = "auto", .choices = {"auto", "mpi", "nccl"},
+  s.push_back({.key = "fsdp.backend",
+               .type = T::kString,
+               .default_value = "auto",
+               .choices = {"auto", "mpi", "nccl"},
                .description = "communication: mpi (CPU tensors), nccl (GPU tensors: needs a CUDA LibTorch, a visible GPU and an "
                               "fsdp-train built with NCCL; a clear error otherwise), auto (nccl when all that holds, else mpi)"});
   // [checkpoint]
   // [comm]
-  s.push_back({.key = "comm.timeout_s", .type = T::kFloat, .default_value = 600.0, .min = 0,
+  s.push_back({.key = "comm.timeout_s",
+               .type = T::kFloat,
+               .default_value = 600.0,
+               .min = 0,
                .description = "deadline of every collective, like NCCL's watchdog: a rank waiting longer names the collective, unit and "
                               "step and ends the job (exit code 6); 0: no deadline"});
-  s.push_back({.key = "checkpoint.dir", .type = T::kString, .default_value = "",
-               .description = "checkpoint folder; empty: <run.out_dir>/checkpoints"});
-  s.push_back({.key = "checkpoint.every_steps", .type = T::kInt, .default_value = I{0}, .min = 0,
+  s.push_back(
+      {.key = "checkpoint.dir", .type = T::kString, .default_value = "", .description = "checkpoint folder; empty: <run.out_dir>/checkpoints"});
+  s.push_back({.key = "checkpoint.every_steps",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
                .description = "save every this many optimizer steps; 0: only at the end (checkpoint.save_final)"});
-  s.push_back({.key = "checkpoint.state_dict_type", .type = T::kString, .default_value = "SHARDED_STATE_DICT",
+  s.push_back({.key = "checkpoint.state_dict_type",
+               .type = T::kString,
+               .default_value = "SHARDED_STATE_DICT",
                .choices = {"SHARDED_STATE_DICT", "FULL_STATE_DICT", "LOCAL_STATE_DICT"},
                .description = "SHARDED (every rank writes its part of one file), FULL (rank 0 writes), LOCAL (a file per rank; "
                               "loads at the same world size only)"});
-  s.push_back({.key = "checkpoint.keep_last", .type = T::kInt, .default_value = I{0}, .min = 0,
+  s.push_back({.key = "checkpoint.keep_last",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
                .description = "keep the newest this many checkpoints; 0: keep all"});
-  s.push_back({.key = "checkpoint.resume", .type = T::kString, .default_value = "auto",
+  s.push_back({.key = "checkpoint.resume",
+               .type = T::kString,
+               .default_value = "auto",
                .description = "auto: continue from the newest readable checkpoint in checkpoint.dir, if any (one of another model or optimizer "
                               "is an error; a finished run trains nothing); none: start fresh; anything else: a checkpoint file, LOCAL "
                               "folder, or checkpoint folder (its latest) to load"});
-  s.push_back({.key = "checkpoint.save_final", .type = T::kBool, .default_value = true,
-               .description = "save a checkpoint after the last step"});
-  s.push_back({.key = "checkpoint.rank0_only", .type = T::kBool, .default_value = true,
+  s.push_back({.key = "checkpoint.save_final", .type = T::kBool, .default_value = true, .description = "save a checkpoint after the last step"});
+  s.push_back({.key = "checkpoint.rank0_only",
+               .type = T::kBool,
+               .default_value = true,
                .description = "FULL_STATE_DICT loading: rank 0 reads the file and broadcasts it unit by unit"});
   // [log]
-  s.push_back({.key = "log.every_steps", .type = T::kInt, .default_value = I{10}, .min = 1,
-               .description = "print the loss every this many optimizer steps"});
-  s.push_back({.key = "log.progress", .type = T::kString, .default_value = "auto", .choices = {"auto", "live", "plain", "none"},
-               .description = "auto: a live line when started directly on a terminal, plain lines under mpirun/srun or into files; live, plain; none: no progress output"});
-  s.push_back({.key = "log.metrics_file", .type = T::kString, .default_value = "metrics.csv",
+  s.push_back(
+      {.key = "log.every_steps", .type = T::kInt, .default_value = I{10}, .min = 1, .description = "print the loss every this many optimizer steps"});
+  s.push_back({.key = "log.progress",
+               .type = T::kString,
+               .default_value = "auto",
+               .choices = {"auto", "live", "plain", "none"},
+               .description = "auto: a live line when started directly on a terminal, plain lines under mpirun/srun or into files; live, plain; "
+                              "none: no progress output"});
+  s.push_back({.key = "log.metrics_file",
+               .type = T::kString,
+               .default_value = "metrics.csv",
                .description = "CSV of the metrics of every logged step, relative to run.out_dir; empty: none"});
-  s.push_back({.key = "log.trace", .type = T::kBool, .default_value = false,
+  s.push_back({.key = "log.trace",
+               .type = T::kBool,
+               .default_value = false,
                .description = "write a Chrome trace-event timeline per rank (trace_rank<R>.json: steps, forward/backward per unit, "
                               "all-gather, reduce-scatter, optimizer, checkpoint, memory counters; open in Perfetto) and the memory "
                               "timeline memory_rank<R>.csv (for fsdp-plot)"});
@@ -246,7 +390,9 @@ int edit_distance(const std::string& a, const std::string& b) {
 int closeness(const std::string& word, const std::string& known) {
   const int tolerance = word.size() <= 4 ? 1 : 2;
   int best = -1;
-  auto take = [&](int score) { if (best < 0 || score < best) best = score; };
+  auto take = [&](int score) {
+    if (best < 0 || score < best) best = score;
+  };
   const int d = edit_distance(word, known);
   if (d <= tolerance) take(2 * d);
   if (word.size() >= 3 && known.size() >= 3 && (starts_with(known, word) || starts_with(word, known))) take(3);
@@ -459,12 +605,17 @@ std::optional<Value> from_node(const KeySpec& spec, const toml::node& n, std::ve
         const toml::node& e = *a->get(k);
         const std::string label = spec.key + "[" + std::to_string(k) + "]";
         if (spec.type == KeyType::kIntArray) {
-          if (auto* i = e.as_integer()) ints.push_back(i->get());
-          else ok = false, wrong(label, e, "an integer");
+          if (auto* i = e.as_integer())
+            ints.push_back(i->get());
+          else
+            ok = false, wrong(label, e, "an integer");
         } else {
-          if (auto* f = e.as_floating_point()) floats.push_back(f->get());
-          else if (auto* i = e.as_integer()) floats.push_back(static_cast<double>(i->get()));
-          else ok = false, wrong(label, e, "a number");
+          if (auto* f = e.as_floating_point())
+            floats.push_back(f->get());
+          else if (auto* i = e.as_integer())
+            floats.push_back(static_cast<double>(i->get()));
+          else
+            ok = false, wrong(label, e, "a number");
         }
       }
       if (!ok) return std::nullopt;
@@ -554,8 +705,7 @@ std::optional<std::pair<const KeySpec*, Value>> parse_override(const std::string
         if (!value) return std::nullopt;
       }
     }
-  } catch (const toml::parse_error&) {
-  }
+  } catch (const toml::parse_error&) {}
   if (!parsed) {
     if (spec->type != KeyType::kString) {
       issues.push_back({spec->key + ": expected " + expected(spec->type) + ", got a string (" + toml_string(raw) + ")"});
@@ -602,8 +752,8 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
     const bool blame_model = explicit_(model) && (!explicit_(data) || (model.source == Source::kSet && data.source != Source::kSet));
     if (blame_model) {
       problems.push_back(where(model) + ": model.kind: " + format_value(model.value) + " needs data.kind " +
-                         (transformer ? "\"tokens\" or \"text\"" : "\"fashion-mnist\" or \"mnist\"") + " (data.kind is " +
-                         format_value(data.value) + ")");
+                         (transformer ? "\"tokens\" or \"text\"" : "\"fashion-mnist\" or \"mnist\"") + " (data.kind is " + format_value(data.value) +
+                         ")");
     } else {
       problems.push_back(where(data) + ": data.kind: " + format_value(data.value) + " needs model.kind " +
                          (token_data ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (model.kind is " + format_value(model.value) + ")");
@@ -709,8 +859,10 @@ Deck Deck::parse(const std::string& text, const std::string& path, const std::ve
       if (!known) {
         if (node.is_table() || node.is_array_of_tables()) {
           std::string msg = section + ": unknown section";
-          if (auto near = closest_of(section, deck_sections()); !near.empty()) msg += " (did you mean " + near + "?)";
-          else msg += " (the sections are " + join(deck_sections(), ", ") + ")";
+          if (auto near = closest_of(section, deck_sections()); !near.empty())
+            msg += " (did you mean " + near + "?)";
+          else
+            msg += " (the sections are " + join(deck_sections(), ", ") + ")";
           issues.push_back({msg, line_of(node)});
         } else {
           issues.push_back({section + ": " + unknown_key_message(section), line_of(node)});
@@ -814,7 +966,8 @@ const Entry& Deck::typed_entry(const std::string& key, KeyType type, const char*
   if (it == index.end()) throw DeckError(std::string(getter) + "(\"" + key + "\"): " + unknown_key_message(key));
   const Entry& e = entries_[it->second];
   if (e.spec->type != type)
-    throw DeckError(std::string(getter) + "(\"" + key + "\"): " + key + " is a " + type_name(e.spec->type) + " key, not a " + type_name(type) + " key");
+    throw DeckError(std::string(getter) + "(\"" + key + "\"): " + key + " is a " + type_name(e.spec->type) + " key, not a " + type_name(type) +
+                    " key");
   if (std::holds_alternative<std::monostate>(e.value))
     throw DeckError(std::string(getter) + "(\"" + key + "\"): " + key + " is unset (check is_set() first)");
   return e;
@@ -898,8 +1051,10 @@ std::string Deck::to_toml() const {
       section = e.spec->section();
       out << "\n[" << section << "]\n";
     }
-    if (std::holds_alternative<std::monostate>(e.value)) out << "# " << e.spec->name() << " = (unset)\n";
-    else out << e.spec->name() << " = " << format_value(e.value) << "\n";
+    if (std::holds_alternative<std::monostate>(e.value))
+      out << "# " << e.spec->name() << " = (unset)\n";
+    else
+      out << e.spec->name() << " = " << format_value(e.value) << "\n";
   }
   return out.str();
 }

@@ -20,8 +20,7 @@ class DeckError : public fsdp::ConfigError {
  public:
   explicit DeckError(const std::string& what) : ConfigError(what, "fsdp.deck"), problems_{what} {}
   /// Several problems: each one a line of what(), also available one by one from problems().
-  explicit DeckError(const std::vector<std::string>& problems)
-      : ConfigError(join(problems), "fsdp.deck"), problems_(problems) {}
+  explicit DeckError(const std::vector<std::string>& problems) : ConfigError(join(problems), "fsdp.deck"), problems_(problems) {}
   /// Every problem, one per entry, each "<where>: <key>: <message>".
   const std::vector<std::string>& problems() const noexcept { return problems_; }
 
@@ -37,17 +36,17 @@ using Value = std::variant<std::monostate, std::int64_t, double, bool, std::stri
 
 /// One key of the schema.
 struct KeySpec {
-  std::string key;                    ///< "optim.lr" (section.name)
+  std::string key;  ///< "optim.lr" (section.name)
   KeyType type;
-  Value default_value{};              ///< monostate: unset by default
-  std::optional<double> min{}, max{}; ///< range for numbers and for each array element (inclusive unless *_exclusive)
-  std::vector<std::string> choices{}; ///< non-empty: a string must be one of these (any case on input, stored as listed)
-  std::string description{};          ///< one line
-  bool supported = true;              ///< false: the feature has not landed; only the default value is accepted
-  bool min_exclusive = false;         ///< the value must be > min (e.g. a learning rate)
-  bool max_exclusive = false;         ///< the value must be < max (e.g. a dropout probability)
+  Value default_value{};                           ///< monostate: unset by default
+  std::optional<double> min{}, max{};              ///< range for numbers and for each array element (inclusive unless *_exclusive)
+  std::vector<std::string> choices{};              ///< non-empty: a string must be one of these (any case on input, stored as listed)
+  std::string description{};                       ///< one line
+  bool supported = true;                           ///< false: the feature has not landed; only the default value is accepted
+  bool min_exclusive = false;                      ///< the value must be > min (e.g. a learning rate)
+  bool max_exclusive = false;                      ///< the value must be < max (e.g. a dropout probability)
   std::vector<std::string> unsupported_choices{};  ///< choices listed (and documented) but refused as "not supported yet"
-  std::size_t array_size = 0;         ///< arrays: non-zero = exactly this many elements
+  std::size_t array_size = 0;                      ///< arrays: non-zero = exactly this many elements
 
   std::string section() const { return key.substr(0, key.find('.')); }
   std::string name() const { return key.substr(key.find('.') + 1); }

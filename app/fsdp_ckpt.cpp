@@ -31,10 +31,14 @@ std::string resolve(const std::string& path) {
 
 std::string human_bytes(std::int64_t b) {
   char buf[32];
-  if (b >= (1 << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", b / 1073741824.0);
-  else if (b >= (1 << 20)) std::snprintf(buf, sizeof buf, "%.2f MiB", b / 1048576.0);
-  else if (b >= 1024) std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
-  else std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
+  if (b >= (1 << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / 1073741824.0);
+  else if (b >= (1 << 20))
+    std::snprintf(buf, sizeof buf, "%.2f MiB", b / 1048576.0);
+  else if (b >= 1024)
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  else
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
   return buf;
 }
 
@@ -81,8 +85,8 @@ int main(int argc, char** argv) {
   auto* merge = app.add_subcommand("merge", "LOCAL_STATE_DICT folder -> one FULL_STATE_DICT file");
   merge->add_option("LOCAL_DIR", path, "a LOCAL_STATE_DICT checkpoint folder")->required();
   merge->add_option("OUT", out, "the file to write")->required();
-  auto* diff = app.add_subcommand("diff",
-                                  "per tensor: max |A-B| and max |A-B| / max |B|; exit 0 if every tensor has max |A-B| <= atol + rtol * max |B|, else 1");
+  auto* diff = app.add_subcommand(
+      "diff", "per tensor: max |A-B| and max |A-B| / max |B|; exit 0 if every tensor has max |A-B| <= atol + rtol * max |B|, else 1");
   diff->add_option("A", a, "checkpoint file, or folder with `latest`")->required();
   diff->add_option("B", b, "checkpoint file, or folder with `latest`")->required();
   diff->add_option("--atol,--tolerance", atol, "absolute tolerance (default 0: identical)")->check(CLI::NonNegativeNumber);

@@ -71,8 +71,8 @@ void check_like_fsdp_train(const Deck& deck, const ModelDesc& desc, int np, int 
     for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
     for (const auto& n : layer_classes(deck))
       if (!types.count(n) && !full.count(n))
-        throw DeckError(deck.entry("fsdp.transformer_layer_cls_to_wrap").where + ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" +
-                        n + "\" (its types: " + known + ")");
+        throw DeckError(deck.entry("fsdp.transformer_layer_cls_to_wrap").where +
+                        ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n + "\" (its types: " + known + ")");
   }
   (void)shard_group_size(deck, fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy")), np, ranks_per_node);
 }
@@ -115,14 +115,16 @@ void print_prediction(const Deck& deck, const ModelShape& shape, const RunShape&
     if (p.max_by_kind[static_cast<std::size_t>(k)] == 0) continue;
     std::string label = mem_label(kind);
     if (kind == Mem::kOptimizer) label += " (" + run.optimizer + ")";
-    std::printf("  %-40s %12.2f %12.2f   %s\n", label.c_str(), mib(p.at_peak[static_cast<std::size_t>(k)]), mib(p.max_by_kind[static_cast<std::size_t>(k)]),
-                notes[k]);
+    std::printf("  %-40s %12.2f %12.2f   %s\n", label.c_str(), mib(p.at_peak[static_cast<std::size_t>(k)]),
+                mib(p.max_by_kind[static_cast<std::size_t>(k)]), notes[k]);
   }
   std::printf("  %-40s %12.2f %12s   %s\n", "allocator retention", mib(p.retained_at_peak), "", "freed and fragmented heap glibc keeps");
   std::printf("  %-40s %12.2f %12s   %s\n", "process baseline", mib(p.baseline_bytes), "", "LibTorch + MPI before the model (--baseline-mib)");
   std::printf("  %-40s %12.2f\n", "total", mib(p.total_bytes));
-  std::printf("  allocator model at the peak: %.1f MiB in mmap()ed blocks, heap high-water %.1f MiB x %.2f (--heap-factor); most bytes live at once %.1f MiB\n",
-              mib(p.mapped_at_peak), mib(p.heap_at_peak), run.heap_factor, mib(p.live_peak));
+  std::printf(
+      "  allocator model at the peak: %.1f MiB in mmap()ed blocks, heap high-water %.1f MiB x %.2f (--heap-factor); most bytes live at once %.1f "
+      "MiB\n",
+      mib(p.mapped_at_peak), mib(p.heap_at_peak), run.heap_factor, mib(p.live_peak));
   std::printf("  phases without the baseline: construction %.1f MiB, training step %.1f MiB, evaluation %.1f MiB\n", mib(p.construction_peak),
               mib(p.step_peak), run.evaluate ? mib(p.eval_peak) : 0.0);
   std::printf("predicted peak RSS per rank: %.1f MiB (during the %s)\n", mib(p.total_bytes), p.peak_phase.c_str());
@@ -131,8 +133,10 @@ void print_prediction(const Deck& deck, const ModelShape& shape, const RunShape&
     RunShape fixed = run;
     fixed.mmap_threshold_bytes = std::int64_t{1} << 20;
     const Prediction q = predict(shape, fixed);
-    std::printf("  with --set run.malloc_mmap_threshold_mib=1 (freed blocks of 1 MiB or more go back to the system; page faults on every "
-                "large allocation): %.1f MiB\n", mib(q.total_bytes));
+    std::printf(
+        "  with --set run.malloc_mmap_threshold_mib=1 (freed blocks of 1 MiB or more go back to the system; page faults on every "
+        "large allocation): %.1f MiB\n",
+        mib(q.total_bytes));
   }
 }
 
@@ -184,7 +188,8 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
     std::string diff = compare_descriptions(desc, built_desc);
     if (closed_form_num_params(shape) != numel)
       diff += "parameter count: formula " + std::to_string(closed_form_num_params(shape)) + ", built " + std::to_string(numel) + "\n";
-    if (desc.num_params() != numel) diff += "parameter count: description " + std::to_string(desc.num_params()) + ", built " + std::to_string(numel) + "\n";
+    if (desc.num_params() != numel)
+      diff += "parameter count: description " + std::to_string(desc.num_params()) + ", built " + std::to_string(numel) + "\n";
     if (!diff.empty()) {
       std::fprintf(stderr, "fsdp-plan: error: the closed-form model differs from the built one:\n%s", diff.c_str());
       return kExitFailure;
@@ -232,9 +237,12 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
 
   if (memory_gib > 0) {
     const auto budget = static_cast<std::int64_t>(memory_gib * 1073741824.0);
-    std::printf("\nLargest model of the %s family that fits %.2f GiB per rank (predicted peak RSS, baseline included)\n", shape.kind.c_str(), memory_gib);
-    if (p.total_bytes <= budget) std::printf("  the deck's model fits with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
-    else std::printf("  the deck's model does NOT fit with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
+    std::printf("\nLargest model of the %s family that fits %.2f GiB per rank (predicted peak RSS, baseline included)\n", shape.kind.c_str(),
+                memory_gib);
+    if (p.total_bytes <= budget)
+      std::printf("  the deck's model fits with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
+    else
+      std::printf("  the deck's model does NOT fit with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
     constexpr std::int64_t kCap = std::int64_t{1} << 20;
     if (shape.kind == "transformer")
       std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", "strategy", "n_layers", "parameters", "d_model", "parameters", "batch_size");
@@ -286,9 +294,10 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
       }
     }
     if (shape.kind == "transformer")
-      std::printf("  (n_layers at d_model %lld, ~: extrapolated from 128 and 256 layers; d_model, a multiple of n_heads, at n_layers %lld;\n"
-                  "   batch_size for the deck's model)\n",
-                  static_cast<long long>(shape.gpt.d_model), static_cast<long long>(shape.gpt.n_layers));
+      std::printf(
+          "  (n_layers at d_model %lld, ~: extrapolated from 128 and 256 layers; d_model, a multiple of n_heads, at n_layers %lld;\n"
+          "   batch_size for the deck's model)\n",
+          static_cast<long long>(shape.gpt.d_model), static_cast<long long>(shape.gpt.n_layers));
     else if (shape.kind == "mlp")
       std::printf("  (every hidden width scaled by one factor; batch_size for the deck's model)\n");
   }

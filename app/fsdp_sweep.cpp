@@ -104,8 +104,8 @@ void write_file(const fs::path& path, const std::string& text) {
   if (!out) throw std::runtime_error("cannot write '" + path.string() + "'");
 }
 
-int sweep(const std::string& deck_path, const std::vector<std::string>& grids, const std::vector<std::string>& sets,
-          const std::string& out, bool dry_run) {
+int sweep(const std::string& deck_path, const std::vector<std::string>& grids, const std::vector<std::string>& sets, const std::string& out,
+          bool dry_run) {
   std::vector<Axis> axes;
   for (const auto& g : grids) {
     axes.push_back(parse_grid(g));
@@ -137,8 +137,7 @@ int sweep(const std::string& deck_path, const std::vector<std::string>& grids, c
       p.out_dir = d.get_string("run.out_dir");
       p.toml = d.to_toml();
       for (const auto& field : {joined(p.overrides), p.deck_path, p.out_dir})
-        if (field.find_first_of("\t\n\r") != std::string::npos)
-          throw DeckError("a tab or line break in '" + field + "' would break manifest.tsv");
+        if (field.find_first_of("\t\n\r") != std::string::npos) throw DeckError("a tab or line break in '" + field + "' would break manifest.tsv");
     } catch (const DeckError& e) {
       problems.push_back(p.name + " (" + joined(p.overrides) + "):");
       for (const auto& line : e.problems()) problems.push_back("    " + line);
@@ -183,27 +182,26 @@ int sweep(const std::string& deck_path, const std::vector<std::string>& grids, c
     return 1;
   }
   std::printf("\nwrote %zu deck%s under %s and %s\n", count, count == 1 ? "" : "s", (fs::path(out) / "decks").c_str(), manifest.c_str());
-  std::printf("Slurm job array, one task per point (run from this folder):\n"
-              "  sbatch --array=0-%zu job.sh\n"
-              "where job.sh runs\n"
-              "  deck=$(awk -F'\\t' -v i=$SLURM_ARRAY_TASK_ID 'NR==i+2{print $3}' %s)\n"
-              "  srun fsdp-train \"$deck\"\n",
-              count - 1, manifest.c_str());
+  std::printf(
+      "Slurm job array, one task per point (run from this folder):\n"
+      "  sbatch --array=0-%zu job.sh\n"
+      "where job.sh runs\n"
+      "  deck=$(awk -F'\\t' -v i=$SLURM_ARRAY_TASK_ID 'NR==i+2{print $3}' %s)\n"
+      "  srun fsdp-train \"$deck\"\n",
+      count - 1, manifest.c_str());
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"One fsdp-train deck per point of a parameter grid, and a manifest for a Slurm job array (fsdp " +
-                   std::string(fsdp::kVersion) + ")",
+  CLI::App app{"One fsdp-train deck per point of a parameter grid, and a manifest for a Slurm job array (fsdp " + std::string(fsdp::kVersion) + ")",
                "fsdp-sweep"};
   std::string deck_path, out;
   std::vector<std::string> grids, sets;
   bool dry_run = false, print_reference = false;
   app.add_option("deck", deck_path, "the base deck (TOML)");
-  app.add_option("--grid", grids, "KEY=V1,V2,...: one axis of the grid; values are read like --set values (repeatable)")
-      ->allow_extra_args(false);
+  app.add_option("--grid", grids, "KEY=V1,V2,...: one axis of the grid; values are read like --set values (repeatable)")->allow_extra_args(false);
   app.add_option("--set", sets, "KEY=VALUE: override the base deck for every point (repeatable)")->allow_extra_args(false);
   app.add_option("--out", out, "output folder: DIR/decks/point_NNNN.toml, DIR/manifest.tsv, runs in DIR/runs/point_NNNN");
   app.add_flag("--dry-run", dry_run, "validate every point and print the table; write nothing");

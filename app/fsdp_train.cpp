@@ -172,7 +172,8 @@ Dataset load_dataset(const Deck& deck) {
   const std::string model = deck.get_string("model.kind");
   const bool lm = kind == "tokens" || kind == "text";
   if (lm != (model == "transformer"))
-    throw DeckError("data.kind = \"" + kind + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" + model + "\")");
+    throw DeckError("data.kind = \"" + kind + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" + model +
+                    "\")");
   if (kind == "fashion-mnist" || kind == "mnist") {
     d.train_images = load_mnist_split(deck.get_string("data.path"), true);
     d.test_images = load_mnist_split(deck.get_string("data.path"), false);
@@ -310,8 +311,8 @@ void check_layer_classes(const Deck& deck, const torch::nn::Module& model) {
   for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
   for (const auto& n : layer_classes(deck))
     if (!types.count(n))
-      throw DeckError(deck.entry("fsdp.transformer_layer_cls_to_wrap").where + ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" +
-                      n + "\" (its types: " + known + ")");
+      throw DeckError(deck.entry("fsdp.transformer_layer_cls_to_wrap").where +
+                      ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n + "\" (its types: " + known + ")");
 }
 
 /// fsdp.overlap_grad_reduce = auto: the collective worker pays only with a core of its own, i.e. when
@@ -328,16 +329,22 @@ fsdp::FsdpOptions fsdp_options(const Deck& deck) {
   fsdp::FsdpOptions o;
   o.sharding_strategy = fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
   const std::string policy = deck.get_string("fsdp.auto_wrap_policy");
-  if (policy == "SIZE_BASED_WRAP") o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(deck.get_int("fsdp.min_num_params"));
-  else if (policy == "TRANSFORMER_BASED_WRAP") o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(layer_classes(deck));
+  if (policy == "SIZE_BASED_WRAP")
+    o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(deck.get_int("fsdp.min_num_params"));
+  else if (policy == "TRANSFORMER_BASED_WRAP")
+    o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(layer_classes(deck));
   const std::string reshard = deck.get_string("fsdp.reshard_after_forward");
-  if (reshard == "true") o.reshard_after_forward = true;
-  else if (reshard == "false") o.reshard_after_forward = false;
+  if (reshard == "true")
+    o.reshard_after_forward = true;
+  else if (reshard == "false")
+    o.reshard_after_forward = false;
   o.shard_group_size = static_cast<int>(deck.get_int("fsdp.shard_group_size"));
   o.sync_module_states = deck.get_bool("fsdp.sync_module_states");
   const std::string mp = deck.get_string("fsdp.mixed_precision");
-  if (mp == "bf16") o.mixed_precision = fsdp::MixedPrecision::bf16();
-  else if (mp == "fp16") o.mixed_precision = fsdp::MixedPrecision::fp16();
+  if (mp == "bf16")
+    o.mixed_precision = fsdp::MixedPrecision::bf16();
+  else if (mp == "fp16")
+    o.mixed_precision = fsdp::MixedPrecision::fp16();
   o.activation_checkpointing = deck.get_bool("fsdp.activation_checkpointing");
   o.offload_params = deck.get_bool("fsdp.offload_params");
   o.backward_prefetch = fsdp::parse_backward_prefetch(deck.get_string("fsdp.backward_prefetch"));
@@ -371,12 +378,13 @@ std::string resolve_backend(const Deck& deck) {
   const std::string where = (set_at.empty() ? std::string() : set_at + ": ") + "fsdp.backend = \"nccl\": ";
   if (!gpu) {
     const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-    throw DeckError(where + "no CUDA device is usable on this rank (" +
-                    (torch::cuda::device_count() == 0 && !at::hasCUDA() ? std::string("this LibTorch was built without CUDA")
-                                                                        : std::string("no GPU visible")) +
-                    (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string()) + "); use \"mpi\" or \"auto\" on CPUs");
+    throw DeckError(
+        where + "no CUDA device is usable on this rank (" +
+        (torch::cuda::device_count() == 0 && !at::hasCUDA() ? std::string("this LibTorch was built without CUDA") : std::string("no GPU visible")) +
+        (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string()) + "); use \"mpi\" or \"auto\" on CPUs");
   }
-  if (!kBuiltWithNccl) throw DeckError(where + "this fsdp-train was built without NCCL (configure with -DFSDP_WITH_NCCL=ON where CUDA and NCCL are installed)");
+  if (!kBuiltWithNccl)
+    throw DeckError(where + "this fsdp-train was built without NCCL (configure with -DFSDP_WITH_NCCL=ON where CUDA and NCCL are installed)");
   return asked;
 }
 
@@ -385,11 +393,13 @@ std::unique_ptr<torch::optim::Optimizer> build_optimizer(const Deck& deck, Engin
   const std::string kind = deck.get_string("optim.kind");
   const double lr = deck.get_float("optim.lr"), wd = deck.get_float("optim.weight_decay");
   const auto params = model.parameters();
-  if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(deck.get_float("optim.momentum")).weight_decay(wd));
+  if (kind == "sgd")
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(deck.get_float("optim.momentum")).weight_decay(wd));
   const auto& betas = deck.get_float_array("optim.betas");
   if (betas.size() != 2) throw DeckError("optim.betas must have 2 values, got " + std::to_string(betas.size()));
   if (kind == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
-  if (kind == "adamw") return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
+  if (kind == "adamw")
+    return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
   return std::make_unique<fsdp::optim::Adadelta>(params, fsdp::optim::AdadeltaOptions(lr).weight_decay(wd));
 }
 
@@ -469,9 +479,12 @@ Stats across_ranks(MpiComm& world, double v) {
 
 std::string format_duration(double s) {
   char buf[32];
-  if (s >= 3600) std::snprintf(buf, sizeof buf, "%dh%02dm", static_cast<int>(s / 3600), static_cast<int>(std::fmod(s, 3600) / 60));
-  else if (s >= 60) std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s / 60), static_cast<int>(std::fmod(s, 60)));
-  else std::snprintf(buf, sizeof buf, "%.1fs", s);
+  if (s >= 3600)
+    std::snprintf(buf, sizeof buf, "%dh%02dm", static_cast<int>(s / 3600), static_cast<int>(std::fmod(s, 3600) / 60));
+  else if (s >= 60)
+    std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s / 60), static_cast<int>(std::fmod(s, 60)));
+  else
+    std::snprintf(buf, sizeof buf, "%.1fs", s);
   return buf;
 }
 
@@ -523,7 +536,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   if (const auto mib = deck.get_int("run.malloc_mmap_threshold_mib"); mib > 0) {
     // Before the model exists: its shards, gathered units and gradients are allocated from here on.
     if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(mib << 20)) != 1)
-      throw DeckError(deck.entry("run.malloc_mmap_threshold_mib").where + ": run.malloc_mmap_threshold_mib: glibc refused " + std::to_string(mib) + " MiB");
+      throw DeckError(deck.entry("run.malloc_mmap_threshold_mib").where + ": run.malloc_mmap_threshold_mib: glibc refused " + std::to_string(mib) +
+                      " MiB");
   }
   // Every rank must decide the same (the engine splits communicators for the worker): any rank
   // without a spare core turns the overlap off for all.
@@ -537,422 +551,435 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   on_all_ranks(world, [&] { backend = resolve_backend(deck); });
   // The rest runs with the engine over the chosen communicator.
   auto train = [&](auto comm_type) -> int {
-  using Comm = typename decltype(comm_type)::type;
-  using Engine = EngineOver<Comm>;
-  Dataset data;
-  on_all_ranks(world, [&] { data = load_dataset(deck); });
-  std::shared_ptr<Engine> model;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  on_all_ranks(world, [&] {
-    auto net = build_model(deck);
-    check_layer_classes(deck, *net);
-    const auto group = deck.get_int("fsdp.shard_group_size");
-    if (group > 0 && world.size() % group != 0)
-      throw DeckError(deck.entry("fsdp.shard_group_size").where + ": fsdp.shard_group_size: " + std::to_string(group) +
-                      " does not divide the world size " + std::to_string(world.size()));
-    auto options = fsdp_options(deck);
-    options.overlap_grad_reduce = overlap_grad_reduce;
-    if constexpr (std::is_same_v<Comm, MpiComm>) {
-      model = std::make_shared<Engine>(net, world, options);
-    } else {  // NCCL: this rank's GPU on its node; NCCL's own deadline is comm.timeout_s
-      fsdp::NcclOptions nccl;
-      nccl.timeout_s = deck.get_float("comm.timeout_s");
-      nccl.device = placement.local_rank;
-      auto comm = fsdp::NcclComm::from_mpi(world, nccl);
-      options.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm.device()));
-      model = std::make_shared<Engine>(net, comm, options);
-    }
-    optimizer = build_optimizer(deck, *model);
-  });
-
-  // 3. Echo: the resolved deck and what follows from it.
-  const auto units = model->units();
-  std::int64_t shard_numel = 0, padding = 0;
-  for (const auto& u : units) {
-    shard_numel += u.shard_numel;
-    padding += u.padded_numel - u.numel;
-  }
-  const std::int64_t state_bytes = shard_numel * 4 * (2 + optimizer_state_copies(deck));
-  if (root) {
-    std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, deck_path.c_str(), deck.echo_table().c_str());
-    std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", world.size(), placement.nodes, placement.local_size, threads);
-    std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", backend.c_str(), deck.get_string("fsdp.backend").c_str(),
-                model->compute_device().str().c_str(), deck.get_bool("fsdp.offload_params") ? ", parameter shards offloaded to host memory" : "");
-    std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model->sharding_strategy()), model->shard_group_size(),
-                units.size(), static_cast<long long>(model->num_params()));
-    std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
-                static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
-    std::printf("  data %s: %lld train, %lld test samples; out_dir %s\n\n", deck.get_string("data.kind").c_str(),
-                static_cast<long long>(data.train_size()), static_cast<long long>(data.test_size()), out_dir.c_str());
-    std::fflush(stdout);
-  }
-  // Every rank must run the same job: compare the resolved deck and the sharding plan before the
-  // first training collective.
-  {
-    std::string values;
-    std::istringstream lines(deck.to_toml());
-    for (std::string line; std::getline(lines, line);)
-      if (!line.empty() && line[0] != '#') values += line + "\n";
-    std::int64_t mine[2] = {static_cast<std::int64_t>(fsdp::fnv1a64(values) >> 1), static_cast<std::int64_t>(model->plan_hash() >> 1)};
-    std::vector<std::int64_t> all(static_cast<std::size_t>(2 * world.size()));
-    world.all_gather(mine, all.data(), 2, fsdp::DType::kInt64);
-    for (int r = 1; r < world.size(); ++r) {
-      const bool deck_differs = all[2 * r] != all[0], plan_differs = all[2 * r + 1] != all[1];
-      if (!deck_differs && !plan_differs) continue;
-      throw RankError(std::string("rank ") + std::to_string(r) + " runs a different job than rank 0: " +
-                          (deck_differs ? "its resolved deck differs (other --set options or deck file?)" : "its model or wrapping plan differs") +
-                          "; every rank must get the same deck and options",
-                      true);
-    }
-  }
-  if (dry_run) {
-    // A dry run leaves an existing run alone; it writes the resolved deck only into a new out_dir.
-    bool wrote = false;
+    using Comm = typename decltype(comm_type)::type;
+    using Engine = EngineOver<Comm>;
+    Dataset data;
+    on_all_ranks(world, [&] { data = load_dataset(deck); });
+    std::shared_ptr<Engine> model;
+    std::unique_ptr<torch::optim::Optimizer> optimizer;
     on_all_ranks(world, [&] {
-      if (!root || fs::exists(out_dir / "deck.toml")) return;
-      fs::create_directories(out_dir);
-      std::ofstream(out_dir / "deck.toml") << deck.to_toml();
-      wrote = true;
+      auto net = build_model(deck);
+      check_layer_classes(deck, *net);
+      const auto group = deck.get_int("fsdp.shard_group_size");
+      if (group > 0 && world.size() % group != 0)
+        throw DeckError(deck.entry("fsdp.shard_group_size").where + ": fsdp.shard_group_size: " + std::to_string(group) +
+                        " does not divide the world size " + std::to_string(world.size()));
+      auto options = fsdp_options(deck);
+      options.overlap_grad_reduce = overlap_grad_reduce;
+      if constexpr (std::is_same_v<Comm, MpiComm>) {
+        model = std::make_shared<Engine>(net, world, options);
+      } else {  // NCCL: this rank's GPU on its node; NCCL's own deadline is comm.timeout_s
+        fsdp::NcclOptions nccl;
+        nccl.timeout_s = deck.get_float("comm.timeout_s");
+        nccl.device = placement.local_rank;
+        auto comm = fsdp::NcclComm::from_mpi(world, nccl);
+        options.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm.device()));
+        model = std::make_shared<Engine>(net, comm, options);
+      }
+      optimizer = build_optimizer(deck, *model);
     });
-    if (root)
-      std::printf("dry run: stopping after the echo%s\n",
-                  wrote ? (" (resolved deck in " + (out_dir / "deck.toml").string() + ")").c_str() : " (existing deck.toml left as it is)");
-    return 0;
-  }
-  on_all_ranks(world, [&] {
-    if (!root) return;
-    fs::create_directories(out_dir);
-    std::ofstream out(out_dir / "deck.toml");
-    out << deck.to_toml();
-    if (!out) throw DeckError("cannot write '" + (out_dir / "deck.toml").string() + "'");
-  });
 
-  // 4. Resume.
-  fsdp::CheckpointOptions ckpt;
-  ckpt.state_dict_type = fsdp::parse_state_dict_type(deck.get_string("checkpoint.state_dict_type"));
-  ckpt.keep_last = static_cast<int>(deck.get_int("checkpoint.keep_last"));
-  ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
-  fsdp::TrainState state;
-  const std::string resume = deck.get_string("checkpoint.resume");
-  if (resume == "auto") {
-    fsdp::ResumeResult r;
-    // A checkpoint of another model or optimizer in this folder stops the run (it is not skipped:
-    // training on would mix two runs in one folder).
-    on_all_ranks(world, [&] { r = fsdp::resume_from_latest(*model, optimizer.get(), ckpt_dir.string(), &state, ckpt); });
+    // 3. Echo: the resolved deck and what follows from it.
+    const auto units = model->units();
+    std::int64_t shard_numel = 0, padding = 0;
+    for (const auto& u : units) {
+      shard_numel += u.shard_numel;
+      padding += u.padded_numel - u.numel;
+    }
+    const std::int64_t state_bytes = shard_numel * 4 * (2 + optimizer_state_copies(deck));
     if (root) {
-      for (const auto& why : r.skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
-      if (!r.path.empty()) std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
+      std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, deck_path.c_str(), deck.echo_table().c_str());
+      std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", world.size(), placement.nodes, placement.local_size,
+                  threads);
+      std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", backend.c_str(), deck.get_string("fsdp.backend").c_str(),
+                  model->compute_device().str().c_str(), deck.get_bool("fsdp.offload_params") ? ", parameter shards offloaded to host memory" : "");
+      std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model->sharding_strategy()), model->shard_group_size(),
+                  units.size(), static_cast<long long>(model->num_params()));
+      std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
+                  static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
+      std::printf("  data %s: %lld train, %lld test samples; out_dir %s\n\n", deck.get_string("data.kind").c_str(),
+                  static_cast<long long>(data.train_size()), static_cast<long long>(data.test_size()), out_dir.c_str());
+      std::fflush(stdout);
     }
-  } else if (resume != "none") {
-    std::string path = resume;
-    if (fs::is_directory(path) && fs::exists(fs::path(path) / fsdp::ckpt::kLatestName)) {  // a checkpoint folder: its latest
-      if (const auto name = fsdp::ckpt::read_latest(path)) path = (fs::path(path) / *name).string();
+    // Every rank must run the same job: compare the resolved deck and the sharding plan before the
+    // first training collective.
+    {
+      std::string values;
+      std::istringstream lines(deck.to_toml());
+      for (std::string line; std::getline(lines, line);)
+        if (!line.empty() && line[0] != '#') values += line + "\n";
+      std::int64_t mine[2] = {static_cast<std::int64_t>(fsdp::fnv1a64(values) >> 1), static_cast<std::int64_t>(model->plan_hash() >> 1)};
+      std::vector<std::int64_t> all(static_cast<std::size_t>(2 * world.size()));
+      world.all_gather(mine, all.data(), 2, fsdp::DType::kInt64);
+      for (int r = 1; r < world.size(); ++r) {
+        const bool deck_differs = all[2 * r] != all[0], plan_differs = all[2 * r + 1] != all[1];
+        if (!deck_differs && !plan_differs) continue;
+        throw RankError(std::string("rank ") + std::to_string(r) + " runs a different job than rank 0: " +
+                            (deck_differs ? "its resolved deck differs (other --set options or deck file?)" : "its model or wrapping plan differs") +
+                            "; every rank must get the same deck and options",
+                        true);
+      }
     }
-    on_all_ranks(world, [&] { fsdp::load_checkpoint(*model, optimizer.get(), path, &state, ckpt); });
-    if (root) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
-  }
-
-  // 5. Train.
-  const std::int64_t batch = deck.get_int("data.batch_size");
-  const std::int64_t accum = deck.get_int("optim.grad_accum_steps");
-  const std::int64_t epochs = deck.get_int("run.epochs");
-  const std::int64_t max_steps = deck.get_int("run.max_steps");
-  const double clip = deck.get_float("optim.clip_grad_norm");
-  const std::int64_t log_every = deck.get_int("log.every_steps");
-  const std::int64_t ckpt_every = deck.get_int("checkpoint.every_steps");
-  DistributedSampler sampler(data.train_size(), world.size(), world.rank(), deck.get_bool("data.shuffle"), static_cast<std::uint64_t>(deck.get_int("run.seed")));
-  const std::int64_t micro_per_epoch = (sampler.num_samples() + batch - 1) / batch;
-  const std::int64_t steps_per_epoch = micro_per_epoch / accum;
-  if (steps_per_epoch == 0)
-    throw RankError("data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(sampler.num_samples()) + ")", true);
-  const std::int64_t total_steps = max_steps > 0 ? std::min(max_steps, steps_per_epoch * epochs) : steps_per_epoch * epochs;
-  if (state.step > 0 && state.step >= total_steps) {
-    // A rerun of a finished job: nothing to do, and its results stay as they are.
-    if (root)
-      std::printf("nothing to train: the run in %s already reached step %lld of %lld; its summary.json is kept (train again with a new "
-                  "run.out_dir or checkpoint.resume = \"none\")\n",
-                  out_dir.c_str(), static_cast<long long>(state.step), static_cast<long long>(total_steps));
-    return 0;
-  }
-  const std::string progress_mode = deck.get_string("log.progress");
-  // auto: a live line only for a process started directly on a terminal. Under mpirun or srun the
-  // ranks' stdout is a pseudo-terminal even when the job's output goes to a file.
-  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK") || std::getenv("SLURM_PROCID");
-  const bool live = progress_mode == "live" || (progress_mode == "auto" && isatty(STDOUT_FILENO) && !launched);
-  const bool quiet = progress_mode == "none";
-
-  std::ofstream metrics;
-  const bool write_metrics = !deck.get_string("log.metrics_file").empty();
-  const fs::path metrics_path = out_dir / deck.get_string("log.metrics_file");
-  on_all_ranks(world, [&] {
-  if (root && write_metrics) {
-    fs::create_directories(metrics_path.parent_path());
-    // On resume keep the rows up to the resumed step; a crashed run may have logged past it.
-    std::vector<std::string> kept;
-    if (state.step > 0) {
-      std::ifstream old(metrics_path);
-      for (std::string line; std::getline(old, line);)
-        if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= state.step) kept.push_back(line);
+    if (dry_run) {
+      // A dry run leaves an existing run alone; it writes the resolved deck only into a new out_dir.
+      bool wrote = false;
+      on_all_ranks(world, [&] {
+        if (!root || fs::exists(out_dir / "deck.toml")) return;
+        fs::create_directories(out_dir);
+        std::ofstream(out_dir / "deck.toml") << deck.to_toml();
+        wrote = true;
+      });
+      if (root)
+        std::printf("dry run: stopping after the echo%s\n",
+                    wrote ? (" (resolved deck in " + (out_dir / "deck.toml").string() + ")").c_str() : " (existing deck.toml left as it is)");
+      return 0;
     }
-    metrics.open(metrics_path, std::ios::trunc);
-    if (!metrics) throw std::runtime_error("cannot write '" + metrics_path.string() + "'");
-    metrics << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s\n";
-    for (const auto& l : kept) metrics << l << "\n";
-    metrics.flush();
-  }
-  });
+    on_all_ranks(world, [&] {
+      if (!root) return;
+      fs::create_directories(out_dir);
+      std::ofstream out(out_dir / "deck.toml");
+      out << deck.to_toml();
+      if (!out) throw DeckError("cannot write '" + (out_dir / "deck.toml").string() + "'");
+    });
 
-  Phases phases;
-  std::vector<double> step_ms;
-  double last_loss = std::nan(""), window_loss = 0;
-  std::int64_t window_steps = 0, window_samples = 0;
-  auto window_start = Clock::now();
-  double window_pause = 0;  // checkpoint and evaluation time inside the current logging window
-  const auto train_start = Clock::now();
-  std::int64_t step = state.step;
-  std::int64_t samples_trained = 0;
-  EvalResult last_eval;
-  bool evaluated = false;
-  const auto comm_start = model->comm_counters();
-  model->train();
-
-  // Where a run restarted from the current state continues: the next epoch and global sample.
-  std::int64_t next_epoch = state.epoch, next_sample_index = state.sample_index;
-  const bool save_final = deck.get_bool("checkpoint.save_final");
-  auto save = [&] {
-    Timed t(phases.checkpoint, "checkpoint");
-    fsdp::TrainState s;
-    s.step = step;
-    s.epoch = next_epoch;
-    s.sample_index = next_sample_index;
-    s.scheduler = {{"lr", lr_at(deck, step, next_epoch, total_steps)}, {"total_steps", static_cast<double>(total_steps)}};
-    s.deck = deck.to_toml();
-    fsdp::SaveResult r;
-    // A failed save (folder not writable, disk full) fails on every rank alike: a clean exit 2, and the
-    // previous checkpoint and `latest` stay valid.
-    on_all_ranks(world, [&] { r = fsdp::save_checkpoint(*model, optimizer.get(), ckpt_dir.string(), s, ckpt); });
-    if (root && !quiet) std::printf("checkpoint %s (%.1f MiB, %.2f s)\n", r.path.c_str(), r.bytes / 1048576.0, r.seconds);
-    if (root)
-      for (const auto& w : r.warnings) std::printf("warning: %s\n", w.c_str());
-  };
-
-  // SIGTERM (Slurm's time limit, scancel) and SIGUSR1 (sbatch --signal): finish the step, save, exit 3.
-  std::signal(SIGTERM, request_stop);
-  std::signal(SIGUSR1, request_stop);
-  // Past a file size limit (ulimit -f) a write then fails with EFBIG and the save reports it, instead
-  // of SIGXFSZ killing the rank in the middle of a checkpoint.
-  std::signal(SIGXFSZ, SIG_IGN);
-  const bool skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
-  std::int64_t skipped_steps = 0;
-
-  bool done = step >= total_steps;
-  for (std::int64_t epoch = state.epoch; epoch < epochs && !done; ++epoch) {
-    sampler.set_epoch(epoch);
-    const auto idx = sampler.indices();
-    // Resuming inside an epoch: skip the micro-batches already trained (global sample count).
-    std::int64_t first_micro = 0;
-    if (epoch == state.epoch && state.sample_index > 0) first_micro = state.sample_index / (batch * world.size());
-    const int workers = static_cast<int>(deck.get_int("data.num_workers"));
-    const std::int64_t micro_end = steps_per_epoch * accum;
-    Prefetcher<Batch> loader(
-        std::max<std::int64_t>(0, micro_end - first_micro),
-        [&, first_micro](std::int64_t k) {
-          const auto begin = static_cast<std::size_t>((first_micro + k) * batch);
-          return make_batch(data, true, idx, std::min(begin, idx.size()), std::min(begin + static_cast<std::size_t>(batch), idx.size()));
-        },
-        workers);
-    for (std::int64_t micro = first_micro; micro < micro_end && !done; micro += accum) {
-      const auto step_start = Clock::now();
-      fsdp::CollectiveWatchdog::instance().set_step(step + 1);
-      const double lr = lr_at(deck, step, epoch, total_steps);
-      for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
-      optimizer->zero_grad();
-      double loss_sum = 0;
-      std::int64_t samples = 0;
-      for (std::int64_t a = 0; a < accum; ++a) {
-        std::optional<Batch> b;
-        {
-          Timed t(phases.data, "data");
-          b = loader.next();
-        }
-        if (!b) throw std::runtime_error("data loader ended early");
-        std::optional<typename Engine::NoSyncScope> no_sync;
-        if (a + 1 < accum) no_sync.emplace(model->no_sync());
-        torch::Tensor loss;
-        {
-          Timed t(phases.forward, "forward + loss");
-          loss = loss_of(data, model->forward(b->x.to(model->compute_device())), b->y.to(model->compute_device())) / static_cast<double>(accum);
-        }
-        {
-          Timed t(phases.backward, "backward");
-          loss.backward();
-        }
-        loss_sum += loss.item<double>();
-        samples += b->samples;
+    // 4. Resume.
+    fsdp::CheckpointOptions ckpt;
+    ckpt.state_dict_type = fsdp::parse_state_dict_type(deck.get_string("checkpoint.state_dict_type"));
+    ckpt.keep_last = static_cast<int>(deck.get_int("checkpoint.keep_last"));
+    ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
+    fsdp::TrainState state;
+    const std::string resume = deck.get_string("checkpoint.resume");
+    if (resume == "auto") {
+      fsdp::ResumeResult r;
+      // A checkpoint of another model or optimizer in this folder stops the run (it is not skipped:
+      // training on would mix two runs in one folder).
+      on_all_ranks(world, [&] { r = fsdp::resume_from_latest(*model, optimizer.get(), ckpt_dir.string(), &state, ckpt); });
+      if (root) {
+        for (const auto& why : r.skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
+        if (!r.path.empty()) std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
       }
-      // One small all-reduce per step: did any rank see a non-finite loss or gradient norm, or get a
-      // stop signal? Every rank then takes the same branch.
-      std::int64_t flags[2] = {g_stop_signal, 0};
-      {
-        Timed t(phases.optimizer, "optimizer");
-        const double norm = clip > 0 ? model->clip_grad_norm(clip) : 0.0;
-        flags[1] = std::isfinite(loss_sum) && std::isfinite(norm) ? 0 : 1;
-        world.all_reduce(flags, flags, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
-        if (flags[1] && !skip_nonfinite)
-          throw RankError("non-finite loss or gradient norm at step " + std::to_string(step + 1) + " (epoch " + std::to_string(epoch + 1) +
-                              "); stopped without saving the poisoned state (run.on_nonfinite = \"skip\" skips such steps)",
-                          kExitNonFinite);
-        if (flags[1]) ++skipped_steps;
-        else optimizer->step();
+    } else if (resume != "none") {
+      std::string path = resume;
+      if (fs::is_directory(path) && fs::exists(fs::path(path) / fsdp::ckpt::kLatestName)) {  // a checkpoint folder: its latest
+        if (const auto name = fsdp::ckpt::read_latest(path)) path = (fs::path(path) / *name).string();
       }
-      if (flags[1] && root) std::printf("warning: non-finite loss or gradient norm at step %lld: step skipped\n", static_cast<long long>(step + 1));
-      ++step;
-      samples_trained += samples;
-      step_ms.push_back(1000 * seconds_since(step_start));
-      if (auto& tracer = fsdp::Tracer::instance(); tracer.enabled())
-        tracer.complete("step " + std::to_string(step), "step", tracer.to_us(step_start), tracer.now_us(), {{"step", static_cast<double>(step)}});
-      window_loss += loss_sum;
-      ++window_steps;
-      window_samples += samples;
-      if (micro + accum >= micro_end) {
-        next_epoch = epoch + 1;
-        next_sample_index = 0;
-      } else {
-        next_epoch = epoch;
-        next_sample_index = (micro + accum) * batch * world.size();
+      on_all_ranks(world, [&] { fsdp::load_checkpoint(*model, optimizer.get(), path, &state, ckpt); });
+      if (root) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
+    }
+
+    // 5. Train.
+    const std::int64_t batch = deck.get_int("data.batch_size");
+    const std::int64_t accum = deck.get_int("optim.grad_accum_steps");
+    const std::int64_t epochs = deck.get_int("run.epochs");
+    const std::int64_t max_steps = deck.get_int("run.max_steps");
+    const double clip = deck.get_float("optim.clip_grad_norm");
+    const std::int64_t log_every = deck.get_int("log.every_steps");
+    const std::int64_t ckpt_every = deck.get_int("checkpoint.every_steps");
+    DistributedSampler sampler(data.train_size(), world.size(), world.rank(), deck.get_bool("data.shuffle"),
+                               static_cast<std::uint64_t>(deck.get_int("run.seed")));
+    const std::int64_t micro_per_epoch = (sampler.num_samples() + batch - 1) / batch;
+    const std::int64_t steps_per_epoch = micro_per_epoch / accum;
+    if (steps_per_epoch == 0)
+      throw RankError("data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(sampler.num_samples()) + ")", true);
+    const std::int64_t total_steps = max_steps > 0 ? std::min(max_steps, steps_per_epoch * epochs) : steps_per_epoch * epochs;
+    if (state.step > 0 && state.step >= total_steps) {
+      // A rerun of a finished job: nothing to do, and its results stay as they are.
+      if (root)
+        std::printf(
+            "nothing to train: the run in %s already reached step %lld of %lld; its summary.json is kept (train again with a new "
+            "run.out_dir or checkpoint.resume = \"none\")\n",
+            out_dir.c_str(), static_cast<long long>(state.step), static_cast<long long>(total_steps));
+      return 0;
+    }
+    const std::string progress_mode = deck.get_string("log.progress");
+    // auto: a live line only for a process started directly on a terminal. Under mpirun or srun the
+    // ranks' stdout is a pseudo-terminal even when the job's output goes to a file.
+    const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK") || std::getenv("SLURM_PROCID");
+    const bool live = progress_mode == "live" || (progress_mode == "auto" && isatty(STDOUT_FILENO) && !launched);
+    const bool quiet = progress_mode == "none";
+
+    std::ofstream metrics;
+    const bool write_metrics = !deck.get_string("log.metrics_file").empty();
+    const fs::path metrics_path = out_dir / deck.get_string("log.metrics_file");
+    on_all_ranks(world, [&] {
+      if (root && write_metrics) {
+        fs::create_directories(metrics_path.parent_path());
+        // On resume keep the rows up to the resumed step; a crashed run may have logged past it.
+        std::vector<std::string> kept;
+        if (state.step > 0) {
+          std::ifstream old(metrics_path);
+          for (std::string line; std::getline(old, line);)
+            if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= state.step) kept.push_back(line);
+        }
+        metrics.open(metrics_path, std::ios::trunc);
+        if (!metrics) throw std::runtime_error("cannot write '" + metrics_path.string() + "'");
+        metrics << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s\n";
+        for (const auto& l : kept) metrics << l << "\n";
+        metrics.flush();
       }
-      done = step >= total_steps;
-      if (step % log_every == 0 || done) {
-        double stats[2] = {window_loss / static_cast<double>(window_steps), static_cast<double>(window_samples)};
-        world.all_reduce(stats, stats, 2, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
-        const double loss_avg = stats[0] / world.size();
-        const double rate = stats[1] / std::max(1e-9, seconds_since(window_start) - window_pause);
-        last_loss = loss_avg;
-        if (root) {
-          const double elapsed = seconds_since(train_start);
-          const double eta = elapsed / static_cast<double>(step - state.step) * static_cast<double>(total_steps - step);
-          const char* unit = data.tokens ? "seq/s" : "samples/s";
-          if (!quiet) {
-            std::printf("%sepoch %lld step %lld/%lld  loss %.4f  lr %.3g  %.0f %s  ETA %s%s", live ? "\r" : "", static_cast<long long>(epoch + 1),
-                        static_cast<long long>(step), static_cast<long long>(total_steps), loss_avg, lr, rate, unit, format_duration(eta).c_str(),
-                        live ? "   " : "\n");
-            std::fflush(stdout);
+    });
+
+    Phases phases;
+    std::vector<double> step_ms;
+    double last_loss = std::nan(""), window_loss = 0;
+    std::int64_t window_steps = 0, window_samples = 0;
+    auto window_start = Clock::now();
+    double window_pause = 0;  // checkpoint and evaluation time inside the current logging window
+    const auto train_start = Clock::now();
+    std::int64_t step = state.step;
+    std::int64_t samples_trained = 0;
+    EvalResult last_eval;
+    bool evaluated = false;
+    const auto comm_start = model->comm_counters();
+    model->train();
+
+    // Where a run restarted from the current state continues: the next epoch and global sample.
+    std::int64_t next_epoch = state.epoch, next_sample_index = state.sample_index;
+    const bool save_final = deck.get_bool("checkpoint.save_final");
+    auto save = [&] {
+      Timed t(phases.checkpoint, "checkpoint");
+      fsdp::TrainState s;
+      s.step = step;
+      s.epoch = next_epoch;
+      s.sample_index = next_sample_index;
+      s.scheduler = {{"lr", lr_at(deck, step, next_epoch, total_steps)}, {"total_steps", static_cast<double>(total_steps)}};
+      s.deck = deck.to_toml();
+      fsdp::SaveResult r;
+      // A failed save (folder not writable, disk full) fails on every rank alike: a clean exit 2, and the
+      // previous checkpoint and `latest` stay valid.
+      on_all_ranks(world, [&] { r = fsdp::save_checkpoint(*model, optimizer.get(), ckpt_dir.string(), s, ckpt); });
+      if (root && !quiet) std::printf("checkpoint %s (%.1f MiB, %.2f s)\n", r.path.c_str(), r.bytes / 1048576.0, r.seconds);
+      if (root)
+        for (const auto& w : r.warnings) std::printf("warning: %s\n", w.c_str());
+    };
+
+    // SIGTERM (Slurm's time limit, scancel) and SIGUSR1 (sbatch --signal): finish the step, save, exit 3.
+    std::signal(SIGTERM, request_stop);
+    std::signal(SIGUSR1, request_stop);
+    // Past a file size limit (ulimit -f) a write then fails with EFBIG and the save reports it, instead
+    // of SIGXFSZ killing the rank in the middle of a checkpoint.
+    std::signal(SIGXFSZ, SIG_IGN);
+    const bool skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
+    std::int64_t skipped_steps = 0;
+
+    bool done = step >= total_steps;
+    for (std::int64_t epoch = state.epoch; epoch < epochs && !done; ++epoch) {
+      sampler.set_epoch(epoch);
+      const auto idx = sampler.indices();
+      // Resuming inside an epoch: skip the micro-batches already trained (global sample count).
+      std::int64_t first_micro = 0;
+      if (epoch == state.epoch && state.sample_index > 0) first_micro = state.sample_index / (batch * world.size());
+      const int workers = static_cast<int>(deck.get_int("data.num_workers"));
+      const std::int64_t micro_end = steps_per_epoch * accum;
+      Prefetcher<Batch> loader(
+          std::max<std::int64_t>(0, micro_end - first_micro),
+          [&, first_micro](std::int64_t k) {
+            const auto begin = static_cast<std::size_t>((first_micro + k) * batch);
+            return make_batch(data, true, idx, std::min(begin, idx.size()), std::min(begin + static_cast<std::size_t>(batch), idx.size()));
+          },
+          workers);
+      for (std::int64_t micro = first_micro; micro < micro_end && !done; micro += accum) {
+        const auto step_start = Clock::now();
+        fsdp::CollectiveWatchdog::instance().set_step(step + 1);
+        const double lr = lr_at(deck, step, epoch, total_steps);
+        for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
+        optimizer->zero_grad();
+        double loss_sum = 0;
+        std::int64_t samples = 0;
+        for (std::int64_t a = 0; a < accum; ++a) {
+          std::optional<Batch> b;
+          {
+            Timed t(phases.data, "data");
+            b = loader.next();
           }
-          if (write_metrics) {
-            metrics << step << "," << epoch + 1 << "," << loss_avg << "," << lr << "," << rate << "," << step_ms.back() << "," << elapsed << "\n";
-            metrics.flush();
+          if (!b) throw std::runtime_error("data loader ended early");
+          std::optional<typename Engine::NoSyncScope> no_sync;
+          if (a + 1 < accum) no_sync.emplace(model->no_sync());
+          torch::Tensor loss;
+          {
+            Timed t(phases.forward, "forward + loss");
+            loss = loss_of(data, model->forward(b->x.to(model->compute_device())), b->y.to(model->compute_device())) / static_cast<double>(accum);
           }
+          {
+            Timed t(phases.backward, "backward");
+            loss.backward();
+          }
+          loss_sum += loss.item<double>();
+          samples += b->samples;
         }
-        window_loss = 0;
-        window_steps = 0;
-        window_samples = 0;
-        window_start = Clock::now();
-        window_pause = 0;
+        // One small all-reduce per step: did any rank see a non-finite loss or gradient norm, or get a
+        // stop signal? Every rank then takes the same branch.
+        std::int64_t flags[2] = {g_stop_signal, 0};
+        {
+          Timed t(phases.optimizer, "optimizer");
+          const double norm = clip > 0 ? model->clip_grad_norm(clip) : 0.0;
+          flags[1] = std::isfinite(loss_sum) && std::isfinite(norm) ? 0 : 1;
+          world.all_reduce(flags, flags, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+          if (flags[1] && !skip_nonfinite)
+            throw RankError("non-finite loss or gradient norm at step " + std::to_string(step + 1) + " (epoch " + std::to_string(epoch + 1) +
+                                "); stopped without saving the poisoned state (run.on_nonfinite = \"skip\" skips such steps)",
+                            kExitNonFinite);
+          if (flags[1])
+            ++skipped_steps;
+          else
+            optimizer->step();
+        }
+        if (flags[1] && root) std::printf("warning: non-finite loss or gradient norm at step %lld: step skipped\n", static_cast<long long>(step + 1));
+        ++step;
+        samples_trained += samples;
+        step_ms.push_back(1000 * seconds_since(step_start));
+        if (auto& tracer = fsdp::Tracer::instance(); tracer.enabled())
+          tracer.complete("step " + std::to_string(step), "step", tracer.to_us(step_start), tracer.now_us(), {{"step", static_cast<double>(step)}});
+        window_loss += loss_sum;
+        ++window_steps;
+        window_samples += samples;
+        if (micro + accum >= micro_end) {
+          next_epoch = epoch + 1;
+          next_sample_index = 0;
+        } else {
+          next_epoch = epoch;
+          next_sample_index = (micro + accum) * batch * world.size();
+        }
+        done = step >= total_steps;
+        if (step % log_every == 0 || done) {
+          double stats[2] = {window_loss / static_cast<double>(window_steps), static_cast<double>(window_samples)};
+          world.all_reduce(stats, stats, 2, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+          const double loss_avg = stats[0] / world.size();
+          const double rate = stats[1] / std::max(1e-9, seconds_since(window_start) - window_pause);
+          last_loss = loss_avg;
+          if (root) {
+            const double elapsed = seconds_since(train_start);
+            const double eta = elapsed / static_cast<double>(step - state.step) * static_cast<double>(total_steps - step);
+            const char* unit = data.tokens ? "seq/s" : "samples/s";
+            if (!quiet) {
+              std::printf("%sepoch %lld step %lld/%lld  loss %.4f  lr %.3g  %.0f %s  ETA %s%s", live ? "\r" : "", static_cast<long long>(epoch + 1),
+                          static_cast<long long>(step), static_cast<long long>(total_steps), loss_avg, lr, rate, unit, format_duration(eta).c_str(),
+                          live ? "   " : "\n");
+              std::fflush(stdout);
+            }
+            if (write_metrics) {
+              metrics << step << "," << epoch + 1 << "," << loss_avg << "," << lr << "," << rate << "," << step_ms.back() << "," << elapsed << "\n";
+              metrics.flush();
+            }
+          }
+          window_loss = 0;
+          window_steps = 0;
+          window_samples = 0;
+          window_start = Clock::now();
+          window_pause = 0;
+        }
+        if (flags[0]) {
+          save();
+          throw RankError(std::string("stopped by signal ") +
+                              (flags[0] == SIGTERM   ? "SIGTERM"
+                               : flags[0] == SIGUSR1 ? "SIGUSR1"
+                                                     : std::to_string(flags[0])) +
+                              " after step " + std::to_string(step) + "; checkpoint saved in " + ckpt_dir.string() +
+                              ": rerun the same command to continue",
+                          kExitStopped);
+        }
+        if (ckpt_every > 0 && step % ckpt_every == 0 && !(done && save_final)) {
+          if (live && root && !quiet) std::printf("\n");
+          const auto pause_start = Clock::now();
+          save();
+          window_pause += seconds_since(pause_start);  // throughput counts training only
+        }
       }
-      if (flags[0]) {
-        save();
-        throw RankError(std::string("stopped by signal ") + (flags[0] == SIGTERM ? "SIGTERM" : flags[0] == SIGUSR1 ? "SIGUSR1" : std::to_string(flags[0])) +
-                            " after step " + std::to_string(step) + "; checkpoint saved in " + ckpt_dir.string() + ": rerun the same command to continue",
-                        kExitStopped);
-      }
-      if (ckpt_every > 0 && step % ckpt_every == 0 && !(done && save_final)) {
-        if (live && root && !quiet) std::printf("\n");
+      if (live && root && !quiet) std::printf("\n");
+      if (data.has_test) {
         const auto pause_start = Clock::now();
-        save();
-        window_pause += seconds_since(pause_start);  // throughput counts training only
+        Timed t(phases.eval, "eval");
+        last_eval = evaluate(*model, data, deck.get_int("data.test_batch_size"), world);
+        evaluated = true;
+        if (root && !quiet)
+          std::printf("epoch %lld: test loss %.4f, accuracy %.2f%% (%lld %s)\n", static_cast<long long>(epoch + 1), last_eval.loss,
+                      100 * last_eval.accuracy, static_cast<long long>(last_eval.samples), data.tokens ? "tokens" : "samples");
+        window_pause += seconds_since(pause_start);
       }
     }
-    if (live && root && !quiet) std::printf("\n");
-    if (data.has_test) {
-      const auto pause_start = Clock::now();
-      Timed t(phases.eval, "eval");
-      last_eval = evaluate(*model, data, deck.get_int("data.test_batch_size"), world);
-      evaluated = true;
-      if (root && !quiet)
-        std::printf("epoch %lld: test loss %.4f, accuracy %.2f%% (%lld %s)\n", static_cast<long long>(epoch + 1), last_eval.loss,
-                    100 * last_eval.accuracy, static_cast<long long>(last_eval.samples), data.tokens ? "tokens" : "samples");
-      window_pause += seconds_since(pause_start);
-    }
-  }
-  if (save_final) save();
+    if (save_final) save();
 
-  // 6. Summary.
-  const double wall = seconds_since(wall_start);
-  const auto comm = model->comm_counters();
-  const double all_gather_s = comm.all_gather_seconds - comm_start.all_gather_seconds;
-  const double reduce_scatter_s = comm.reduce_scatter_seconds - comm_start.reduce_scatter_seconds;
-  const double all_reduce_s = comm.all_reduce_seconds - comm_start.all_reduce_seconds;
-  const std::vector<std::pair<std::string, double>> phase_list = {
-      {"data", phases.data}, {"forward", phases.forward}, {"backward", phases.backward}, {"all_gather", all_gather_s},
-      {"reduce_scatter", reduce_scatter_s}, {"all_reduce", all_reduce_s}, {"optimizer", phases.optimizer}, {"checkpoint", phases.checkpoint}, {"eval", phases.eval}};
-  std::vector<std::pair<std::string, Stats>> phase_stats;
-  for (const auto& [n, v] : phase_list) phase_stats.emplace_back(n, across_ranks(world, v));
-  const auto overlap = model->overlap_stats();
-  const Stats exposed_all_gather = across_ranks(world, overlap.exposed_all_gather_seconds);
-  const Stats exposed_reduce = across_ranks(world, overlap.exposed_reduce_seconds);
-  std::vector<double> rss(static_cast<std::size_t>(world.size()));
-  const double my_rss = peak_rss_mb();
-  world.all_gather(&my_rss, rss.data(), 1, fsdp::DType::kFloat64);
-  double total_samples = static_cast<double>(samples_trained);
-  world.all_reduce(&total_samples, &total_samples, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
-  const double train_s = seconds_since(train_start) - phases.checkpoint - phases.eval;  // training only
-  std::vector<double> sorted = step_ms;
-  std::sort(sorted.begin(), sorted.end());
-  const double median_ms = sorted.empty() ? 0 : sorted[sorted.size() / 2];
-  if (root) {
-    const double rate = total_samples / std::max(train_s, 1e-9);
-    std::ostringstream js;
-    js.precision(8);
-    js << "{\n  \"name\": \"" << json_escape(name) << "\",\n  \"world_size\": " << world.size() << ",\n  \"nodes\": " << placement.nodes
-       << ",\n  \"ranks_per_node\": " << placement.local_size << ",\n  \"threads_per_rank\": " << threads << ",\n  \"backend\": \"" << backend << "\",\n  \"strategy\": \""
-       << to_string(model->sharding_strategy()) << "\",\n  \"shard_group_size\": " << model->shard_group_size()
-       << ",\n  \"replica_groups\": " << world.size() / model->shard_group_size() << ",\n  \"params\": " << model->num_params() << ",\n  \"steps\": " << step
-       << ",\n  \"resumed_from_step\": " << state.step << ",\n  \"skipped_steps\": " << skipped_steps << ",\n  \"final_train_loss\": " << (std::isnan(last_loss) ? std::string("null") : std::to_string(last_loss));
-    if (evaluated) js << ",\n  \"test_loss\": " << last_eval.loss << ",\n  \"test_accuracy\": " << last_eval.accuracy;
-    js << ",\n  \"wall_s\": " << wall << ",\n  \"train_s\": " << train_s << ",\n  \"step_ms_median\": " << median_ms << ",\n  \""
-       << (data.tokens ? "tokens_per_s" : "samples_per_s") << "\": " << (data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate)
-       << ",\n  \"peak_rss_mb\": [";
-    for (std::size_t i = 0; i < rss.size(); ++i) js << (i ? ", " : "") << rss[i];
-    js << "],\n  \"phases\": {";
-    for (std::size_t i = 0; i < phase_stats.size(); ++i) {
-      const auto& [n, s] = phase_stats[i];
-      js << (i ? ",\n" : "\n") << "    \"" << n << "\": {\"min\": " << s.min << ", \"avg\": " << s.avg << ", \"max\": " << s.max << "}";
+    // 6. Summary.
+    const double wall = seconds_since(wall_start);
+    const auto comm = model->comm_counters();
+    const double all_gather_s = comm.all_gather_seconds - comm_start.all_gather_seconds;
+    const double reduce_scatter_s = comm.reduce_scatter_seconds - comm_start.reduce_scatter_seconds;
+    const double all_reduce_s = comm.all_reduce_seconds - comm_start.all_reduce_seconds;
+    const std::vector<std::pair<std::string, double>> phase_list = {
+        {"data", phases.data},           {"forward", phases.forward},          {"backward", phases.backward},
+        {"all_gather", all_gather_s},    {"reduce_scatter", reduce_scatter_s}, {"all_reduce", all_reduce_s},
+        {"optimizer", phases.optimizer}, {"checkpoint", phases.checkpoint},    {"eval", phases.eval}};
+    std::vector<std::pair<std::string, Stats>> phase_stats;
+    for (const auto& [n, v] : phase_list) phase_stats.emplace_back(n, across_ranks(world, v));
+    const auto overlap = model->overlap_stats();
+    const Stats exposed_all_gather = across_ranks(world, overlap.exposed_all_gather_seconds);
+    const Stats exposed_reduce = across_ranks(world, overlap.exposed_reduce_seconds);
+    std::vector<double> rss(static_cast<std::size_t>(world.size()));
+    const double my_rss = peak_rss_mb();
+    world.all_gather(&my_rss, rss.data(), 1, fsdp::DType::kFloat64);
+    double total_samples = static_cast<double>(samples_trained);
+    world.all_reduce(&total_samples, &total_samples, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+    const double train_s = seconds_since(train_start) - phases.checkpoint - phases.eval;  // training only
+    std::vector<double> sorted = step_ms;
+    std::sort(sorted.begin(), sorted.end());
+    const double median_ms = sorted.empty() ? 0 : sorted[sorted.size() / 2];
+    if (root) {
+      const double rate = total_samples / std::max(train_s, 1e-9);
+      std::ostringstream js;
+      js.precision(8);
+      js << "{\n  \"name\": \"" << json_escape(name) << "\",\n  \"world_size\": " << world.size() << ",\n  \"nodes\": " << placement.nodes
+         << ",\n  \"ranks_per_node\": " << placement.local_size << ",\n  \"threads_per_rank\": " << threads << ",\n  \"backend\": \"" << backend
+         << "\",\n  \"strategy\": \"" << to_string(model->sharding_strategy()) << "\",\n  \"shard_group_size\": " << model->shard_group_size()
+         << ",\n  \"replica_groups\": " << world.size() / model->shard_group_size() << ",\n  \"params\": " << model->num_params()
+         << ",\n  \"steps\": " << step << ",\n  \"resumed_from_step\": " << state.step << ",\n  \"skipped_steps\": " << skipped_steps
+         << ",\n  \"final_train_loss\": " << (std::isnan(last_loss) ? std::string("null") : std::to_string(last_loss));
+      if (evaluated) js << ",\n  \"test_loss\": " << last_eval.loss << ",\n  \"test_accuracy\": " << last_eval.accuracy;
+      js << ",\n  \"wall_s\": " << wall << ",\n  \"train_s\": " << train_s << ",\n  \"step_ms_median\": " << median_ms << ",\n  \""
+         << (data.tokens ? "tokens_per_s" : "samples_per_s")
+         << "\": " << (data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate) << ",\n  \"peak_rss_mb\": [";
+      for (std::size_t i = 0; i < rss.size(); ++i) js << (i ? ", " : "") << rss[i];
+      js << "],\n  \"phases\": {";
+      for (std::size_t i = 0; i < phase_stats.size(); ++i) {
+        const auto& [n, s] = phase_stats[i];
+        js << (i ? ",\n" : "\n") << "    \"" << n << "\": {\"min\": " << s.min << ", \"avg\": " << s.avg << ", \"max\": " << s.max << "}";
+      }
+      // Rank 0's collectives over the same span as the phases (training, evaluation, checkpoints): bytes
+      // as the engine counts them (all_gather: this rank's shard; reduce_scatter: the full input buffer;
+      // all_reduce, broadcast: the buffer) and wall seconds inside the blocking calls.
+      js << "\n  },\n  \"comm\": {\"rank\": 0, \"calls\": " << comm.calls - comm_start.calls;
+      auto comm_kind = [&](const char* n, std::uint64_t bytes, double s) {
+        js << ",\n    \"" << n << "\": {\"bytes\": " << bytes << ", \"seconds\": " << s << "}";
+      };
+      comm_kind("all_gather", comm.all_gather_bytes - comm_start.all_gather_bytes, all_gather_s);
+      comm_kind("reduce_scatter", comm.reduce_scatter_bytes - comm_start.reduce_scatter_bytes, reduce_scatter_s);
+      comm_kind("all_reduce", comm.all_reduce_bytes - comm_start.all_reduce_bytes, all_reduce_s);
+      comm_kind("broadcast", comm.broadcast_bytes - comm_start.broadcast_bytes, comm.broadcast_seconds - comm_start.broadcast_seconds);
+      js << ",\n    \"skew_s\": " << comm.skew_seconds - comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
+      // Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the
+      // computing thread waited for unit all-gathers (across ranks): the exposed communication.
+      js << "\n  },\n  \"overlap\": {\"backward_prefetch\": \"" << deck.get_string("fsdp.backward_prefetch")
+         << "\", \"forward_prefetch\": " << (deck.get_bool("fsdp.forward_prefetch") ? "true" : "false") << ", \"prefetched\": " << overlap.prefetched
+         << ", \"gathered_on_demand\": " << overlap.gathered_on_demand << ", \"exposed_all_gather_s\": {\"min\": " << exposed_all_gather.min
+         << ", \"avg\": " << exposed_all_gather.avg << ", \"max\": " << exposed_all_gather.max << "}";
+      // Gradient reductions run on the worker while backward went on, and the time the computing
+      // thread then waited for them (end of backward, or the in-flight bound).
+      // NCCL reduces on its own stream: the setting is not used there.
+      js << ", \"overlap_grad_reduce\": " << (overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>() ? "true" : "false")
+         << ", \"reductions_overlapped\": " << overlap.reductions_overlapped << ", \"reductions_synchronous\": " << overlap.reductions_synchronous
+         << ", \"exposed_reduce_s\": {\"min\": " << exposed_reduce.min << ", \"avg\": " << exposed_reduce.avg << ", \"max\": " << exposed_reduce.max
+         << "}";
+      js << "\n  }\n}\n";
+      std::ofstream(out_dir / "summary.json") << js.str();
+      std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n", world.size());
+      for (const auto& [n, s] : phase_stats) std::printf("%-14s %8.3f  %8.3f  %8.3f\n", n.c_str(), s.min, s.avg, s.max);
+      std::printf("peak RSS per rank (MiB):");
+      for (double r : rss) std::printf(" %.0f", r);
+      std::printf("\n%lld steps, median step %.1f ms, %.0f %s, wall %.1f s\n", static_cast<long long>(step), median_ms,
+                  data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate, data.tokens ? "tokens/s" : "samples/s", wall);
+      if (evaluated) std::printf("test accuracy %.2f%%, test loss %.4f\n", 100 * last_eval.accuracy, last_eval.loss);
+      std::printf("wrote %s%s%s\n", (out_dir / "summary.json").c_str(), write_metrics ? " and " : "", write_metrics ? metrics_path.c_str() : "");
     }
-    // Rank 0's collectives over the same span as the phases (training, evaluation, checkpoints): bytes
-    // as the engine counts them (all_gather: this rank's shard; reduce_scatter: the full input buffer;
-    // all_reduce, broadcast: the buffer) and wall seconds inside the blocking calls.
-    js << "\n  },\n  \"comm\": {\"rank\": 0, \"calls\": " << comm.calls - comm_start.calls;
-    auto comm_kind = [&](const char* n, std::uint64_t bytes, double s) { js << ",\n    \"" << n << "\": {\"bytes\": " << bytes << ", \"seconds\": " << s << "}"; };
-    comm_kind("all_gather", comm.all_gather_bytes - comm_start.all_gather_bytes, all_gather_s);
-    comm_kind("reduce_scatter", comm.reduce_scatter_bytes - comm_start.reduce_scatter_bytes, reduce_scatter_s);
-    comm_kind("all_reduce", comm.all_reduce_bytes - comm_start.all_reduce_bytes, all_reduce_s);
-    comm_kind("broadcast", comm.broadcast_bytes - comm_start.broadcast_bytes, comm.broadcast_seconds - comm_start.broadcast_seconds);
-    js << ",\n    \"skew_s\": " << comm.skew_seconds - comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
-    // Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the
-    // computing thread waited for unit all-gathers (across ranks): the exposed communication.
-    js << "\n  },\n  \"overlap\": {\"backward_prefetch\": \"" << deck.get_string("fsdp.backward_prefetch")
-       << "\", \"forward_prefetch\": " << (deck.get_bool("fsdp.forward_prefetch") ? "true" : "false") << ", \"prefetched\": " << overlap.prefetched
-       << ", \"gathered_on_demand\": " << overlap.gathered_on_demand << ", \"exposed_all_gather_s\": {\"min\": " << exposed_all_gather.min
-       << ", \"avg\": " << exposed_all_gather.avg << ", \"max\": " << exposed_all_gather.max << "}";
-    // Gradient reductions run on the worker while backward went on, and the time the computing
-    // thread then waited for them (end of backward, or the in-flight bound).
-    // NCCL reduces on its own stream: the setting is not used there.
-    js << ", \"overlap_grad_reduce\": " << (overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>() ? "true" : "false")
-       << ", \"reductions_overlapped\": " << overlap.reductions_overlapped << ", \"reductions_synchronous\": " << overlap.reductions_synchronous
-       << ", \"exposed_reduce_s\": {\"min\": " << exposed_reduce.min << ", \"avg\": " << exposed_reduce.avg << ", \"max\": " << exposed_reduce.max << "}";
-    js << "\n  }\n}\n";
-    std::ofstream(out_dir / "summary.json") << js.str();
-    std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n",
-                world.size());
-    for (const auto& [n, s] : phase_stats) std::printf("%-14s %8.3f  %8.3f  %8.3f\n", n.c_str(), s.min, s.avg, s.max);
-    std::printf("peak RSS per rank (MiB):");
-    for (double r : rss) std::printf(" %.0f", r);
-    std::printf("\n%lld steps, median step %.1f ms, %.0f %s, wall %.1f s\n", static_cast<long long>(step), median_ms,
-                data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate, data.tokens ? "tokens/s" : "samples/s", wall);
-    if (evaluated) std::printf("test accuracy %.2f%%, test loss %.4f\n", 100 * last_eval.accuracy, last_eval.loss);
-    std::printf("wrote %s%s%s\n", (out_dir / "summary.json").c_str(), write_metrics ? " and " : "", write_metrics ? metrics_path.c_str() : "");
-  }
-  return 0;
+    return 0;
   };  // train
 
   (void)argc;

@@ -155,8 +155,10 @@ struct GptImpl : AppModel {
     torch::NoGradGuard no_grad;
     for (auto& p : named_parameters()) {
       if (p.key().find("ln") != std::string::npos) continue;
-      if (p.key().size() >= 4 && p.key().compare(p.key().size() - 4, 4, "bias") == 0) p.value().zero_();
-      else p.value().normal_(0, 0.02);
+      if (p.key().size() >= 4 && p.key().compare(p.key().size() - 4, 4, "bias") == 0)
+        p.value().zero_();
+      else
+        p.value().normal_(0, 0.02);
     }
   }
   torch::Tensor forward(torch::Tensor idx) override {
@@ -188,15 +190,16 @@ inline void init_module(torch::nn::Module& m, bool gpt) {
   }
   if (gpt) {
     for (auto& p : m.named_parameters(/*recurse=*/false)) {
-      if (p.key() == "bias") p.value().zero_();
-      else p.value().normal_(0, 0.02);
+      if (p.key() == "bias")
+        p.value().zero_();
+      else
+        p.value().normal_(0, 0.02);
     }
     return;
   }
   if (auto* linear = m.as<torch::nn::Linear>()) return linear->reset_parameters();
   if (auto* conv = m.as<torch::nn::Conv2d>()) return conv->reset_parameters();
-  if (!m.named_parameters(/*recurse=*/false).is_empty())
-    throw ConfigError("fsdp.deferred_init: no initialization for module " + m.name());
+  if (!m.named_parameters(/*recurse=*/false).is_empty()) throw ConfigError("fsdp.deferred_init: no initialization for module " + m.name());
 }
 
 }  // namespace fsdp::app

@@ -52,9 +52,9 @@ inline constexpr double kDefaultHeapFactor = 1.5;
 // ==== 1. The model, described without tensors ========================================================
 
 struct ParamDesc {
-  std::string name;                  ///< fully qualified, as named_parameters() names it
+  std::string name;  ///< fully qualified, as named_parameters() names it
   std::vector<std::int64_t> shape;
-  std::string tied_to;               ///< "" or the name of the parameter whose tensor this one is
+  std::string tied_to;  ///< "" or the name of the parameter whose tensor this one is
   std::int64_t numel() const {
     std::int64_t n = 1;
     for (auto d : shape) n *= d;
@@ -68,8 +68,8 @@ struct ModuleDesc {
   std::string full_type;  ///< Module::name() without "Impl": "torch::nn::Linear"
   int parent = -1;
   std::vector<int> children;
-  std::vector<ParamDesc> params;      ///< registered on this module (recurse = false)
-  std::int64_t buffer_numel = 0;      ///< floating-point buffers registered on this module
+  std::vector<ParamDesc> params;  ///< registered on this module (recurse = false)
+  std::int64_t buffer_numel = 0;  ///< floating-point buffers registered on this module
 };
 
 /// A model's module tree in pre-order (what build_units visits), with every parameter's shape.
@@ -79,7 +79,9 @@ struct ModelDesc {
 
   int add(int parent, const std::string& key, const std::string& type, const std::string& full_type) {
     ModuleDesc m;
-    m.path = parent < 0 ? "" : modules[static_cast<std::size_t>(parent)].path.empty() ? key : modules[static_cast<std::size_t>(parent)].path + "." + key;
+    m.path = parent < 0                                               ? ""
+             : modules[static_cast<std::size_t>(parent)].path.empty() ? key
+                                                                      : modules[static_cast<std::size_t>(parent)].path + "." + key;
     m.type = type;
     m.full_type = full_type;
     m.parent = parent;
@@ -247,7 +249,8 @@ inline ModelDesc describe_module(torch::nn::Module& root, const std::string& kin
     for (const auto& p : m.named_parameters(/*recurse=*/false)) {
       const void* impl = p.value().unsafeGetTensorImpl();
       const auto it = seen.find(impl);
-      const std::string name = d.modules[static_cast<std::size_t>(id)].path.empty() ? p.key() : d.modules[static_cast<std::size_t>(id)].path + "." + p.key();
+      const std::string name =
+          d.modules[static_cast<std::size_t>(id)].path.empty() ? p.key() : d.modules[static_cast<std::size_t>(id)].path + "." + p.key();
       d.param(id, p.key(), p.value().sizes().vec(), it == seen.end() ? "" : it->second);
       if (it == seen.end()) seen.emplace(impl, name);
     }
@@ -371,8 +374,14 @@ inline std::vector<PlanUnit> plan_units(const ModelDesc& d, const WrapDesc& wrap
       return k;
     };
     int da = depth(a), db = depth(b);
-    while (da > db) { a = units[static_cast<std::size_t>(a)].parent; --da; }
-    while (db > da) { b = units[static_cast<std::size_t>(b)].parent; --db; }
+    while (da > db) {
+      a = units[static_cast<std::size_t>(a)].parent;
+      --da;
+    }
+    while (db > da) {
+      b = units[static_cast<std::size_t>(b)].parent;
+      --db;
+    }
     while (a != b) {
       a = units[static_cast<std::size_t>(a)].parent;
       b = units[static_cast<std::size_t>(b)].parent;
@@ -420,7 +429,7 @@ struct DataFootprint {
   std::int64_t load_peak_bytes = 0;  ///< extra while loading (text: the file and its ids)
   std::int64_t train_samples = 0;    ///< samples (sequences) in the train split
   std::int64_t test_samples = 0;
-  std::string note;                  ///< where the sizes came from
+  std::string note;  ///< where the sizes came from
   std::vector<std::string> warnings;
 };
 
@@ -525,12 +534,12 @@ struct RunShape {
   bool clip = false;
   std::int64_t grad_accum = 1;
   bool activation_checkpointing = false;
-  bool deferred_init = false;         ///< fsdp.deferred_init: the model is built and initialized unit by unit
+  bool deferred_init = false;                     ///< fsdp.deferred_init: the model is built and initialized unit by unit
   std::string backward_prefetch = "NO_PREFETCH";  ///< fsdp.backward_prefetch
-  bool forward_prefetch = false;      ///< fsdp.forward_prefetch
-  bool overlap_grad_reduce = false;   ///< fsdp.overlap_grad_reduce, resolved (auto: see run_shape)
-  std::int64_t batch = 64;       ///< per rank
-  std::int64_t test_batch = 0;   ///< first evaluation batch per rank; 0: no evaluation
+  bool forward_prefetch = false;                  ///< fsdp.forward_prefetch
+  bool overlap_grad_reduce = false;               ///< fsdp.overlap_grad_reduce, resolved (auto: see run_shape)
+  std::int64_t batch = 64;                        ///< per rank
+  std::int64_t test_batch = 0;                    ///< first evaluation batch per rank; 0: no evaluation
   bool evaluate = true;
   DataFootprint data;
   WrapDesc wrap;
@@ -759,7 +768,7 @@ inline Trace trace_forward(const ModelShape& s, const ModelDesc& d, std::int64_t
       const int y = b.linear("out", x, x_bytes, B * 10 * eb);
       const int ls = b.op(B * 10 * eb, {}, {y, keep(x, input)}, {}, 2 * B * 10 * eb, true);  // log_softmax
       int lo = ls;
-      if (eb != 4) lo = b.op(B * 10 * 4, {}, {}, {}, B * 10 * 4);  // loss_of casts the output to fp32
+      if (eb != 4) lo = b.op(B * 10 * 4, {}, {}, {}, B * 10 * 4);   // loss_of casts the output to fp32
       b.op(8, {lo}, {ls, lo == ls ? -1 : lo}, {}, 2 * B * 10 * 4);  // nll_loss
       return t;
     }
@@ -928,7 +937,9 @@ class MemorySim {
  public:
   /// `fixed_threshold` > 0: mallopt(M_MMAP_THRESHOLD) was called, the threshold no longer moves.
   explicit MemorySim(double heap_factor = kDefaultHeapFactor, std::int64_t fixed_threshold = 0)
-      : heap_factor_(heap_factor), threshold_(fixed_threshold > 0 ? fixed_threshold : kMmapThresholdStartBytes), threshold_fixed_(fixed_threshold > 0) {}
+      : heap_factor_(heap_factor),
+        threshold_(fixed_threshold > 0 ? fixed_threshold : kMmapThresholdStartBytes),
+        threshold_fixed_(fixed_threshold > 0) {}
   int alloc(Mem kind, std::int64_t bytes) {
     if (bytes <= 0) return -1;
     const bool mapped = bytes >= threshold_;
@@ -942,8 +953,10 @@ class MemorySim {
       h = static_cast<int>(blocks_.size()) - 1;
     }
     live_[static_cast<std::size_t>(kind)] += bytes;
-    if (mapped) mapped_ += bytes;
-    else heap_hw_ = std::max(heap_hw_, heap_ += bytes);
+    if (mapped)
+      mapped_ += bytes;
+    else
+      heap_hw_ = std::max(heap_hw_, heap_ += bytes);
     max_[static_cast<std::size_t>(kind)] = std::max(max_[static_cast<std::size_t>(kind)], live_[static_cast<std::size_t>(kind)]);
     const std::int64_t heap_resident = static_cast<std::int64_t>(static_cast<double>(heap_hw_) * heap_factor_);
     const std::int64_t rss = mapped_ + heap_resident;
@@ -1021,14 +1034,14 @@ class MemorySim {
 /// The prediction for one rank (all ranks hold the same: shards are padded to equal size).
 struct Prediction {
   std::int64_t num_params = 0;
-  std::int64_t shard_elements = 0;    ///< sum of the units' shard_numel (fsdp-train's "shard elements")
-  std::int64_t padding = 0;           ///< padding in all units
-  std::int64_t state_bytes = 0;       ///< params + grads + optimizer state: fsdp-train's "expected ... MiB"
+  std::int64_t shard_elements = 0;  ///< sum of the units' shard_numel (fsdp-train's "shard elements")
+  std::int64_t padding = 0;         ///< padding in all units
+  std::int64_t state_bytes = 0;     ///< params + grads + optimizer state: fsdp-train's "expected ... MiB"
   std::size_t units = 0;
-  std::int64_t largest_unit = 0;      ///< padded elements
+  std::int64_t largest_unit = 0;  ///< padded elements
   std::string largest_unit_path;
-  std::int64_t model_bytes = 0;       ///< peak of the modelled allocations (without the baseline)
-  std::int64_t total_bytes = 0;       ///< model_bytes + baseline: the predicted peak RSS
+  std::int64_t model_bytes = 0;  ///< peak of the modelled allocations (without the baseline)
+  std::int64_t total_bytes = 0;  ///< model_bytes + baseline: the predicted peak RSS
   std::int64_t baseline_bytes = 0;
   MemArray at_peak{};                 ///< live bytes per kind at the peak
   std::int64_t retained_at_peak = 0;  ///< freed heap memory glibc holds at the peak
@@ -1259,7 +1272,8 @@ class RunSimulator {
     auto& unsynced = unsynced_[static_cast<std::size_t>(ui)];
     if (no_sync) {
       free_pending(ui);
-      if (unsynced >= 0) mem_.free(flat);  // added into the accumulator
+      if (unsynced >= 0)
+        mem_.free(flat);  // added into the accumulator
       else {
         mem_.relabel(flat, Mem::kGrads);  // kept as the accumulator (no_sync costs one unsharded gradient per unit)
         unsynced = flat;
@@ -1267,7 +1281,7 @@ class RunSimulator {
       reshard(ui);
       return;
     }
-    mem_.free(unsynced);  // added into flat
+    mem_.free(unsynced);           // added into flat
     if (run_.reduce_bytes != 4) {  // cast to reduce_dtype: the collectives move these bytes
       int low = mem_.alloc(Mem::kGradFlight, u.padded * run_.reduce_bytes);
       mem_.free(flat);

@@ -284,8 +284,10 @@ int main(int argc, char** argv) {
     };
 
     if (rank == 0) {
-      std::printf("# fsdp_ckpt_bench: %d ranks, %d Linear(%lld, %lld) layers + a scale = %lld parameters (%.1f MB fp32), FULL_SHARD, one unit per Linear, Adam\n",
-                  np, layers, static_cast<long long>(width), static_cast<long long>(width), static_cast<long long>(numel), 4.0 * numel / 1e6);
+      std::printf(
+          "# fsdp_ckpt_bench: %d ranks, %d Linear(%lld, %lld) layers + a scale = %lld parameters (%.1f MB fp32), FULL_SHARD, one unit per Linear, "
+          "Adam\n",
+          np, layers, static_cast<long long>(width), static_cast<long long>(width), static_cast<long long>(numel), 4.0 * numel / 1e6);
       std::printf("# payload (parameters + exp_avg + exp_avg_sq): %lld bytes = %.1f MB; reps %d; dir %s; torch threads %d\n",
                   static_cast<long long>(payload), payload / 1e6, reps, dir.c_str(), torch::get_num_threads());
       std::fflush(stdout);
@@ -305,9 +307,12 @@ int main(int argc, char** argv) {
       std::array<double, 3> st{};
       co.on_stage = [&](const std::string& s, std::int64_t) {
         const double t = seconds_since(t_start);
-        if (s == "writing") st[0] = t;
-        else if (s == "written") st[1] = t;
-        else if (s == "committed") st[2] = t;
+        if (s == "writing")
+          st[0] = t;
+        else if (s == "written")
+          st[1] = t;
+        else if (s == "committed")
+          st[2] = t;
       };
       Row row;
       row.method = std::string("fsdp ") + fsdp::to_string(co.state_dict_type);
@@ -405,9 +410,10 @@ int main(int argc, char** argv) {
     remove_on_rank0(raw_dir);
 
     if (rank == 0) {
-      std::printf("\npage cache before each timed operation: %s\n\n",
-                  no_drop ? "not dropped (--no-drop-caches); sync() only" : dropped ? "dropped (sync; echo 3 > /proc/sys/vm/drop_caches)"
-                                                                                    : "could NOT be dropped (sync() only): loads may read from the page cache");
+      std::printf("\npage cache before each timed operation: %s\n\n", no_drop ? "not dropped (--no-drop-caches); sync() only"
+                                                                      : dropped
+                                                                          ? "dropped (sync; echo 3 > /proc/sys/vm/drop_caches)"
+                                                                          : "could NOT be dropped (sync() only): loads may read from the page cache");
       print_table(rows);
       std::printf("\nsave phases on rank 0, median over reps, seconds from the start of save_checkpoint:\n\n");
       std::printf("| method | parameters written (\"writing\") | files closed (\"written\") | committed (fsync + rename + latest) |\n");

@@ -71,15 +71,21 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(k + " needs a value");
       return argv[++i];
     };
-    if (k == "--sizes") a.sizes = parse_sizes(value());
-    else if (k == "--reps") a.reps = std::max(1, std::atoi(value().c_str()));
-    else if (k == "--warmup") a.warmup = std::max(0, std::atoi(value().c_str()));
-    else if (k == "--min-seconds") a.min_seconds = std::atof(value().c_str());
-    else if (k == "--out") a.out = value();
+    if (k == "--sizes")
+      a.sizes = parse_sizes(value());
+    else if (k == "--reps")
+      a.reps = std::max(1, std::atoi(value().c_str()));
+    else if (k == "--warmup")
+      a.warmup = std::max(0, std::atoi(value().c_str()));
+    else if (k == "--min-seconds")
+      a.min_seconds = std::atof(value().c_str());
+    else if (k == "--out")
+      a.out = value();
     else if (k == "-h" || k == "--help") {
       std::printf("usage: fsdp_mpi_bandwidth --sizes N[,N...] [--reps 30] [--warmup 5] [--min-seconds 0.2] [--out FILE.json]\n");
       std::exit(0);
-    } else throw std::runtime_error("unknown option " + k);
+    } else
+      throw std::runtime_error("unknown option " + k);
   }
   if (a.sizes.empty()) throw std::runtime_error("--sizes is required");
   return a;
@@ -148,7 +154,8 @@ int main(int argc, char** argv) {
       kinds.emplace_back("allgather", [&] { MPI_Allgather(part.data(), s, MPI_FLOAT, out.data(), s, MPI_FLOAT, MPI_COMM_WORLD); });
       kinds.emplace_back("reduce_scatter_block", [&] { MPI_Reduce_scatter_block(full.data(), part.data(), s, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); });
       kinds.emplace_back("fsdp_all_gather", [&] { world.all_gather(part.data(), out.data(), shard, fsdp::DType::kFloat32); });
-      kinds.emplace_back("fsdp_reduce_scatter", [&] { world.reduce_scatter(full.data(), part.data(), shard, fsdp::DType::kFloat32, fsdp::ReduceOp::kAvg); });
+      kinds.emplace_back("fsdp_reduce_scatter",
+                         [&] { world.reduce_scatter(full.data(), part.data(), shard, fsdp::DType::kFloat32, fsdp::ReduceOp::kAvg); });
       kinds.emplace_back("allreduce", [&] { MPI_Allreduce(full.data(), out.data(), p, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); });
       kinds.emplace_back("fsdp_all_reduce", [&] { world.all_reduce(full.data(), out.data(), padded, fsdp::DType::kFloat32, fsdp::ReduceOp::kAvg); });
       auto gather_fresh = [&] {

@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
       const std::int64_t crash_step = std::stoll(crash_at.substr(colon + 1));
       ckpt_options.on_stage = [stage, crash_step, &world](const std::string& s, std::int64_t step) {
         if (s == stage && step == crash_step) {
-          std::fprintf(stderr, "rank %d: crashing on purpose at stage '%s' of the save of step %lld\n", world.rank(), s.c_str(), static_cast<long long>(step));
+          std::fprintf(stderr, "rank %d: crashing on purpose at stage '%s' of the save of step %lld\n", world.rank(), s.c_str(),
+                       static_cast<long long>(step));
           _exit(17);
         }
       };
@@ -81,8 +82,10 @@ int main(int argc, char** argv) {
       const auto r = fsdp::resume_from_latest(*model, &opt, checkpoint_dir, &state, ckpt_options);
       if (world.rank() == 0) {
         for (const auto& why : r.skipped) std::printf("skipped checkpoint %s\n", why.c_str());
-        if (r.path.empty()) std::printf("no usable checkpoint in %s: starting fresh\n", checkpoint_dir.c_str());
-        else std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
+        if (r.path.empty())
+          std::printf("no usable checkpoint in %s: starting fresh\n", checkpoint_dir.c_str());
+        else
+          std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
       }
       start = static_cast<int>(state.step);
     }

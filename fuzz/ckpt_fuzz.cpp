@@ -17,8 +17,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   try {
     (void)fsdp::ckpt::inspect_file(path);
-  } catch (const fsdp::CheckpointError&) {
-  }
+  } catch (const fsdp::CheckpointError&) {}
   (void)fsdp::ckpt::verify(path);  // reports problems, never throws
   return 0;
 }

@@ -14,7 +14,10 @@ using fsdp::MpiComm;
 using fsdp::ReduceOp;
 
 struct MpiFixture {
-  MpiFixture() { env = std::make_unique<fsdp::MpiEnvironment>(&boost::unit_test::framework::master_test_suite().argc, &boost::unit_test::framework::master_test_suite().argv); }
+  MpiFixture() {
+    env = std::make_unique<fsdp::MpiEnvironment>(&boost::unit_test::framework::master_test_suite().argc,
+                                                 &boost::unit_test::framework::master_test_suite().argv);
+  }
   std::unique_ptr<fsdp::MpiEnvironment> env;
 };
 BOOST_TEST_GLOBAL_FIXTURE(MpiFixture);
@@ -107,11 +110,11 @@ BOOST_AUTO_TEST_CASE(non_blocking_variants_match_blocking) {
   auto req = w.ireduce_scatter(send.data(), rs.data(), n, DType::kFloat32, ReduceOp::kAvg);
   req.wait();
   w.reduce_scatter(send.data(), rs_ref.data(), n, DType::kFloat32, ReduceOp::kAvg);
-  for (std::int64_t i = 0; i < n; ++i) BOOST_TEST(rs[static_cast<std::size_t>(i)] == rs_ref[static_cast<std::size_t>(i)], boost::test_tools::tolerance(1e-5f));
+  for (std::int64_t i = 0; i < n; ++i)
+    BOOST_TEST(rs[static_cast<std::size_t>(i)] == rs_ref[static_cast<std::size_t>(i)], boost::test_tools::tolerance(1e-5f));
   std::vector<float> ag(static_cast<std::size_t>(n * w.size()));
   auto g = w.iall_gather(send.data(), ag.data(), n, DType::kFloat32);
-  while (!g.test()) {
-  }
+  while (!g.test()) {}
   for (int r = 0; r < w.size(); ++r) BOOST_TEST(ag[static_cast<std::size_t>(r * n)] == value(r, 0));
   std::vector<double> ar(4, 1.0);
   auto a = w.iall_reduce(ar.data(), ar.data(), 4, DType::kFloat64, ReduceOp::kSum);
@@ -153,7 +156,8 @@ BOOST_AUTO_TEST_CASE(half_conversions_round_trip) {
   for (float f : {0.0f, 1.0f, -2.5f, 65504.0f, 6.1035156e-05f, 2.98023224e-07f}) {
     BOOST_TEST(fsdp::detail::f16_to_float(fsdp::detail::float_to_f16(f)) == f, boost::test_tools::tolerance(1e-3f));
   }
-  for (float f : {0.0f, 1.0f, -2.5f, 1.0e30f}) BOOST_TEST(fsdp::detail::bf16_to_float(fsdp::detail::float_to_bf16(f)) == f, boost::test_tools::tolerance(1e-2f));
+  for (float f : {0.0f, 1.0f, -2.5f, 1.0e30f})
+    BOOST_TEST(fsdp::detail::bf16_to_float(fsdp::detail::float_to_bf16(f)) == f, boost::test_tools::tolerance(1e-2f));
 }
 
 BOOST_AUTO_TEST_CASE(placement_on_one_machine) {
@@ -214,7 +218,8 @@ BOOST_AUTO_TEST_CASE(yielding_waits_give_the_same_bits_as_blocking) {
       yielding.all_gather(x.data(), g2.data(), n, DType::kFloat32);
       BOOST_TEST(std::memcmp(g1.data(), g2.data(), g1.size() * 4) == 0);
       std::vector<std::uint16_t> h1(static_cast<std::size_t>(n)), h2(static_cast<std::size_t>(n));
-      for (std::int64_t i = 0; i < n; ++i) h1[static_cast<std::size_t>(i)] = h2[static_cast<std::size_t>(i)] = fsdp::detail::float_to_bf16(x[static_cast<std::size_t>(i)]);
+      for (std::int64_t i = 0; i < n; ++i)
+        h1[static_cast<std::size_t>(i)] = h2[static_cast<std::size_t>(i)] = fsdp::detail::float_to_bf16(x[static_cast<std::size_t>(i)]);
       blocking.all_reduce(h1.data(), h1.data(), n, DType::kBFloat16, ReduceOp::kAvg);
       yielding.all_reduce(h2.data(), h2.data(), n, DType::kBFloat16, ReduceOp::kAvg);
       BOOST_TEST(h1 == h2);

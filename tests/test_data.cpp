@@ -193,8 +193,7 @@ BOOST_AUTO_TEST_CASE(mnist_split_from_a_fake_directory) {
                     {"count mismatch", "t10k-images-idx3-ubyte has 2 images", "t10k-labels-idx1-ubyte has 3 labels"});
   // A label out of range.
   write_raw(dir / "t10k-labels-idx1-ubyte", idx_bytes(0x08, {2}, {1, 10}));
-  expect_data_error([&] { load_mnist_split(dir.path.string(), false); },
-                    {"t10k-labels-idx1-ubyte", "label 10 at index 1 is out of range [0, 10)"});
+  expect_data_error([&] { load_mnist_split(dir.path.string(), false); }, {"t10k-labels-idx1-ubyte", "label 10 at index 1 is out of range [0, 10)"});
   // Images that are not 3-D.
   write_raw(dir / "t10k-images-idx3-ubyte", idx_bytes(0x08, {2, 12}, pattern(24)));
   expect_data_error([&] { load_mnist_split(dir.path.string(), false); }, {"t10k-images-idx3-ubyte", "expected 3 dimensions"});
@@ -422,7 +421,8 @@ BOOST_AUTO_TEST_CASE(text_corpus_vocab_splits_and_windows) {
   // Window i of a split decodes to the characters at offset + i * context.
   auto decode = [&](const TokenSplit& s, std::int64_t i) {
     std::string out;
-    for (std::int64_t j = 0; j < s.length; ++j) out += static_cast<char>(c.vocab[static_cast<std::size_t>(s.tokens[static_cast<std::size_t>(i * s.length + j)])]);
+    for (std::int64_t j = 0; j < s.length; ++j)
+      out += static_cast<char>(c.vocab[static_cast<std::size_t>(s.tokens[static_cast<std::size_t>(i * s.length + j)])]);
     return out;
   };
   for (std::int64_t i = 0; i < c.train.n; ++i) BOOST_TEST(decode(c.train, i) == text.substr(static_cast<std::size_t>(i * context), context + 1));
@@ -467,13 +467,19 @@ BOOST_AUTO_TEST_CASE(prefetcher_matches_synchronous_loading) {
       BOOST_TEST(!p.next().has_value());
     }
   }
-  Prefetcher<int> empty(0, [](std::int64_t) { return 1; }, 2);
+  Prefetcher<int> empty(
+      0, [](std::int64_t) { return 1; }, 2);
   BOOST_TEST(!empty.next().has_value());
   // Move-only batches work.
-  Prefetcher<std::unique_ptr<int>> owned(3, [](std::int64_t i) { return std::make_unique<int>(static_cast<int>(i)); }, 2);
+  Prefetcher<std::unique_ptr<int>> owned(
+      3, [](std::int64_t i) { return std::make_unique<int>(static_cast<int>(i)); }, 2);
   for (int i = 0; i < 3; ++i) BOOST_TEST(**owned.next() == i);
-  BOOST_CHECK_THROW(Prefetcher<int>(1, [](std::int64_t) { return 1; }, -1), DataError);
-  BOOST_CHECK_THROW(Prefetcher<int>(1, [](std::int64_t) { return 1; }, 1, 0), DataError);
+  BOOST_CHECK_THROW(Prefetcher<int>(
+                        1, [](std::int64_t) { return 1; }, -1),
+                    DataError);
+  BOOST_CHECK_THROW(Prefetcher<int>(
+                        1, [](std::int64_t) { return 1; }, 1, 0),
+                    DataError);
 }
 
 BOOST_AUTO_TEST_CASE(prefetcher_rethrows_in_order_and_stops_cleanly) {
@@ -481,8 +487,7 @@ BOOST_AUTO_TEST_CASE(prefetcher_rethrows_in_order_and_stops_cleanly) {
     std::atomic<std::int64_t> highest{-1};
     auto make = [&](std::int64_t i) {
       std::int64_t h = highest.load();
-      while (i > h && !highest.compare_exchange_weak(h, i)) {
-      }
+      while (i > h && !highest.compare_exchange_weak(h, i)) {}
       if (i == 5) throw std::runtime_error("bad batch 5");
       return slow_batch(i);
     };

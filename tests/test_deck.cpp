@@ -96,23 +96,23 @@ BOOST_AUTO_TEST_CASE(defaults_when_the_deck_is_empty) {
 
 BOOST_AUTO_TEST_CASE(values_sources_and_lines) {
   const std::string text =
-      "# a deck\n"                                     // 1
-      "[run]\n"                                        // 2
-      "name = \"exp\"\n"                               // 3
-      "epochs = 5\n"                                   // 4
-      "\n"                                             // 5
-      "[model]\n"                                      // 6
-      "kind = \"mlp\"\n"                               // 7
-      "dropout = 0\n"                                  // 8
-      "hidden_sizes = [64, 32, 16]\n"                  // 9
-      "[optim]\n"                                      // 10
-      "lr = 2\n"                                       // 11  an int for a float key
-      "betas = [0.5, 0.75]\n"                          // 12
-      "[fsdp]\n"                                       // 13
-      "sharding_strategy = \"HYBRID_SHARD\"\n"         // 14
-      "reshard_after_forward = false\n"                // 15  a boolean for a true/false choice
-      "[checkpoint]\n"                                 // 16
-      "dir = \"/scratch/ckpt\"\n";                     // 17
+      "# a deck\n"                              // 1
+      "[run]\n"                                 // 2
+      "name = \"exp\"\n"                        // 3
+      "epochs = 5\n"                            // 4
+      "\n"                                      // 5
+      "[model]\n"                               // 6
+      "kind = \"mlp\"\n"                        // 7
+      "dropout = 0\n"                           // 8
+      "hidden_sizes = [64, 32, 16]\n"           // 9
+      "[optim]\n"                               // 10
+      "lr = 2\n"                                // 11  an int for a float key
+      "betas = [0.5, 0.75]\n"                   // 12
+      "[fsdp]\n"                                // 13
+      "sharding_strategy = \"HYBRID_SHARD\"\n"  // 14
+      "reshard_after_forward = false\n"         // 15  a boolean for a true/false choice
+      "[checkpoint]\n"                          // 16
+      "dir = \"/scratch/ckpt\"\n";              // 17
   const Deck d = Deck::parse(text, "inputs/a.toml");
   BOOST_TEST(d.text() == text);
   BOOST_TEST(d.path() == "inputs/a.toml");
@@ -142,8 +142,7 @@ BOOST_AUTO_TEST_CASE(unknown_key_with_did_you_mean) {
   BOOST_TEST(problem_of("[optim]\nbatch_size = 8\n") == "inputs/a.toml:2: optim.batch_size: unknown key (did you mean data.batch_size?)");
   // A prefix, and a part of the name.
   BOOST_TEST(problem_of("[data]\n\nbatch = 8\n") == "inputs/a.toml:3: data.batch: unknown key (did you mean data.batch_size?)");
-  BOOST_TEST(problem_of("[fsdp]\nstrategy = 'FULL_SHARD'\n") ==
-             "inputs/a.toml:2: fsdp.strategy: unknown key (did you mean fsdp.sharding_strategy?)");
+  BOOST_TEST(problem_of("[fsdp]\nstrategy = 'FULL_SHARD'\n") == "inputs/a.toml:2: fsdp.strategy: unknown key (did you mean fsdp.sharding_strategy?)");
   // Any case.
   BOOST_TEST(problem_of("[optim]\nLR = 0.1\n") == "inputs/a.toml:2: optim.LR: unknown key (did you mean optim.lr?)");
   // Nothing close: the section's keys are listed.
@@ -224,7 +223,7 @@ BOOST_AUTO_TEST_CASE(every_feature_key_takes_its_values) {
       "limit_all_gathers = 2\nactivation_checkpointing = true\nbackend = 'NCCL'\n",
       "ok.toml");
   BOOST_TEST(d.get_string("fsdp.backward_prefetch") == "BACKWARD_PRE");  // choices are normalized
-  BOOST_TEST(d.get_string("fsdp.backend") == "nccl");  // whether a GPU is there is fsdp-train's check
+  BOOST_TEST(d.get_string("fsdp.backend") == "nccl");                    // whether a GPU is there is fsdp-train's check
   BOOST_TEST(d.get_bool("fsdp.forward_prefetch"));
   BOOST_TEST(d.get_int("fsdp.limit_all_gathers") == 2);
   BOOST_TEST(starts_with(problem_of("[fsdp]\nbackward_prefetch = 'backward'\n"), "inputs/a.toml:2: fsdp.backward_prefetch: "));
@@ -250,15 +249,15 @@ BOOST_AUTO_TEST_CASE(toml_syntax_error) {
 
 BOOST_AUTO_TEST_CASE(every_problem_at_once) {
   const std::string text =
-      "[optim]\n"                    // 1
-      "lr = -1\n"                    // 2
-      "kind = 'lamb'\n"              // 3
-      "[data]\n"                     // 4
-      "batch_size = 'many'\n"        // 5
-      "[optimizer]\n"                // 6
-      "x = 1\n"                      // 7
-      "[run]\n"                      // 8
-      "epochs = 0\n";                // 9
+      "[optim]\n"              // 1
+      "lr = -1\n"              // 2
+      "kind = 'lamb'\n"        // 3
+      "[data]\n"               // 4
+      "batch_size = 'many'\n"  // 5
+      "[optimizer]\n"          // 6
+      "x = 1\n"                // 7
+      "[run]\n"                // 8
+      "epochs = 0\n";          // 9
   try {
     Deck::parse(text, "inputs/a.toml", {"run.seed=-3", "log.every=5"});
     BOOST_FAIL("should have thrown");
@@ -290,19 +289,19 @@ BOOST_AUTO_TEST_CASE(every_problem_at_once) {
 BOOST_AUTO_TEST_CASE(set_overrides) {
   const Deck d = Deck::parse("[run]\nname = 'deck'\nseed = 5\n[optim]\nlr = 0.5\n", "a.toml",
                              {
-                                 "run.name=\"a b\"",                        // quoted TOML string
-                                 "run.out_dir=runs/a",                      // unquoted: the bare text
-                                 "optim.lr=1e-3",                           // a float
-                                 "optim.lr = 2",                            // later wins; an int for a float; spaces
-                                 "data.batch_size=32",                      // an int
-                                 "optim.betas=[0.8,0.9]",                   // an array
-                                 "model.hidden_sizes=[128]",                //
-                                 "data.shuffle=false",                      // a bool
-                                 "fsdp.sharding_strategy=shard_grad_op",    // unquoted choice, normalized
-                                 "fsdp.reshard_after_forward=true",         // a bool for a true/false choice
+                                 "run.name=\"a b\"",                      // quoted TOML string
+                                 "run.out_dir=runs/a",                    // unquoted: the bare text
+                                 "optim.lr=1e-3",                         // a float
+                                 "optim.lr = 2",                          // later wins; an int for a float; spaces
+                                 "data.batch_size=32",                    // an int
+                                 "optim.betas=[0.8,0.9]",                 // an array
+                                 "model.hidden_sizes=[128]",              //
+                                 "data.shuffle=false",                    // a bool
+                                 "fsdp.sharding_strategy=shard_grad_op",  // unquoted choice, normalized
+                                 "fsdp.reshard_after_forward=true",       // a bool for a true/false choice
                                  "checkpoint.resume=runs/a/checkpoints/step_00000100.h5",
-                                 "log.metrics_file=",                       // empty
-                                 "data.path=2024",                          // a string key takes the text as written
+                                 "log.metrics_file=",  // empty
+                                 "data.path=2024",     // a string key takes the text as written
                              });
   BOOST_TEST(d.get_string("run.name") == "a b");
   BOOST_TEST(d.get_string("run.out_dir") == "runs/a");
@@ -512,8 +511,7 @@ BOOST_AUTO_TEST_CASE(reference_doc_matches_the_schema) {
   std::ostringstream text;
   text << in.rdbuf();
   const std::string expected = reference_markdown();
-  BOOST_TEST((text.str() == expected),
-             path << " is out of date with the schema in app/deck.cpp; regenerate it with\n"
-                     "  build/bin/fsdp-sweep --print-reference > docs/deck_reference.md");
+  BOOST_TEST((text.str() == expected), path << " is out of date with the schema in app/deck.cpp; regenerate it with\n"
+                                               "  build/bin/fsdp-sweep --print-reference > docs/deck_reference.md");
   for (const auto& s : deck_schema()) BOOST_TEST(expected.find("| `" + s.name() + "` |") != std::string::npos, s.key);
 }

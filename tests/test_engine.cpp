@@ -21,7 +21,7 @@ struct MpiFixture {
   MpiFixture() {
     auto& suite = boost::unit_test::framework::master_test_suite();
     env = std::make_unique<fsdp::MpiEnvironment>(&suite.argc, &suite.argv, MPI_THREAD_MULTIPLE);  // prefetching
-    torch::set_num_threads(1);  // ranks x threads <= cores
+    torch::set_num_threads(1);                                                                    // ranks x threads <= cores
   }
   std::unique_ptr<fsdp::MpiEnvironment> env;
 };
@@ -518,8 +518,10 @@ BOOST_AUTO_TEST_CASE(full_shard_frees_each_unit_after_its_forward) {
             if (world.size() > 1) {
               if (strategy == ShardingStrategy::SHARD_GRAD_OP)  // kept for backward; the first forward gathers all up front
                 expect = (step == 0 && !promise ? 4 : static_cast<int64_t>(i + 1)) * unit_bytes;
-              else if (step == 0 && !promise) expect = static_cast<int64_t>(3 - i) * unit_bytes;  // first forward: not yet run ones
-              else expect = 0;  // each layer freed right after its forward
+              else if (step == 0 && !promise)
+                expect = static_cast<int64_t>(3 - i) * unit_bytes;  // first forward: not yet run ones
+              else
+                expect = 0;  // each layer freed right after its forward
             }
             BOOST_TEST(gathered[i] == expect, "step " << step << " after layer " << i);
           }
@@ -891,8 +893,10 @@ BOOST_AUTO_TEST_CASE(frozen_parameters_match_single_process) {
   auto model = fsdp::make_fsdp(net, MpiComm::world(), options);
   std::int64_t trainable_shard = 0, frozen_units = 0;
   for (const auto& u : model->units()) {
-    if (u.frozen) ++frozen_units;
-    else trainable_shard += u.shard_numel;
+    if (u.frozen)
+      ++frozen_units;
+    else
+      trainable_shard += u.shard_numel;
   }
   BOOST_TEST(frozen_units == 3);  // root (tied fc1.weight), fc2 (bias), scale (alpha)
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
@@ -914,33 +918,33 @@ BOOST_AUTO_TEST_CASE(frozen_parameters_match_single_process) {
 BOOST_AUTO_TEST_CASE(no_sync_moves_no_gradient_bytes) {
   auto world = MpiComm::world();
   for (const auto& [strategy, group] : strategies_and_groups(world.size())) {
-   for (bool overlap : {false, true}) {
-    BOOST_TEST_CONTEXT("strategy=" << strategy << " group=" << group << " overlap_grad_reduce=" << overlap) {
-      auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
-      FsdpOptions options;
-      options.sharding_strategy = strategy;
-      options.shard_group_size = group;
-      options.overlap_grad_reduce = overlap;
-      options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
-      auto model = fsdp::make_fsdp(net, world, options);
-      auto reduced_bytes = [&] {
-        // All of the engine's communicators: overlapped reductions run on the worker's duplicates.
-        const auto c = model->comm_counters();
-        return c.reduce_scatter_bytes + c.all_reduce_bytes;
-      };
-      const auto before = reduced_bytes();
-      {
-        auto scope = model->no_sync();
+    for (bool overlap : {false, true}) {
+      BOOST_TEST_CONTEXT("strategy=" << strategy << " group=" << group << " overlap_grad_reduce=" << overlap) {
+        auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.shard_group_size = group;
+        options.overlap_grad_reduce = overlap;
+        options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+        auto model = fsdp::make_fsdp(net, world, options);
+        auto reduced_bytes = [&] {
+          // All of the engine's communicators: overlapped reductions run on the worker's duplicates.
+          const auto c = model->comm_counters();
+          return c.reduce_scatter_bytes + c.all_reduce_bytes;
+        };
+        const auto before = reduced_bytes();
+        {
+          auto scope = model->no_sync();
+          model->forward(torch::randn({2, 13})).sum().backward();
+        }
+        BOOST_TEST(reduced_bytes() == before);  // gradients stayed local
+        for (const auto& p : model->parameters()) BOOST_TEST(!p.grad().defined());
+        BOOST_TEST(model->memory_stats().grad_bytes > 0);  // ... in the unsharded accumulators
         model->forward(torch::randn({2, 13})).sum().backward();
+        if (world.size() > 1) BOOST_TEST(reduced_bytes() > before);
+        for (const auto& p : model->parameters()) BOOST_TEST(p.grad().defined());
       }
-      BOOST_TEST(reduced_bytes() == before);  // gradients stayed local
-      for (const auto& p : model->parameters()) BOOST_TEST(!p.grad().defined());
-      BOOST_TEST(model->memory_stats().grad_bytes > 0);  // ... in the unsharded accumulators
-      model->forward(torch::randn({2, 13})).sum().backward();
-      if (world.size() > 1) BOOST_TEST(reduced_bytes() > before);
-      for (const auto& p : model->parameters()) BOOST_TEST(p.grad().defined());
     }
-   }
   }
 }
 

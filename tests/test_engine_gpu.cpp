@@ -73,8 +73,7 @@ double worst_error(MpiComm& world, const NcclComm& comm, const torch::Device& de
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step, kLocalRows * n, device);
     opt.zero_grad();
-    torch::nn::functional::cross_entropy(model->forward(x.narrow(0, r * kLocalRows, kLocalRows)), y.narrow(0, r * kLocalRows, kLocalRows))
-        .backward();
+    torch::nn::functional::cross_entropy(model->forward(x.narrow(0, r * kLocalRows, kLocalRows)), y.narrow(0, r * kLocalRows, kLocalRows)).backward();
     opt.step();
   }
   double worst = 0;

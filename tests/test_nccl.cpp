@@ -33,8 +33,7 @@ using fsdp::ReduceOp;
 namespace {
 
 constexpr int kSkipped = 77;
-constexpr DType kAllTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
-                               DType::kInt32,   DType::kInt64,   DType::kUInt8};
+constexpr DType kAllTypes[] = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16, DType::kInt32, DType::kInt64, DType::kUInt8};
 
 bool is_float(DType t) { return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kFloat16 || t == DType::kBFloat16; }
 
@@ -64,13 +63,40 @@ std::vector<std::byte> encode(DType t, const std::vector<double>& v) {
   for (std::size_t i = 0; i < v.size(); ++i) {
     void* p = out.data() + i * fsdp::dtype_bytes(t);
     switch (t) {
-      case DType::kFloat32: { const float x = static_cast<float>(v[i]); std::memcpy(p, &x, sizeof x); break; }
-      case DType::kFloat64: { std::memcpy(p, &v[i], sizeof(double)); break; }
-      case DType::kFloat16: { const std::uint16_t x = fsdp::detail::float_to_f16(static_cast<float>(v[i])); std::memcpy(p, &x, sizeof x); break; }
-      case DType::kBFloat16: { const std::uint16_t x = fsdp::detail::float_to_bf16(static_cast<float>(v[i])); std::memcpy(p, &x, sizeof x); break; }
-      case DType::kInt32: { const auto x = static_cast<std::int32_t>(v[i]); std::memcpy(p, &x, sizeof x); break; }
-      case DType::kInt64: { const auto x = static_cast<std::int64_t>(v[i]); std::memcpy(p, &x, sizeof x); break; }
-      case DType::kUInt8: { const auto x = static_cast<std::uint8_t>(v[i]); std::memcpy(p, &x, sizeof x); break; }
+      case DType::kFloat32: {
+        const float x = static_cast<float>(v[i]);
+        std::memcpy(p, &x, sizeof x);
+        break;
+      }
+      case DType::kFloat64: {
+        std::memcpy(p, &v[i], sizeof(double));
+        break;
+      }
+      case DType::kFloat16: {
+        const std::uint16_t x = fsdp::detail::float_to_f16(static_cast<float>(v[i]));
+        std::memcpy(p, &x, sizeof x);
+        break;
+      }
+      case DType::kBFloat16: {
+        const std::uint16_t x = fsdp::detail::float_to_bf16(static_cast<float>(v[i]));
+        std::memcpy(p, &x, sizeof x);
+        break;
+      }
+      case DType::kInt32: {
+        const auto x = static_cast<std::int32_t>(v[i]);
+        std::memcpy(p, &x, sizeof x);
+        break;
+      }
+      case DType::kInt64: {
+        const auto x = static_cast<std::int64_t>(v[i]);
+        std::memcpy(p, &x, sizeof x);
+        break;
+      }
+      case DType::kUInt8: {
+        const auto x = static_cast<std::uint8_t>(v[i]);
+        std::memcpy(p, &x, sizeof x);
+        break;
+      }
     }
   }
   return out;
@@ -82,13 +108,46 @@ std::vector<double> decode(DType t, const std::vector<std::byte>& b) {
   for (std::size_t i = 0; i < out.size(); ++i) {
     const void* p = b.data() + i * eb;
     switch (t) {
-      case DType::kFloat32: { float x; std::memcpy(&x, p, sizeof x); out[i] = x; break; }
-      case DType::kFloat64: { std::memcpy(&out[i], p, sizeof(double)); break; }
-      case DType::kFloat16: { std::uint16_t x; std::memcpy(&x, p, sizeof x); out[i] = fsdp::detail::f16_to_float(x); break; }
-      case DType::kBFloat16: { std::uint16_t x; std::memcpy(&x, p, sizeof x); out[i] = fsdp::detail::bf16_to_float(x); break; }
-      case DType::kInt32: { std::int32_t x; std::memcpy(&x, p, sizeof x); out[i] = static_cast<double>(x); break; }
-      case DType::kInt64: { std::int64_t x; std::memcpy(&x, p, sizeof x); out[i] = static_cast<double>(x); break; }
-      case DType::kUInt8: { std::uint8_t x; std::memcpy(&x, p, sizeof x); out[i] = x; break; }
+      case DType::kFloat32: {
+        float x;
+        std::memcpy(&x, p, sizeof x);
+        out[i] = x;
+        break;
+      }
+      case DType::kFloat64: {
+        std::memcpy(&out[i], p, sizeof(double));
+        break;
+      }
+      case DType::kFloat16: {
+        std::uint16_t x;
+        std::memcpy(&x, p, sizeof x);
+        out[i] = fsdp::detail::f16_to_float(x);
+        break;
+      }
+      case DType::kBFloat16: {
+        std::uint16_t x;
+        std::memcpy(&x, p, sizeof x);
+        out[i] = fsdp::detail::bf16_to_float(x);
+        break;
+      }
+      case DType::kInt32: {
+        std::int32_t x;
+        std::memcpy(&x, p, sizeof x);
+        out[i] = static_cast<double>(x);
+        break;
+      }
+      case DType::kInt64: {
+        std::int64_t x;
+        std::memcpy(&x, p, sizeof x);
+        out[i] = static_cast<double>(x);
+        break;
+      }
+      case DType::kUInt8: {
+        std::uint8_t x;
+        std::memcpy(&x, p, sizeof x);
+        out[i] = x;
+        break;
+      }
     }
   }
   return out;
@@ -391,8 +450,7 @@ BOOST_AUTO_TEST_CASE(non_blocking_overlaps_the_compute_stream) {
   const auto rs_host = encode(t, samples(t, w.rank(), m * w.size()));
   DeviceBuffer rs_send(rs_host), rs_a(static_cast<std::size_t>(m) * 4), rs_b(static_cast<std::size_t>(m) * 4);
   auto rs = nc.ireduce_scatter(rs_send.get(), rs_a.get(), m, t, ReduceOp::kAvg);
-  while (!rs.test()) {
-  }
+  while (!rs.test()) {}
   nc.reduce_scatter(rs_send.get(), rs_b.get(), m, t, ReduceOp::kAvg);
   expect_close(t, decode(t, rs_a.download()), decode(t, rs_b.download()), "ireduce_scatter vs reduce_scatter");
 

@@ -45,13 +45,9 @@ class Tracer {
   void enable(bool on = true) noexcept { enabled_.store(on, std::memory_order_relaxed); }
 
   /// Microseconds since the tracer was created (the process's trace clock).
-  std::int64_t now_us() const noexcept {
-    return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - origin_).count();
-  }
+  std::int64_t now_us() const noexcept { return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - origin_).count(); }
 
-  std::int64_t to_us(Clock::time_point t) const noexcept {
-    return std::chrono::duration_cast<std::chrono::microseconds>(t - origin_).count();
-  }
+  std::int64_t to_us(Clock::time_point t) const noexcept { return std::chrono::duration_cast<std::chrono::microseconds>(t - origin_).count(); }
 
   void complete(std::string name, const char* category, std::int64_t start_us, std::int64_t end_us,
                 std::vector<std::pair<const char*, double>> args = {}) {
@@ -142,10 +138,17 @@ class Tracer {
 class TraceScope {
  public:
   TraceScope(const char* name, const char* category, std::vector<std::pair<const char*, double>> args = {})
-      : name_(name), category_(category), args_(std::move(args)), active_(Tracer::instance().enabled()),
+      : name_(name),
+        category_(category),
+        args_(std::move(args)),
+        active_(Tracer::instance().enabled()),
         start_(active_ ? Tracer::instance().now_us() : 0) {}
   TraceScope(std::string name, const char* category, std::vector<std::pair<const char*, double>> args = {})
-      : owned_(std::move(name)), name_(nullptr), category_(category), args_(std::move(args)), active_(Tracer::instance().enabled()),
+      : owned_(std::move(name)),
+        name_(nullptr),
+        category_(category),
+        args_(std::move(args)),
+        active_(Tracer::instance().enabled()),
         start_(active_ ? Tracer::instance().now_us() : 0) {}
   ~TraceScope() {
     if (!active_) return;

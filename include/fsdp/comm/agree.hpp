@@ -27,10 +27,10 @@ std::string broadcast_string(Comm& comm, std::string text, int root = 0) {
 
 /// What the ranks agreed after a step some of them failed.
 struct AgreedFailure {
-  int rank = -1;          ///< the lowest rank that failed
-  std::string message;    ///< its message
-  int failed_ranks = 0;   ///< how many ranks failed
-  bool flagged = false;   ///< a failing rank passed flag = true (e.g. "the input was bad")
+  int rank = -1;         ///< the lowest rank that failed
+  std::string message;   ///< its message
+  int failed_ranks = 0;  ///< how many ranks failed
+  bool flagged = false;  ///< a failing rank passed flag = true (e.g. "the input was bad")
 };
 
 /// Every rank learns whether any rank failed (`error` set there) and, if so, the lowest failing rank's

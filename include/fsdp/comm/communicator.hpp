@@ -75,9 +75,7 @@ struct CommCounters {
     skew_seconds += o.skew_seconds;
     return *this;
   }
-  std::uint64_t total_bytes() const noexcept {
-    return all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes + broadcast_bytes;
-  }
+  std::uint64_t total_bytes() const noexcept { return all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes + broadcast_bytes; }
 };
 
 /// A pending non-blocking collective.

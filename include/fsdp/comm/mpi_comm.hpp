@@ -23,9 +23,9 @@
 #include "fsdp/comm/watchdog.hpp"
 #include "fsdp/trace.hpp"
 
-#define FSDP_MPI_CHECK(call)                                                                  \
-  do {                                                                                        \
-    const int fsdp_mpi_rc_ = (call);                                                          \
+#define FSDP_MPI_CHECK(call)                                                                                   \
+  do {                                                                                                         \
+    const int fsdp_mpi_rc_ = (call);                                                                           \
     if (fsdp_mpi_rc_ != MPI_SUCCESS) ::fsdp::detail::throw_mpi_error(#call, fsdp_mpi_rc_, __FILE__, __LINE__); \
   } while (0)
 
@@ -40,8 +40,8 @@ namespace detail {
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
   if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  throw CommError("rank " + std::to_string(rank) + ": " + call + " failed: " + std::string(text, len) + " (" +
-                  file + ":" + std::to_string(line) + ")");
+  throw CommError("rank " + std::to_string(rank) + ": " + call + " failed: " + std::string(text, len) + " (" + file + ":" + std::to_string(line) +
+                  ")");
 }
 
 inline MPI_Datatype mpi_datatype(DType t) {
@@ -373,7 +373,8 @@ class MpiComm {
     }
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
     MPI_Request r = MPI_REQUEST_NULL;
-    FSDP_MPI_CHECK(MPI_Ireduce_scatter_block(send, recv, detail::checked_count(n, "ireduce_scatter"), detail::mpi_datatype(t), MPI_SUM, state_->comm, &r));
+    FSDP_MPI_CHECK(
+        MPI_Ireduce_scatter_block(send, recv, detail::checked_count(n, "ireduce_scatter"), detail::mpi_datatype(t), MPI_SUM, state_->comm, &r));
     const double scale = 1.0 / size();
     std::function<void()> finish;
     if (op == ReduceOp::kAvg) finish = [recv, n, t, scale] { detail::scale_buffer(recv, n, t, scale); };
@@ -387,7 +388,8 @@ class MpiComm {
     }
     count(state_->counters.all_reduce_bytes, n, t);
     MPI_Request r = MPI_REQUEST_NULL;
-    FSDP_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, detail::checked_count(n, "iall_reduce"), detail::mpi_datatype(t), detail::mpi_op(op), state_->comm, &r));
+    FSDP_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, detail::checked_count(n, "iall_reduce"), detail::mpi_datatype(t),
+                                  detail::mpi_op(op), state_->comm, &r));
     const double scale = 1.0 / size();
     std::function<void()> finish;
     if (op == ReduceOp::kAvg) finish = [recv, n, t, scale] { detail::scale_buffer(recv, n, t, scale); };

@@ -58,17 +58,17 @@
 #endif
 
 /// Checks a CUDA runtime call; a failure throws fsdp::CommError naming the call, rank and file:line.
-#define FSDP_CUDA_CHECK(call)                                                                                 \
-  do {                                                                                                        \
-    const cudaError_t fsdp_cuda_rc_ = (call);                                                                 \
+#define FSDP_CUDA_CHECK(call)                                                                                     \
+  do {                                                                                                            \
+    const cudaError_t fsdp_cuda_rc_ = (call);                                                                     \
     if (fsdp_cuda_rc_ != cudaSuccess) ::fsdp::detail::throw_cuda_error(#call, fsdp_cuda_rc_, __FILE__, __LINE__); \
   } while (0)
 
 /// Checks an NCCL call that must succeed at once (ncclInProgress is a failure here; calls on the
 /// non-blocking communicator go through NcclComm's own polling instead).
-#define FSDP_NCCL_CHECK(call)                                                                                 \
-  do {                                                                                                        \
-    const ncclResult_t fsdp_nccl_rc_ = (call);                                                                \
+#define FSDP_NCCL_CHECK(call)                                                                                     \
+  do {                                                                                                            \
+    const ncclResult_t fsdp_nccl_rc_ = (call);                                                                    \
     if (fsdp_nccl_rc_ != ncclSuccess) ::fsdp::detail::throw_nccl_error(#call, fsdp_nccl_rc_, __FILE__, __LINE__); \
   } while (0)
 
@@ -125,8 +125,8 @@ inline std::string seconds_text(double seconds) {
 inline std::string where(const char* file, int line) { return std::string(" (") + file + ":" + std::to_string(line) + ")"; }
 
 [[noreturn]] inline void throw_cuda_error(const char* call, cudaError_t rc, const char* file, int line) {
-  throw CommError("rank " + std::to_string(process_rank()) + ": " + call + " failed: " + cudaGetErrorName(rc) + ": " +
-                  cudaGetErrorString(rc) + where(file, line));
+  throw CommError("rank " + std::to_string(process_rank()) + ": " + call + " failed: " + cudaGetErrorName(rc) + ": " + cudaGetErrorString(rc) +
+                  where(file, line));
 }
 
 inline std::string nccl_error_text(ncclResult_t rc, ncclComm_t comm) {
@@ -332,8 +332,8 @@ inline ncclUniqueId read_id_file(const std::string& path, const std::string& tag
       seen = len > 0 ? bytes.substr(0, len) : std::string("<empty file>");
     }
     if (deadline.passed()) {
-      std::string text = "rank " + std::to_string(process_rank()) + ": no NCCL id for this job in " + path + " after " +
-                         seconds_text(timeout_s) + " s (expected \"" + header.substr(0, header.size() - 1) + "\"";
+      std::string text = "rank " + std::to_string(process_rank()) + ": no NCCL id for this job in " + path + " after " + seconds_text(timeout_s) +
+                         " s (expected \"" + header.substr(0, header.size() - 1) + "\"";
       text += seen.empty() ? std::string("; the file never appeared: did rank 0 start, and is the folder on a filesystem every node shares?)")
                            : "; found \"" + seen + "\": a file of another job or a partial write; use a path unique to the job step)";
       throw CommError(text, "fsdp.comm.bootstrap");
@@ -535,8 +535,8 @@ struct NcclState {
     FSDP_NCCL_CHECK(ncclCommCount(comm, &n));
     FSDP_NCCL_CHECK(ncclCommUserRank(comm, &r));
     if (n != size || r != rank)
-      throw CommError(who() + ": NCCL made rank " + std::to_string(r) + " of " + std::to_string(n) + ", expected rank " +
-                      std::to_string(rank) + " of " + std::to_string(size));
+      throw CommError(who() + ": NCCL made rank " + std::to_string(r) + " of " + std::to_string(n) + ", expected rank " + std::to_string(rank) +
+                      " of " + std::to_string(size));
   }
 };
 
@@ -686,11 +686,9 @@ class NcclComm {
   static NcclComm from_slurm_file(const std::string& id_file, const NcclOptions& options = {}) {
     const auto rank = detail::env_int("SLURM_PROCID");
     const auto ntasks = detail::env_int("SLURM_NTASKS");
-    if (!rank || !ntasks)
-      throw CommError("NcclComm::from_slurm_file needs SLURM_PROCID and SLURM_NTASKS (run it under srun)", "fsdp.comm.bootstrap");
+    if (!rank || !ntasks) throw CommError("NcclComm::from_slurm_file needs SLURM_PROCID and SLURM_NTASKS (run it under srun)", "fsdp.comm.bootstrap");
     if (*ntasks < 1 || *rank < 0 || *rank >= *ntasks)
-      throw CommError("SLURM_PROCID=" + std::to_string(*rank) + " is not a rank of SLURM_NTASKS=" + std::to_string(*ntasks),
-                      "fsdp.comm.bootstrap");
+      throw CommError("SLURM_PROCID=" + std::to_string(*rank) + " is not a rank of SLURM_NTASKS=" + std::to_string(*ntasks), "fsdp.comm.bootstrap");
     if (id_file.empty()) throw CommError("NcclComm::from_slurm_file: empty id file path", "fsdp.comm.bootstrap");
     const int r = static_cast<int>(*rank);
     const int n = static_cast<int>(*ntasks);
@@ -770,7 +768,8 @@ class NcclComm {
         if (rc != ncclSuccess) problem = detail::nccl_error_text(rc, nullptr);
       }
       group.broadcast(&message, static_cast<std::int64_t>(sizeof message), DType::kUInt8, 0);
-      if (message.ok != 1) throw CommError(state_->who() + ": split: ncclGetUniqueId failed on the group's first rank" + (problem.empty() ? "" : ": " + problem));
+      if (message.ok != 1)
+        throw CommError(state_->who() + ": split: ncclGetUniqueId failed on the group's first rank" + (problem.empty() ? "" : ": " + problem));
       sub->init(message.id, group.size(), group.rank());
     } else {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
@@ -815,8 +814,9 @@ class NcclComm {
       auto* scratch = static_cast<std::int64_t*>(state_->ensure_scratch(bytes));
       const std::int64_t mine = detail::host_hash();
       FSDP_CUDA_CHECK(cudaMemcpy(scratch, &mine, sizeof mine, cudaMemcpyHostToDevice));
-      blocking("split_node", nullptr, 0, [&] { return ncclAllGather(scratch, scratch + 1, 1, ncclInt64, state_->comm, state_->comm_stream); },
-               "ncclAllGather(host hash)", __FILE__, __LINE__);
+      blocking(
+          "split_node", nullptr, 0, [&] { return ncclAllGather(scratch, scratch + 1, 1, ncclInt64, state_->comm, state_->comm_stream); },
+          "ncclAllGather(host hash)", __FILE__, __LINE__);
       std::vector<std::int64_t> all(static_cast<std::size_t>(size()));
       FSDP_CUDA_CHECK(cudaMemcpy(all.data(), scratch + 1, sizeof(std::int64_t) * all.size(), cudaMemcpyDeviceToHost));
       for (int r = 0; r < size(); ++r)
@@ -835,9 +835,10 @@ class NcclComm {
     const std::size_t c = detail::nccl_count(n, "all_gather");
     count(state_->counters.all_gather_bytes, n, t);
     if (c == 0) return;
-    blocking("all_gather", &state_->counters.all_gather_seconds, bytes(n, t) * size(),
-             [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->comm_stream); },
-             "ncclAllGather(send, recv, n, type, comm, stream)", __FILE__, __LINE__);
+    blocking(
+        "all_gather", &state_->counters.all_gather_seconds, bytes(n, t) * size(),
+        [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->comm_stream); },
+        "ncclAllGather(send, recv, n, type, comm, stream)", __FILE__, __LINE__);
   }
 
   /// send holds n * size elements; recv (n elements) = reduction (sum or avg) over ranks of chunk `rank`. Collective.
@@ -847,9 +848,10 @@ class NcclComm {
     const std::size_t c = check_reduce_scatter(n, op);
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
     if (c == 0) return;
-    blocking("reduce_scatter", &state_->counters.reduce_scatter_seconds, bytes(n, t) * size(),
-             [&] { return ncclReduceScatter(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
-             "ncclReduceScatter(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
+    blocking(
+        "reduce_scatter", &state_->counters.reduce_scatter_seconds, bytes(n, t) * size(),
+        [&] { return ncclReduceScatter(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
+        "ncclReduceScatter(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
 
   /// recv = reduction (sum, avg or max) over ranks of send (n elements); send may equal recv. Collective.
@@ -859,20 +861,24 @@ class NcclComm {
     const std::size_t c = detail::nccl_count(n, "all_reduce");
     count(state_->counters.all_reduce_bytes, n, t);
     if (c == 0) return;
-    blocking("all_reduce", &state_->counters.all_reduce_seconds, bytes(n, t),
-             [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
-             "ncclAllReduce(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
+    blocking(
+        "all_reduce", &state_->counters.all_reduce_seconds, bytes(n, t),
+        [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
+        "ncclAllReduce(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
 
   /// Copies root's buffer (n elements) to every rank. Collective.
   void broadcast(void* buf, std::int64_t n, DType t, int root) {
-    if (!on_device(buf)) return staged(buf, bytes(n, t), buf, bytes(n, t), [&](const void*, void* r) { broadcast(r, n, t, root); }, true);
+    if (!on_device(buf))
+      return staged(
+          buf, bytes(n, t), buf, bytes(n, t), [&](const void*, void* r) { broadcast(r, n, t, root); }, true);
     const std::size_t c = check_broadcast(n, root);
     count(state_->counters.broadcast_bytes, n, t);
     if (c == 0) return;
-    blocking("broadcast", &state_->counters.broadcast_seconds, bytes(n, t),
-             [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->comm_stream); },
-             "ncclBroadcast(buf, buf, n, type, root, comm, stream)", __FILE__, __LINE__);
+    blocking(
+        "broadcast", &state_->counters.broadcast_seconds, bytes(n, t),
+        [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->comm_stream); },
+        "ncclBroadcast(buf, buf, n, type, root, comm, stream)", __FILE__, __LINE__);
   }
 
   /// Returns when every rank has arrived (an all-reduce of one value on the device; the host waits,
@@ -881,9 +887,9 @@ class NcclComm {
     state_->check_usable("barrier");
     const detail::CudaDeviceGuard on(state_->device);
     void* one = state_->ensure_scratch(sizeof(float));
-    blocking("barrier", nullptr, 0,
-             [&] { return ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, state_->comm, state_->comm_stream); },
-             "ncclAllReduce(barrier)", __FILE__, __LINE__);
+    blocking(
+        "barrier", nullptr, 0, [&] { return ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, state_->comm, state_->comm_stream); },
+        "ncclAllReduce(barrier)", __FILE__, __LINE__);
   }
 
   /// Non-blocking all_gather: returns once enqueued. Collective.
@@ -891,8 +897,9 @@ class NcclComm {
     const std::size_t c = detail::nccl_count(n, "iall_gather");
     count(state_->counters.all_gather_bytes, n, t);
     if (c == 0) return {};
-    return issue("iall_gather", [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->comm_stream); },
-                 "ncclAllGather(send, recv, n, type, comm, stream)", __FILE__, __LINE__);
+    return issue(
+        "iall_gather", [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->comm_stream); },
+        "ncclAllGather(send, recv, n, type, comm, stream)", __FILE__, __LINE__);
   }
 
   /// Non-blocking reduce_scatter (sum or avg). Collective.
@@ -900,9 +907,10 @@ class NcclComm {
     const std::size_t c = check_reduce_scatter(n, op);
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
     if (c == 0) return {};
-    return issue("ireduce_scatter",
-                 [&] { return ncclReduceScatter(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
-                 "ncclReduceScatter(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
+    return issue(
+        "ireduce_scatter",
+        [&] { return ncclReduceScatter(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
+        "ncclReduceScatter(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
 
   /// Non-blocking all_reduce. Collective.
@@ -910,9 +918,9 @@ class NcclComm {
     const std::size_t c = detail::nccl_count(n, "iall_reduce");
     count(state_->counters.all_reduce_bytes, n, t);
     if (c == 0) return {};
-    return issue("iall_reduce",
-                 [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
-                 "ncclAllReduce(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
+    return issue(
+        "iall_reduce", [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
+        "ncclAllReduce(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
 
   /// Non-blocking broadcast. Collective.
@@ -920,8 +928,9 @@ class NcclComm {
     const std::size_t c = check_broadcast(n, root);
     count(state_->counters.broadcast_bytes, n, t);
     if (c == 0) return {};
-    return issue("ibroadcast", [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->comm_stream); },
-                 "ncclBroadcast(buf, buf, n, type, root, comm, stream)", __FILE__, __LINE__);
+    return issue(
+        "ibroadcast", [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->comm_stream); },
+        "ncclBroadcast(buf, buf, n, type, root, comm, stream)", __FILE__, __LINE__);
   }
 
  private:

@@ -31,9 +31,7 @@ constexpr std::int64_t shard_numel(std::int64_t numel, std::int64_t group_size) 
 }
 
 /// Flat length after padding to a multiple of the group size.
-constexpr std::int64_t padded_numel(std::int64_t numel, std::int64_t group_size) {
-  return shard_numel(numel, group_size) * group_size;
-}
+constexpr std::int64_t padded_numel(std::int64_t numel, std::int64_t group_size) { return shard_numel(numel, group_size) * group_size; }
 
 /// The flat range rank `rank` owns (may extend into padding).
 constexpr FlatRange shard_range(std::int64_t numel, std::int64_t group_size, std::int64_t rank) {
@@ -61,8 +59,7 @@ struct ParamSlice {
 class FlatLayout {
  public:
   constexpr FlatLayout() = default;
-  constexpr FlatLayout(std::vector<std::int64_t> param_numels, std::int64_t group_size)
-      : numels_(std::move(param_numels)), group_size_(group_size) {
+  constexpr FlatLayout(std::vector<std::int64_t> param_numels, std::int64_t group_size) : numels_(std::move(param_numels)), group_size_(group_size) {
     std::int64_t offset = 0;
     offsets_.reserve(numels_.size());
     for (std::int64_t n : numels_) {

@@ -33,8 +33,8 @@ constexpr std::int64_t product(std::span<const std::int64_t> dims) noexcept {
 
 // Appends boxes covering flat offsets [begin, end) of the sub-tensor at dimension `level`, whose
 // leading indices are fixed to `prefix`.
-constexpr void append_boxes(std::span<const std::int64_t> shape, std::size_t level, std::vector<std::int64_t>& prefix,
-                            std::int64_t begin, std::int64_t end, std::vector<Box>& out) {
+constexpr void append_boxes(std::span<const std::int64_t> shape, std::size_t level, std::vector<std::int64_t>& prefix, std::int64_t begin,
+                            std::int64_t end, std::vector<Box>& out) {
   if (begin >= end) return;
   const auto box_from = [&](std::int64_t first_row, std::int64_t rows) {
     Box b;

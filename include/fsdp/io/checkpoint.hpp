@@ -67,11 +67,11 @@ inline StateDictType parse_state_dict_type(const std::string& text) {
 /// Training progress stored next to the model: what resuming needs besides parameters and
 /// optimizer state.
 struct TrainState {
-  std::int64_t step = 0;          ///< optimizer steps taken
-  std::int64_t epoch = 0;         ///< data position: epoch ...
-  std::int64_t sample_index = 0;  ///< ... and the next sample within it
+  std::int64_t step = 0;                    ///< optimizer steps taken
+  std::int64_t epoch = 0;                   ///< data position: epoch ...
+  std::int64_t sample_index = 0;            ///< ... and the next sample within it
   std::map<std::string, double> scheduler;  ///< LR scheduler state (e.g. {"last_epoch": 12, "base_lr": 3e-4})
-  std::string deck;               ///< the input deck text (rank 0's is written)
+  std::string deck;                         ///< the input deck text (rank 0's is written)
   /// Set by loading: whether this rank's RNG state was restored (only at the saving world size).
   bool rng_restored = false;
 };
@@ -95,10 +95,10 @@ struct CheckpointOptions {
 };
 
 struct SaveResult {
-  std::string path;                 ///< the committed checkpoint (file or LOCAL folder)
-  std::int64_t bytes = 0;           ///< its size on disk
-  double seconds = 0;               ///< wall time of the save on this rank
-  std::vector<std::string> pruned;  ///< older checkpoints removed by keep_last
+  std::string path;                   ///< the committed checkpoint (file or LOCAL folder)
+  std::int64_t bytes = 0;             ///< its size on disk
+  double seconds = 0;                 ///< wall time of the save on this rank
+  std::vector<std::string> pruned;    ///< older checkpoints removed by keep_last
   std::vector<std::string> warnings;  ///< e.g. an old checkpoint that could not be deleted (rank 0)
 };
 
@@ -163,7 +163,8 @@ void agree(Comm& comm, const std::optional<std::string>& error) {
   if (!failure) return;
   const auto [id, text] = split_error(failure->message);
   const bool everyone = failure->failed_ranks == comm.size();
-  throw CheckpointError(everyone ? text : text + " (reported by rank " + std::to_string(failure->rank) + ")", id.rfind("fsdp.ckpt", 0) == 0 ? id : "fsdp.ckpt");
+  throw CheckpointError(everyone ? text : text + " (reported by rank " + std::to_string(failure->rank) + ")",
+                        id.rfind("fsdp.ckpt", 0) == 0 ? id : "fsdp.ckpt");
 }
 
 /// A little length-prefixed serializer for broadcasting metadata from rank 0.
@@ -296,8 +297,12 @@ std::vector<torch::Tensor> live_buffers_of(Engine& engine) {
 /// communicator over the same ranks that a GPU communicator was bootstrapped from (NcclComm::mpi()).
 template <class Comm>
 MPI_Comm mpi_handle(Comm& comm) {
-  if constexpr (requires { { comm.native() } -> std::convertible_to<MPI_Comm>; }) return comm.native();
-  else return comm.mpi().native();
+  if constexpr (requires {
+                  { comm.native() } -> std::convertible_to<MPI_Comm>;
+                })
+    return comm.native();
+  else
+    return comm.mpi().native();
 }
 
 template <class Engine>
@@ -312,8 +317,8 @@ void write_root_attributes(hid_t file, Engine& engine, StateDictType type, const
   h5::write_attribute(file, "strategy", to_string(engine.sharding_strategy()));
   h5::write_attribute(file, "plan_hash", ckpt::hex64(engine.plan_hash()));
   h5::write_attribute(file, "fsdp_version", kVersion);
-  h5::write_attribute(file, "torch_version", std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
-                                                 std::to_string(TORCH_VERSION_PATCH));
+  h5::write_attribute(file, "torch_version",
+                      std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." + std::to_string(TORCH_VERSION_PATCH));
   h5::write_attribute(file, "created", created);
   h5::write_attribute(file, "deck", deck);
 }
@@ -381,8 +386,10 @@ inline void write_rng_rows(hid_t file, const torch::Tensor& rows, std::int64_t w
   // rows: in parallel, this rank's state (1 x n); serially, every rank's (world x n).
   const std::int64_t n = rows.size(-1);
   h5::Id ds = h5::create_dataset(file, "/rng/cpu", h5::ElementType::kUInt8, {world, n});
-  if (parallel) h5::write_flat_range(ds, {world, n}, my_row * n, (my_row + 1) * n, h5::ElementType::kUInt8, rows.data_ptr(), dxpl, "/rng/cpu");
-  else h5::write_flat_range(ds, {world, n}, 0, world * n, h5::ElementType::kUInt8, rows.data_ptr(), H5P_DEFAULT, "/rng/cpu");
+  if (parallel)
+    h5::write_flat_range(ds, {world, n}, my_row * n, (my_row + 1) * n, h5::ElementType::kUInt8, rows.data_ptr(), dxpl, "/rng/cpu");
+  else
+    h5::write_flat_range(ds, {world, n}, 0, world * n, h5::ElementType::kUInt8, rows.data_ptr(), H5P_DEFAULT, "/rng/cpu");
 }
 
 /// All ranks' CPU RNG states as a (world x n) uint8 tensor. Collective.
@@ -505,8 +512,8 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
     write_full(*up, engine.gather_flat(index, up->shard).to(torch::kCPU), "", "parameter");
   }
   agree(world, capture_error([&] {
-    if (options.on_stage) options.on_stage("writing", state.step);
-  }));
+          if (options.on_stage) options.on_stage("writing", state.step);
+        }));
   on_writer([&] {
     link_tied_parameters(file, engine);
     for (const auto& [name, buffer] : named_buffers_of(engine)) write_buffer(file, name, buffer, true, H5P_DEFAULT);
@@ -599,8 +606,10 @@ void write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const 
 /// Every rank enters a collective checkpoint call, or the ones that did fail after the deadline.
 template <Communicator Comm>
 void arrive_together(Comm& comm, const CheckpointOptions& options, const char* what) {
-  if constexpr (requires { comm.barrier_within(1.0, std::string()); }) comm.barrier_within(options.collective_timeout_s, what);
-  else comm.barrier();
+  if constexpr (requires { comm.barrier_within(1.0, std::string()); })
+    comm.barrier_within(options.collective_timeout_s, what);
+  else
+    comm.barrier();
 }
 
 inline std::int64_t size_on_disk(const std::filesystem::path& p) {
@@ -639,8 +648,8 @@ void check_ranks_agree(Engine& engine, const torch::optim::Optimizer* opt, const
   world.all_reduce(&hash, &hash, 1, DType::kInt64, ReduceOp::kMax);
   world.all_reduce(&low, &low, 1, DType::kInt64, ReduceOp::kMax);
   if (hash != -low)
-    throw CheckpointError("save_checkpoint: the ranks differ in optimizer state or RNG state size (" + os.str() +
-                          " on rank " + std::to_string(world.rank()) + "); every rank must step the same optimizer");
+    throw CheckpointError("save_checkpoint: the ranks differ in optimizer state or RNG state size (" + os.str() + " on rank " +
+                          std::to_string(world.rank()) + "); every rank must step the same optimizer");
 }
 
 /// rank 0's train state, on every rank.
@@ -777,8 +786,8 @@ inline StagedUnit read_unit_range(hid_t file, const std::string& path, const Fla
     const auto shape = logical_shape(ds);
     const auto stored = tensor_element_type(ds, path + ":" + ds_path);
     if (shape != u.shapes[i] || stored != element_type_of(dtype)) {
-      problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", model " + shape_text(u.shapes[i]) +
-                         " " + h5::element_type_name(element_type_of(dtype)) + ")");
+      problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", model " + shape_text(u.shapes[i]) + " " +
+                         h5::element_type_name(element_type_of(dtype)) + ")");
       return;
     }
     const Piece p = piece_of(u.layout, i, lo, hi);
@@ -913,9 +922,9 @@ void check_root(hid_t file, const std::string& path, Engine& engine, StateDictTy
     const auto plan = h5::read_string_attribute(file, "plan_hash", where);
     if (world != engine.world_size() || plan != ckpt::hex64(engine.plan_hash()))
       throw CheckpointError(where + " is a LOCAL_STATE_DICT checkpoint of world size " + std::to_string(world) + " and plan " + plan +
-                            "; this run has world size " + std::to_string(engine.world_size()) + " and plan " + ckpt::hex64(engine.plan_hash()) +
-                            ". LOCAL checkpoints load only into the same world size and wrapping; merge it with `fsdp-ckpt merge` "
-                            "or save SHARDED_STATE_DICT to change either",
+                                "; this run has world size " + std::to_string(engine.world_size()) + " and plan " + ckpt::hex64(engine.plan_hash()) +
+                                ". LOCAL checkpoints load only into the same world size and wrapping; merge it with `fsdp-ckpt merge` "
+                                "or save SHARDED_STATE_DICT to change either",
                             detail::kMismatchId);
   }
 }
@@ -1151,7 +1160,8 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
     staged = detail::read_on_rank0(engine, optimizer, path);  // agrees internally
   } else {
     error = detail::capture_error([&] {
-      staged = type == StateDictType::LOCAL_STATE_DICT ? detail::read_local_file(engine, optimizer, path) : detail::read_own_parts(engine, optimizer, path);
+      staged = type == StateDictType::LOCAL_STATE_DICT ? detail::read_local_file(engine, optimizer, path)
+                                                       : detail::read_own_parts(engine, optimizer, path);
     });
     detail::agree(world, error);
   }
@@ -1159,11 +1169,12 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
   error = detail::capture_error([&] {
     if (!optimizer) return;
     if (!staged.meta.optimizer_kind.empty() && staged.meta.optimizer_kind != optimizer_kind(*optimizer))
-      throw CheckpointError("checkpoint '" + path + "' holds " + staged.meta.optimizer_kind + " state but the optimizer is " + optimizer_kind(*optimizer),
-                            detail::kMismatchId);
+      throw CheckpointError(
+          "checkpoint '" + path + "' holds " + staged.meta.optimizer_kind + " state but the optimizer is " + optimizer_kind(*optimizer),
+          detail::kMismatchId);
     if (!staged.meta.lrs.empty() && staged.meta.lrs.size() != optimizer->param_groups().size())
-      throw CheckpointError("checkpoint '" + path + "' has " + std::to_string(staged.meta.lrs.size()) + " optimizer parameter groups, the optimizer has " +
-                                std::to_string(optimizer->param_groups().size()),
+      throw CheckpointError("checkpoint '" + path + "' has " + std::to_string(staged.meta.lrs.size()) +
+                                " optimizer parameter groups, the optimizer has " + std::to_string(optimizer->param_groups().size()),
                             detail::kMismatchId);
     // Build every optimizer state now, so that applying them below cannot fail half way.
     const auto& units = engine.flat_units();
@@ -1224,9 +1235,9 @@ ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimiz
       // Unreadable (corrupt, truncated, incomplete): fall back to an older one. Readable but written by
       // another model, optimizer or plan: stop, the folder belongs to another run.
       if (e.id() == detail::kMismatchId)
-        throw CheckpointError(detail::message_of(e) + ". The checkpoint folder '" + dir +
-                                  "' holds another run: use another folder, or start fresh without resuming",
-                              detail::kMismatchId);
+        throw CheckpointError(
+            detail::message_of(e) + ". The checkpoint folder '" + dir + "' holds another run: use another folder, or start fresh without resuming",
+            detail::kMismatchId);
       result.skipped.push_back(name + ": " + detail::message_of(e));
     }
   }

@@ -96,8 +96,8 @@ inline void reserve_space(const std::filesystem::path& path, std::int64_t bytes,
   auto fail = [&](const std::string& why) {
     std::error_code ignored;
     std::filesystem::remove(path, ignored);
-    throw CheckpointError("cannot save checkpoint '" + checkpoint + "': it needs about " + std::to_string((bytes + 1048575) / 1048576) +
-                          " MiB and " + why);
+    throw CheckpointError("cannot save checkpoint '" + checkpoint + "': it needs about " + std::to_string((bytes + 1048575) / 1048576) + " MiB and " +
+                          why);
   };
   // The size limit first: fallocate past it raises SIGXFSZ, which kills a process that does not ignore it.
   struct rlimit limit {};
@@ -165,8 +165,7 @@ inline void commit(const std::filesystem::path& dir, const std::string& name) {
   std::error_code ec;
   if (std::filesystem::is_directory(tmp)) {
     fsync_tree(tmp);
-    if (std::filesystem::exists(final_path) &&
-        ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) == 0) {
+    if (std::filesystem::exists(final_path) && ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) == 0) {
       // Swapped atomically: the new folder is in place, the old one now sits under the temporary name.
       std::filesystem::remove_all(tmp, ec);
       ec.clear();

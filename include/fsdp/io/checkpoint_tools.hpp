@@ -22,12 +22,12 @@ namespace fsdp::ckpt {
 
 /// One stored tensor.
 struct TensorEntry {
-  std::string path;                   ///< "/model/fc1.weight"
-  std::vector<std::int64_t> shape;    ///< logical shape ({} for a 0-d tensor)
-  std::string dtype;                  ///< "float32", ...
-  std::int64_t bytes = 0;             ///< logical bytes
-  std::int64_t stored_bytes = 0;      ///< bytes on disk (chunks with checksums)
-  std::vector<std::string> aliases;   ///< other names of the same dataset (tied parameters)
+  std::string path;                  ///< "/model/fc1.weight"
+  std::vector<std::int64_t> shape;   ///< logical shape ({} for a 0-d tensor)
+  std::string dtype;                 ///< "float32", ...
+  std::int64_t bytes = 0;            ///< logical bytes
+  std::int64_t stored_bytes = 0;     ///< bytes on disk (chunks with checksums)
+  std::vector<std::string> aliases;  ///< other names of the same dataset (tied parameters)
 };
 
 /// What `fsdp-ckpt inspect` shows of one file.
@@ -298,7 +298,8 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
           const std::size_t elem = h5::element_size(type);
           const std::size_t at = flat.size();
           flat.resize(at + static_cast<std::size_t>(shard_numel) * elem);
-          h5::read_flat_range(ds, {shard_numel}, 0, shard_numel, type, flat.data() + at, "LOCAL checkpoint '" + dir + "' shard " + std::to_string(s) + " " + p);
+          h5::read_flat_range(ds, {shard_numel}, 0, shard_numel, type, flat.data() + at,
+                              "LOCAL checkpoint '" + dir + "' shard " + std::to_string(s) + " " + p);
         }
         return flat;
       };
@@ -307,7 +308,8 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
         std::size_t d = 0;
         const std::size_t elem = h5::element_size(type);
         for (std::size_t i = 0; i < names.size(); ++i) {
-          std::vector<std::int64_t> shape(dims.begin() + static_cast<std::ptrdiff_t>(d), dims.begin() + static_cast<std::ptrdiff_t>(d + static_cast<std::size_t>(ndims[i])));
+          std::vector<std::int64_t> shape(dims.begin() + static_cast<std::ptrdiff_t>(d),
+                                          dims.begin() + static_cast<std::ptrdiff_t>(d + static_cast<std::size_t>(ndims[i])));
           d += static_cast<std::size_t>(ndims[i]);
           const std::int64_t n = detail::numel(shape);
           const std::string p = suffix.empty() ? "/model/" + names[i] : "/optim/" + names[i] + "/" + suffix;
@@ -324,7 +326,8 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
       if (h5::exists(f0, base + "/optim")) {
         h5::Id og = h5::open_group(f0, base + "/optim", first);
         const auto step = h5::read_int_attribute(og, "step", w0);
-        for (const auto& state : h5::list_names(f0, base + "/optim")) write_params(assemble(base + "/optim/" + state, type), type, state, "optimizer_state");
+        for (const auto& state : h5::list_names(f0, base + "/optim"))
+          write_params(assemble(base + "/optim/" + state, type), type, state, "optimizer_state");
         for (const auto& n : names) {
           h5::Id pg = h5::require_group(out, "/optim/" + n);
           h5::write_attribute(pg, "step", step);
@@ -418,8 +421,10 @@ inline std::vector<TensorDiff> diff(const std::string& a_path, const std::string
   for (const auto& p : names) {
     TensorDiff d;
     d.path = p;
-    if (!ta.count(p)) d.status = "only in B";
-    else if (!tb.count(p)) d.status = "only in A";
+    if (!ta.count(p))
+      d.status = "only in B";
+    else if (!tb.count(p))
+      d.status = "only in A";
     else {
       h5::Id da = h5::open_dataset(a, p, a_path), db = h5::open_dataset(b, p, b_path);
       if (detail::logical_shape(da) != detail::logical_shape(db)) {

@@ -176,8 +176,8 @@ inline ElementType stored_element_type(hid_t dataset, const std::string& where) 
     if (size == 4 && is_signed) return ElementType::kInt32;
     if (size == 1 && !is_signed) return ElementType::kUInt8;
   }
-  throw CheckpointError(where + ": unsupported HDF5 element type (class " + std::to_string(static_cast<int>(cls)) + ", " +
-                        std::to_string(size) + " bytes)");
+  throw CheckpointError(where + ": unsupported HDF5 element type (class " + std::to_string(static_cast<int>(cls)) + ", " + std::to_string(size) +
+                        " bytes)");
 }
 
 // ---- property lists and files -----------------------------------------------------------------
@@ -534,8 +534,8 @@ inline void write_flat_range(hid_t dataset, const std::vector<std::int64_t>& sha
 
 /// Reads the flat elements [begin, end) of dataset (logical `shape`) into `data`, converting the
 /// stored element type to `t`. Checksums of every chunk touched are verified by HDF5.
-inline void read_flat_range(hid_t dataset, const std::vector<std::int64_t>& shape, std::int64_t begin, std::int64_t end, ElementType t,
-                            void* data, const std::string& where) {
+inline void read_flat_range(hid_t dataset, const std::vector<std::int64_t>& shape, std::int64_t begin, std::int64_t end, ElementType t, void* data,
+                            const std::string& where) {
   const std::int64_t n = std::max<std::int64_t>(0, end - begin);
   if (n == 0) return;
   std::vector<std::int64_t> dims = shape;
@@ -543,7 +543,8 @@ inline void read_flat_range(hid_t dataset, const std::vector<std::int64_t>& shap
   const auto sel = select_flat_range(dataset, dims, begin, n);
   Id mem_type = file_type(t);
   char* base = static_cast<char*>(data) - begin * static_cast<std::int64_t>(element_size(t));
-  check(H5Dread(dataset, mem_type, sel.mem_space, sel.file_space, H5P_DEFAULT, base), "cannot read " + where + " (corrupt data or checksum mismatch)");
+  check(H5Dread(dataset, mem_type, sel.mem_space, sel.file_space, H5P_DEFAULT, base),
+        "cannot read " + where + " (corrupt data or checksum mismatch)");
 }
 
 }  // namespace fsdp::h5

@@ -69,8 +69,8 @@ inline std::ostream& operator<<(std::ostream& os, ShardingStrategy s) { return o
 inline ShardingStrategy parse_sharding_strategy(const std::string& text) {
   std::string up = text;
   std::transform(up.begin(), up.end(), up.begin(), [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
-  for (auto s : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD,
-                 ShardingStrategy::HYBRID_SHARD, ShardingStrategy::HYBRID_SHARD_ZERO2})
+  for (auto s : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD, ShardingStrategy::HYBRID_SHARD,
+                 ShardingStrategy::HYBRID_SHARD_ZERO2})
     if (up == to_string(s)) return s;
   throw ConfigError("unknown sharding strategy '" + text + "' (valid: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2)");
 }
@@ -105,12 +105,12 @@ inline BackwardPrefetch parse_backward_prefetch(const std::string& text) {
 
 /// Communication that overlapped computation, and what did not (see FullyShardedDataParallel::overlap_stats()).
 struct OverlapStats {
-  std::int64_t prefetched = 0;             ///< unit all-gathers issued ahead on the collective worker
-  std::int64_t gathered_on_demand = 0;     ///< unit all-gathers run when the unit was needed
-  double exposed_all_gather_seconds = 0;   ///< time the computing thread waited for unit all-gathers
-  std::int64_t reductions_overlapped = 0;  ///< gradient reductions run on the collective worker during backward
-  std::int64_t reductions_synchronous = 0; ///< gradient reductions run by the computing thread
-  double exposed_reduce_seconds = 0;       ///< time the computing thread waited for gradient reductions
+  std::int64_t prefetched = 0;              ///< unit all-gathers issued ahead on the collective worker
+  std::int64_t gathered_on_demand = 0;      ///< unit all-gathers run when the unit was needed
+  double exposed_all_gather_seconds = 0;    ///< time the computing thread waited for unit all-gathers
+  std::int64_t reductions_overlapped = 0;   ///< gradient reductions run on the collective worker during backward
+  std::int64_t reductions_synchronous = 0;  ///< gradient reductions run by the computing thread
+  double exposed_reduce_seconds = 0;        ///< time the computing thread waited for gradient reductions
 };
 
 /// Mixed precision (PyTorch's MixedPrecision). The optimizer keeps full-precision master shards; an
@@ -198,9 +198,7 @@ struct FsdpOptions {
 
 namespace detail {
 /// A tensor whose storage fsdp::defer_init() released: it has elements but no bytes.
-inline bool is_deferred(const torch::Tensor& t) {
-  return t.defined() && t.numel() > 0 && t.has_storage() && t.storage().nbytes() == 0;
-}
+inline bool is_deferred(const torch::Tensor& t) { return t.defined() && t.numel() > 0 && t.has_storage() && t.storage().nbytes() == 0; }
 
 /// Gives a released tensor fresh (uninitialized) storage of its size.
 inline void restore_storage(const torch::Tensor& t) {
@@ -232,18 +230,20 @@ inline void defer_init(torch::nn::Module& module) {
 /// `static constexpr bool kMovesDeviceMemory = true`. MpiComm and the test communicator move host memory.
 template <class Comm>
 constexpr bool comm_moves_device_memory() {
-  if constexpr (requires { Comm::kMovesDeviceMemory; }) return Comm::kMovesDeviceMemory;
-  else return false;
+  if constexpr (requires { Comm::kMovesDeviceMemory; })
+    return Comm::kMovesDeviceMemory;
+  else
+    return false;
 }
 
 /// Bytes this rank holds for the model's training state (see memory_stats()).
 struct MemoryStats {
-  std::int64_t shard_param_bytes = 0;     ///< local shards of the flat parameters
-  std::int64_t gathered_param_bytes = 0;  ///< unsharded unit buffers currently allocated
-  std::int64_t grad_bytes = 0;            ///< gradients of the shards
-  std::int64_t optimizer_state_bytes = 0; ///< optimizer state (if an optimizer was given)
-  std::int64_t unsharded_param_bytes = 0; ///< all units' padded flat parameters (what one replica would hold)
-  std::int64_t largest_unit_bytes = 0;    ///< the largest unit's padded flat parameter
+  std::int64_t shard_param_bytes = 0;      ///< local shards of the flat parameters
+  std::int64_t gathered_param_bytes = 0;   ///< unsharded unit buffers currently allocated
+  std::int64_t grad_bytes = 0;             ///< gradients of the shards
+  std::int64_t optimizer_state_bytes = 0;  ///< optimizer state (if an optimizer was given)
+  std::int64_t unsharded_param_bytes = 0;  ///< all units' padded flat parameters (what one replica would hold)
+  std::int64_t largest_unit_bytes = 0;     ///< the largest unit's padded flat parameter
   std::int64_t total() const noexcept { return shard_param_bytes + gathered_param_bytes + grad_bytes + optimizer_state_bytes; }
 };
 
@@ -275,21 +275,21 @@ struct FlatUnit {
   torch::Tensor shard;  // leaf, requires grad: what the optimizer sees
   torch::Tensor full;   // padded flat buffer; storage freed while resharded (group size > 1)
   bool gathered = false;
-  std::int64_t gathered_version = 0;   // shard's version counter when `full` was last gathered
-  int pending_backward = 0;  // UnitGather nodes of this unit not yet run in backward
-  torch::Tensor unsynced_grad;  // flat gradients accumulated locally inside no_sync()
+  std::int64_t gathered_version = 0;  // shard's version counter when `full` was last gathered
+  int pending_backward = 0;           // UnitGather nodes of this unit not yet run in backward
+  torch::Tensor unsynced_grad;        // flat gradients accumulated locally inside no_sync()
   enum class Hooked { kUnknown, kYes, kNo } hooked = Hooked::kUnknown;
-  bool entered = false;           // pre_forward seen since the last root forward began
-  bool grafted_by_root = false;   // the root forward gathered and grafted this unit
-  bool frozen = false;            // a companion holding another unit's frozen parameters
-  int companion = -1;             // index of this unit's frozen companion, if it has frozen parameters
+  bool entered = false;                            // pre_forward seen since the last root forward began
+  bool grafted_by_root = false;                    // the root forward gathered and grafted this unit
+  bool frozen = false;                             // a companion holding another unit's frozen parameters
+  int companion = -1;                              // index of this unit's frozen companion, if it has frozen parameters
   c10::ScalarType dtype = c10::ScalarType::Float;  // of the parameters and the (master) shard
-  bool low_precision = false;     // `full` is in MixedPrecision::param_dtype, not `dtype`
-  torch::Tensor summoned;         // full-precision flat buffer inside summon_full_params (low_precision)
-  std::vector<torch::Tensor> param_views;  // the parameters' views of `full`, to restore after summon
-  bool offloaded = false;         // `shard` lives in host memory, `full` on the compute device
-  std::shared_future<void> in_flight;  // a prefetched all-gather into `full` not yet waited for
-  std::int64_t forward_began_us = -1;   // trace clock when the unit's forward / backward began (tracing on)
+  bool low_precision = false;                      // `full` is in MixedPrecision::param_dtype, not `dtype`
+  torch::Tensor summoned;                          // full-precision flat buffer inside summon_full_params (low_precision)
+  std::vector<torch::Tensor> param_views;          // the parameters' views of `full`, to restore after summon
+  bool offloaded = false;                          // `shard` lives in host memory, `full` on the compute device
+  std::shared_future<void> in_flight;              // a prefetched all-gather into `full` not yet waited for
+  std::int64_t forward_began_us = -1;              // trace clock when the unit's forward / backward began (tracing on)
   std::int64_t backward_began_us = -1;
   /// The unit's name in traces: its module path, "(root)" for unit 0.
   std::string trace_name() const { return info.module_path.empty() ? std::string("(root)") : info.module_path; }
@@ -323,8 +323,8 @@ inline std::int64_t next_engine_id() {
 
 /// shard -> per-parameter views of the gathered flat buffer; backward reduce-scatters.
 struct UnitGather : public torch::autograd::Function<UnitGather> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor shard,
-                                                std::int64_t engine_id, std::int64_t unit_index, FlatUnit* unit) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor shard, std::int64_t engine_id,
+                                                std::int64_t unit_index, FlatUnit* unit) {
     ctx->saved_data["engine"] = engine_id;
     ctx->saved_data["unit"] = unit_index;
     torch::autograd::variable_list views;
@@ -337,7 +337,8 @@ struct UnitGather : public torch::autograd::Function<UnitGather> {
     return views;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    torch::Tensor shard_grad = live_engine(ctx->saved_data["engine"].toInt()).reduce_unit_grads(static_cast<int>(ctx->saved_data["unit"].toInt()), grads);
+    torch::Tensor shard_grad =
+        live_engine(ctx->saved_data["engine"].toInt()).reduce_unit_grads(static_cast<int>(ctx->saved_data["unit"].toInt()), grads);
     return {shard_grad, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -379,7 +380,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   ~FullyShardedDataParallel() override {
     for (auto& u : units_)
       if (u->in_flight.valid()) u->in_flight.wait();  // the worker writes into `full`
-    discard_reductions();  // ... and into gradient buffers
+    discard_reductions();                             // ... and into gradient buffers
     worker_.reset();
     detail::reducer_registry().erase(engine_id_);
     auto& hooks = detail::hook_registry();
@@ -409,10 +410,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     return t;
   }
   template <class T>
-    requires(!std::is_same_v<std::decay_t<T>, torch::Tensor>)
-  T&& cast_input(T&& arg) const {
-    return std::forward<T>(arg);
-  }
+  requires(!std::is_same_v<std::decay_t<T>, torch::Tensor>) T && cast_input(T&& arg)
+  const { return std::forward<T>(arg); }
 
   /// The wrapped module. Its parameters are views of the gathered buffers: read them only inside
   /// summon_full_params().
@@ -522,8 +521,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     for (const auto& u : units_) {
       if (!u->shard.defined() || !u->shard.grad().defined()) continue;
       const auto g = u->shard.grad().to(torch::kDouble).abs();
-      if (is_inf) local = std::max(local, g.numel() ? g.max().item<double>() : 0.0);
-      else local += g.pow(norm_type).sum().item<double>();
+      if (is_inf)
+        local = std::max(local, g.numel() ? g.max().item<double>() : 0.0);
+      else
+        local += g.pow(norm_type).sum().item<double>();
     }
     shard_comm_.all_reduce(&local, &local, 1, DType::kFloat64, is_inf ? ReduceOp::kMax : ReduceOp::kSum);
     const double total = is_inf ? local : std::pow(local, 1.0 / norm_type);
@@ -595,8 +596,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   std::string describe() const {
     std::ostringstream os;
     os << "FullyShardedDataParallel(strategy=" << to_string(options_.sharding_strategy) << ", world_size=" << world_.size()
-       << ", shard_group_size=" << shard_comm_.size() << ", policy=" << options_.auto_wrap_policy.description()
-       << ", units=" << units_.size() << ", params=" << num_params() << ")\n";
+       << ", shard_group_size=" << shard_comm_.size() << ", policy=" << options_.auto_wrap_policy.description() << ", units=" << units_.size()
+       << ", params=" << num_params() << ")\n";
     print_module(os, *module_, "", "", 1);
     return os.str();
   }
@@ -608,7 +609,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       CommCounters total = world_.counters();
       total += shard_comm_.counters();
       total += replica_comm_.counters();
-      if (worker_shard_comm_) total += worker_shard_comm_->counters();  // the collective worker's all-gathers and reduce-scatters
+      if (worker_shard_comm_) total += worker_shard_comm_->counters();      // the collective worker's all-gathers and reduce-scatters
       if (worker_replica_comm_) total += worker_replica_comm_->counters();  // ... and all-reduces
       return total;
     } else {
@@ -685,8 +686,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   }
 
   static bool comm_threads_may_call_concurrently() {
-    if constexpr (requires { Comm::threads_may_call_concurrently(); }) return Comm::threads_may_call_concurrently();
-    else return true;
+    if constexpr (requires { Comm::threads_may_call_concurrently(); })
+      return Comm::threads_may_call_concurrently();
+    else
+      return true;
   }
 
   void setup_overlap() {
@@ -694,13 +697,15 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (options_.limit_all_gathers < 0) throw ConfigError("limit_all_gathers must be >= 0, got " + std::to_string(options_.limit_all_gathers));
     const bool prefetch = prefetch_wanted && shard_comm_.size() > 1;  // else nothing is all-gathered: nothing to overlap
     if (prefetch && !comm_threads_may_call_concurrently())
-      throw ConfigError("prefetching runs all-gathers on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
-                        "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
+      throw ConfigError(
+          "prefetching runs all-gathers on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
+          "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
     // A GPU communicator's collectives already run on their own stream: reductions stay as they are.
     overlap_reduce_ = options_.overlap_grad_reduce && world_.size() > 1 && !comm_moves_device_memory<Comm>();
     if (overlap_reduce_ && !comm_threads_may_call_concurrently())
-      throw ConfigError("overlap_grad_reduce runs reductions on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
-                        "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
+      throw ConfigError(
+          "overlap_grad_reduce runs reductions on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
+          "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
     // Duplicates of the groups: the worker's collectives form their own sequence on every rank.
     // Every collective is issued in the same order everywhere, so both groups are split on all ranks.
     if (prefetch || (overlap_reduce_ && shard_comm_.size() > 1)) worker_shard_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));
@@ -710,7 +715,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if constexpr (!comm_moves_device_memory<Comm>()) {
       if (prefetch || overlap_reduce_) worker_ = std::make_unique<detail::CollectiveWorker>();
       // The worker runs beside the computing threads: waiting for a late peer must not take their core.
-      if constexpr (requires(Comm& c) { c.set_waiting_yields_cpu(true); }) {
+      if constexpr (requires(Comm & c) { c.set_waiting_yields_cpu(true); }) {
         if (worker_shard_comm_) worker_shard_comm_->set_waiting_yields_cpu(true);
         if (worker_replica_comm_) worker_replica_comm_->set_waiting_yields_cpu(true);
       }
@@ -783,11 +788,14 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     for (const auto& p : module_->parameters(/*recurse=*/true)) deferred = deferred || detail::is_deferred(p);
     for (const auto& b : module_->buffers(/*recurse=*/true)) deferred = deferred || detail::is_deferred(b);
     if (deferred && !options_.param_init_fn)
-      throw ConfigError("the module has parameters or buffers released by fsdp::defer_init(): set FsdpOptions::param_init_fn to "
-                        "initialize them unit by unit");
+      throw ConfigError(
+          "the module has parameters or buffers released by fsdp::defer_init(): set FsdpOptions::param_init_fn to "
+          "initialize them unit by unit");
     if (found && *found != compute_device_) {
-      if (!deferred) module_->to(compute_device_);
-      else if (!found->is_cpu()) throw ConfigError("a module released by fsdp::defer_init() must be built on the CPU; it is moved unit by unit");
+      if (!deferred)
+        module_->to(compute_device_);
+      else if (!found->is_cpu())
+        throw ConfigError("a module released by fsdp::defer_init() must be built on the CPU; it is moved unit by unit");
     }
   }
 
@@ -800,7 +808,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     torch::manual_seed(fnv1a64(path, 14695981039346656037ull ^ options_.init_seed));
     options_.param_init_fn(module, path);
     for (auto& b : module.named_buffers(/*recurse=*/false))
-      if (deferred_buffer_casts_.erase(detail::join_path(path, b.key())) > 0) b.value().set_data(b.value().to(*options_.mixed_precision.buffer_dtype));
+      if (deferred_buffer_casts_.erase(detail::join_path(path, b.key())) > 0)
+        b.value().set_data(b.value().to(*options_.mixed_precision.buffer_dtype));
     if (!compute_device_.is_cpu()) {  // built and initialized on the CPU, one module at a time
       for (auto& p : module.named_parameters(/*recurse=*/false)) p.value().set_data(p.value().to(compute_device_));
       for (auto& b : module.named_buffers(/*recurse=*/false)) b.value().set_data(b.value().to(compute_device_));
@@ -834,15 +843,16 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     // Mixed precision: check the dtypes; buffers move to buffer_dtype (their own dtype is kept for checkpoints).
     const auto& mp = options_.mixed_precision;
     for (const auto& dt : {mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype})
-      if (dt && !c10::isFloatingType(*dt))
-        throw ConfigError(std::string("mixed precision dtypes must be floating point, got ") + c10::toString(*dt));
+      if (dt && !c10::isFloatingType(*dt)) throw ConfigError(std::string("mixed precision dtypes must be floating point, got ") + c10::toString(*dt));
     if (mp.buffer_dtype) {
       torch::NoGradGuard no_grad;
       for (const auto& b : module_->named_buffers(/*recurse=*/true)) {
         if (!b.value().defined() || !b.value().is_floating_point() || b.value().scalar_type() == *mp.buffer_dtype) continue;
         buffer_dtypes_[b.key()] = b.value().scalar_type();
-        if (detail::is_deferred(b.value())) deferred_buffer_casts_.insert(b.key());  // cast once initialized
-        else b.value().set_data(b.value().to(*mp.buffer_dtype));
+        if (detail::is_deferred(b.value()))
+          deferred_buffer_casts_.insert(b.key());  // cast once initialized
+        else
+          b.value().set_data(b.value().to(*mp.buffer_dtype));
       }
     }
 
@@ -1035,8 +1045,14 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       return d;
     };
     int da = depth(a), db = depth(b);
-    while (da > db) { a = units_[static_cast<std::size_t>(a)]->info.parent; --da; }
-    while (db > da) { b = units_[static_cast<std::size_t>(b)]->info.parent; --db; }
+    while (da > db) {
+      a = units_[static_cast<std::size_t>(a)]->info.parent;
+      --da;
+    }
+    while (db > da) {
+      b = units_[static_cast<std::size_t>(b)]->info.parent;
+      --db;
+    }
     while (a != b) {
       a = units_[static_cast<std::size_t>(a)]->info.parent;
       b = units_[static_cast<std::size_t>(b)]->info.parent;
@@ -1157,7 +1173,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
 
   void root_post_forward(const std::vector<at::Tensor>& outputs, bool complete) {
     for (auto& u : units_)
-      if (u->info.index != 0 && !u->frozen && u->hooked == detail::FlatUnit::Hooked::kUnknown && !u->entered) u->hooked = detail::FlatUnit::Hooked::kNo;
+      if (u->info.index != 0 && !u->frozen && u->hooked == detail::FlatUnit::Hooked::kUnknown && !u->entered)
+        u->hooked = detail::FlatUnit::Hooked::kNo;
     if (is_training() && options_.sync_buffers) sync_buffers();
     bool hooked = false;
     if (torch::GradMode::is_enabled()) {
@@ -1216,8 +1233,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   static void trace_unit_span(std::int64_t& began_us, const char* what, const detail::FlatUnit& u) {
     auto& tracer = Tracer::instance();
     if (began_us < 0 || !tracer.enabled()) return;
-    tracer.complete(what + u.trace_name(), what[0] == 'f' ? "forward" : "backward", began_us, tracer.now_us(),
-                    {{"unit", u.info.index}});
+    tracer.complete(what + u.trace_name(), what[0] == 'f' ? "forward" : "backward", began_us, tracer.now_us(), {{"unit", u.info.index}});
     began_us = -1;
   }
 
@@ -1253,12 +1269,16 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     for (std::size_t i = 0; i < u.params.size(); ++i) {
       const auto i64 = static_cast<std::int64_t>(i);
       auto slot = flat.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64));
-      if (i < grads.size() && grads[i].defined()) slot.copy_(grads[i].reshape({-1}));
-      else slot.zero_();  // a parameter unused in this step contributes a zero gradient
+      if (i < grads.size() && grads[i].defined())
+        slot.copy_(grads[i].reshape({-1}));
+      else
+        slot.zero_();  // a parameter unused in this step contributes a zero gradient
     }
     if (no_sync_) {
-      if (u.unsynced_grad.defined()) u.unsynced_grad.add_(flat);
-      else u.unsynced_grad = flat;
+      if (u.unsynced_grad.defined())
+        u.unsynced_grad.add_(flat);
+      else
+        u.unsynced_grad = flat;
       release_after_backward(u);
       return torch::Tensor();  // no gradient reaches the shard yet
     }
@@ -1332,8 +1352,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     torch::NoGradGuard no_grad;
     torch::Tensor grad = to_master(u, r.shard_grad);
     const auto it = std::find_if(reduced_.begin(), reduced_.end(), [&](const auto& e) { return e.first == r.unit; });
-    if (it == reduced_.end()) reduced_.emplace_back(r.unit, grad);
-    else it->second = it->second + grad;
+    if (it == reduced_.end())
+      reduced_.emplace_back(r.unit, grad);
+    else
+      it->second = it->second + grad;
   }
 
   // AccumulateGrad's arithmetic for every unit reduced in this backward: set the shard's grad, or add
@@ -1342,8 +1364,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     torch::NoGradGuard no_grad;
     for (auto& [unit, grad] : reduced_) {
       auto& slot = units_[static_cast<std::size_t>(unit)]->shard.mutable_grad();
-      if (slot.defined()) slot.add_(grad);
-      else slot = grad.detach();
+      if (slot.defined())
+        slot.add_(grad);
+      else
+        slot = grad.detach();
     }
     reduced_.clear();
   }
@@ -1354,8 +1378,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     for (auto& r : pending_reductions_) {
       try {
         r.done.wait();
-      } catch (...) {
-      }
+      } catch (...) {}
     }
     pending_reductions_.clear();
     reduced_.clear();
@@ -1411,8 +1434,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       if (!b.defined() || b.numel() == 0) continue;
       on_contiguous(b, [this](const torch::Tensor& c) {
         const DType dt = detail::to_comm_dtype(c.scalar_type());
-        if (c.is_floating_point()) world_.all_reduce(c.data_ptr(), c.data_ptr(), c.numel(), dt, ReduceOp::kAvg);
-        else world_.broadcast(c.data_ptr(), c.numel(), dt, 0);
+        if (c.is_floating_point())
+          world_.all_reduce(c.data_ptr(), c.data_ptr(), c.numel(), dt, ReduceOp::kAvg);
+        else
+          world_.broadcast(c.data_ptr(), c.numel(), dt, 0);
       });
     }
   }
@@ -1446,9 +1471,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     m.pretty_print(os);
     for (const auto& u : units_) {
       if (u->module != &m) continue;
-      os << "  [unit " << u->info.index << (u->info.index == 0 ? ", root" : "") << (u->frozen ? ", frozen" : "") << ": " << u->params.size() << " params, numel "
-         << u->layout.numel() << ", padded " << u->layout.padded_numel() << ", shard " << u->layout.shard_numel();
-      if (u->info.index != 0 && !u->frozen && u->hooked == detail::FlatUnit::Hooked::kNo) os << ", gathered with root (not called through fsdp::forward)";
+      os << "  [unit " << u->info.index << (u->info.index == 0 ? ", root" : "") << (u->frozen ? ", frozen" : "") << ": " << u->params.size()
+         << " params, numel " << u->layout.numel() << ", padded " << u->layout.padded_numel() << ", shard " << u->layout.shard_numel();
+      if (u->info.index != 0 && !u->frozen && u->hooked == detail::FlatUnit::Hooked::kNo)
+        os << ", gathered with root (not called through fsdp::forward)";
       os << "]";
     }
     os << "\n";
@@ -1461,26 +1487,26 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   Comm replica_comm_ = world_;
   FsdpOptions options_;
   torch::Device compute_device_{torch::kCPU};
-  std::optional<Comm> worker_shard_comm_;              // the worker's duplicate of the shard group
-  std::optional<Comm> worker_replica_comm_;            // the worker's duplicate of the replica group
-  std::unique_ptr<detail::CollectiveWorker> worker_;   // runs prefetched all-gathers and overlapped reductions
-  bool overlap_reduce_ = false;                        // gradient reductions run on the worker
+  std::optional<Comm> worker_shard_comm_;             // the worker's duplicate of the shard group
+  std::optional<Comm> worker_replica_comm_;           // the worker's duplicate of the replica group
+  std::unique_ptr<detail::CollectiveWorker> worker_;  // runs prefetched all-gathers and overlapped reductions
+  bool overlap_reduce_ = false;                       // gradient reductions run on the worker
   struct PendingReduction {
     int unit = -1;
-    bool sharded = false;               // holds a full-size unit gradient until reduced
+    bool sharded = false;  // holds a full-size unit gradient until reduced
     std::shared_future<void> done;
-    torch::Tensor shard_grad;           // the worker's result
+    torch::Tensor shard_grad;  // the worker's result
   };
-  std::deque<PendingReduction> pending_reductions_;    // overlapped reductions of this backward, oldest first
-  std::vector<std::pair<int, torch::Tensor>> reduced_; // ... finished: unit -> its summed shard gradient, in finishing order
+  std::deque<PendingReduction> pending_reductions_;     // overlapped reductions of this backward, oldest first
+  std::vector<std::pair<int, torch::Tensor>> reduced_;  // ... finished: unit -> its summed shard gradient, in finishing order
   static constexpr int kMaxReductionsInFlight = 2;
-  std::vector<int> forward_order_;                     // nested units in the order this step's forward ran them
-  std::vector<int> previous_forward_order_;            // ... and the previous forward's (forward prefetch)
+  std::vector<int> forward_order_;           // nested units in the order this step's forward ran them
+  std::vector<int> previous_forward_order_;  // ... and the previous forward's (forward prefetch)
   OverlapStats overlap_;
   std::vector<std::unique_ptr<detail::FlatUnit>> units_;
   std::map<std::string, std::vector<std::string>> aliases_;  // canonical name -> other names of tied parameters
-  std::map<std::string, c10::ScalarType> buffer_dtypes_;      // buffers cast by MixedPrecision::buffer_dtype: their own dtype
-  std::set<std::string> deferred_buffer_casts_;               // ... of those, released ones, cast after param_init_fn
+  std::map<std::string, c10::ScalarType> buffer_dtypes_;     // buffers cast by MixedPrecision::buffer_dtype: their own dtype
+  std::set<std::string> deferred_buffer_casts_;              // ... of those, released ones, cast after param_init_fn
   std::int64_t engine_id_ = 0;
   bool end_of_backward_queued_ = false;
   bool no_sync_ = false;
@@ -1491,8 +1517,10 @@ template <Communicator Comm, class ModulePtr>
 auto make_fsdp(ModulePtr module, Comm comm, FsdpOptions options = {}) {
   using Impl = std::remove_reference_t<decltype(*module)>;
   std::shared_ptr<Impl> ptr;
-  if constexpr (requires { module.ptr(); }) ptr = module.ptr();
-  else ptr = std::move(module);
+  if constexpr (requires { module.ptr(); })
+    ptr = module.ptr();
+  else
+    ptr = std::move(module);
   return std::make_shared<FullyShardedDataParallel<Impl, Comm>>(std::move(ptr), std::move(comm), std::move(options));
 }
 

@@ -88,7 +88,8 @@ struct Recompute : torch::CustomClassHolder {
 /// back-propagates through it. The unit's parameters reach their UnitGather node from there, which
 /// reduces their gradients as usual; `anchor` (the unit's shard) only makes the output require grad.
 struct CheckpointedForward : public torch::autograd::Function<CheckpointedForward> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<Recompute> recompute, at::Tensor anchor, at::TensorList inputs) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<Recompute> recompute, at::Tensor anchor,
+                            at::TensorList inputs) {
     (void)anchor;
     {
       auto gen = at::detail::getDefaultCPUGenerator();
@@ -150,7 +151,8 @@ auto forward(ModulePtr& module, Args&&... args) {
       auto recompute = c10::make_intrusive<detail::Recompute>();
       auto raw = &*module;
       recompute->run = [raw](const std::vector<at::Tensor>& in) {
-        return [&]<std::size_t... I>(std::index_sequence<I...>) { return raw->forward(in[I]...); }(std::index_sequence_for<Args...>{});
+        return [&]<std::size_t... I>(std::index_sequence<I...>) { return raw->forward(in[I]...); }
+        (std::index_sequence_for<Args...>{});
       };
       std::vector<at::Tensor> inputs = {at::Tensor(args)...};
       at::Tensor result = detail::CheckpointedForward::apply(recompute, anchor, at::TensorList(inputs));

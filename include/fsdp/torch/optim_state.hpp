@@ -69,7 +69,8 @@ inline std::string optimizer_kind(const torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer)) return "Adagrad";
   if (dynamic_cast<const torch::optim::RMSprop*>(&optimizer)) return "RMSprop";
   if (dynamic_cast<const optim::Adadelta*>(&optimizer)) return "Adadelta";
-  throw ConfigError(std::string("unsupported optimizer type ") + typeid(optimizer).name() + " (supported: SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta)");
+  throw ConfigError(std::string("unsupported optimizer type ") + typeid(optimizer).name() +
+                    " (supported: SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta)");
 }
 
 /// A fresh per-parameter state for `optimizer` holding `view` (the inverse of optimizer_state_view).
@@ -97,8 +98,10 @@ inline std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(c
       s->step(view.step);
       return s;
     };
-    if (kind == "Adam") out = fill(std::make_unique<torch::optim::AdamParamState>());
-    else out = fill(std::make_unique<torch::optim::AdamWParamState>());
+    if (kind == "Adam")
+      out = fill(std::make_unique<torch::optim::AdamParamState>());
+    else
+      out = fill(std::make_unique<torch::optim::AdamWParamState>());
     known = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   } else if (kind == "Adagrad") {
     auto s = std::make_unique<torch::optim::AdagradParamState>();

@@ -34,10 +34,9 @@ class AutoWrapPolicy {
   /// (SIZE_BASED_WRAP; decided bottom-up like PyTorch's size_based_auto_wrap_policy).
   static AutoWrapPolicy size_based(std::int64_t min_num_params) {
     if (min_num_params < 1) throw ConfigError("min_num_params must be >= 1, got " + std::to_string(min_num_params));
-    return AutoWrapPolicy("SIZE_BASED_WRAP(min_num_params=" + std::to_string(min_num_params) + ")",
-                          [min_num_params](const std::string&, const torch::nn::Module& m, std::int64_t numel) {
-                            return numel >= min_num_params && !is_container(m);
-                          });
+    return AutoWrapPolicy(
+        "SIZE_BASED_WRAP(min_num_params=" + std::to_string(min_num_params) + ")",
+        [min_num_params](const std::string&, const torch::nn::Module& m, std::int64_t numel) { return numel >= min_num_params && !is_container(m); });
   }
 
   /// Wrap every submodule whose type name is listed (TRANSFORMER_BASED_WRAP). Names match the short
@@ -72,8 +71,7 @@ class AutoWrapPolicy {
   const std::string& description() const noexcept { return description_; }
 
  private:
-  AutoWrapPolicy(std::string description, Predicate predicate)
-      : description_(std::move(description)), predicate_(std::move(predicate)) {}
+  AutoWrapPolicy(std::string description, Predicate predicate) : description_(std::move(description)), predicate_(std::move(predicate)) {}
   // Containers have no forward of their own to hook (PyTorch excludes ModuleList/ModuleDict too).
   static bool is_container(const torch::nn::Module& m) {
     const std::string t = module_type_name(m);

@@ -24,7 +24,10 @@ inline float f16_to_float(std::uint16_t h) noexcept {
   std::uint32_t mant = h & 0x3ffu;
   if (exp == 0) {
     if (mant == 0) return std::bit_cast<float>(sign);
-    while ((mant & 0x400u) == 0) { mant <<= 1; --exp; }  // subnormal: normalize
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }  // subnormal: normalize
     ++exp;
     mant &= 0x3ffu;
   } else if (exp == 31) {
@@ -37,9 +40,9 @@ inline std::uint16_t float_to_f16(float value) noexcept {
   const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
   const std::uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) return sign | 0x7e00u;
-  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // overflow to inf
-  if (abs < 0x38800000u) {                        // subnormal or zero in half
-    const float f = std::bit_cast<float>(abs) * 16777216.0f;  // scale by 2^24
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;                                              // overflow to inf
+  if (abs < 0x38800000u) {                                                                    // subnormal or zero in half
+    const float f = std::bit_cast<float>(abs) * 16777216.0f;                                  // scale by 2^24
     return sign | static_cast<std::uint16_t>(static_cast<std::uint32_t>(std::nearbyint(f)));  // ties to even
   }
   std::uint32_t bits = abs - 0x38000000u;  // rebias 127 -> 15

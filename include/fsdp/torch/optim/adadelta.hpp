@@ -25,10 +25,14 @@ struct AdadeltaOptions : public torch::optim::OptimizerCloneableOptions<Adadelta
       c10::IValue v;
       archive.read(key, v);
       const double d = v.toDouble();
-      if (std::string(key) == "lr") lr_ = d;
-      else if (std::string(key) == "rho") rho_ = d;
-      else if (std::string(key) == "eps") eps_ = d;
-      else weight_decay_ = d;
+      if (std::string(key) == "lr")
+        lr_ = d;
+      else if (std::string(key) == "rho")
+        rho_ = d;
+      else if (std::string(key) == "eps")
+        eps_ = d;
+      else
+        weight_decay_ = d;
     }
   }
   void serialize(torch::serialize::OutputArchive& archive) const override {
