@@ -6,6 +6,7 @@
 #include <random>
 
 #include "fsdp/core/layout.hpp"
+#include "fsdp/core/strategy.hpp"
 #include "fsdp/trace.hpp"
 
 #include <filesystem>
@@ -129,4 +130,52 @@ BOOST_AUTO_TEST_CASE(tracer_records_only_when_enabled_and_writes_chrome_json) {
   BOOST_CHECK_THROW(tracer.write_json("/nonexistent/dir/trace.json", 0), fsdp::Error);
   tracer.clear();
   std::filesystem::remove(path);
+}
+
+BOOST_AUTO_TEST_CASE(strategy_names_parse_in_any_case) {
+  for (auto s : fsdp::kShardingStrategies) BOOST_TEST(fsdp::parse_sharding_strategy(fsdp::to_string(s)) == s);
+  BOOST_TEST(fsdp::parse_sharding_strategy("shard_grad_op") == fsdp::ShardingStrategy::SHARD_GRAD_OP);
+  BOOST_TEST(fsdp::parse_backward_prefetch("backward_post") == fsdp::BackwardPrefetch::BACKWARD_POST);
+  try {
+    (void)fsdp::parse_sharding_strategy("FULLSHARD");
+    BOOST_FAIL("FULLSHARD parsed");
+  } catch (const fsdp::ConfigError& e) {
+    BOOST_TEST(std::string(e.what()).find("unknown sharding strategy 'FULLSHARD' (valid: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
+                                          "HYBRID_SHARD_ZERO2)") != std::string::npos);
+  }
+  BOOST_CHECK_THROW((void)fsdp::parse_backward_prefetch("BACKWARDS"), fsdp::ConfigError);
+}
+
+BOOST_AUTO_TEST_CASE(shard_group_size_per_strategy) {
+  using S = fsdp::ShardingStrategy;
+  for (int world = 1; world <= 8; ++world) {
+    BOOST_TEST(fsdp::shard_group_size(S::FULL_SHARD, world, 0, 1) == world);
+    BOOST_TEST(fsdp::shard_group_size(S::SHARD_GRAD_OP, world, world, 1) == world);
+    BOOST_TEST(fsdp::shard_group_size(S::NO_SHARD, world, 0, 1) == 1);
+    for (int group = 1; group <= world; ++group) {
+      if (world % group == 0) {
+        BOOST_TEST(fsdp::shard_group_size(S::HYBRID_SHARD, world, group, 1) == group);
+        BOOST_TEST(fsdp::shard_group_size(S::HYBRID_SHARD_ZERO2, world, 0, group) == group);  // 0: the node's ranks
+      } else {
+        BOOST_CHECK_THROW(fsdp::shard_group_size(S::HYBRID_SHARD, world, group, 1), fsdp::ConfigError);
+      }
+    }
+  }
+  BOOST_CHECK_THROW(fsdp::shard_group_size(S::FULL_SHARD, 4, 2, 1), fsdp::ConfigError);  // hybrid only
+  BOOST_CHECK_THROW(fsdp::shard_group_size(S::HYBRID_SHARD, 4, -1, 1), fsdp::ConfigError);
+  try {
+    (void)fsdp::shard_group_size(S::HYBRID_SHARD, 6, 4, 1);
+    BOOST_FAIL("6 ranks in groups of 4 accepted");
+  } catch (const fsdp::ConfigError& e) {
+    BOOST_TEST(std::string(e.what()).find("world size 6 is not divisible by shard_group_size 4") != std::string::npos);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(reshard_after_forward_defaults) {
+  using S = fsdp::ShardingStrategy;
+  static_assert(fsdp::reshard_after_forward_default(S::FULL_SHARD) && fsdp::reshard_after_forward_default(S::HYBRID_SHARD));
+  static_assert(!fsdp::reshard_after_forward_default(S::SHARD_GRAD_OP) && !fsdp::reshard_after_forward_default(S::HYBRID_SHARD_ZERO2));
+  static_assert(!fsdp::reshard_after_forward_default(S::NO_SHARD));
+  BOOST_TEST(fsdp::is_hybrid(S::HYBRID_SHARD_ZERO2));
+  BOOST_TEST(!fsdp::is_hybrid(S::FULL_SHARD));
 }

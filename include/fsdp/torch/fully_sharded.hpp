@@ -35,6 +35,7 @@
 #include "fsdp/comm/collective_worker.hpp"
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/core/layout.hpp"
+#include "fsdp/core/strategy.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/torch/hooks.hpp"
 #include "fsdp/torch/optim_state.hpp"
@@ -42,66 +43,6 @@
 #include "fsdp/trace.hpp"
 
 namespace fsdp {
-
-/// How parameters, gradients and optimizer state are split (names as in PyTorch / Accelerate).
-enum class ShardingStrategy {
-  FULL_SHARD,          ///< ZeRO-3: shard everything; free parameters after forward, re-gather for backward
-  SHARD_GRAD_OP,       ///< ZeRO-2: shard gradients and optimizer state; keep parameters from forward to backward
-  NO_SHARD,            ///< DDP: replicate everything; all-reduce gradients
-  HYBRID_SHARD,        ///< FULL_SHARD inside a shard group, replicate across groups
-  HYBRID_SHARD_ZERO2,  ///< SHARD_GRAD_OP inside a shard group, replicate across groups
-};
-
-inline const char* to_string(ShardingStrategy s) noexcept {
-  switch (s) {
-    case ShardingStrategy::FULL_SHARD: return "FULL_SHARD";
-    case ShardingStrategy::SHARD_GRAD_OP: return "SHARD_GRAD_OP";
-    case ShardingStrategy::NO_SHARD: return "NO_SHARD";
-    case ShardingStrategy::HYBRID_SHARD: return "HYBRID_SHARD";
-    case ShardingStrategy::HYBRID_SHARD_ZERO2: return "HYBRID_SHARD_ZERO2";
-  }
-  return "?";
-}
-
-inline std::ostream& operator<<(std::ostream& os, ShardingStrategy s) { return os << to_string(s); }
-
-/// Parses "FULL_SHARD", "full_shard", ... ; throws ConfigError naming the valid values.
-inline ShardingStrategy parse_sharding_strategy(const std::string& text) {
-  std::string up = text;
-  std::transform(up.begin(), up.end(), up.begin(), [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
-  for (auto s : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD, ShardingStrategy::HYBRID_SHARD,
-                 ShardingStrategy::HYBRID_SHARD_ZERO2})
-    if (up == to_string(s)) return s;
-  throw ConfigError("unknown sharding strategy '" + text + "' (valid: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2)");
-}
-
-/// When backward gathers the next unit's parameters (PyTorch's BackwardPrefetch). The next unit is the
-/// one that ran before the current one in this step's forward.
-enum class BackwardPrefetch {
-  NO_PREFETCH,    ///< gather each unit when its backward needs it
-  BACKWARD_PRE,   ///< issue the next unit's all-gather when the current unit's backward begins
-  BACKWARD_POST,  ///< issue it when the current unit's gradients are computed, before its reduce-scatter
-};
-
-inline const char* to_string(BackwardPrefetch p) noexcept {
-  switch (p) {
-    case BackwardPrefetch::NO_PREFETCH: return "NO_PREFETCH";
-    case BackwardPrefetch::BACKWARD_PRE: return "BACKWARD_PRE";
-    case BackwardPrefetch::BACKWARD_POST: return "BACKWARD_POST";
-  }
-  return "?";
-}
-
-inline std::ostream& operator<<(std::ostream& os, BackwardPrefetch p) { return os << to_string(p); }
-
-/// Parses "BACKWARD_PRE", "backward_pre", ...; throws ConfigError naming the valid values.
-inline BackwardPrefetch parse_backward_prefetch(const std::string& text) {
-  std::string up = text;
-  std::transform(up.begin(), up.end(), up.begin(), [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
-  for (auto p : {BackwardPrefetch::NO_PREFETCH, BackwardPrefetch::BACKWARD_PRE, BackwardPrefetch::BACKWARD_POST})
-    if (up == to_string(p)) return p;
-  throw ConfigError("unknown backward prefetch '" + text + "' (valid: NO_PREFETCH, BACKWARD_PRE, BACKWARD_POST)");
-}
 
 /// Communication that overlapped computation, and what did not (see FullyShardedDataParallel::overlap_stats()).
 struct OverlapStats {
@@ -666,20 +607,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   // ---- construction -------------------------------------------------------------------------
 
   void setup_groups() {
-    const int world = world_.size();
-    const auto strategy = options_.sharding_strategy;
-    int group = world;
-    if (strategy == ShardingStrategy::NO_SHARD) {
-      group = 1;
-    } else if (strategy == ShardingStrategy::HYBRID_SHARD || strategy == ShardingStrategy::HYBRID_SHARD_ZERO2) {
-      group = options_.shard_group_size;
-      if (group < 0) throw ConfigError("shard_group_size must be >= 0, got " + std::to_string(group));
-      if (group == 0) group = node_size();
-      if (world % group != 0)
-        throw ConfigError("world size " + std::to_string(world) + " is not divisible by shard_group_size " + std::to_string(group));
-    } else if (options_.shard_group_size != 0 && options_.shard_group_size != world) {
-      throw ConfigError(std::string("shard_group_size applies to the hybrid strategies only (strategy is ") + to_string(strategy) + ")");
-    }
+    const int requested = options_.shard_group_size;
+    const bool needs_node = is_hybrid(options_.sharding_strategy) && requested == 0;
+    const int group = fsdp::shard_group_size(options_.sharding_strategy, world_.size(), requested, needs_node ? node_size() : 1);
     const int r = world_.rank();
     shard_comm_ = world_.split(r / group, r);
     replica_comm_ = world_.split(r % group, r);
@@ -825,8 +755,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   }
 
   bool reshard_after_forward() const {
-    if (options_.reshard_after_forward) return *options_.reshard_after_forward;
-    return options_.sharding_strategy == ShardingStrategy::FULL_SHARD || options_.sharding_strategy == ShardingStrategy::HYBRID_SHARD;
+    return options_.reshard_after_forward.value_or(reshard_after_forward_default(options_.sharding_strategy));
   }
 
   struct ModuleNode {

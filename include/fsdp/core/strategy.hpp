@@ -1,0 +1,128 @@
+// Sharding strategies and the decisions that follow from one (core layer: std only, no MPI, no
+// LibTorch): the strategy and prefetch enums with their names, the shard group size with its errors,
+// and whether a strategy frees parameters after forward. The engine, fsdp-plan and fsdp-train all call
+// these functions, so each decision is written once.
+//
+// Enum naming: enums whose values are names users type (in decks and after PyTorch/Accelerate) keep
+// those names (FULL_SHARD, BACKWARD_PRE); every other enum uses kPascalCase values (DType::kFloat32).
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <ostream>
+#include <string>
+#include <string_view>
+
+#include "fsdp/errors.hpp"
+
+namespace fsdp {
+
+/// How parameters, gradients and optimizer state are split (names as in PyTorch / Accelerate).
+enum class ShardingStrategy {
+  FULL_SHARD,          ///< ZeRO-3: shard everything; free parameters after forward, re-gather for backward
+  SHARD_GRAD_OP,       ///< ZeRO-2: shard gradients and optimizer state; keep parameters from forward to backward
+  NO_SHARD,            ///< DDP: replicate everything; all-reduce gradients
+  HYBRID_SHARD,        ///< FULL_SHARD inside a shard group, replicate across groups
+  HYBRID_SHARD_ZERO2,  ///< SHARD_GRAD_OP inside a shard group, replicate across groups
+};
+
+inline constexpr std::array<ShardingStrategy, 5> kShardingStrategies = {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP,
+                                                                        ShardingStrategy::NO_SHARD, ShardingStrategy::HYBRID_SHARD,
+                                                                        ShardingStrategy::HYBRID_SHARD_ZERO2};
+
+constexpr const char* to_string(ShardingStrategy s) noexcept {
+  switch (s) {
+    case ShardingStrategy::FULL_SHARD: return "FULL_SHARD";
+    case ShardingStrategy::SHARD_GRAD_OP: return "SHARD_GRAD_OP";
+    case ShardingStrategy::NO_SHARD: return "NO_SHARD";
+    case ShardingStrategy::HYBRID_SHARD: return "HYBRID_SHARD";
+    case ShardingStrategy::HYBRID_SHARD_ZERO2: return "HYBRID_SHARD_ZERO2";
+  }
+  return "?";
+}
+
+inline std::ostream& operator<<(std::ostream& os, ShardingStrategy s) { return os << to_string(s); }
+
+/// When backward gathers the next unit's parameters (PyTorch's BackwardPrefetch). The next unit is the
+/// one that ran before the current one in this step's forward.
+enum class BackwardPrefetch {
+  NO_PREFETCH,    ///< gather each unit when its backward needs it
+  BACKWARD_PRE,   ///< issue the next unit's all-gather when the current unit's backward begins
+  BACKWARD_POST,  ///< issue it when the current unit's gradients are computed, before its reduce-scatter
+};
+
+inline constexpr std::array<BackwardPrefetch, 3> kBackwardPrefetches = {BackwardPrefetch::NO_PREFETCH, BackwardPrefetch::BACKWARD_PRE,
+                                                                        BackwardPrefetch::BACKWARD_POST};
+
+constexpr const char* to_string(BackwardPrefetch p) noexcept {
+  switch (p) {
+    case BackwardPrefetch::NO_PREFETCH: return "NO_PREFETCH";
+    case BackwardPrefetch::BACKWARD_PRE: return "BACKWARD_PRE";
+    case BackwardPrefetch::BACKWARD_POST: return "BACKWARD_POST";
+  }
+  return "?";
+}
+
+inline std::ostream& operator<<(std::ostream& os, BackwardPrefetch p) { return os << to_string(p); }
+
+namespace detail {
+/// The value of `all` whose name equals `text` in any case; ConfigError naming `what` and every valid name.
+template <class Enum, std::size_t N>
+Enum parse_enum_name(std::string_view text, const std::array<Enum, N>& all, const char* what) {
+  std::string up(text);
+  std::transform(up.begin(), up.end(), up.begin(), [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  std::string valid;
+  for (auto value : all) {
+    if (up == to_string(value)) return value;
+    valid += (valid.empty() ? "" : ", ") + std::string(to_string(value));
+  }
+  throw ConfigError("unknown " + std::string(what) + " '" + std::string(text) + "' (valid: " + valid + ")");
+}
+}  // namespace detail
+
+/// Parses "FULL_SHARD", "full_shard", ...; throws ConfigError naming the valid values.
+inline ShardingStrategy parse_sharding_strategy(std::string_view text) {
+  return detail::parse_enum_name(text, kShardingStrategies, "sharding strategy");
+}
+
+/// Parses "BACKWARD_PRE", "backward_pre", ...; throws ConfigError naming the valid values.
+inline BackwardPrefetch parse_backward_prefetch(std::string_view text) {
+  return detail::parse_enum_name(text, kBackwardPrefetches, "backward prefetch");
+}
+
+/// The strategies that shard inside a group of chosen size and replicate across groups.
+constexpr bool is_hybrid(ShardingStrategy s) noexcept { return s == ShardingStrategy::HYBRID_SHARD || s == ShardingStrategy::HYBRID_SHARD_ZERO2; }
+
+/// Whether a unit frees its gathered parameters after forward when the user does not say
+/// (FsdpOptions::reshard_after_forward unset, deck fsdp.reshard_after_forward = "auto").
+constexpr bool reshard_after_forward_default(ShardingStrategy s) noexcept {
+  return s == ShardingStrategy::FULL_SHARD || s == ShardingStrategy::HYBRID_SHARD;
+}
+
+/// The number of ranks that share one copy of the parameters (the shard group):
+/// FULL_SHARD and SHARD_GRAD_OP the world, NO_SHARD one rank, the hybrid strategies `requested`
+/// (0 = `node_size`, the ranks of one node). Throws ConfigError when `requested` is negative, does
+/// not divide the world, or is given for a non-hybrid strategy (other than the world size itself).
+inline int shard_group_size(ShardingStrategy strategy, int world_size, int requested, int node_size) {
+  if (world_size <= 0) throw ConfigError("world size must be positive, got " + std::to_string(world_size));
+  if (strategy == ShardingStrategy::NO_SHARD) {
+    if (requested != 0 && requested != 1)
+      throw ConfigError("shard_group_size applies to the hybrid strategies only (strategy is NO_SHARD, whose shard group is one rank)");
+    return 1;
+  }
+  if (!is_hybrid(strategy)) {
+    if (requested != 0 && requested != world_size)
+      throw ConfigError(std::string("shard_group_size applies to the hybrid strategies only (strategy is ") + to_string(strategy) + ")");
+    return world_size;
+  }
+  if (requested < 0) throw ConfigError("shard_group_size must be >= 0, got " + std::to_string(requested));
+  const int group = requested == 0 ? node_size : requested;
+  if (group <= 0) throw ConfigError("the node size must be positive, got " + std::to_string(group));
+  if (world_size % group != 0)
+    throw ConfigError("world size " + std::to_string(world_size) + " is not divisible by shard_group_size " + std::to_string(group) +
+                      (requested == 0 ? " (the ranks of one node)" : ""));
+  return group;
+}
+
+}  // namespace fsdp
