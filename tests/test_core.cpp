@@ -7,6 +7,7 @@
 
 #include "fsdp/core/layout.hpp"
 #include "fsdp/core/strategy.hpp"
+#include "fsdp/core/unit_plan.hpp"
 #include "fsdp/trace.hpp"
 
 #include <filesystem>
@@ -178,4 +179,103 @@ BOOST_AUTO_TEST_CASE(reshard_after_forward_defaults) {
   static_assert(!fsdp::reshard_after_forward_default(S::NO_SHARD));
   BOOST_TEST(fsdp::is_hybrid(S::HYBRID_SHARD_ZERO2));
   BOOST_TEST(!fsdp::is_hybrid(S::FULL_SHARD));
+}
+
+namespace {
+// root: embed (tied to head), block0 {attn {qkv, frozen_bias}, mlp}, block1 {attn, mlp}, head (tied to embed)
+fsdp::ModuleTree transformer_like_tree() {
+  fsdp::ModuleTree t;
+  const int root = t.add_module(-1, "", "Net", "my::Net");
+  const int embed = t.add_module(root, "embed", "Embedding", "torch::nn::Embedding");
+  t.add_param(embed, "weight", {10, 4}, /*tensor_id=*/1);
+  int id = 2;
+  for (int b = 0; b < 2; ++b) {
+    const int block = t.add_module(root, "block" + std::to_string(b), "Block", "my::Block");
+    const int attn = t.add_module(block, "attn", "Linear", "torch::nn::Linear");
+    t.add_param(attn, "weight", {4, 4}, id++);
+    t.add_param(attn, "bias", {4}, id++, /*frozen=*/b == 0);
+    const int mlp = t.add_module(block, "mlp", "Linear", "torch::nn::Linear");
+    t.add_param(mlp, "weight", {4, 4}, id++);
+  }
+  const int head = t.add_module(root, "head", "Linear", "torch::nn::Linear");
+  t.add_param(head, "weight", {10, 4}, /*tensor_id=*/1);  // tied to embed.weight
+  t.add_param(head, "bias", {10}, id++);
+  return t;
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(unit_plan_nested_tied_and_frozen) {
+  const auto tree = transformer_like_tree();
+  const auto plan = fsdp::plan_units(tree, fsdp::WrapRule::module_types({"BlockImpl", "torch::nn::Embedding"}), 3);
+  // Regular units in pre-order (root, embed, block0, block1), then block0's frozen companion.
+  BOOST_TEST_REQUIRE(plan.units.size() == 5u);
+  BOOST_TEST(plan.units[0].path == "");
+  BOOST_TEST(plan.units[1].path == "embed");
+  BOOST_TEST(plan.units[2].path == "block0");
+  BOOST_TEST(plan.units[3].path == "block1");
+  BOOST_TEST(plan.units[4].path == "block0");
+  BOOST_TEST(plan.units[4].frozen);
+  BOOST_TEST(plan.units[4].parent == 2);
+  BOOST_TEST(plan.units[2].companion == 4);
+  for (int i : {1, 2, 3}) BOOST_TEST(plan.units[static_cast<std::size_t>(i)].parent == 0);
+  // embed.weight is used by embed (unit 1) and head (unit 0): it belongs to their common ancestor, the root.
+  BOOST_TEST_REQUIRE(plan.units[0].params.size() == 2u);
+  BOOST_TEST(plan.units[0].params[0].name == "embed.weight");
+  BOOST_TEST(plan.units[0].params[0].aliases == std::vector<std::string>{"head.weight"});
+  BOOST_TEST(plan.units[0].params[1].name == "head.bias");
+  BOOST_TEST(plan.units[1].params.empty());
+  BOOST_TEST(plan.units[2].params.size() == 2u);  // attn.weight, mlp.weight; attn.bias is frozen
+  BOOST_TEST(plan.units[4].params.size() == 1u);
+  BOOST_TEST(plan.units[4].params[0].name == "block0.attn.bias");
+  BOOST_TEST(plan.units[3].params.size() == 3u);
+  // Owners: every module maps to its nearest wrapped ancestor.
+  BOOST_TEST(plan.owner == (std::vector<int>{0, 1, 2, 2, 2, 3, 3, 3, 0}));
+  // Layouts over 3 ranks.
+  BOOST_TEST(plan.units[0].layout.numel() == 50);
+  BOOST_TEST(plan.units[0].layout.shard_numel() == 17);
+  BOOST_TEST(plan.units[0].layout.group_size() == 3);
+  BOOST_TEST(plan.num_params() == 40 + 10 + 2 * (16 + 4 + 16));
+}
+
+BOOST_AUTO_TEST_CASE(unit_plan_size_based_is_bottom_up) {
+  const auto tree = transformer_like_tree();
+  // Each Linear has 16-20 elements: at 16 every Linear wraps on its own, the blocks keep nothing and
+  // do not wrap (their non-wrapped numel is 0), embed (40) and head (50) wrap.
+  const auto plan = fsdp::plan_units(tree, fsdp::WrapRule::size_based(16), 2);
+  std::vector<std::string> paths;
+  for (const auto& u : plan.units) paths.push_back(u.path + (u.frozen ? "(frozen)" : ""));
+  BOOST_TEST(paths ==
+             (std::vector<std::string>{"", "embed", "block0.attn", "block0.mlp", "block1.attn", "block1.mlp", "head", "block0.attn(frozen)"}));
+  // The tied weight is used by embed and head: the root owns it.
+  BOOST_TEST(plan.units[0].params.size() == 1u);
+  BOOST_TEST(plan.units[0].params[0].name == "embed.weight");
+  // Containers are never wrapped.
+  fsdp::ModuleTree list;
+  const int root = list.add_module(-1, "", "Net", "Net");
+  const int layers = list.add_module(root, "layers", "ModuleList", "torch::nn::ModuleList");
+  const int l0 = list.add_module(layers, "0", "Linear", "torch::nn::Linear");
+  list.add_param(l0, "weight", {8}, 0);
+  const auto p = fsdp::plan_units(list, fsdp::WrapRule::size_based(1), 1);
+  BOOST_TEST(p.units.size() == 2u);
+  BOOST_TEST(p.units[1].path == "layers.0");
+}
+
+BOOST_AUTO_TEST_CASE(unit_plan_one_element_and_empty_units) {
+  fsdp::ModuleTree t;
+  const int root = t.add_module(-1, "", "Net", "Net");
+  const int a = t.add_module(root, "a", "Scale", "Scale");
+  t.add_param(a, "s", {}, 0);  // 0-d: one element
+  const auto plan = fsdp::plan_units(t, fsdp::WrapRule::module_types({"Scale"}), 4);
+  BOOST_TEST_REQUIRE(plan.units.size() == 2u);
+  BOOST_TEST(plan.units[0].layout.numel() == 0);
+  BOOST_TEST(plan.units[0].layout.padded_numel() == 0);
+  BOOST_TEST(plan.units[1].layout.numel() == 1);
+  BOOST_TEST(plan.units[1].layout.padded_numel() == 4);
+  BOOST_TEST(plan.units[1].layout.real_numel(0) == 1);
+  BOOST_TEST(plan.units[1].layout.real_numel(3) == 0);
+  BOOST_TEST(fsdp::plan_units(t, fsdp::WrapRule::none(), 4).units.size() == 1u);
+  // A custom rule sees the module and its index.
+  const auto custom =
+      fsdp::plan_units(t, fsdp::WrapRule::custom([](const fsdp::TreeModule& m, int index, std::int64_t) { return index == 1 && m.path == "a"; }), 1);
+  BOOST_TEST(custom.units.size() == 2u);
 }

@@ -300,6 +300,9 @@ inline DType to_comm_dtype(c10::ScalarType t) {
 
 inline std::string join_path(const std::string& a, const std::string& b) { return a.empty() ? b : a + "." + b; }
 
+/// The elements `range` of a flat tensor (a view).
+inline torch::Tensor narrow_flat(const torch::Tensor& flat, FlatRange range) { return flat.narrow(0, range.begin, range.numel()); }
+
 }  // namespace detail
 
 /// Wraps `module` (a std::shared_ptr to a torch::nn::Module subclass) for fully sharded data parallel
@@ -569,6 +572,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     return it == buffer_dtypes_.end() ? buffer.scalar_type() : it->second;
   }
 
+  /// The core's plan the units were built from (units, ownership, layouts over the shard group). Local.
+  const UnitPlan& unit_plan() const noexcept { return plan_; }
+
   /// Tied parameters: the name a parameter is stored under -> its other names.
   const std::map<std::string, std::vector<std::string>>& tied_parameter_aliases() const noexcept { return aliases_; }
 
@@ -758,14 +764,6 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     return options_.reshard_after_forward.value_or(reshard_after_forward_default(options_.sharding_strategy));
   }
 
-  struct ModuleNode {
-    std::string path;
-    torch::nn::Module* module;
-    int parent;
-    std::vector<int> children;
-    int unit = -1;  // unit rooted here, or -1
-  };
-
   void build_units() {
     // 0. The compute device: asked for, or where the parameters are; the module moves there.
     resolve_compute_device();
@@ -785,104 +783,50 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       }
     }
 
-    // 1. The module tree in pre-order.
-    std::vector<ModuleNode> nodes;
-    std::function<void(torch::nn::Module&, const std::string&, int)> visit = [&](torch::nn::Module& m, const std::string& path, int parent) {
-      const int id = static_cast<int>(nodes.size());
-      nodes.push_back({path, &m, parent, {}, -1});
-      if (parent >= 0) nodes[static_cast<std::size_t>(parent)].children.push_back(id);
-      for (const auto& child : m.named_children()) visit(*child.value(), detail::join_path(path, child.key()), id);
+    // 1. The module tree in pre-order, described for the core's planner (a tensor's id is its
+    //    index in `tensors`, so tied names share it).
+    ModuleTree tree;
+    std::vector<torch::nn::Module*> modules;
+    std::vector<torch::Tensor> tensors;
+    std::unordered_map<c10::TensorImpl*, std::int64_t> tensor_ids;
+    std::function<void(torch::nn::Module&, const std::string&, int)> visit = [&](torch::nn::Module& m, const std::string& key, int parent) {
+      const int id = tree.add_module(parent, key, module_type_name(m), module_full_type_name(m));
+      modules.push_back(&m);
+      for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+        const auto [it, fresh] = tensor_ids.emplace(p.value().unsafeGetTensorImpl(), static_cast<std::int64_t>(tensors.size()));
+        if (fresh) tensors.push_back(p.value());
+        tree.add_param(id, p.key(), p.value().sizes().vec(), it->second, !p.value().requires_grad());
+      }
+      for (const auto& child : m.named_children()) visit(*child.value(), child.key(), id);
     };
     visit(*module_, "", -1);
 
-    // 2. Wrap decisions, bottom-up: a module's non-wrapped numel excludes wrapped descendants.
-    std::vector<std::int64_t> nonwrapped(nodes.size(), 0);
-    std::vector<bool> wrapped(nodes.size(), false);
-    for (int id = static_cast<int>(nodes.size()) - 1; id >= 0; --id) {
-      auto& n = nodes[static_cast<std::size_t>(id)];
-      std::int64_t numel = 0;
-      for (const auto& p : n.module->named_parameters(/*recurse=*/false)) numel += p.value().numel();
-      for (int c : n.children)
-        if (!wrapped[static_cast<std::size_t>(c)]) numel += nonwrapped[static_cast<std::size_t>(c)];
-      nonwrapped[static_cast<std::size_t>(id)] = numel;
-      if (id != 0 && options_.auto_wrap_policy.should_wrap(n.path, *n.module, numel)) wrapped[static_cast<std::size_t>(id)] = true;
-    }
-    wrapped[0] = true;
-
-    // 3. Units in pre-order; each module belongs to its nearest wrapped ancestor.
-    std::vector<int> owner(nodes.size(), -1);
-    for (std::size_t id = 0; id < nodes.size(); ++id) {
-      auto& n = nodes[id];
-      if (wrapped[id]) {
-        auto u = std::make_unique<detail::FlatUnit>();
-        u->info.index = static_cast<int>(units_.size());
-        u->info.parent = n.parent >= 0 ? owner[static_cast<std::size_t>(n.parent)] : -1;
-        u->info.module_path = n.path;
-        u->info.type_name = module_type_name(*n.module);
-        u->module = n.module;
-        n.unit = u->info.index;
-        units_.push_back(std::move(u));
-        owner[id] = n.unit;
-      } else {
-        owner[id] = owner[static_cast<std::size_t>(n.parent)];
+    // 2. Units, parameter ownership, frozen companions and layouts: decided by the core.
+    const std::vector<const torch::nn::Module*> const_modules(modules.begin(), modules.end());
+    plan_ = plan_units(tree, options_.auto_wrap_policy.rule(const_modules), shard_comm_.size());
+    for (const auto& planned : plan_.units) {
+      auto u = std::make_unique<detail::FlatUnit>();
+      u->info.index = planned.index;
+      u->info.parent = planned.parent;
+      u->info.module_path = planned.path;
+      u->info.type_name = planned.type_name;
+      u->info.frozen = planned.frozen;
+      u->frozen = planned.frozen;
+      u->companion = planned.companion;
+      u->module = modules[static_cast<std::size_t>(planned.module)];
+      for (const auto& p : planned.params) {
+        const auto& tensor = tensors[static_cast<std::size_t>(p.tensor_id)];
+        if (tensor.device() != compute_device_ && !(options_.param_init_fn && tensor.is_cpu()))
+          throw ConfigError("parameter '" + p.name + "' is on " + tensor.device().str() + ", the module's other parameters on " +
+                            compute_device_.str() + ": move the whole module to one device (or set FsdpOptions::device)");
+        u->params.push_back(tensor);
+        u->info.param_names.push_back(p.name);
+        u->shapes.push_back(p.shape);
+        if (!p.aliases.empty()) aliases_[p.name] = p.aliases;
       }
+      u->layout = planned.layout;
+      units_.push_back(std::move(u));
     }
-
-    // 4. Each distinct parameter (tied ones appear under several names) goes to the lowest common
-    //    ancestor unit of every unit that uses it, so it is gathered whenever any user runs.
-    struct ParamUse {
-      torch::Tensor tensor;
-      std::string name;
-      int unit;
-      std::size_t order;
-    };
-    std::vector<ParamUse> uses;
-    std::unordered_map<c10::TensorImpl*, std::size_t> first_use;
-    for (std::size_t id = 0; id < nodes.size(); ++id) {
-      for (const auto& p : nodes[id].module->named_parameters(/*recurse=*/false)) {
-        auto* impl = p.value().unsafeGetTensorImpl();
-        const std::string fqn = detail::join_path(nodes[id].path, p.key());
-        const auto it = first_use.find(impl);
-        if (it == first_use.end()) {
-          first_use.emplace(impl, uses.size());
-          uses.push_back({p.value(), fqn, owner[id], uses.size()});
-        } else {
-          auto& use = uses[it->second];
-          use.unit = common_ancestor(use.unit, owner[id]);
-          aliases_[use.name].push_back(fqn);
-        }
-      }
-    }
-    // Frozen parameters go to a companion unit of their unit: gathered and freed together with it,
-    // but with no gradient and no optimizer state (PyTorch's use_orig_params case).
-    const std::size_t regular_units = units_.size();
-    for (auto& use : uses) {
-      if (use.tensor.device() != compute_device_ && !(options_.param_init_fn && use.tensor.is_cpu()))
-        throw ConfigError("parameter '" + use.name + "' is on " + use.tensor.device().str() + ", the module's other parameters on " +
-                          compute_device_.str() + ": move the whole module to one device (or set FsdpOptions::device)");
-      auto* target = units_[static_cast<std::size_t>(use.unit)].get();
-      if (!use.tensor.requires_grad()) {
-        if (target->companion < 0) {
-          auto c = std::make_unique<detail::FlatUnit>();
-          c->info.module_path = target->info.module_path;
-          c->info.type_name = target->info.type_name;
-          c->info.index = static_cast<int>(units_.size());
-          c->info.parent = target->info.index;
-          c->info.frozen = true;
-          c->frozen = true;
-          c->module = target->module;
-          target->companion = c->info.index;
-          units_.push_back(std::move(c));
-          target = units_.back().get();
-        } else {
-          target = units_[static_cast<std::size_t>(target->companion)].get();
-        }
-      }
-      target->params.push_back(use.tensor);
-      target->info.param_names.push_back(use.name);
-      target->shapes.push_back(use.tensor.sizes().vec());
-    }
-    (void)regular_units;
 
     const bool sync = options_.sync_module_states && world_.size() > 1;
     auto broadcast = [this](const torch::Tensor& t) {
@@ -899,8 +843,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       auto& u = *up;
       // Memory-bounded construction: this unit's modules (not nested units') get their values now.
       if (options_.param_init_fn && !u.frozen)
-        for (std::size_t id = 0; id < nodes.size(); ++id)
-          if (owner[id] == u.info.index) initialize_module(*nodes[id].module, nodes[id].path);
+        for (std::size_t id = 0; id < modules.size(); ++id)
+          if (plan_.owner[id] == u.info.index) initialize_module(*modules[id], tree.modules[id].path);
       if (sync)
         for (auto& p : u.params) broadcast(p);
       for (std::size_t i = 0; i < u.params.size(); ++i)
@@ -908,9 +852,6 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
           throw ConfigError("parameter '" + u.info.param_names[i] + "' is still released (fsdp::defer_init) when unit '" + u.info.module_path +
                             "' is flattened: it is tied to a module of another unit, which deferred initialization does not support; "
                             "wrap the tied modules into one unit or build them normally");
-      std::vector<std::int64_t> numels;
-      for (const auto& p : u.params) numels.push_back(p.numel());
-      u.layout = FlatLayout(numels, group);
       u.info.numel = u.layout.numel();
       u.info.padded_numel = u.layout.padded_numel();
       u.info.shard_numel = u.layout.shard_numel();
@@ -932,14 +873,14 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       }
       u.offloaded = options_.offload_params && !compute_device_.is_cpu();
       if (u.offloaded) {  // the master shard in (pinned) host memory; `full` stays on the device
-        auto host = full.narrow(0, shard_rank * u.layout.shard_numel(), u.layout.shard_numel()).to(torch::kCPU).pin_memory();
+        auto host = detail::narrow_flat(full, u.layout.rank_range(shard_rank)).to(torch::kCPU).pin_memory();
         u.shard = host.requires_grad_(!u.frozen);
         u.full = full;
       } else if (group == 1) {
         u.shard = full.detach().requires_grad_(!u.frozen);
         u.full = u.shard.detach();  // same storage: nothing to gather
       } else {
-        u.shard = full.narrow(0, shard_rank * u.layout.shard_numel(), u.layout.shard_numel()).clone().requires_grad_(!u.frozen);
+        u.shard = detail::narrow_flat(full, u.layout.rank_range(shard_rank)).clone().requires_grad_(!u.frozen);
         u.full = full;
       }
       if (u.low_precision) u.full = full.to(*mp.param_dtype);  // its own storage, refilled by gather()
@@ -962,31 +903,6 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       detail::hook_registry()[up->module] = {this, up->info.index};
       if (options_.all_units_called_through_forward) up->hooked = detail::FlatUnit::Hooked::kYes;
     }
-  }
-
-  int common_ancestor(int a, int b) const {
-    auto depth = [this](int u) {
-      int d = 0;
-      while (units_[static_cast<std::size_t>(u)]->info.parent >= 0) {
-        u = units_[static_cast<std::size_t>(u)]->info.parent;
-        ++d;
-      }
-      return d;
-    };
-    int da = depth(a), db = depth(b);
-    while (da > db) {
-      a = units_[static_cast<std::size_t>(a)]->info.parent;
-      --da;
-    }
-    while (db > da) {
-      b = units_[static_cast<std::size_t>(b)]->info.parent;
-      --db;
-    }
-    while (a != b) {
-      a = units_[static_cast<std::size_t>(a)]->info.parent;
-      b = units_[static_cast<std::size_t>(b)]->info.parent;
-    }
-    return a;
   }
 
   // ---- gather / reshard -----------------------------------------------------------------------
@@ -1385,7 +1301,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
         const auto& copy = saved[static_cast<std::size_t>(u->info.index)];
         if (!writeback && copy.defined()) u->shard.copy_(copy);
       } else if (writeback && u->gathered) {
-        u->shard.copy_(u->full.narrow(0, shard_comm_.rank() * u->layout.shard_numel(), u->layout.shard_numel()));
+        u->shard.copy_(detail::narrow_flat(u->full, u->layout.rank_range(shard_comm_.rank())));
       }
     }
     for (int i : gathered_here) reshard(*units_[static_cast<std::size_t>(i)]);
@@ -1434,6 +1350,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   OverlapStats overlap_;
   std::vector<std::unique_ptr<detail::FlatUnit>> units_;
   std::map<std::string, std::vector<std::string>> aliases_;  // canonical name -> other names of tied parameters
+  UnitPlan plan_;  // the core's decisions this engine's units were built from
   std::map<std::string, c10::ScalarType> buffer_dtypes_;     // buffers cast by MixedPrecision::buffer_dtype: their own dtype
   std::set<std::string> deferred_buffer_casts_;              // ... of those, released ones, cast after param_init_fn
   std::int64_t engine_id_ = 0;
