@@ -341,7 +341,7 @@ inline void write_optimizer_attributes(hid_t file, const torch::optim::Optimizer
 }
 
 /// The optimizer state of a unit's shard, if the optimizer has any for it.
-inline std::optional<OptimizerStateView> unit_optimizer_state(const torch::optim::Optimizer* opt, const FlatUnit& u) {
+inline std::optional<OptimizerStateView> unit_optimizer_state(const torch::optim::Optimizer* opt, const ShardedUnit& u) {
   if (!opt || !u.shard.defined()) return std::nullopt;
   const auto it = opt->state().find(optimizer_state_key(u.shard));
   if (it == opt->state().end()) return std::nullopt;
@@ -422,15 +422,14 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
     dxpl = h5::collective_transfer();
   });
   const bool writer = engine.replica_comm().rank() == 0;  // one copy of each shard is written
-  const int shard_rank = engine.shard_comm().rank();
   std::int64_t tensors = 0;
-  auto write_unit_tensor = [&](const FlatUnit& u, const torch::Tensor& shard_like, const std::string& prefix, const char* kind) {
-    const std::int64_t lo = shard_rank * u.layout.shard_numel(), hi = lo + u.layout.shard_numel();
+  auto write_unit_tensor = [&](const ShardedUnit& u, const torch::Tensor& shard_like, const std::string& prefix, const char* kind) {
+    const auto [lo, hi] = u.own_range();
     torch::Tensor src;
     step([&] { src = shard_like.detach().to(torch::kCPU).contiguous(); });  // HDF5 reads host memory
     const auto et = element_type_of(src.scalar_type());
-    for (std::size_t i = 0; i < u.params.size(); ++i) {
-      const TensorTarget t{prefix.empty() ? model_path(u.info.param_names[i]) : optim_path(u.info.param_names[i]) + "/" + prefix, u.shapes[i], et};
+    for (std::size_t i = 0; i < u.param_names.size(); ++i) {
+      const TensorTarget t{prefix.empty() ? model_path(u.param_names[i]) : optim_path(u.param_names[i]) + "/" + prefix, u.shapes[i], et};
       step([&] {
         h5::Id ds = create_tensor_dataset(file, t, kind);
         const Piece p = writer ? piece_of(u.layout, i, lo, hi) : Piece{};
@@ -440,9 +439,9 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
       ++tensors;
     }
   };
-  for (const auto& up : engine.flat_units()) {
-    if (up->params.empty()) continue;
-    write_unit_tensor(*up, up->shard, "", "parameter");
+  for (const auto& up : engine.sharded_units()) {
+    if (up.param_names.empty()) continue;
+    write_unit_tensor(up, up.shard, "", "parameter");
   }
   step([&] {
     if (options.on_stage) options.on_stage("writing", state.step);
@@ -454,12 +453,12 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
   }
   if (opt) {
     step([&] { write_optimizer_attributes(file, *opt); });
-    for (const auto& up : engine.flat_units()) {
-      const auto view = unit_optimizer_state(opt, *up);  // present on every rank alike (checked on entry)
-      if (!view || up->params.empty()) continue;
-      for (const auto& [name, t] : view->tensors) write_unit_tensor(*up, t, name, "optimizer_state");
+    for (const auto& up : engine.sharded_units()) {
+      const auto view = unit_optimizer_state(opt, up);  // present on every rank alike (checked on entry)
+      if (!view || up.param_names.empty()) continue;
+      for (const auto& [name, t] : view->tensors) write_unit_tensor(up, t, name, "optimizer_state");
       step([&] {
-        for (const auto& fqn : up->info.param_names) {
+        for (const auto& fqn : up.param_names) {
           h5::Id g = h5::require_group(file, optim_path(fqn));
           h5::write_attribute(g, "step", view->step);
         }
@@ -493,10 +492,10 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
     write_root_attributes(file, engine, StateDictType::FULL_STATE_DICT, state, created, deck);
   });
   std::int64_t tensors = 0;
-  auto write_full = [&](const FlatUnit& u, const torch::Tensor& flat, const std::string& prefix, const char* kind) {
+  auto write_full = [&](const ShardedUnit& u, const torch::Tensor& flat, const std::string& prefix, const char* kind) {
     const auto et = element_type_of(flat.scalar_type());
-    for (std::size_t i = 0; i < u.params.size(); ++i) {
-      const TensorTarget t{prefix.empty() ? model_path(u.info.param_names[i]) : optim_path(u.info.param_names[i]) + "/" + prefix, u.shapes[i], et};
+    for (std::size_t i = 0; i < u.param_names.size(); ++i) {
+      const TensorTarget t{prefix.empty() ? model_path(u.param_names[i]) : optim_path(u.param_names[i]) + "/" + prefix, u.shapes[i], et};
       on_writer([&] {
         h5::Id ds = create_tensor_dataset(file, t, kind);
         const auto i64 = static_cast<std::int64_t>(i);
@@ -506,10 +505,10 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
       ++tensors;
     }
   };
-  for (const auto& up : engine.flat_units()) {  // one unit at a time: memory bounded by the largest unit
-    if (up->params.empty()) continue;
-    const int index = up->info.index;
-    write_full(*up, engine.gather_flat(index, up->shard).to(torch::kCPU), "", "parameter");
+  for (const auto& up : engine.sharded_units()) {  // one unit at a time: memory bounded by the largest unit
+    if (up.param_names.empty()) continue;
+    const int index = up.index;
+    write_full(up, engine.gather_flat(index, up.shard).to(torch::kCPU), "", "parameter");
   }
   agree(world, capture_error([&] {
           if (options.on_stage) options.on_stage("writing", state.step);
@@ -521,12 +520,12 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
   });
   tensors += static_cast<std::int64_t>(named_buffers_of(engine).size());
   if (opt) {
-    for (const auto& up : engine.flat_units()) {
-      const auto view = unit_optimizer_state(opt, *up);
-      if (!view || up->params.empty()) continue;
-      for (const auto& [name, t] : view->tensors) write_full(*up, engine.gather_flat(up->info.index, t).to(torch::kCPU), name, "optimizer_state");
+    for (const auto& up : engine.sharded_units()) {
+      const auto view = unit_optimizer_state(opt, up);
+      if (!view || up.param_names.empty()) continue;
+      for (const auto& [name, t] : view->tensors) write_full(up, engine.gather_flat(up.index, t).to(torch::kCPU), name, "optimizer_state");
       on_writer([&] {
-        for (const auto& fqn : up->info.param_names) {
+        for (const auto& fqn : up.param_names) {
           h5::Id g = h5::require_group(file, optim_path(fqn));
           h5::write_attribute(g, "step", view->step);
         }
@@ -557,12 +556,12 @@ void write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const 
     for (const auto& alias : others) aliases.push_back(alias + "=" + name);
   h5::write_attribute(file, "aliases", aliases);
   std::int64_t tensors = 0;
-  for (const auto& up : engine.flat_units()) {
-    const auto& u = *up;
-    const std::string base = "/units/" + std::to_string(u.info.index);
+  for (const auto& up : engine.sharded_units()) {
+    const auto& u = up;
+    const std::string base = "/units/" + std::to_string(u.index);
     h5::Id g = h5::require_group(file, base);
-    h5::write_attribute(g, "module_path", u.info.module_path);
-    h5::write_attribute(g, "param_names", u.info.param_names);
+    h5::write_attribute(g, "module_path", u.module_path);
+    h5::write_attribute(g, "param_names", u.param_names);
     std::vector<std::int64_t> ndims, dims;
     for (const auto& s : u.shapes) {
       ndims.push_back(static_cast<std::int64_t>(s.size()));
@@ -573,7 +572,7 @@ void write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const 
     h5::write_attribute(g, "numel", u.layout.numel());
     h5::write_attribute(g, "padded_numel", u.layout.padded_numel());
     h5::write_attribute(g, "shard_numel", u.layout.shard_numel());
-    if (u.params.empty()) continue;
+    if (u.param_names.empty()) continue;
     auto write_flat = [&](const std::string& p, const torch::Tensor& t) {
       const auto src = t.detach().to(torch::kCPU).contiguous();
       const auto et = element_type_of(src.scalar_type());
@@ -637,9 +636,9 @@ void check_ranks_agree(Engine& engine, const torch::optim::Optimizer* opt, const
   os << to_string(options.state_dict_type) << ";rng=" << (options.save_rng_state ? cpu_rng_state().numel() : 0) << ";";
   if (opt) {
     os << "groups=" << opt->param_groups().size() << ";";
-    for (const auto& up : engine.flat_units()) {
-      const auto view = unit_optimizer_state(opt, *up);
-      os << "u" << up->info.index << (view ? ":" : "-");
+    for (const auto& up : engine.sharded_units()) {
+      const auto view = unit_optimizer_state(opt, up);
+      os << "u" << up.index << (view ? ":" : "-");
       if (view)
         for (const auto& [n, t] : view->tensors) os << n << ",";
     }
@@ -674,13 +673,13 @@ namespace detail {
 template <class Engine>
 std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* opt, int world_size) {
   std::int64_t bytes = 0, datasets = 0;
-  for (const auto& up : engine.flat_units()) {
-    if (up->params.empty()) continue;
-    const auto numel = up->layout.numel();
-    const auto count = static_cast<std::int64_t>(up->params.size());
-    bytes += numel * static_cast<std::int64_t>(c10::elementSize(up->dtype));
+  for (const auto& up : engine.sharded_units()) {
+    if (up.param_names.empty()) continue;
+    const auto numel = up.layout.numel();
+    const auto count = static_cast<std::int64_t>(up.param_names.size());
+    bytes += numel * static_cast<std::int64_t>(c10::elementSize(up.dtype));
     datasets += count;
-    if (const auto view = unit_optimizer_state(opt, *up))
+    if (const auto view = unit_optimizer_state(opt, up))
       for (const auto& [name, t] : view->tensors) {
         bytes += numel * static_cast<std::int64_t>(t.element_size());
         datasets += count;
@@ -776,7 +775,7 @@ namespace detail {
 // ---- load -------------------------------------------------------------------------------------
 
 /// Reads the padded flat range [lo, hi) of unit `u` (and its optimizer state) from a FULL/SHARDED file.
-inline StagedUnit read_unit_range(hid_t file, const std::string& path, const FlatUnit& u, std::int64_t lo, std::int64_t hi,
+inline StagedUnit read_unit_range(hid_t file, const std::string& path, const ShardedUnit& u, std::int64_t lo, std::int64_t hi,
                                   const torch::optim::Optimizer* opt, std::vector<std::string>& problems) {
   StagedUnit s;
   const auto dtype = u.dtype;
@@ -794,8 +793,8 @@ inline StagedUnit read_unit_range(hid_t file, const std::string& path, const Fla
     char* out = static_cast<char*>(dst.data_ptr()) + p.offset * static_cast<std::int64_t>(dst.element_size());
     h5::read_flat_range(ds, u.shapes[i], p.begin, p.end, stored, out, "checkpoint '" + path + "' dataset " + ds_path);
   };
-  for (std::size_t i = 0; i < u.params.size(); ++i) {
-    const std::string p = model_path(u.info.param_names[i]);
+  for (std::size_t i = 0; i < u.param_names.size(); ++i) {
+    const std::string p = model_path(u.param_names[i]);
     if (!h5::exists(file, p)) {
       problems.push_back(p + " (missing)");
       continue;
@@ -803,15 +802,15 @@ inline StagedUnit read_unit_range(hid_t file, const std::string& path, const Fla
     read_into(p, i, s.flat);
   }
   if (!opt || !h5::exists(file, "/optim")) return s;
-  const std::string first = optim_path(u.info.param_names.front());
+  const std::string first = optim_path(u.param_names.front());
   if (!h5::exists(file, first)) return s;  // saved before this unit had optimizer state
   s.has_optim = true;
   h5::Id g = h5::open_group(file, first, path);
   s.optim_step = h5::read_int_attribute(g, "step", "checkpoint '" + path + "' group " + first);
   for (const auto& name : h5::list_names(file, first)) {
     auto t = torch::zeros({hi - lo}, torch::TensorOptions().dtype(dtype));
-    for (std::size_t i = 0; i < u.params.size(); ++i) {
-      const std::string p = optim_path(u.info.param_names[i]) + "/" + name;
+    for (std::size_t i = 0; i < u.param_names.size(); ++i) {
+      const std::string p = optim_path(u.param_names[i]) + "/" + name;
       if (!h5::exists(file, p)) {
         problems.push_back(p + " (missing)");
         continue;
@@ -888,8 +887,8 @@ inline StagedMeta unpack_meta(const std::string& bytes) {
 template <class Engine>
 std::vector<std::string> unexpected_model_tensors(hid_t file, Engine& engine) {
   std::set<std::string> known;
-  for (const auto& up : engine.flat_units())
-    for (const auto& n : up->info.param_names) known.insert(n);
+  for (const auto& up : engine.sharded_units())
+    for (const auto& n : up.param_names) known.insert(n);
   for (const auto& [name, aliases] : engine.tied_parameter_aliases())
     for (const auto& a : aliases) known.insert(a);
   for (const auto& [name, b] : named_buffers_of(engine)) known.insert(name);
@@ -942,14 +941,13 @@ Staged read_own_parts(Engine& engine, const torch::optim::Optimizer* opt, const 
   h5::Id file = h5::open_file_readonly(path);
   check_root(file, path, engine, StateDictType::SHARDED_STATE_DICT);
   std::vector<std::string> problems;
-  const int shard_rank = engine.shard_comm().rank();
-  for (const auto& up : engine.flat_units()) {
-    if (up->params.empty()) {
+  for (const auto& up : engine.sharded_units()) {
+    if (up.param_names.empty()) {
       s.units.emplace_back();
       continue;
     }
-    const std::int64_t lo = shard_rank * up->layout.shard_numel();
-    s.units.push_back(read_unit_range(file, path, *up, lo, lo + up->layout.shard_numel(), opt, problems));
+    const auto [lo, hi] = up.own_range();
+    s.units.push_back(read_unit_range(file, path, up, lo, hi, opt, problems));
   }
   for (const auto& [name, b] : named_buffers_of(engine)) s.buffers.push_back(read_buffer(file, path, model_path(name), b, problems));
   for (auto& p : unexpected_model_tensors(file, engine)) problems.push_back(std::move(p));
@@ -982,10 +980,8 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
   }
   agree(world, error);
   s.meta = unpack_meta(broadcast_string(world, meta_bytes));
-  const int shard_rank = engine.shard_comm().rank();
-  for (const auto& up : engine.flat_units()) {
-    const auto& u = *up;
-    if (u.params.empty()) {
+  for (const auto& u : engine.sharded_units()) {
+    if (u.param_names.empty()) {
       s.units.emplace_back();
       continue;
     }
@@ -1012,7 +1008,7 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
     auto share = [&](torch::Tensor t) {
       if (!t.defined()) t = torch::empty({u.layout.padded_numel()}, torch::TensorOptions().dtype(dtype));
       world.broadcast(t.data_ptr(), t.numel(), to_comm_dtype(t.scalar_type()), 0);
-      return t.narrow(0, shard_rank * u.layout.shard_numel(), u.layout.shard_numel()).clone();
+      return t.narrow(0, u.own_range().begin, u.own_range().numel()).clone();
     };
     mine.flat = share(full.flat);
     for (std::int64_t k = 0; k < n_states; ++k) {
@@ -1067,14 +1063,14 @@ Staged read_local_file(Engine& engine, const torch::optim::Optimizer* opt, const
   const std::string path = (std::filesystem::path(dir) / ckpt::local_rank_file(engine.rank())).string();
   h5::Id file = h5::open_file_readonly(path);
   check_root(file, path, engine, StateDictType::LOCAL_STATE_DICT);
-  for (const auto& up : engine.flat_units()) {
-    const auto& u = *up;
+  for (const auto& up : engine.sharded_units()) {
+    const auto& u = up;
     StagedUnit su;
-    if (u.params.empty()) {
+    if (u.param_names.empty()) {
       s.units.push_back(su);
       continue;
     }
-    const std::string base = "/units/" + std::to_string(u.info.index);
+    const std::string base = "/units/" + std::to_string(u.index);
     const auto dtype = u.dtype;
     auto read_flat = [&](const std::string& p) {
       h5::Id ds = h5::open_dataset(file, p, path);
@@ -1107,15 +1103,15 @@ Staged read_local_file(Engine& engine, const torch::optim::Optimizer* opt, const
 template <class Engine>
 void apply_staged(Engine& engine, torch::optim::Optimizer* opt, Staged& s, TrainState* state) {
   torch::NoGradGuard no_grad;
-  const auto& units = engine.flat_units();
+  const auto& units = engine.sharded_units();
   for (std::size_t i = 0; i < units.size(); ++i) {
-    auto& u = *units[i];
-    if (u.params.empty()) continue;
+    auto& u = units[i];
+    if (u.param_names.empty()) continue;
     u.shard.detach().copy_(s.units[i].flat);  // bumps the version counter: a gathered copy is refreshed
   }
   if (opt) {
     for (std::size_t i = 0; i < units.size(); ++i)
-      if (s.optimizer_states[i]) opt->state()[optimizer_state_key(units[i]->shard)] = std::move(s.optimizer_states[i]);
+      if (s.optimizer_states[i]) opt->state()[optimizer_state_key(units[i].shard)] = std::move(s.optimizer_states[i]);
     if (!s.meta.lrs.empty())
       for (std::size_t g = 0; g < opt->param_groups().size(); ++g) opt->param_groups()[g].options().set_lr(s.meta.lrs[g]);
   }
@@ -1165,7 +1161,7 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
     });
     detail::agree(world, error);
   }
-  staged.optimizer_states.resize(engine.flat_units().size());
+  staged.optimizer_states.resize(engine.sharded_units().size());
   error = detail::capture_error([&] {
     if (!optimizer) return;
     if (!staged.meta.optimizer_kind.empty() && staged.meta.optimizer_kind != optimizer_kind(*optimizer))
@@ -1177,10 +1173,10 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
                                 " optimizer parameter groups, the optimizer has " + std::to_string(optimizer->param_groups().size()),
                             detail::kMismatchId);
     // Build every optimizer state now, so that applying them below cannot fail half way.
-    const auto& units = engine.flat_units();
+    const auto& units = engine.sharded_units();
     staged.optimizer_states.resize(units.size());
     for (std::size_t i = 0; i < units.size(); ++i) {
-      if (units[i]->params.empty() || !staged.units[i].has_optim) continue;
+      if (units[i].param_names.empty() || !staged.units[i].has_optim) continue;
       OptimizerStateView view;
       view.step = staged.units[i].optim_step;
       view.tensors = staged.units[i].optim;

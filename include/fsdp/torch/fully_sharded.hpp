@@ -204,6 +204,24 @@ struct UnitInfo {
   bool frozen = false;
 };
 
+/// One unit as checkpoints and exports see it: its parameters' names and shapes, its flat layout over
+/// the shard group and this rank's shard (the tensor the optimizer updates). The shard shares storage
+/// with the engine's: writing into it (under NoGradGuard) changes the model.
+struct ShardedUnit {
+  int index = 0;
+  std::string module_path;
+  bool frozen = false;
+  std::vector<std::string> param_names;  ///< fully qualified, in flat order
+  std::vector<std::vector<std::int64_t>> shapes;
+  c10::ScalarType dtype = c10::ScalarType::Float;  ///< of the parameters and the (master) shard
+  FlatLayout layout;
+  int shard_rank = 0;  ///< this rank's place in the shard group
+  torch::Tensor shard;
+  bool empty() const noexcept { return param_names.empty(); }
+  /// The flat elements this rank holds.
+  FlatRange own_range() const { return layout.rank_range(shard_rank); }
+};
+
 namespace detail {
 
 /// One FSDP unit's flat parameter and its state.
@@ -563,8 +581,17 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
 
   // ---- access for checkpointing (fsdp/io/checkpoint.hpp) ---------------------------------------
 
-  /// The units with their flat layouts and local shards. Local.
+  /// The engine's own unit records (internal; tests only). Local.
   const std::vector<std::unique_ptr<detail::FlatUnit>>& flat_units() const noexcept { return units_; }
+
+  /// The units with their flat layouts and this rank's shards. Local.
+  std::vector<ShardedUnit> sharded_units() const {
+    std::vector<ShardedUnit> out;
+    out.reserve(units_.size());
+    for (const auto& u : units_)
+      out.push_back({u->info.index, u->info.module_path, u->frozen, u->info.param_names, u->shapes, u->dtype, u->layout, shard_comm_.rank(), u->shard});
+    return out;
+  }
 
   /// The dtype buffer `name` is checkpointed in: its own, from before MixedPrecision::buffer_dtype.
   c10::ScalarType checkpoint_buffer_dtype(const std::string& name, const torch::Tensor& buffer) const {
