@@ -37,291 +37,16 @@
 #include "fsdp/core/layout.hpp"
 #include "fsdp/core/strategy.hpp"
 #include "fsdp/errors.hpp"
+#include "fsdp/torch/deferred_init.hpp"
+#include "fsdp/torch/flat_unit.hpp"
 #include "fsdp/torch/hooks.hpp"
+#include "fsdp/torch/options.hpp"
+#include "fsdp/torch/overlapped_reductions.hpp"
 #include "fsdp/torch/optim_state.hpp"
 #include "fsdp/torch/wrap_policy.hpp"
 #include "fsdp/trace.hpp"
 
 namespace fsdp {
-
-/// Communication that overlapped computation, and what did not (see FullyShardedDataParallel::overlap_stats()).
-struct OverlapStats {
-  std::int64_t prefetched = 0;              ///< unit all-gathers issued ahead on the collective worker
-  std::int64_t gathered_on_demand = 0;      ///< unit all-gathers run when the unit was needed
-  double exposed_all_gather_seconds = 0;    ///< time the computing thread waited for unit all-gathers
-  std::int64_t reductions_overlapped = 0;   ///< gradient reductions run on the collective worker during backward
-  std::int64_t reductions_synchronous = 0;  ///< gradient reductions run by the computing thread
-  double exposed_reduce_seconds = 0;        ///< time the computing thread waited for gradient reductions
-};
-
-/// Mixed precision (PyTorch's MixedPrecision). The optimizer keeps full-precision master shards; an
-/// unset dtype keeps full precision for that part.
-struct MixedPrecision {
-  /// Parameters are all-gathered and used in forward and backward in this dtype (bf16/fp16 halve the
-  /// all-gather bytes and the gathered memory).
-  std::optional<c10::ScalarType> param_dtype;
-  /// Gradients are reduce-scattered (and all-reduced across replicas) in this dtype; unset: param_dtype.
-  std::optional<c10::ScalarType> reduce_dtype;
-  /// Floating-point buffers (e.g. BatchNorm statistics) are kept in this dtype.
-  std::optional<c10::ScalarType> buffer_dtype;
-  /// Cast floating-point tensor arguments of the root forward to param_dtype.
-  bool cast_forward_inputs = true;
-  bool enabled() const noexcept { return param_dtype || reduce_dtype || buffer_dtype; }
-  /// bf16 everywhere: the common choice on hardware with bf16 arithmetic.
-  static MixedPrecision bf16() { return {c10::ScalarType::BFloat16, c10::ScalarType::BFloat16, c10::ScalarType::BFloat16, true}; }
-  /// fp16 everywhere (no loss scaling yet: mind the fp16 range).
-  static MixedPrecision fp16() { return {c10::ScalarType::Half, c10::ScalarType::Half, c10::ScalarType::Half, true}; }
-};
-
-struct FsdpOptions {
-  ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
-  AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::none();
-  /// Free a nested unit's parameters after its forward. Unset: the strategy decides
-  /// (true for FULL_SHARD and HYBRID_SHARD, false otherwise).
-  std::optional<bool> reshard_after_forward;
-  /// Ranks per shard group for the hybrid strategies (hfai's fsdp_group_size); 0 = the ranks of a node.
-  int shard_group_size = 0;
-  /// After each training forward: average floating-point buffers (e.g. BatchNorm running stats) and
-  /// broadcast integer ones from rank 0, so every rank holds the same buffers.
-  bool sync_buffers = true;
-  /// Promise that every wrapped submodule is called through fsdp::forward. Without it the first
-  /// forward gathers every nested unit up front (a one-time whole-model peak) because it cannot know
-  /// which units are called directly; with it even the first forward gathers a unit only as it runs.
-  /// A unit called directly despite the promise reads freed memory: keep the promise.
-  bool all_units_called_through_forward = false;
-  /// Broadcast world rank 0's parameters and buffers at construction, so ranks that initialized
-  /// differently start identical (across shard and replica groups alike).
-  bool sync_module_states = false;
-  MixedPrecision mixed_precision;
-  /// Activation checkpointing of every nested unit: its forward (called through fsdp::forward with
-  /// tensor arguments and a tensor result) keeps no activations and runs again during backward, with
-  /// the CPU RNG state of the first run, so dropout masks and results equal the run without it.
-  bool activation_checkpointing = false;
-  /// The device the units compute on (PyTorch's device_id). Unset: where the module's parameters are.
-  /// The module is moved there at construction. MpiComm moves host memory: CPU only; a communicator
-  /// that moves device memory (NcclComm) takes CUDA devices.
-  std::optional<torch::Device> device;
-  /// PyTorch's CPUOffload(offload_params=True): parameter shards, their gradients and so the optimizer
-  /// state live in host memory (pinned when the compute device is a GPU) and the optimizer steps
-  /// there; a unit's shard is copied to the compute device for its all-gather, its reduced gradient
-  /// back. On a CPU compute device the copies are no-ops and results are identical to no offload.
-  bool offload_params = false;
-  /// Overlap of all-gathers with computation (PyTorch's backward_prefetch / forward_prefetch /
-  /// limit_all_gathers). With MpiComm, prefetched all-gathers run on a collective worker thread over a
-  /// duplicate of the shard group; MPI must be initialized with MPI_THREAD_MULTIPLE.
-  BackwardPrefetch backward_prefetch = BackwardPrefetch::NO_PREFETCH;
-  /// Issue the next unit's all-gather (in the previous step's forward order) when a unit's forward begins.
-  bool forward_prefetch = false;
-  /// At most this many prefetched units in flight or gathered ahead of use (memory bound); 0: no limit.
-  int limit_all_gathers = 1;
-  /// Overlap of gradient reductions with the rest of backward (what PyTorch does on its reduction
-  /// stream and DDP with its buckets): a unit's reduce-scatter / all-reduce runs on the collective
-  /// worker thread while backward goes on to earlier units; backward waits for all of them at its end
-  /// and then adds each reduced gradient to its shard's grad, in the order the units finished, so the
-  /// result is bit-identical to reducing synchronously. Sharded units keep at most
-  /// kMaxReductionsInFlight unreduced gradients alive (memory bound); NO_SHARD holds its full gradients
-  /// anyway. It pays where the worker has a core to itself: on a node whose cores are all busy
-  /// computing, the worker's copies and reductions slow the computation by about what they hide
-  /// (docs/performance.md). With MpiComm, MPI must be initialized with MPI_THREAD_MULTIPLE; NcclComm
-  /// reduces on its own stream and ignores it.
-  bool overlap_grad_reduce = false;
-  /// PyTorch's param_init_fn, for memory-bounded construction: (re)initializes the parameters and
-  /// buffers `module` holds itself (not its children's). When set, the engine calls it for every
-  /// module, unit by unit, right before flattening that unit, with the CPU RNG seeded from init_seed
-  /// and the module's path, so the values depend on neither the world size nor the build order.
-  /// Tensors released by fsdp::defer_init() get their storage back first: release each layer right
-  /// after building it and no rank ever holds more than about one unsharded unit plus its shards.
-  /// Every rank computes the same values, so nothing is broadcast. The same function on a module
-  /// built normally gives the same parameters, bit for bit.
-  std::function<void(torch::nn::Module& module, const std::string& path)> param_init_fn;
-  std::uint64_t init_seed = 0;
-};
-
-namespace detail {
-/// A tensor whose storage fsdp::defer_init() released: it has elements but no bytes.
-inline bool is_deferred(const torch::Tensor& t) { return t.defined() && t.numel() > 0 && t.has_storage() && t.storage().nbytes() == 0; }
-
-/// Gives a released tensor fresh (uninitialized) storage of its size.
-inline void restore_storage(const torch::Tensor& t) {
-  if (!is_deferred(t)) return;
-  if (t.storage_offset() != 0 || !t.is_contiguous()) throw ConfigError("fsdp::defer_init: a released tensor is a strided view; cannot restore it");
-  auto* storage = t.storage().unsafeGetStorageImpl();
-  const std::size_t nbytes = static_cast<std::size_t>(t.numel()) * t.element_size();
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
-  storage->set_nbytes(nbytes);
-}
-}  // namespace detail
-
-/// Memory-bounded construction (the C++ counterpart of building on the meta device, which LibTorch
-/// 1.13 cannot turn back into CPU tensors in place): releases the storage of every parameter and
-/// buffer of `module` and its children, keeping their shapes, dtypes and identities. Call it on each
-/// layer right after building it; FsdpOptions::param_init_fn then initializes the layers unit by unit.
-inline void defer_init(torch::nn::Module& module) {
-  auto release = [](const torch::Tensor& t) {
-    if (!t.defined() || !t.has_storage()) return;
-    auto* storage = t.storage().unsafeGetStorageImpl();
-    storage->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
-    storage->set_nbytes(0);
-  };
-  for (const auto& p : module.parameters(/*recurse=*/true)) release(p);
-  for (const auto& b : module.buffers(/*recurse=*/true)) release(b);
-}
-
-/// True when `Comm` moves device (GPU) memory; such communicators declare
-/// `static constexpr bool kMovesDeviceMemory = true`. MpiComm and the test communicator move host memory.
-template <class Comm>
-constexpr bool comm_moves_device_memory() {
-  if constexpr (requires { Comm::kMovesDeviceMemory; })
-    return Comm::kMovesDeviceMemory;
-  else
-    return false;
-}
-
-/// Bytes this rank holds for the model's training state (see memory_stats()).
-struct MemoryStats {
-  std::int64_t shard_param_bytes = 0;      ///< local shards of the flat parameters
-  std::int64_t gathered_param_bytes = 0;   ///< unsharded unit buffers currently allocated
-  std::int64_t grad_bytes = 0;             ///< gradients of the shards
-  std::int64_t optimizer_state_bytes = 0;  ///< optimizer state (if an optimizer was given)
-  std::int64_t unsharded_param_bytes = 0;  ///< all units' padded flat parameters (what one replica would hold)
-  std::int64_t largest_unit_bytes = 0;     ///< the largest unit's padded flat parameter
-  std::int64_t total() const noexcept { return shard_param_bytes + gathered_param_bytes + grad_bytes + optimizer_state_bytes; }
-};
-
-/// Description of one FSDP unit.
-struct UnitInfo {
-  int index = 0;
-  int parent = -1;
-  std::string module_path;  ///< "" for the root
-  std::string type_name;
-  std::vector<std::string> param_names;  ///< fully qualified, in flat order
-  std::int64_t numel = 0;
-  std::int64_t padded_numel = 0;
-  std::int64_t shard_numel = 0;
-  bool called_through_hook = false;  ///< forward seen through fsdp::forward (frees between forward and backward)
-  /// Holds the frozen (requires_grad = false) parameters of unit `parent`: sharded and gathered with
-  /// it, but no gradient, no optimizer state, not in parameters().
-  bool frozen = false;
-};
-
-/// One unit as checkpoints and exports see it: its parameters' names and shapes, its flat layout over
-/// the shard group and this rank's shard (the tensor the optimizer updates). The shard shares storage
-/// with the engine's: writing into it (under NoGradGuard) changes the model.
-struct ShardedUnit {
-  int index = 0;
-  std::string module_path;
-  bool frozen = false;
-  std::vector<std::string> param_names;  ///< fully qualified, in flat order
-  std::vector<std::vector<std::int64_t>> shapes;
-  c10::ScalarType dtype = c10::ScalarType::Float;  ///< of the parameters and the (master) shard
-  FlatLayout layout;
-  int shard_rank = 0;  ///< this rank's place in the shard group
-  torch::Tensor shard;
-  bool empty() const noexcept { return param_names.empty(); }
-  /// The flat elements this rank holds.
-  FlatRange own_range() const { return layout.rank_range(shard_rank); }
-};
-
-namespace detail {
-
-/// One FSDP unit's flat parameter and its state.
-struct FlatUnit {
-  UnitInfo info;
-  const torch::nn::Module* module = nullptr;
-  std::vector<torch::Tensor> params;  // the module's own parameter tensors (aliased to views of `full`)
-  std::vector<std::vector<std::int64_t>> shapes;
-  FlatLayout layout;
-  torch::Tensor shard;  // leaf, requires grad: what the optimizer sees
-  torch::Tensor full;   // padded flat buffer; storage freed while resharded (group size > 1)
-  bool gathered = false;
-  std::int64_t gathered_version = 0;  // shard's version counter when `full` was last gathered
-  int pending_backward = 0;           // UnitGather nodes of this unit not yet run in backward
-  torch::Tensor unsynced_grad;        // flat gradients accumulated locally inside no_sync()
-  enum class Hooked { kUnknown, kYes, kNo } hooked = Hooked::kUnknown;
-  bool entered = false;                            // pre_forward seen since the last root forward began
-  bool grafted_by_root = false;                    // the root forward gathered and grafted this unit
-  bool frozen = false;                             // a companion holding another unit's frozen parameters
-  int companion = -1;                              // index of this unit's frozen companion, if it has frozen parameters
-  c10::ScalarType dtype = c10::ScalarType::Float;  // of the parameters and the (master) shard
-  bool low_precision = false;                      // `full` is in MixedPrecision::param_dtype, not `dtype`
-  torch::Tensor summoned;                          // full-precision flat buffer inside summon_full_params (low_precision)
-  std::vector<torch::Tensor> param_views;          // the parameters' views of `full`, to restore after summon
-  bool offloaded = false;                          // `shard` lives in host memory, `full` on the compute device
-  std::shared_future<void> in_flight;              // a prefetched all-gather into `full` not yet waited for
-  std::int64_t forward_began_us = -1;              // trace clock when the unit's forward / backward began (tracing on)
-  std::int64_t backward_began_us = -1;
-  /// The unit's name in traces: its module path, "(root)" for unit 0.
-  std::string trace_name() const { return info.module_path.empty() ? std::string("(root)") : info.module_path; }
-  /// `full` has storage of its own that gather() fills and reshard() frees.
-  bool needs_gather() const noexcept { return layout.group_size() > 1 || low_precision || offloaded; }
-};
-
-/// Something UnitGather can call back into, found by id so a destroyed engine is detected, not used.
-class GradReducer {
- public:
-  virtual ~GradReducer() = default;
-  virtual torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) = 0;
-  virtual void pre_backward(int unit) = 0;
-  virtual void end_of_backward() = 0;
-};
-
-inline std::unordered_map<std::int64_t, GradReducer*>& reducer_registry() {
-  static std::unordered_map<std::int64_t, GradReducer*> registry;
-  return registry;
-}
-/// The engine with this id, or a clear error if it was destroyed while its autograd graph lived on.
-inline GradReducer& live_engine(std::int64_t engine_id) {
-  const auto it = reducer_registry().find(engine_id);
-  if (it == reducer_registry().end()) throw ConfigError("backward reached an FSDP model that was already destroyed", "fsdp.engine");
-  return *it->second;
-}
-inline std::int64_t next_engine_id() {
-  static std::int64_t id = 0;
-  return ++id;
-}
-
-/// shard -> per-parameter views of the gathered flat buffer; backward reduce-scatters.
-struct UnitGather : public torch::autograd::Function<UnitGather> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor shard, std::int64_t engine_id,
-                                                std::int64_t unit_index, FlatUnit* unit) {
-    ctx->saved_data["engine"] = engine_id;
-    ctx->saved_data["unit"] = unit_index;
-    torch::autograd::variable_list views;
-    views.reserve(unit->params.size());
-    for (std::size_t i = 0; i < unit->params.size(); ++i) {
-      const auto i64 = static_cast<std::int64_t>(i);
-      views.push_back(unit->full.narrow(0, unit->layout.param_offset(i64), unit->layout.param_numel(i64)).view(unit->shapes[i]));
-    }
-    (void)shard;
-    return views;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    torch::Tensor shard_grad =
-        live_engine(ctx->saved_data["engine"].toInt()).reduce_unit_grads(static_cast<int>(ctx->saved_data["unit"].toInt()), grads);
-    return {shard_grad, torch::Tensor(), torch::Tensor(), torch::Tensor()};
-  }
-};
-
-inline DType to_comm_dtype(c10::ScalarType t) {
-  switch (t) {
-    case c10::ScalarType::Float: return DType::kFloat32;
-    case c10::ScalarType::Double: return DType::kFloat64;
-    case c10::ScalarType::Half: return DType::kFloat16;
-    case c10::ScalarType::BFloat16: return DType::kBFloat16;
-    case c10::ScalarType::Int: return DType::kInt32;
-    case c10::ScalarType::Long: return DType::kInt64;
-    case c10::ScalarType::Byte:
-    case c10::ScalarType::Bool: return DType::kUInt8;
-    default: throw ConfigError(std::string("dtype ") + c10::toString(t) + " cannot be communicated");
-  }
-}
-
-inline std::string join_path(const std::string& a, const std::string& b) { return a.empty() ? b : a + "." + b; }
-
-/// The elements `range` of a flat tensor (a view).
-inline torch::Tensor narrow_flat(const torch::Tensor& flat, FlatRange range) { return flat.narrow(0, range.begin, range.numel()); }
-
-}  // namespace detail
 
 /// Wraps `module` (a std::shared_ptr to a torch::nn::Module subclass) for fully sharded data parallel
 /// training over communicator `Comm`. Construction, forward, backward, summon_full_params() and
@@ -342,7 +67,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   ~FullyShardedDataParallel() override {
     for (auto& u : units_)
       if (u->in_flight.valid()) u->in_flight.wait();  // the worker writes into `full`
-    discard_reductions();                             // ... and into gradient buffers
+    reductions_.reset();                              // ... and into gradient buffers
     worker_.reset();
     detail::reducer_registry().erase(engine_id_);
     auto& hooks = detail::hook_registry();
@@ -458,7 +183,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       if (u->low_precision && !u->params.empty()) {
         // Full precision inside the scope: gather the master shards and point the parameters there.
         u->summoned = gather_flat(u->info.index, u->shard);
-        point_params_at(*u, u->summoned);
+        u->point_params_at(u->summoned);
         continue;
       }
       if (!u->gathered) {
@@ -526,10 +251,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     for (auto& u : units_) {
       if (u->params.empty()) continue;
       const auto flat = gather_flat(u->info.index, u->shard);  // master precision, one unit at a time
-      for (std::size_t i = 0; i < u->params.size(); ++i) {
-        const auto i64 = static_cast<std::int64_t>(i);
-        out.emplace_back(u->info.param_names[i], flat.narrow(0, u->layout.param_offset(i64), u->layout.param_numel(i64)).view(u->shapes[i]).clone());
-      }
+      for (std::size_t i = 0; i < u->params.size(); ++i) out.emplace_back(u->info.param_names[i], u->param_view(flat, i).clone());
     }
     return out;
   }
@@ -589,7 +311,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     std::vector<ShardedUnit> out;
     out.reserve(units_.size());
     for (const auto& u : units_)
-      out.push_back({u->info.index, u->info.module_path, u->frozen, u->info.param_names, u->shapes, u->dtype, u->layout, shard_comm_.rank(), u->shard});
+      out.push_back(
+          {u->info.index, u->info.module_path, u->frozen, u->info.param_names, u->shapes, u->dtype, u->layout, shard_comm_.rank(), u->shard});
     return out;
   }
 
@@ -664,24 +387,28 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
           "prefetching runs all-gathers on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
           "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
     // A GPU communicator's collectives already run on their own stream: reductions stay as they are.
-    overlap_reduce_ = options_.overlap_grad_reduce && world_.size() > 1 && !comm_moves_device_memory<Comm>();
-    if (overlap_reduce_ && !comm_threads_may_call_concurrently())
+    const bool overlap_reduce = options_.overlap_grad_reduce && world_.size() > 1 && !comm_moves_device_memory<Comm>();
+    if (overlap_reduce && !comm_threads_may_call_concurrently())
       throw ConfigError(
           "overlap_grad_reduce runs reductions on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
           "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
     // Duplicates of the groups: the worker's collectives form their own sequence on every rank.
     // Every collective is issued in the same order everywhere, so both groups are split on all ranks.
-    if (prefetch || (overlap_reduce_ && shard_comm_.size() > 1)) worker_shard_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));
-    if (overlap_reduce_ && replica_comm_.size() > 1) worker_replica_comm_.emplace(replica_comm_.split(0, replica_comm_.rank()));
+    if (prefetch || (overlap_reduce && shard_comm_.size() > 1)) worker_shard_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));
+    if (overlap_reduce && replica_comm_.size() > 1) worker_replica_comm_.emplace(replica_comm_.split(0, replica_comm_.rank()));
     // A GPU communicator overlaps on its own stream: the prefetch is a non-blocking collective issued
     // from this thread (one issuing order on every rank). MPI needs the worker thread.
     if constexpr (!comm_moves_device_memory<Comm>()) {
-      if (prefetch || overlap_reduce_) worker_ = std::make_unique<detail::CollectiveWorker>();
+      if (prefetch || overlap_reduce) worker_ = std::make_unique<detail::CollectiveWorker>();
       // The worker runs beside the computing threads: waiting for a late peer must not take their core.
       if constexpr (requires(Comm & c) { c.set_waiting_yields_cpu(true); }) {
         if (worker_shard_comm_) worker_shard_comm_->set_waiting_yields_cpu(true);
         if (worker_replica_comm_) worker_replica_comm_->set_waiting_yields_cpu(true);
       }
+      if (overlap_reduce)
+        reductions_ = std::make_unique<detail::OverlappedReductions<Comm>>(
+            *worker_, worker_shard_comm_ ? &*worker_shard_comm_ : nullptr, worker_replica_comm_ ? &*worker_replica_comm_ : nullptr, overlap_,
+            [this](int unit, const torch::Tensor& shard_grad) { return to_master(*units_[static_cast<std::size_t>(unit)], shard_grad); });
     }
   }
 
@@ -787,9 +514,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     }
   }
 
-  bool reshard_after_forward() const {
-    return options_.reshard_after_forward.value_or(reshard_after_forward_default(options_.sharding_strategy));
-  }
+  bool reshard_after_forward() const { return options_.reshard_after_forward.value_or(reshard_after_forward_default(options_.sharding_strategy)); }
 
   void build_units() {
     // 0. The compute device: asked for, or where the parameters are; the module moves there.
@@ -912,7 +637,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       }
       if (u.low_precision) u.full = full.to(*mp.param_dtype);  // its own storage, refilled by gather()
       u.gathered = true;
-      point_params_at(u, u.full);
+      u.point_params_at(u.full);
       for (const auto& p : u.params) u.param_views.push_back(p.data());  // shares `full`'s storage, also once freed
       reshard(u);
       if (!u.frozen) register_parameter("flat_shard_" + std::to_string(u.info.index), u.shard, /*requires_grad=*/true);
@@ -943,12 +668,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     if (u.params.empty() || !u.needs_gather()) return;
     if (!ahead) finish_prefetch(u);
     if (u.gathered && u.gathered_version == u.shard._version()) return;
-    if (!u.gathered) {
-      auto* storage = u.full.storage().unsafeGetStorageImpl();
-      const std::size_t nbytes = static_cast<std::size_t>(u.layout.padded_numel()) * u.full.element_size();
-      storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
-      storage->set_nbytes(nbytes);
-    }
+    if (!u.gathered) u.allocate_full();
     u.gathered_version = u.shard._version();
     torch::Tensor source = u.shard;
     if (u.low_precision || u.offloaded) {  // cast (and copy to the device) first: the all-gather moves these bytes
@@ -997,19 +717,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     finish_prefetch(u);  // the worker may still be writing into `full`
     if (u.companion >= 0) reshard(*units_[static_cast<std::size_t>(u.companion)]);
     if (!u.gathered || !u.needs_gather() || u.params.empty()) return;
-    auto* storage = u.full.storage().unsafeGetStorageImpl();
-    storage->set_data_ptr_noswap(c10::DataPtr(nullptr, u.full.device()));
-    storage->set_nbytes(0);
+    u.free_full();
     u.gathered = false;
     trace_gathered_bytes();
-  }
-
-  // Makes the module's parameters of `u` views of `flat` (a padded flat buffer of the unit).
-  void point_params_at(detail::FlatUnit& u, const torch::Tensor& flat) {
-    for (std::size_t i = 0; i < u.params.size(); ++i) {
-      const auto i64 = static_cast<std::int64_t>(i);
-      u.params[i].set_data(flat.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64)).view(u.shapes[i]));
-    }
   }
 
   // Makes the module's parameters of `u` children of a fresh UnitGather node so backward reaches it.
@@ -1024,8 +734,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   // ---- forward / backward hooks ---------------------------------------------------------------
 
   void root_pre_forward() {
-    end_of_backward_queued_ = false;  // a backward that threw never ran its end-of-backward callback
-    discard_reductions();             // ... nor waited for its overlapped reductions: they must not reach a later step
+    end_of_backward_queued_ = false;          // a backward that threw never ran its end-of-backward callback
+    if (reductions_) reductions_->discard();  // ... nor waited for its overlapped reductions: they must not reach a later step
     if (!forward_order_.empty()) previous_forward_order_ = std::move(forward_order_);
     forward_order_.clear();
     for (auto& u : units_) {
@@ -1133,19 +843,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
     // A backward that builds a graph (create_graph) needs the shard gradient from this node itself.
-    const bool overlap = overlap_reduce_ && !torch::GradMode::is_enabled();
+    const bool overlap = reductions_ && !torch::GradMode::is_enabled();
     if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(neighbour(forward_order_, unit, -1), /*for_backward=*/true);
     torch::NoGradGuard no_grad;
-    auto flat = torch::empty({u.layout.padded_numel()}, u.shard.options().device(compute_device_).requires_grad(false));
-    if (u.layout.padding() > 0) flat.narrow(0, u.layout.numel(), u.layout.padding()).zero_();
-    for (std::size_t i = 0; i < u.params.size(); ++i) {
-      const auto i64 = static_cast<std::int64_t>(i);
-      auto slot = flat.narrow(0, u.layout.param_offset(i64), u.layout.param_numel(i64));
-      if (i < grads.size() && grads[i].defined())
-        slot.copy_(grads[i].reshape({-1}));
-      else
-        slot.zero_();  // a parameter unused in this step contributes a zero gradient
-    }
+    auto flat = u.pack_grads(grads, compute_device_);
     if (no_sync_) {
       if (u.unsynced_grad.defined())
         u.unsynced_grad.add_(flat);
@@ -1168,20 +869,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
       // The worker reduces while backward goes on; the shard's grad is set in end_of_backward, so
       // autograd gets no gradient for the shard here.
       queue_end_of_backward();
-      ++overlap_.reductions_overlapped;
-      if (sharded) {
-        // Memory bound: at most kMaxReductionsInFlight full-size unit gradients wait for the worker.
-        while (in_flight_sharded_reductions() >= kMaxReductionsInFlight) finish_oldest_reduction();
-      }
-      Comm* shard_group = sharded ? &*worker_shard_comm_ : nullptr;
-      Comm* replica_group = worker_replica_comm_ ? &*worker_replica_comm_ : nullptr;
-      auto done = worker_->submit([shard_group, replica_group, flat, shard_grad, dt, unit = u.info.index] {
-        CollectiveWatchdog::instance().set_unit(unit);
-        if (shard_group) shard_group->reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
-        if (replica_group) replica_group->all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
-        CollectiveWatchdog::instance().set_unit(-1);
-      });
-      pending_reductions_.push_back({unit, sharded, std::move(done), shard_grad});
+      reductions_->submit(unit, sharded, flat, shard_grad, dt);
       release_after_backward(u);
       trace_unit_span(u.backward_began_us, "backward ", u);
       return torch::Tensor();
@@ -1201,77 +889,18 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
     return shard_grad.scalar_type() == u.dtype && !u.offloaded ? shard_grad : shard_grad.to(u.shard.device(), u.dtype);
   }
 
-  int in_flight_sharded_reductions() const {
-    int n = 0;
-    for (const auto& r : pending_reductions_) n += r.sharded ? 1 : 0;
-    return n;
-  }
-
-  // Waits for the oldest overlapped reduction and sums it into its unit's gradient of this backward,
-  // as autograd's input buffer sums what several nodes send to one AccumulateGrad (a unit called
-  // twice); apply_reduced_grads() then does what AccumulateGrad does.
-  void finish_oldest_reduction() {
-    PendingReduction r = std::move(pending_reductions_.front());
-    pending_reductions_.pop_front();
-    const auto began = std::chrono::steady_clock::now();
-    {
-      const TraceScope traced("wait for gradient reduction", "comm", {{"unit", static_cast<double>(r.unit)}});
-      const CollectiveWatchdog::Scope watched("gradient reduction (overlapped, waiting for the worker)");
-      r.done.get();  // rethrows the collective's CommError
-    }
-    overlap_.exposed_reduce_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
-    auto& u = *units_[static_cast<std::size_t>(r.unit)];
+  // AccumulateGrad's arithmetic for every unit reduced on the worker in this backward: set the
+  // shard's grad, or add this backward's gradient to it, in the order the units finished.
+  void finish_reductions() {
+    if (!reductions_) return;
     torch::NoGradGuard no_grad;
-    torch::Tensor grad = to_master(u, r.shard_grad);
-    const auto it = std::find_if(reduced_.begin(), reduced_.end(), [&](const auto& e) { return e.first == r.unit; });
-    if (it == reduced_.end())
-      reduced_.emplace_back(r.unit, grad);
-    else
-      it->second = it->second + grad;
-  }
-
-  // AccumulateGrad's arithmetic for every unit reduced in this backward: set the shard's grad, or add
-  // this backward's gradient to it, in the order the units finished.
-  void apply_reduced_grads() {
-    torch::NoGradGuard no_grad;
-    for (auto& [unit, grad] : reduced_) {
+    for (auto& [unit, grad] : reductions_->finish()) {
       auto& slot = units_[static_cast<std::size_t>(unit)]->shard.mutable_grad();
       if (slot.defined())
         slot.add_(grad);
       else
         slot = grad.detach();
     }
-    reduced_.clear();
-  }
-
-  // After a backward that threw: its reductions are waited for (the worker writes into their
-  // buffers) and dropped.
-  void discard_reductions() noexcept {
-    for (auto& r : pending_reductions_) {
-      try {
-        r.done.wait();
-      } catch (...) {}
-    }
-    pending_reductions_.clear();
-    reduced_.clear();
-  }
-
-  // Every overlapped reduction of this backward into its shard's grad. On an error the rest are still
-  // waited for (the worker writes into their buffers) and the first error is rethrown.
-  void finish_reductions() {
-    std::exception_ptr first;
-    while (!pending_reductions_.empty()) {
-      try {
-        finish_oldest_reduction();
-      } catch (...) {
-        if (!first) first = std::current_exception();
-      }
-    }
-    if (first) {
-      reduced_.clear();
-      std::rethrow_exception(first);
-    }
-    apply_reduced_grads();
   }
 
   void release_after_backward(detail::FlatUnit& u) {
@@ -1359,25 +988,16 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Forwa
   Comm replica_comm_ = world_;
   FsdpOptions options_;
   torch::Device compute_device_{torch::kCPU};
-  std::optional<Comm> worker_shard_comm_;             // the worker's duplicate of the shard group
-  std::optional<Comm> worker_replica_comm_;           // the worker's duplicate of the replica group
-  std::unique_ptr<detail::CollectiveWorker> worker_;  // runs prefetched all-gathers and overlapped reductions
-  bool overlap_reduce_ = false;                       // gradient reductions run on the worker
-  struct PendingReduction {
-    int unit = -1;
-    bool sharded = false;  // holds a full-size unit gradient until reduced
-    std::shared_future<void> done;
-    torch::Tensor shard_grad;  // the worker's result
-  };
-  std::deque<PendingReduction> pending_reductions_;     // overlapped reductions of this backward, oldest first
-  std::vector<std::pair<int, torch::Tensor>> reduced_;  // ... finished: unit -> its summed shard gradient, in finishing order
-  static constexpr int kMaxReductionsInFlight = 2;
-  std::vector<int> forward_order_;           // nested units in the order this step's forward ran them
-  std::vector<int> previous_forward_order_;  // ... and the previous forward's (forward prefetch)
+  std::optional<Comm> worker_shard_comm_;                           // the worker's duplicate of the shard group
+  std::optional<Comm> worker_replica_comm_;                         // the worker's duplicate of the replica group
+  std::unique_ptr<detail::CollectiveWorker> worker_;                // runs prefetched all-gathers and overlapped reductions
+  std::unique_ptr<detail::OverlappedReductions<Comm>> reductions_;  // ... and wait there until the end of backward
+  std::vector<int> forward_order_;                                  // nested units in the order this step's forward ran them
+  std::vector<int> previous_forward_order_;                         // ... and the previous forward's (forward prefetch)
   OverlapStats overlap_;
   std::vector<std::unique_ptr<detail::FlatUnit>> units_;
   std::map<std::string, std::vector<std::string>> aliases_;  // canonical name -> other names of tied parameters
-  UnitPlan plan_;  // the core's decisions this engine's units were built from
+  UnitPlan plan_;                                            // the core's decisions this engine's units were built from
   std::map<std::string, c10::ScalarType> buffer_dtypes_;     // buffers cast by MixedPrecision::buffer_dtype: their own dtype
   std::set<std::string> deferred_buffer_casts_;              // ... of those, released ones, cast after param_init_fn
   std::int64_t engine_id_ = 0;

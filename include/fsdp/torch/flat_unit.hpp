@@ -1,0 +1,155 @@
+// One FSDP unit's flat parameter and its state, and the autograd Function that connects the unit's
+// shard to its parameters (torch layer, the engine's internals; checkpoints see ShardedUnit instead).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <future>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "fsdp/comm/communicator.hpp"
+#include "fsdp/core/layout.hpp"
+#include "fsdp/errors.hpp"
+#include "fsdp/torch/options.hpp"
+
+namespace fsdp {
+
+namespace detail {
+
+/// One FSDP unit's flat parameter and its state.
+struct FlatUnit {
+  UnitInfo info;
+  const torch::nn::Module* module = nullptr;
+  std::vector<torch::Tensor> params;  // the module's own parameter tensors (aliased to views of `full`)
+  std::vector<std::vector<std::int64_t>> shapes;
+  FlatLayout layout;
+  torch::Tensor shard;  // leaf, requires grad: what the optimizer sees
+  torch::Tensor full;   // padded flat buffer; storage freed while resharded (group size > 1)
+  bool gathered = false;
+  std::int64_t gathered_version = 0;  // shard's version counter when `full` was last gathered
+  int pending_backward = 0;           // UnitGather nodes of this unit not yet run in backward
+  torch::Tensor unsynced_grad;        // flat gradients accumulated locally inside no_sync()
+  enum class Hooked { kUnknown, kYes, kNo } hooked = Hooked::kUnknown;
+  bool entered = false;                            // pre_forward seen since the last root forward began
+  bool grafted_by_root = false;                    // the root forward gathered and grafted this unit
+  bool frozen = false;                             // a companion holding another unit's frozen parameters
+  int companion = -1;                              // index of this unit's frozen companion, if it has frozen parameters
+  c10::ScalarType dtype = c10::ScalarType::Float;  // of the parameters and the (master) shard
+  bool low_precision = false;                      // `full` is in MixedPrecision::param_dtype, not `dtype`
+  torch::Tensor summoned;                          // full-precision flat buffer inside summon_full_params (low_precision)
+  std::vector<torch::Tensor> param_views;          // the parameters' views of `full`, to restore after summon
+  bool offloaded = false;                          // `shard` lives in host memory, `full` on the compute device
+  std::shared_future<void> in_flight;              // a prefetched all-gather into `full` not yet waited for
+  std::int64_t forward_began_us = -1;              // trace clock when the unit's forward / backward began (tracing on)
+  std::int64_t backward_began_us = -1;
+  /// Parameter `i` as a view of `flat`, a padded flat buffer of this unit.
+  torch::Tensor param_view(const torch::Tensor& flat, std::size_t i) const {
+    const auto i64 = static_cast<std::int64_t>(i);
+    return flat.narrow(0, layout.param_offset(i64), layout.param_numel(i64)).view(shapes[i]);
+  }
+  /// Makes the module's parameters views of `flat` (their metadata is set once; storage comes and goes).
+  void point_params_at(const torch::Tensor& flat) {
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].set_data(param_view(flat, i));
+  }
+  /// Gives `full` storage of its padded size again; the contents are undefined until filled.
+  void allocate_full() {
+    auto* storage = full.storage().unsafeGetStorageImpl();
+    const std::size_t nbytes = static_cast<std::size_t>(layout.padded_numel()) * full.element_size();
+    storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+    storage->set_nbytes(nbytes);
+  }
+  /// Frees `full`'s storage; every view of it keeps its metadata.
+  void free_full() {
+    auto* storage = full.storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(c10::DataPtr(nullptr, full.device()));
+    storage->set_nbytes(0);
+  }
+  /// One backward's gradients of the parameters packed into a padded flat buffer (an unused
+  /// parameter's undefined gradient counts as zero, and so does the padding).
+  torch::Tensor pack_grads(const std::vector<torch::Tensor>& grads, const torch::Device& device) const {
+    auto flat = torch::empty({layout.padded_numel()}, shard.options().device(device).requires_grad(false));
+    if (layout.padding() > 0) flat.narrow(0, layout.numel(), layout.padding()).zero_();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto i64 = static_cast<std::int64_t>(i);
+      auto slot = flat.narrow(0, layout.param_offset(i64), layout.param_numel(i64));
+      if (i < grads.size() && grads[i].defined())
+        slot.copy_(grads[i].reshape({-1}));
+      else
+        slot.zero_();
+    }
+    return flat;
+  }
+  /// The unit's name in traces: its module path, "(root)" for unit 0.
+  std::string trace_name() const { return info.module_path.empty() ? std::string("(root)") : info.module_path; }
+  /// `full` has storage of its own that gather() fills and reshard() frees.
+  bool needs_gather() const noexcept { return layout.group_size() > 1 || low_precision || offloaded; }
+};
+
+/// Something UnitGather can call back into, found by id so a destroyed engine is detected, not used.
+class GradReducer {
+ public:
+  virtual ~GradReducer() = default;
+  virtual torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) = 0;
+  virtual void pre_backward(int unit) = 0;
+  virtual void end_of_backward() = 0;
+};
+
+inline std::unordered_map<std::int64_t, GradReducer*>& reducer_registry() {
+  static std::unordered_map<std::int64_t, GradReducer*> registry;
+  return registry;
+}
+/// The engine with this id, or a clear error if it was destroyed while its autograd graph lived on.
+inline GradReducer& live_engine(std::int64_t engine_id) {
+  const auto it = reducer_registry().find(engine_id);
+  if (it == reducer_registry().end()) throw ConfigError("backward reached an FSDP model that was already destroyed", "fsdp.engine");
+  return *it->second;
+}
+inline std::int64_t next_engine_id() {
+  static std::int64_t id = 0;
+  return ++id;
+}
+
+/// shard -> per-parameter views of the gathered flat buffer; backward reduce-scatters.
+struct UnitGather : public torch::autograd::Function<UnitGather> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor shard, std::int64_t engine_id,
+                                                std::int64_t unit_index, FlatUnit* unit) {
+    ctx->saved_data["engine"] = engine_id;
+    ctx->saved_data["unit"] = unit_index;
+    torch::autograd::variable_list views;
+    views.reserve(unit->params.size());
+    for (std::size_t i = 0; i < unit->params.size(); ++i) views.push_back(unit->param_view(unit->full, i));
+    (void)shard;
+    return views;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    torch::Tensor shard_grad =
+        live_engine(ctx->saved_data["engine"].toInt()).reduce_unit_grads(static_cast<int>(ctx->saved_data["unit"].toInt()), grads);
+    return {shard_grad, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+inline DType to_comm_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return DType::kFloat32;
+    case c10::ScalarType::Double: return DType::kFloat64;
+    case c10::ScalarType::Half: return DType::kFloat16;
+    case c10::ScalarType::BFloat16: return DType::kBFloat16;
+    case c10::ScalarType::Int: return DType::kInt32;
+    case c10::ScalarType::Long: return DType::kInt64;
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Bool: return DType::kUInt8;
+    default: throw ConfigError(std::string("dtype ") + c10::toString(t) + " cannot be communicated");
+  }
+}
+
+inline std::string join_path(const std::string& a, const std::string& b) { return a.empty() ? b : a + "." + b; }
+
+/// The elements `range` of a flat tensor (a view).
+inline torch::Tensor narrow_flat(const torch::Tensor& flat, FlatRange range) { return flat.narrow(0, range.begin, range.numel()); }
+
+}  // namespace detail
+
+}  // namespace fsdp
