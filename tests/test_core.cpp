@@ -6,6 +6,7 @@
 #include <random>
 
 #include "fsdp/core/layout.hpp"
+#include "fsdp/core/execution_order.hpp"
 #include "fsdp/core/strategy.hpp"
 #include "fsdp/core/unit_plan.hpp"
 #include "fsdp/trace.hpp"
@@ -278,4 +279,20 @@ BOOST_AUTO_TEST_CASE(unit_plan_one_element_and_empty_units) {
   const auto custom =
       fsdp::plan_units(t, fsdp::WrapRule::custom([](const fsdp::TreeModule& m, int index, std::int64_t) { return index == 1 && m.path == "a"; }), 1);
   BOOST_TEST(custom.units.size() == 2u);
+}
+
+BOOST_AUTO_TEST_CASE(execution_order_picks_the_next_unit_to_prefetch) {
+  fsdp::ExecutionOrder order;
+  order.begin_forward();
+  BOOST_TEST(order.next_forward(1) == -1);           // no previous step yet
+  for (int unit : {1, 2, 3, 2}) order.record(unit);  // unit 2 called twice: recorded once
+  BOOST_TEST(order.current() == (std::vector<int>{1, 2, 3}));
+  BOOST_TEST(order.next_backward(0) == 3);  // the root's backward begins first, then the last unit's
+  BOOST_TEST(order.next_backward(3) == 2);
+  BOOST_TEST(order.next_backward(1) == -1);
+  BOOST_TEST(order.next_backward(7) == -1);
+  order.begin_forward();
+  BOOST_TEST(order.next_forward(1) == 2);  // the previous step's order
+  BOOST_TEST(order.next_forward(3) == -1);
+  BOOST_TEST(order.next_backward(0) == -1);  // nothing ran yet in this step
 }

@@ -19,6 +19,7 @@
 #include "fsdp/comm/collective_worker.hpp"
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/watchdog.hpp"
+#include "fsdp/core/execution_order.hpp"
 #include "fsdp/core/strategy.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/torch/flat_unit.hpp"
@@ -148,14 +149,6 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     overlap_.exposed_all_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   }
 
-  // The unit that runs after `index` in `order` (+1) or before it (-1); -1 if none.
-  static int neighbour(const std::vector<int>& order, int index, int direction) {
-    const auto it = std::find(order.begin(), order.end(), index);
-    if (it == order.end()) return direction < 0 && index == 0 && !order.empty() ? order.back() : -1;
-    const auto pos = (it - order.begin()) + direction;
-    return pos >= 0 && pos < static_cast<std::ptrdiff_t>(order.size()) ? order[static_cast<std::size_t>(pos)] : -1;
-  }
-
   int node_size() {
     if constexpr (requires(Comm c) { c.split_node(); }) {
       return world_.split_node().size();
@@ -245,8 +238,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   void root_pre_forward() {
     end_of_backward_queued_ = false;          // a backward that threw never ran its end-of-backward callback
     if (reductions_) reductions_->discard();  // ... nor waited for its overlapped reductions: they must not reach a later step
-    if (!forward_order_.empty()) previous_forward_order_ = std::move(forward_order_);
-    forward_order_.clear();
+    order_.begin_forward();
     for (auto& u : units_) {
       u->entered = false;
       u->grafted_by_root = false;
@@ -288,8 +280,8 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     if (u.hooked == FlatUnit::Hooked::kUnknown) u.hooked = FlatUnit::Hooked::kYes;
     gather(u);  // also when the root grafted it: a second call may follow a free after the first
     if (!u.grafted_by_root) graft(u);
-    if (std::find(forward_order_.begin(), forward_order_.end(), unit) == forward_order_.end()) forward_order_.push_back(unit);
-    if (options_.forward_prefetch) prefetch(neighbour(previous_forward_order_, unit, +1));
+    order_.record(unit);
+    if (options_.forward_prefetch) prefetch(order_.next_forward(unit));
   }
 
   at::Tensor checkpoint_anchor(int unit) override {
@@ -345,14 +337,14 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       gather(*units_[static_cast<std::size_t>(unit)]);
     }
     // The next unit to run backward is the one that ran before this one in forward.
-    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) prefetch(neighbour(forward_order_, unit, -1), /*for_backward=*/true);
+    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE) prefetch(order_.next_backward(unit), /*for_backward=*/true);
   }
 
   torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
     // A backward that builds a graph (create_graph) needs the shard gradient from this node itself.
     const bool overlap = reductions_ && !torch::GradMode::is_enabled();
-    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(neighbour(forward_order_, unit, -1), /*for_backward=*/true);
+    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(order_.next_backward(unit), /*for_backward=*/true);
     torch::NoGradGuard no_grad;
     auto flat = u.pack_grads(grads, compute_device_);
     if (no_sync_) {
@@ -462,8 +454,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   std::optional<Comm> worker_replica_comm_;                 // the worker's duplicate of the replica group
   std::unique_ptr<CollectiveWorker> worker_;                // runs prefetched all-gathers and overlapped reductions
   std::unique_ptr<OverlappedReductions<Comm>> reductions_;  // ... and wait there until the end of backward
-  std::vector<int> forward_order_;                          // nested units in the order this step's forward ran them
-  std::vector<int> previous_forward_order_;                 // ... and the previous forward's (forward prefetch)
+  ExecutionOrder order_;                                    // which unit to prefetch next
   OverlapStats overlap_;
   std::vector<std::unique_ptr<FlatUnit>> units_;
   std::int64_t engine_id_ = 0;
