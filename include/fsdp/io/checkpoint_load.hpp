@@ -1,0 +1,412 @@
+// Loading and resuming (io layer): every rank reads its own parts (or rank 0 reads and broadcasts),
+// all ranks agree that every read succeeded, and only then the model, optimizer and train state
+// change; resume_from_latest() falls back past unreadable checkpoints.
+#pragma once
+
+#include "fsdp/io/checkpoint_state.hpp"
+
+namespace fsdp {
+
+namespace detail {
+
+// ---- load -------------------------------------------------------------------------------------
+
+/// Reads the padded flat range [lo, hi) of unit `u` (and its optimizer state) from a FULL/SHARDED file.
+inline StagedUnit read_unit_range(hid_t file, const std::string& path, const ShardedUnit& u, std::int64_t lo, std::int64_t hi,
+                                  const torch::optim::Optimizer* opt, std::vector<std::string>& problems) {
+  StagedUnit s;
+  const auto dtype = u.dtype;
+  s.flat = torch::zeros({hi - lo}, torch::TensorOptions().dtype(dtype));
+  auto read_into = [&](const std::string& ds_path, std::size_t i, torch::Tensor& dst) {
+    h5::Id ds = h5::open_dataset(file, ds_path, path);
+    const auto shape = logical_shape(ds);
+    const auto stored = tensor_element_type(ds, path + ":" + ds_path);
+    if (shape != u.shapes[i] || stored != element_type_of(dtype)) {
+      problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", model " + shape_text(u.shapes[i]) + " " +
+                         h5::element_type_name(element_type_of(dtype)) + ")");
+      return;
+    }
+    const Piece p = piece_of(u.layout, i, lo, hi);
+    char* out = static_cast<char*>(dst.data_ptr()) + p.offset * static_cast<std::int64_t>(dst.element_size());
+    h5::read_flat_range(ds, u.shapes[i], p.begin, p.end, stored, out, "checkpoint '" + path + "' dataset " + ds_path);
+  };
+  for (std::size_t i = 0; i < u.param_names.size(); ++i) {
+    const std::string p = model_path(u.param_names[i]);
+    if (!h5::exists(file, p)) {
+      problems.push_back(p + " (missing)");
+      continue;
+    }
+    read_into(p, i, s.flat);
+  }
+  if (!opt || !h5::exists(file, "/optim")) return s;
+  const std::string first = optim_path(u.param_names.front());
+  if (!h5::exists(file, first)) return s;  // saved before this unit had optimizer state
+  s.has_optim = true;
+  h5::Id g = h5::open_group(file, first, path);
+  s.optim_step = h5::read_int_attribute(g, "step", "checkpoint '" + path + "' group " + first);
+  for (const auto& name : h5::list_names(file, first)) {
+    auto t = torch::zeros({hi - lo}, torch::TensorOptions().dtype(dtype));
+    for (std::size_t i = 0; i < u.param_names.size(); ++i) {
+      const std::string p = optim_path(u.param_names[i]) + "/" + name;
+      if (!h5::exists(file, p)) {
+        problems.push_back(p + " (missing)");
+        continue;
+      }
+      read_into(p, i, t);
+    }
+    s.optim.emplace_back(name, t);
+  }
+  return s;
+}
+
+/// Datasets under /model that no parameter or buffer of the model claims.
+template <class Engine>
+std::vector<std::string> unexpected_model_tensors(hid_t file, Engine& engine) {
+  std::set<std::string> known;
+  for (const auto& up : engine.sharded_units())
+    for (const auto& n : up.param_names) known.insert(n);
+  for (const auto& [name, aliases] : engine.tied_parameter_aliases())
+    for (const auto& a : aliases) known.insert(a);
+  for (const auto& [name, b] : named_buffers_of(engine)) known.insert(name);
+  std::vector<std::string> out;
+  for (const auto& n : h5::list_names(file, "/model"))
+    if (!known.count(n)) out.push_back(model_path(n) + " (not in the model)");
+  return out;
+}
+
+template <class Engine>
+void check_root(hid_t file, const std::string& path, Engine& engine, StateDictType expected) {
+  const std::string where = "checkpoint '" + path + "'";
+  const std::string format = h5::read_string_attribute(file, "format", where);
+  if (format != ckpt::kFormatName) throw CheckpointError(where + " is not an fsdp checkpoint (format '" + format + "')");
+  const auto version = h5::read_int_attribute(file, "format_version", where);
+  if (version > ckpt::kFormatVersion)
+    throw CheckpointError(where + " has format version " + std::to_string(version) + "; this build reads up to " +
+                          std::to_string(ckpt::kFormatVersion));
+  const auto type = parse_state_dict_type(h5::read_string_attribute(file, "state_dict_type", where));
+  if (expected == StateDictType::LOCAL_STATE_DICT && type != expected) throw CheckpointError(where + " is not a LOCAL_STATE_DICT rank file");
+  if (type == StateDictType::LOCAL_STATE_DICT) {
+    const auto world = h5::read_int_attribute(file, "world_size", where);
+    const auto plan = h5::read_string_attribute(file, "plan_hash", where);
+    if (world != engine.world_size() || plan != ckpt::hex64(engine.plan_hash()))
+      throw CheckpointError(where + " is a LOCAL_STATE_DICT checkpoint of world size " + std::to_string(world) + " and plan " + plan +
+                                "; this run has world size " + std::to_string(engine.world_size()) + " and plan " + ckpt::hex64(engine.plan_hash()) +
+                                ". LOCAL checkpoints load only into the same world size and wrapping; merge it with `fsdp-ckpt merge` "
+                                "or save SHARDED_STATE_DICT to change either",
+                            detail::kMismatchId);
+  }
+}
+
+struct Staged {
+  std::vector<StagedUnit> units;  // by unit index
+  std::vector<torch::Tensor> buffers;
+  StagedMeta meta;
+  std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> optimizer_states;  // by unit index; null: keep
+};
+
+template <class Engine>
+Staged read_own_parts(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path) {
+  Staged s;
+  h5::Id file = h5::open_file_readonly(path);
+  check_root(file, path, engine, StateDictType::SHARDED_STATE_DICT);
+  std::vector<std::string> problems;
+  for (const auto& up : engine.sharded_units()) {
+    if (up.param_names.empty()) {
+      s.units.emplace_back();
+      continue;
+    }
+    const auto [lo, hi] = up.own_range();
+    s.units.push_back(read_unit_range(file, path, up, lo, hi, opt, problems));
+  }
+  for (const auto& [name, b] : named_buffers_of(engine)) s.buffers.push_back(read_buffer(file, path, model_path(name), b, problems));
+  for (auto& p : unexpected_model_tensors(file, engine)) problems.push_back(std::move(p));
+  if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems), kMismatchId);
+  const auto world = h5::read_int_attribute(file, "world_size", "checkpoint '" + path + "'");
+  s.meta = read_meta(file, path, engine.rank(), world == engine.world_size() ? world : -1);
+  return s;
+}
+
+/// FULL file, rank0_only: rank 0 reads one unit at a time and broadcasts it. Collective.
+template <class Engine>
+Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path) {
+  auto& world = engine.comm();
+  const bool reader = world.rank() == 0;
+  Staged s;
+  h5::Id file;
+  std::vector<std::string> problems;
+  std::optional<std::string> error;
+  std::string meta_bytes;
+  if (reader) {
+    error = capture_error([&] {
+      file = h5::open_file_readonly(path);
+      check_root(file, path, engine, StateDictType::FULL_STATE_DICT);
+      auto unexpected = unexpected_model_tensors(file, engine);
+      if (!unexpected.empty()) throw CheckpointError(mismatch_message(path, unexpected), kMismatchId);
+      const auto saved_world = h5::read_int_attribute(file, "world_size", "checkpoint '" + path + "'");
+      meta_bytes = pack_meta(read_meta(file, path, -1, 0));
+      (void)saved_world;
+    });
+  }
+  agree(world, error);
+  s.meta = unpack_meta(broadcast_string(world, meta_bytes));
+  for (const auto& u : engine.sharded_units()) {
+    if (u.param_names.empty()) {
+      s.units.emplace_back();
+      continue;
+    }
+    StagedUnit full;
+    if (reader) {
+      error = capture_error([&] {
+        full = read_unit_range(file, path, u, 0, u.layout.padded_numel(), opt, problems);
+        if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems), kMismatchId);
+      });
+    }
+    agree(world, error);
+    Packer names;
+    names.i64(full.has_optim ? 1 : 0);
+    names.i64(full.optim_step);
+    names.i64(static_cast<std::int64_t>(full.optim.size()));
+    for (const auto& [n, t] : full.optim) names.str(n);
+    const std::string header = broadcast_string(world, names.bytes);
+    Unpacker un{header};
+    StagedUnit mine;
+    mine.has_optim = un.i64() != 0;
+    mine.optim_step = un.i64();
+    const auto n_states = un.i64();
+    const auto dtype = u.dtype;
+    auto share = [&](torch::Tensor t) {
+      if (!t.defined()) t = torch::empty({u.layout.padded_numel()}, torch::TensorOptions().dtype(dtype));
+      world.broadcast(t.data_ptr(), t.numel(), to_comm_dtype(t.scalar_type()), 0);
+      return t.narrow(0, u.own_range().begin, u.own_range().numel()).clone();
+    };
+    mine.flat = share(full.flat);
+    for (std::int64_t k = 0; k < n_states; ++k) {
+      const std::string name = un.str();
+      mine.optim.emplace_back(name, share(reader ? full.optim[static_cast<std::size_t>(k)].second : torch::Tensor()));
+    }
+    s.units.push_back(std::move(mine));
+  }
+  for (const auto& [name, b] : named_buffers_of(engine)) {
+    auto t = torch::empty(b.sizes(), b.options());
+    if (reader) {
+      error = capture_error([&] {
+        std::vector<std::string> buffer_problems;
+        auto value = read_buffer(file, path, model_path(name), b, buffer_problems);
+        if (!buffer_problems.empty()) throw CheckpointError(mismatch_message(path, buffer_problems), kMismatchId);
+        t.copy_(value);
+      });
+    }
+    agree(world, error);
+    if (t.numel() > 0) world.broadcast(t.data_ptr(), t.numel(), to_comm_dtype(t.scalar_type()), 0);
+    s.buffers.push_back(t);
+  }
+  // RNG rows: rank 0 reads them all and broadcasts, if the world size matches.
+  std::int64_t rows = 0, n = 0;
+  torch::Tensor all;
+  if (reader) {
+    error = capture_error([&] {
+      if (!h5::exists(file, "/rng/cpu")) return;
+      h5::Id ds = h5::open_dataset(file, "/rng/cpu", path);
+      const auto dims = h5::dataset_dims(ds);
+      if (dims.size() != 2 || dims[0] != world.size()) return;
+      all = torch::empty({dims[0], dims[1]}, torch::kUInt8);
+      h5::read_flat_range(ds, dims, 0, all.numel(), h5::ElementType::kUInt8, all.data_ptr(), "checkpoint '" + path + "' dataset /rng/cpu");
+      rows = dims[0];
+      n = dims[1];
+    });
+  }
+  agree(world, error);
+  world.broadcast(&rows, 1, DType::kInt64, 0);
+  world.broadcast(&n, 1, DType::kInt64, 0);
+  if (rows > 0) {
+    if (!reader) all = torch::empty({rows, n}, torch::kUInt8);
+    world.broadcast(all.data_ptr(), all.numel(), DType::kUInt8, 0);
+    s.meta.rng = all[world.rank()].clone();
+  }
+  return s;
+}
+
+template <class Engine>
+Staged read_local_file(Engine& engine, const torch::optim::Optimizer* opt, const std::string& dir) {
+  Staged s;
+  const std::string path = (std::filesystem::path(dir) / ckpt::local_rank_file(engine.rank())).string();
+  h5::Id file = h5::open_file_readonly(path);
+  check_root(file, path, engine, StateDictType::LOCAL_STATE_DICT);
+  for (const auto& up : engine.sharded_units()) {
+    const auto& u = up;
+    StagedUnit su;
+    if (u.param_names.empty()) {
+      s.units.push_back(su);
+      continue;
+    }
+    const std::string base = "/units/" + std::to_string(u.index);
+    const auto dtype = u.dtype;
+    auto read_flat = [&](const std::string& p) {
+      h5::Id ds = h5::open_dataset(file, p, path);
+      const auto dims = h5::dataset_dims(ds);
+      if (dims != std::vector<std::int64_t>{u.layout.shard_numel()})
+        throw CheckpointError("checkpoint '" + path + "' dataset " + p + " has " + shape_text(dims) + " elements, expected [" +
+                              std::to_string(u.layout.shard_numel()) + "]");
+      auto t = torch::empty({u.layout.shard_numel()}, torch::TensorOptions().dtype(dtype));
+      h5::read_flat_range(ds, dims, 0, t.numel(), element_type_of(dtype), t.data_ptr(), "checkpoint '" + path + "' dataset " + p);
+      return t;
+    };
+    su.flat = read_flat(base + "/flat");
+    if (opt && h5::exists(file, base + "/optim")) {
+      su.has_optim = true;
+      h5::Id og = h5::open_group(file, base + "/optim", path);
+      su.optim_step = h5::read_int_attribute(og, "step", "checkpoint '" + path + "' group " + base + "/optim");
+      for (const auto& name : h5::list_names(file, base + "/optim")) su.optim.emplace_back(name, read_flat(base + "/optim/" + name));
+    }
+    s.units.push_back(std::move(su));
+  }
+  std::vector<std::string> problems;
+  for (const auto& [name, b] : named_buffers_of(engine)) s.buffers.push_back(read_buffer(file, path, model_path(name), b, problems));
+  if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems), kMismatchId);
+  s.meta = read_meta(file, path, 0, 1);
+  return s;
+}
+
+/// Moves staged values into the model and optimizer. Local; cannot fail half way except on
+/// programming errors (checked before: optimizer kind, group count).
+template <class Engine>
+void apply_staged(Engine& engine, torch::optim::Optimizer* opt, Staged& s, TrainState* state) {
+  torch::NoGradGuard no_grad;
+  const auto& units = engine.sharded_units();
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    auto& u = units[i];
+    if (u.param_names.empty()) continue;
+    u.shard.detach().copy_(s.units[i].flat);  // bumps the version counter: a gathered copy is refreshed
+  }
+  if (opt) {
+    for (std::size_t i = 0; i < units.size(); ++i)
+      if (s.optimizer_states[i]) opt->state()[optimizer_state_key(units[i].shard)] = std::move(s.optimizer_states[i]);
+    if (!s.meta.lrs.empty())
+      for (std::size_t g = 0; g < opt->param_groups().size(); ++g) opt->param_groups()[g].options().set_lr(s.meta.lrs[g]);
+  }
+  const auto buffers = live_buffers_of(engine);
+  for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(s.buffers[i]);  // converts to a mixed-precision buffer_dtype
+  if (s.meta.rng.defined()) set_cpu_rng_state(s.meta.rng);
+  if (state) {
+    *state = s.meta.train;
+    state->rng_restored = s.meta.rng.defined();
+  }
+}
+
+}  // namespace detail
+
+/// Loads a checkpoint written by save_checkpoint() (a SHARDED or FULL file at any world size and
+/// strategy, or a LOCAL folder at the same world size and plan). Checks everything and lets all ranks
+/// agree before changing anything; on failure every rank throws CheckpointError naming the file and
+/// dataset, and the model, optimizer and `state` are unchanged. Collective.
+template <class Engine>
+void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const std::string& path, TrainState* state = nullptr,
+                     const CheckpointOptions& options = {}) {
+  auto& world = engine.comm();
+  detail::arrive_together(world, options, "load_checkpoint");
+  // Every rank decides the kind of checkpoint the same way: rank 0 looks, the others are told.
+  std::int64_t kind = -1;
+  std::optional<std::string> error;
+  if (world.rank() == 0) {
+    error = detail::capture_error([&] {
+      if (std::filesystem::is_directory(path)) {
+        kind = static_cast<std::int64_t>(StateDictType::LOCAL_STATE_DICT);
+      } else {
+        h5::Id file = h5::open_file_readonly(path);
+        kind = static_cast<std::int64_t>(parse_state_dict_type(h5::read_string_attribute(file, "state_dict_type", "checkpoint '" + path + "'")));
+      }
+    });
+  }
+  detail::agree(world, error);
+  world.broadcast(&kind, 1, DType::kInt64, 0);
+  const auto type = static_cast<StateDictType>(kind);
+  detail::Staged staged;
+  if (type == StateDictType::FULL_STATE_DICT && options.rank0_only) {
+    staged = detail::read_on_rank0(engine, optimizer, path);  // agrees internally
+  } else {
+    error = detail::capture_error([&] {
+      staged = type == StateDictType::LOCAL_STATE_DICT ? detail::read_local_file(engine, optimizer, path)
+                                                       : detail::read_own_parts(engine, optimizer, path);
+    });
+    detail::agree(world, error);
+  }
+  staged.optimizer_states.resize(engine.sharded_units().size());
+  error = detail::capture_error([&] {
+    if (!optimizer) return;
+    if (!staged.meta.optimizer_kind.empty() && staged.meta.optimizer_kind != optimizer_kind(*optimizer))
+      throw CheckpointError(
+          "checkpoint '" + path + "' holds " + staged.meta.optimizer_kind + " state but the optimizer is " + optimizer_kind(*optimizer),
+          detail::kMismatchId);
+    if (!staged.meta.lrs.empty() && staged.meta.lrs.size() != optimizer->param_groups().size())
+      throw CheckpointError("checkpoint '" + path + "' has " + std::to_string(staged.meta.lrs.size()) +
+                                " optimizer parameter groups, the optimizer has " + std::to_string(optimizer->param_groups().size()),
+                            detail::kMismatchId);
+    // Build every optimizer state now, so that applying them below cannot fail half way.
+    const auto& units = engine.sharded_units();
+    staged.optimizer_states.resize(units.size());
+    for (std::size_t i = 0; i < units.size(); ++i) {
+      if (units[i].param_names.empty() || !staged.units[i].has_optim) continue;
+      OptimizerStateView view;
+      view.step = staged.units[i].optim_step;
+      view.tensors = staged.units[i].optim;
+      try {
+        staged.optimizer_states[i] = make_optimizer_state(*optimizer, view);
+      } catch (const ConfigError& e) {
+        throw CheckpointError("checkpoint '" + path + "': " + detail::message_of(e), detail::kMismatchId);
+      }
+    }
+  });
+  detail::agree(world, error);
+  detail::apply_staged(engine, optimizer, staged, state);
+}
+
+/// Loads the newest usable checkpoint in `dir`: the one `latest` names, else (or if that one is
+/// unreadable) the next newest. Returns its path and why newer ones were skipped; an empty path means
+/// nothing could be loaded (a fresh start). Collective.
+template <class Engine>
+ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimizer, const std::string& dir, TrainState* state = nullptr,
+                                const CheckpointOptions& options = {}) {
+  auto& world = engine.comm();
+  detail::arrive_together(world, options, "resume_from_latest");
+  std::string listing;
+  std::string ignored;
+  if (world.rank() == 0) {
+    for (const auto& [step, name] : ckpt::run_checkpoints(dir)) listing += name + "\n";
+    if (const auto latest = ckpt::read_latest(dir)) {
+      const auto latest_step = ckpt::step_of(*latest).value_or(-1);
+      for (const auto& [step, name] : ckpt::list_checkpoints(dir))
+        if (step > latest_step) ignored += name + "\n";
+    }
+  }
+  listing = detail::broadcast_string(world, listing);
+  ignored = detail::broadcast_string(world, ignored);
+  ResumeResult result;
+  for (std::size_t at = 0; at < ignored.size();) {
+    const auto end = ignored.find('\n', at);
+    result.skipped.push_back(ignored.substr(at, end - at) + ": newer than latest (from an abandoned run or an interrupted commit); not loaded");
+    at = end + 1;
+  }
+  std::size_t start = 0;
+  while (start < listing.size()) {
+    const auto end = listing.find('\n', start);
+    const std::string name = listing.substr(start, end - start);
+    start = end + 1;
+    const std::string path = (std::filesystem::path(dir) / name).string();
+    try {
+      load_checkpoint(engine, optimizer, path, state, options);
+      result.path = path;
+      return result;
+    } catch (const CheckpointError& e) {
+      // Unreadable (corrupt, truncated, incomplete): fall back to an older one. Readable but written by
+      // another model, optimizer or plan: stop, the folder belongs to another run.
+      if (e.id() == detail::kMismatchId)
+        throw CheckpointError(
+            detail::message_of(e) + ". The checkpoint folder '" + dir + "' holds another run: use another folder, or start fresh without resuming",
+            detail::kMismatchId);
+      result.skipped.push_back(name + ": " + detail::message_of(e));
+    }
+  }
+  return result;
+}
+
+}  // namespace fsdp

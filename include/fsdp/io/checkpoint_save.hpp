@@ -1,0 +1,368 @@
+// Saving a checkpoint (io layer): SHARDED (every rank writes its own boxes of each tensor into one
+// file), FULL (rank 0 writes, one unit gathered at a time) and LOCAL (each rank's raw flat shard),
+// each under a temporary name, claimed on disk first, fsynced, renamed and pointed at by `latest`.
+#pragma once
+
+#include "fsdp/io/checkpoint_state.hpp"
+
+namespace fsdp {
+
+namespace detail {
+
+// ---- save -------------------------------------------------------------------------------------
+
+/// SHARDED: every HDF5 call is collective, so every step is agreed between the ranks: a failure on
+/// one rank (disk full on its MPI-IO aggregator, memory) stops all of them at the same call, where
+/// they unwind and close the file together instead of waiting in the next collective.
+template <class Engine>
+std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path, const TrainState& state,
+                                const CheckpointOptions& options, const std::string& created) {
+  auto& world = engine.comm();
+  auto step = [&world](auto&& f) { agree(world, capture_error(f)); };
+  MPI_Comm native = mpi_handle(world);
+  h5::Id file, dxpl;
+  step([&] {
+    file = h5::create_file(path, &native);
+    write_root_attributes(file, engine, StateDictType::SHARDED_STATE_DICT, state, created, state.deck);
+    dxpl = h5::collective_transfer();
+  });
+  const bool writer = engine.replica_comm().rank() == 0;  // one copy of each shard is written
+  std::int64_t tensors = 0;
+  auto write_unit_tensor = [&](const ShardedUnit& u, const torch::Tensor& shard_like, const std::string& prefix, const char* kind) {
+    const auto [lo, hi] = u.own_range();
+    torch::Tensor src;
+    step([&] { src = shard_like.detach().to(torch::kCPU).contiguous(); });  // HDF5 reads host memory
+    const auto et = element_type_of(src.scalar_type());
+    for (std::size_t i = 0; i < u.param_names.size(); ++i) {
+      const TensorTarget t{prefix.empty() ? model_path(u.param_names[i]) : optim_path(u.param_names[i]) + "/" + prefix, u.shapes[i], et};
+      step([&] {
+        h5::Id ds = create_tensor_dataset(file, t, kind);
+        const Piece p = writer ? piece_of(u.layout, i, lo, hi) : Piece{};
+        const char* data = static_cast<const char*>(src.data_ptr()) + p.offset * static_cast<std::int64_t>(src.element_size());
+        h5::write_flat_range(ds, t.shape, p.begin, p.end, et, data, dxpl, t.path);
+      });
+      ++tensors;
+    }
+  };
+  for (const auto& up : engine.sharded_units()) {
+    if (up.param_names.empty()) continue;
+    write_unit_tensor(up, up.shard, "", "parameter");
+  }
+  step([&] {
+    if (options.on_stage) options.on_stage("writing", state.step);
+  });
+  step([&] { link_tied_parameters(file, engine); });
+  for (const auto& [name, buffer] : named_buffers_of(engine)) {
+    step([&] { write_buffer(file, name, buffer, world.rank() == 0, dxpl); });
+    ++tensors;
+  }
+  if (opt) {
+    step([&] { write_optimizer_attributes(file, *opt); });
+    for (const auto& up : engine.sharded_units()) {
+      const auto view = unit_optimizer_state(opt, up);  // present on every rank alike (checked on entry)
+      if (!view || up.param_names.empty()) continue;
+      for (const auto& [name, t] : view->tensors) write_unit_tensor(up, t, name, "optimizer_state");
+      step([&] {
+        for (const auto& fqn : up.param_names) {
+          h5::Id g = h5::require_group(file, optim_path(fqn));
+          h5::write_attribute(g, "step", view->step);
+        }
+      });
+    }
+  }
+  step([&] {
+    write_train_group(file, state);
+    if (options.save_rng_state) write_rng_rows(file, cpu_rng_state().contiguous(), world.size(), world.rank(), true, dxpl);
+    h5::write_attribute(file, "num_tensors", tensors);
+    // Global flush: MPI_File_sync on every rank, so data cached on other nodes reaches the file
+    // system before rank 0's fsync and the rename.
+    h5::check(H5Fflush(file, H5F_SCOPE_GLOBAL), "cannot flush '" + path + "'");
+  });
+  step([&] { file.close("cannot close '" + path + "'"); });
+  return tensors;
+}
+
+template <class Engine>
+void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path, const TrainState& state,
+                     const CheckpointOptions& options, const std::string& created, const std::string& deck) {
+  auto& world = engine.comm();
+  const bool writer = world.rank() == 0;
+  std::optional<std::string> error;  // rank 0's; it keeps taking part in the gathers after a failure
+  h5::Id file;
+  auto on_writer = [&](auto&& f) {
+    if (writer && !error) error = capture_error(f);
+  };
+  on_writer([&] {
+    file = h5::create_file(path);
+    write_root_attributes(file, engine, StateDictType::FULL_STATE_DICT, state, created, deck);
+  });
+  std::int64_t tensors = 0;
+  auto write_full = [&](const ShardedUnit& u, const torch::Tensor& flat, const std::string& prefix, const char* kind) {
+    const auto et = element_type_of(flat.scalar_type());
+    for (std::size_t i = 0; i < u.param_names.size(); ++i) {
+      const TensorTarget t{prefix.empty() ? model_path(u.param_names[i]) : optim_path(u.param_names[i]) + "/" + prefix, u.shapes[i], et};
+      on_writer([&] {
+        h5::Id ds = create_tensor_dataset(file, t, kind);
+        const auto i64 = static_cast<std::int64_t>(i);
+        const char* data = static_cast<const char*>(flat.data_ptr()) + u.layout.param_offset(i64) * static_cast<std::int64_t>(flat.element_size());
+        h5::write_flat_range(ds, t.shape, 0, u.layout.param_numel(i64), et, data, H5P_DEFAULT, t.path);
+      });
+      ++tensors;
+    }
+  };
+  for (const auto& up : engine.sharded_units()) {  // one unit at a time: memory bounded by the largest unit
+    if (up.param_names.empty()) continue;
+    const int index = up.index;
+    write_full(up, engine.gather_flat(index, up.shard).to(torch::kCPU), "", "parameter");
+  }
+  agree(world, capture_error([&] {
+          if (options.on_stage) options.on_stage("writing", state.step);
+        }));
+  on_writer([&] {
+    link_tied_parameters(file, engine);
+    for (const auto& [name, buffer] : named_buffers_of(engine)) write_buffer(file, name, buffer, true, H5P_DEFAULT);
+    if (opt) write_optimizer_attributes(file, *opt);
+  });
+  tensors += static_cast<std::int64_t>(named_buffers_of(engine).size());
+  if (opt) {
+    for (const auto& up : engine.sharded_units()) {
+      const auto view = unit_optimizer_state(opt, up);
+      if (!view || up.param_names.empty()) continue;
+      for (const auto& [name, t] : view->tensors) write_full(up, engine.gather_flat(up.index, t).to(torch::kCPU), name, "optimizer_state");
+      on_writer([&] {
+        for (const auto& fqn : up.param_names) {
+          h5::Id g = h5::require_group(file, optim_path(fqn));
+          h5::write_attribute(g, "step", view->step);
+        }
+      });
+    }
+  }
+  torch::Tensor rng;
+  if (options.save_rng_state) rng = gather_rng_states(world);
+  on_writer([&] {
+    write_train_group(file, state);
+    if (rng.defined()) write_rng_rows(file, rng, world.size(), 0, false, H5P_DEFAULT);
+    h5::write_attribute(file, "num_tensors", tensors);
+    file.close("cannot close (flush) '" + path + "'");
+  });
+  agree(world, error);
+}
+
+template <class Engine>
+void write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path, const TrainState& state,
+                      const CheckpointOptions& options, const std::string& created, const std::string& deck) {
+  h5::Id file = h5::create_file(path);
+  write_root_attributes(file, engine, StateDictType::LOCAL_STATE_DICT, state, created, deck);
+  h5::write_attribute(file, "rank", engine.rank());
+  h5::write_attribute(file, "shard_rank", engine.shard_comm().rank());
+  h5::write_attribute(file, "replica_rank", engine.replica_comm().rank());
+  std::vector<std::string> aliases;
+  for (const auto& [name, others] : engine.tied_parameter_aliases())
+    for (const auto& alias : others) aliases.push_back(alias + "=" + name);
+  h5::write_attribute(file, "aliases", aliases);
+  std::int64_t tensors = 0;
+  for (const auto& up : engine.sharded_units()) {
+    const auto& u = up;
+    const std::string base = "/units/" + std::to_string(u.index);
+    h5::Id g = h5::require_group(file, base);
+    h5::write_attribute(g, "module_path", u.module_path);
+    h5::write_attribute(g, "param_names", u.param_names);
+    std::vector<std::int64_t> ndims, dims;
+    for (const auto& s : u.shapes) {
+      ndims.push_back(static_cast<std::int64_t>(s.size()));
+      dims.insert(dims.end(), s.begin(), s.end());
+    }
+    h5::write_attribute(g, "param_ndims", ndims);
+    h5::write_attribute(g, "param_dims", dims);
+    h5::write_attribute(g, "numel", u.layout.numel());
+    h5::write_attribute(g, "padded_numel", u.layout.padded_numel());
+    h5::write_attribute(g, "shard_numel", u.layout.shard_numel());
+    if (u.param_names.empty()) continue;
+    auto write_flat = [&](const std::string& p, const torch::Tensor& t) {
+      const auto src = t.detach().to(torch::kCPU).contiguous();
+      const auto et = element_type_of(src.scalar_type());
+      h5::Id ds = h5::create_dataset(file, p, et, {src.numel()});
+      h5::write_flat_range(ds, {src.numel()}, 0, src.numel(), et, src.data_ptr(), H5P_DEFAULT, p);
+      ++tensors;
+    };
+    write_flat(base + "/flat", u.shard);
+    if (const auto view = unit_optimizer_state(opt, u)) {
+      for (const auto& [name, t] : view->tensors) write_flat(base + "/optim/" + name, t);
+      h5::Id og = h5::require_group(file, base + "/optim");
+      h5::write_attribute(og, "step", view->step);
+    }
+  }
+  if (options.on_stage) options.on_stage("writing", state.step);
+  for (const auto& [name, buffer] : named_buffers_of(engine)) {
+    write_buffer(file, name, buffer, true, H5P_DEFAULT);
+    ++tensors;
+  }
+  if (opt) write_optimizer_attributes(file, *opt);
+  write_train_group(file, state);
+  if (options.save_rng_state) {
+    const auto mine = cpu_rng_state().contiguous().view({1, -1});
+    write_rng_rows(file, mine, 1, 0, false, H5P_DEFAULT);
+  }
+  h5::write_attribute(file, "num_tensors", tensors);
+  file.close("cannot close (flush) '" + path + "'");
+}
+
+/// Every rank enters a collective checkpoint call, or the ones that did fail after the deadline.
+
+inline std::int64_t size_on_disk(const std::filesystem::path& p) {
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(p, ec)) return static_cast<std::int64_t>(std::filesystem::file_size(p, ec));
+  std::int64_t total = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(p, ec))
+    if (e.is_regular_file()) total += static_cast<std::int64_t>(e.file_size());
+  return total;
+}
+
+}  // namespace detail
+
+namespace detail {
+
+/// What every rank must agree on before a save makes its first collective HDF5 call: the train state
+/// (taken from rank 0), which units have optimizer state and its names, and the RNG state size.
+template <class Engine>
+void check_ranks_agree(Engine& engine, const torch::optim::Optimizer* opt, const CheckpointOptions& options) {
+  auto& world = engine.comm();
+  std::ostringstream os;
+  os << to_string(options.state_dict_type) << ";rng=" << (options.save_rng_state ? cpu_rng_state().numel() : 0) << ";";
+  if (opt) {
+    os << "groups=" << opt->param_groups().size() << ";";
+    for (const auto& up : engine.sharded_units()) {
+      const auto view = unit_optimizer_state(opt, up);
+      os << "u" << up.index << (view ? ":" : "-");
+      if (view)
+        for (const auto& [n, t] : view->tensors) os << n << ",";
+    }
+  }
+  std::int64_t hash = static_cast<std::int64_t>(fnv1a64(os.str()) >> 1), low = -hash;
+  world.all_reduce(&hash, &hash, 1, DType::kInt64, ReduceOp::kMax);
+  world.all_reduce(&low, &low, 1, DType::kInt64, ReduceOp::kMax);
+  if (hash != -low)
+    throw CheckpointError("save_checkpoint: the ranks differ in optimizer state or RNG state size (" + os.str() + " on rank " +
+                          std::to_string(world.rank()) + "); every rank must step the same optimizer");
+}
+
+/// rank 0's train state, on every rank.
+template <Communicator Comm>
+TrainState broadcast_train_state(Comm& comm, const TrainState& state) {
+  StagedMeta m;
+  m.train = state;
+  std::string bytes = comm.rank() == 0 ? pack_meta(m) : std::string();
+  return unpack_meta(broadcast_string(comm, bytes)).train;
+}
+
+}  // namespace detail
+
+/// Saves the model, optimizer state (if `optimizer`) and `state` as <dir>/step_<state.step>.h5 and
+/// points <dir>/latest at it once it is safely on disk. Rank 0's `state` is the one written (step,
+/// data position, scheduler values and deck must describe the whole job). Collective over the
+/// engine's world; a failure on any rank throws CheckpointError on every rank, leaving the previous
+/// checkpoint and `latest` untouched.
+namespace detail {
+/// An upper estimate of a FULL/SHARDED checkpoint file's size: every tensor once plus HDF5's object
+/// headers, chunk indexes and checksums (under 4 KiB per dataset here) and a spare 64 KiB.
+template <class Engine>
+std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* opt, int world_size) {
+  std::int64_t bytes = 0, datasets = 0;
+  for (const auto& up : engine.sharded_units()) {
+    if (up.param_names.empty()) continue;
+    const auto numel = up.layout.numel();
+    const auto count = static_cast<std::int64_t>(up.param_names.size());
+    bytes += numel * static_cast<std::int64_t>(c10::elementSize(up.dtype));
+    datasets += count;
+    if (const auto view = unit_optimizer_state(opt, up))
+      for (const auto& [name, t] : view->tensors) {
+        bytes += numel * static_cast<std::int64_t>(t.element_size());
+        datasets += count;
+      }
+  }
+  for (const auto& [name, buffer] : named_buffers_of(engine)) {
+    bytes += buffer.numel() * static_cast<std::int64_t>(buffer.element_size());
+    ++datasets;
+  }
+  bytes += world_size * cpu_rng_state().numel();
+  return bytes + datasets * 4096 + 65536;
+}
+}  // namespace detail
+
+template <class Engine>
+SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimizer, const std::string& dir, const TrainState& state,
+                           const CheckpointOptions& options = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto& world = engine.comm();
+  detail::arrive_together(world, options, "save_checkpoint");
+  const TrainState written = detail::broadcast_train_state(world, state);
+  detail::check_ranks_agree(engine, optimizer, options);
+  const std::string name = ckpt::checkpoint_name(written.step);
+  const std::filesystem::path folder(dir);
+  const auto tmp = folder / ckpt::temporary_name(name);
+  const bool local = options.state_dict_type == StateDictType::LOCAL_STATE_DICT;
+  // Rank 0 prepares the folder; the others learn whether that worked before creating files in it.
+  std::optional<std::string> error;
+  if (world.rank() == 0) {
+    error = detail::capture_error([&] {
+      std::error_code ec;
+      std::filesystem::create_directories(folder, ec);
+      if (ec) throw CheckpointError("cannot create checkpoint folder '" + dir + "': " + ec.message());
+      std::filesystem::remove_all(tmp, ec);  // left over by a save that crashed
+      if (!local) ckpt::reserve_space(tmp, detail::expected_file_bytes(engine, optimizer, world.size()), (folder / name).string());
+      if (local) {
+        std::filesystem::create_directories(tmp, ec);
+        if (ec) throw CheckpointError("cannot create '" + tmp.string() + "': " + ec.message());
+      }
+    });
+  }
+  detail::agree(world, error);
+  // A failed write (disk full, quota, file size limit) leaves a partial temporary: rank 0 deletes it
+  // so that the space it holds goes back to the job; `latest` never pointed at it.
+  struct RemoveTemporaryOnFailure {
+    const std::filesystem::path& path;
+    bool armed;
+    ~RemoveTemporaryOnFailure() {
+      if (!armed) return;
+      std::error_code ignored;
+      std::filesystem::remove_all(path, ignored);
+    }
+  } cleanup{tmp, world.rank() == 0};
+  const std::string created = detail::broadcast_string(world, ckpt::utc_now());
+  switch (options.state_dict_type) {
+    case StateDictType::SHARDED_STATE_DICT: detail::write_sharded_file(engine, optimizer, tmp.string(), written, options, created); break;
+    case StateDictType::FULL_STATE_DICT: detail::write_full_file(engine, optimizer, tmp.string(), written, options, created, written.deck); break;
+    case StateDictType::LOCAL_STATE_DICT: {
+      const auto file = tmp / ckpt::local_rank_file(world.rank());
+      error = detail::capture_error([&] {
+        detail::write_local_file(engine, optimizer, file.string(), written, options, created, written.deck);
+        ckpt::fsync_path(file);
+      });
+      detail::agree(world, error);
+      break;
+    }
+  }
+  if (options.on_stage) options.on_stage("written", written.step);
+  SaveResult result;
+  result.path = (folder / name).string();
+  error.reset();
+  if (world.rank() == 0) {
+    error = detail::capture_error([&] { ckpt::commit(folder, name); });
+    if (!error) {
+      // The checkpoint is committed: a failure to delete old ones is a warning, not a failed save.
+      try {
+        result.pruned = ckpt::prune(folder, options.keep_last);
+      } catch (const std::exception& e) {
+        result.warnings.push_back(detail::message_of(e));
+      }
+    }
+  }
+  detail::agree(world, error);
+  cleanup.armed = false;
+  if (options.on_stage) options.on_stage("committed", written.step);
+  result.bytes = detail::size_on_disk(result.path);
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,412 @@
+// What a checkpoint holds and how it is laid out in the file (io layer, DCP's state_dict and metadata):
+// tensor paths and element types, the pieces of a parameter inside a rank's flat shard, buffers, RNG
+// rows, the train state and optimizer attributes, staged reads, and the agreement of all ranks on an
+// error before anything changes.
+#pragma once
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/comm/agree.hpp"
+#include "fsdp/errors.hpp"
+#include "fsdp/io/checkpoint_files.hpp"
+#include "fsdp/io/checkpoint_options.hpp"
+#include "fsdp/io/checkpoint_tools.hpp"
+#include "fsdp/io/h5.hpp"
+#include "fsdp/torch/fully_sharded.hpp"
+#include "fsdp/torch/optim_state.hpp"
+#include "fsdp/version.hpp"
+
+namespace fsdp {
+
+namespace detail {
+
+inline h5::ElementType element_type_of(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return h5::ElementType::kFloat32;
+    case c10::ScalarType::Double: return h5::ElementType::kFloat64;
+    case c10::ScalarType::Half: return h5::ElementType::kFloat16;
+    case c10::ScalarType::BFloat16: return h5::ElementType::kBFloat16;
+    case c10::ScalarType::Long: return h5::ElementType::kInt64;
+    case c10::ScalarType::Int: return h5::ElementType::kInt32;
+    case c10::ScalarType::Byte: return h5::ElementType::kUInt8;
+    case c10::ScalarType::Bool: return h5::ElementType::kBool;
+    default: throw CheckpointError(std::string("cannot store tensors of dtype ") + c10::toString(t));
+  }
+}
+
+/// The message of an exception without the "[id] " prefix of fsdp errors.
+inline std::string message_of(const std::exception& e) {
+  std::string m = e.what();
+  if (!m.empty() && m[0] == '[') {
+    const auto close = m.find("] ");
+    if (close != std::string::npos) m = m.substr(close + 2);
+  }
+  return m;
+}
+
+/// Runs f; an exception becomes its what() ("[id] message" for fsdp errors, so agree() keeps the id).
+template <class F>
+std::optional<std::string> capture_error(F&& f) {
+  try {
+    f();
+    return std::nullopt;
+  } catch (const std::exception& e) {
+    return std::string(e.what());
+  }
+}
+
+/// Splits "[id] message" into id and message (id "fsdp.ckpt" when there is none).
+inline std::pair<std::string, std::string> split_error(const std::string& text) {
+  if (!text.empty() && text[0] == '[') {
+    const auto close = text.find("] ");
+    if (close != std::string::npos) return {text.substr(1, close - 1), text.substr(close + 2)};
+  }
+  return {"fsdp.ckpt", text};
+}
+
+/// Id of errors where the checkpoint is readable but belongs to another model, optimizer or plan.
+inline constexpr const char* kMismatchId = "fsdp.ckpt.mismatch";
+
+/// Every rank learns whether any rank failed; if so all throw the lowest failing rank's message.
+template <Communicator Comm>
+void agree(Comm& comm, const std::optional<std::string>& error) {
+  const auto failure = agree_on_failure(comm, error);
+  if (!failure) return;
+  const auto [id, text] = split_error(failure->message);
+  const bool everyone = failure->failed_ranks == comm.size();
+  throw CheckpointError(everyone ? text : text + " (reported by rank " + std::to_string(failure->rank) + ")",
+                        id.rfind("fsdp.ckpt", 0) == 0 ? id : "fsdp.ckpt");
+}
+
+/// A little length-prefixed serializer for broadcasting metadata from rank 0.
+struct Packer {
+  std::string bytes;
+  void i64(std::int64_t v) { bytes.append(reinterpret_cast<const char*>(&v), sizeof v); }
+  void f64(double v) { bytes.append(reinterpret_cast<const char*>(&v), sizeof v); }
+  void str(const std::string& s) {
+    i64(static_cast<std::int64_t>(s.size()));
+    bytes += s;
+  }
+};
+struct Unpacker {
+  const std::string& bytes;
+  std::size_t pos = 0;
+  template <class T>
+  T pod() {
+    T v{};
+    if (pos + sizeof v > bytes.size()) throw CheckpointError("internal: truncated metadata broadcast");
+    std::memcpy(&v, bytes.data() + pos, sizeof v);
+    pos += sizeof v;
+    return v;
+  }
+  std::int64_t i64() { return pod<std::int64_t>(); }
+  double f64() { return pod<double>(); }
+  std::string str() {
+    const auto n = static_cast<std::size_t>(i64());
+    if (pos + n > bytes.size()) throw CheckpointError("internal: truncated metadata broadcast");
+    std::string s = bytes.substr(pos, n);
+    pos += n;
+    return s;
+  }
+};
+
+inline torch::Tensor cpu_rng_state() { return at::detail::getDefaultCPUGenerator().get_state(); }
+inline void set_cpu_rng_state(const torch::Tensor& state) {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();  // shares the default generator
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+// Shared with the offline tools: "[2, 3]" and the logical shape of a stored tensor (0-d tensors are
+// stored with dims {1} and attribute scalar=1).
+using ckpt::detail::logical_shape;
+using ckpt::detail::shape_text;
+
+/// The element type of a stored tensor (uint8 datasets with attribute dtype = "bool" are bool).
+inline h5::ElementType tensor_element_type(hid_t dataset, const std::string& where) {
+  const auto t = h5::stored_element_type(dataset, where);
+  if (t == h5::ElementType::kUInt8 && h5::has_attribute(dataset, "dtype") && h5::read_string_attribute(dataset, "dtype", where) == "bool")
+    return h5::ElementType::kBool;
+  return t;
+}
+
+/// Reads a whole buffer, checking its shape and dtype against `like`.
+inline torch::Tensor read_buffer(hid_t file, const std::string& path, const std::string& ds_path, const torch::Tensor& like,
+                                 std::vector<std::string>& problems) {
+  if (!h5::exists(file, ds_path)) {
+    problems.push_back(ds_path + " (missing)");
+    return {};
+  }
+  h5::Id ds = h5::open_dataset(file, ds_path, path);
+  const auto shape = logical_shape(ds);
+  const auto stored = tensor_element_type(ds, "checkpoint '" + path + "' dataset " + ds_path);
+  const auto wanted = element_type_of(like.scalar_type());
+  if (shape != like.sizes().vec() || stored != wanted) {
+    problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", model " + shape_text(like.sizes().vec()) +
+                       " " + h5::element_type_name(wanted) + ")");
+    return {};
+  }
+  auto t = torch::empty(like.sizes(), like.options().device(torch::kCPU).requires_grad(false));  // staged on the host
+  h5::read_flat_range(ds, shape, 0, t.numel(), wanted, t.data_ptr(), "checkpoint '" + path + "' dataset " + ds_path);
+  return t;
+}
+
+/// The part of parameter `i` of unit `u` inside the flat range [lo, hi) of the unit's padded
+/// flat buffer: param-local flat range [begin, end) and where it starts in the range.
+struct Piece {
+  std::int64_t begin = 0, end = 0;  // within the parameter's flattened elements
+  std::int64_t offset = 0;          // of `begin` relative to `lo`
+};
+inline Piece piece_of(const FlatLayout& layout, std::size_t i, std::int64_t lo, std::int64_t hi) {
+  const auto i64 = static_cast<std::int64_t>(i);
+  const std::int64_t p0 = layout.param_offset(i64), p1 = p0 + layout.param_numel(i64);
+  const std::int64_t a = std::max(lo, p0), b = std::min(hi, p1);
+  if (a >= b) return {};
+  return {a - p0, b - p0, a - lo};
+}
+
+inline std::string model_path(const std::string& fqn) { return "/model/" + fqn; }
+inline std::string optim_path(const std::string& fqn) { return "/optim/" + fqn; }
+
+/// What a load reads before touching the model.
+struct StagedUnit {
+  torch::Tensor flat;  // this rank's shard
+  std::vector<std::pair<std::string, torch::Tensor>> optim;
+  std::int64_t optim_step = 0;
+  bool has_optim = false;
+};
+struct StagedMeta {
+  TrainState train;
+  std::string optimizer_kind;  // "" = no optimizer state in the file
+  std::vector<double> lrs;
+  torch::Tensor rng;  // this rank's CPU RNG state, undefined if not restorable
+};
+
+/// The module's buffers by name, as checkpoints hold them: in their own dtype (before mixed
+/// precision's buffer_dtype). Loading copies the value back into the live buffer.
+template <class Engine>
+std::vector<std::pair<std::string, torch::Tensor>> named_buffers_of(Engine& engine) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& b : engine.module()->named_buffers(/*recurse=*/true)) {
+    if (!b.value().defined()) continue;
+    const auto dtype = engine.checkpoint_buffer_dtype(b.key(), b.value());
+    out.emplace_back(b.key(), dtype == b.value().scalar_type() ? b.value() : b.value().detach().to(dtype));
+  }
+  return out;
+}
+
+/// The live buffers, in the order of named_buffers_of().
+template <class Engine>
+std::vector<torch::Tensor> live_buffers_of(Engine& engine) {
+  std::vector<torch::Tensor> out;
+  for (const auto& b : engine.module()->named_buffers(/*recurse=*/true))
+    if (b.value().defined()) out.push_back(b.value());
+  return out;
+}
+
+/// The MPI communicator parallel HDF5 writes through: the engine's own (MpiComm), or the MPI
+/// communicator over the same ranks that a GPU communicator was bootstrapped from (NcclComm::mpi()).
+template <class Comm>
+MPI_Comm mpi_handle(Comm& comm) {
+  if constexpr (requires {
+                  { comm.native() } -> std::convertible_to<MPI_Comm>;
+                })
+    return comm.native();
+  else
+    return comm.mpi().native();
+}
+
+template <class Engine>
+void write_root_attributes(hid_t file, Engine& engine, StateDictType type, const TrainState& state, const std::string& created,
+                           const std::string& deck) {
+  h5::write_attribute(file, "format", ckpt::kFormatName);
+  h5::write_attribute(file, "format_version", ckpt::kFormatVersion);
+  h5::write_attribute(file, "state_dict_type", to_string(type));
+  h5::write_attribute(file, "step", state.step);
+  h5::write_attribute(file, "world_size", engine.world_size());
+  h5::write_attribute(file, "shard_group_size", engine.shard_group_size());
+  h5::write_attribute(file, "strategy", to_string(engine.sharding_strategy()));
+  h5::write_attribute(file, "plan_hash", ckpt::hex64(engine.plan_hash()));
+  h5::write_attribute(file, "fsdp_version", kVersion);
+  h5::write_attribute(file, "torch_version",
+                      std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." + std::to_string(TORCH_VERSION_PATCH));
+  h5::write_attribute(file, "created", created);
+  h5::write_attribute(file, "deck", deck);
+}
+
+inline void write_train_group(hid_t file, const TrainState& state) {
+  h5::Id train = h5::require_group(file, "/train");
+  h5::write_attribute(train, "step", state.step);
+  h5::write_attribute(train, "epoch", state.epoch);
+  h5::write_attribute(train, "sample_index", state.sample_index);
+  h5::Id sched = h5::require_group(file, "/train/scheduler");
+  for (const auto& [k, v] : state.scheduler) h5::write_attribute(sched, k, v);
+}
+
+inline void write_optimizer_attributes(hid_t file, const torch::optim::Optimizer& opt) {
+  h5::Id g = h5::require_group(file, "/optim");
+  h5::write_attribute(g, "kind", optimizer_kind(opt));
+  std::vector<double> lrs;
+  for (const auto& group : opt.param_groups()) lrs.push_back(group.options().get_lr());
+  h5::write_attribute(g, "lr", lrs);
+}
+
+/// The optimizer state of a unit's shard, if the optimizer has any for it.
+inline std::optional<OptimizerStateView> unit_optimizer_state(const torch::optim::Optimizer* opt, const ShardedUnit& u) {
+  if (!opt || !u.shard.defined()) return std::nullopt;
+  const auto it = opt->state().find(optimizer_state_key(u.shard));
+  if (it == opt->state().end()) return std::nullopt;
+  return optimizer_state_view(*it->second);
+}
+
+/// Creates /model/<fqn> for each parameter and buffer, /optim/<fqn>/<state>, and hard links for tied
+/// parameters; calls write(dataset, fqn, shape, source) for each, where source names what to write.
+struct TensorTarget {
+  std::string path;
+  std::vector<std::int64_t> shape;
+  h5::ElementType type;
+};
+
+inline h5::Id create_tensor_dataset(hid_t file, const TensorTarget& t, const char* kind) {
+  h5::Id ds = h5::create_dataset(file, t.path, t.type, t.shape);
+  h5::write_attribute(ds, "kind", kind);
+  if (t.type == h5::ElementType::kBool) h5::write_attribute(ds, "dtype", "bool");  // stored as uint8
+  if (t.shape.empty()) h5::write_attribute(ds, "scalar", std::int64_t{1});
+  return ds;
+}
+
+/// Tied parameters are stored once; their other names are hard links to the same dataset.
+template <class Engine>
+void link_tied_parameters(hid_t file, Engine& engine) {
+  for (const auto& [name, aliases] : engine.tied_parameter_aliases())
+    for (const auto& alias : aliases)
+      h5::check(H5Lcreate_hard(file, model_path(name).c_str(), file, model_path(alias).c_str(), H5P_DEFAULT, H5P_DEFAULT),
+                "cannot link " + model_path(alias));
+}
+
+/// Creates /model/<name> for a buffer; `writer` ranks write its values (with a collective `dxpl`
+/// every rank calls this, the others with nothing selected).
+inline void write_buffer(hid_t file, const std::string& name, const torch::Tensor& buffer, bool writer, hid_t dxpl) {
+  const auto b = buffer.detach().to(torch::kCPU).contiguous();  // HDF5 reads host memory
+  const TensorTarget t{model_path(name), b.sizes().vec(), element_type_of(b.scalar_type())};
+  h5::Id ds = create_tensor_dataset(file, t, "buffer");
+  h5::write_flat_range(ds, t.shape, 0, writer ? b.numel() : 0, t.type, b.data_ptr(), dxpl, t.path);
+}
+
+inline void write_rng_rows(hid_t file, const torch::Tensor& rows, std::int64_t world, int my_row, bool parallel, hid_t dxpl) {
+  // rows: in parallel, this rank's state (1 x n); serially, every rank's (world x n).
+  const std::int64_t n = rows.size(-1);
+  h5::Id ds = h5::create_dataset(file, "/rng/cpu", h5::ElementType::kUInt8, {world, n});
+  if (parallel)
+    h5::write_flat_range(ds, {world, n}, my_row * n, (my_row + 1) * n, h5::ElementType::kUInt8, rows.data_ptr(), dxpl, "/rng/cpu");
+  else
+    h5::write_flat_range(ds, {world, n}, 0, world * n, h5::ElementType::kUInt8, rows.data_ptr(), H5P_DEFAULT, "/rng/cpu");
+}
+
+/// All ranks' CPU RNG states as a (world x n) uint8 tensor. Collective.
+template <Communicator Comm>
+torch::Tensor gather_rng_states(Comm& comm) {
+  auto mine = cpu_rng_state().contiguous();
+  std::int64_t n = mine.numel(), max_n = n;
+  comm.all_reduce(&max_n, &max_n, 1, DType::kInt64, ReduceOp::kMax);
+  if (max_n != n) throw CheckpointError("RNG state sizes differ between ranks");
+  auto all = torch::empty({comm.size(), n}, torch::kUInt8);
+  comm.all_gather(mine.data_ptr(), all.data_ptr(), n, DType::kUInt8);
+  return all;
+}
+
+/// Train state, optimizer kind and learning rates, and the RNG rows of a file.
+inline StagedMeta read_meta(hid_t file, const std::string& path, int rng_row, std::int64_t rng_rows_expected) {
+  StagedMeta m;
+  const std::string where = "checkpoint '" + path + "'";
+  h5::Id train = h5::open_group(file, "/train", path);
+  m.train.step = h5::read_int_attribute(train, "step", where + " /train");
+  m.train.epoch = h5::read_int_attribute(train, "epoch", where + " /train");
+  m.train.sample_index = h5::read_int_attribute(train, "sample_index", where + " /train");
+  h5::Id sched = h5::open_group(file, "/train/scheduler", path);
+  for (const auto& k : h5::list_attribute_names(sched)) m.train.scheduler[k] = h5::read_double_attribute(sched, k, where + " /train/scheduler");
+  m.train.deck = h5::read_string_attribute(file, "deck", where);
+  if (h5::exists(file, "/optim")) {
+    h5::Id g = h5::open_group(file, "/optim", path);
+    m.optimizer_kind = h5::read_string_attribute(g, "kind", where + " /optim");
+    m.lrs = h5::read_double_array_attribute(g, "lr", where + " /optim");
+  }
+  if (rng_row >= 0 && h5::exists(file, "/rng/cpu")) {
+    h5::Id ds = h5::open_dataset(file, "/rng/cpu", path);
+    const auto dims = h5::dataset_dims(ds);
+    if (dims.size() == 2 && dims[0] == rng_rows_expected) {
+      m.rng = torch::empty({dims[1]}, torch::kUInt8);
+      h5::read_flat_range(ds, dims, rng_row * dims[1], (rng_row + 1) * dims[1], h5::ElementType::kUInt8, m.rng.data_ptr(),
+                          where + " dataset /rng/cpu");
+    }
+  }
+  return m;
+}
+
+inline std::string pack_meta(const StagedMeta& m) {
+  Packer p;
+  p.i64(m.train.step);
+  p.i64(m.train.epoch);
+  p.i64(m.train.sample_index);
+  p.i64(static_cast<std::int64_t>(m.train.scheduler.size()));
+  for (const auto& [k, v] : m.train.scheduler) {
+    p.str(k);
+    p.f64(v);
+  }
+  p.str(m.train.deck);
+  p.str(m.optimizer_kind);
+  p.i64(static_cast<std::int64_t>(m.lrs.size()));
+  for (double lr : m.lrs) p.f64(lr);
+  return p.bytes;
+}
+
+inline StagedMeta unpack_meta(const std::string& bytes) {
+  Unpacker u{bytes};
+  StagedMeta m;
+  m.train.step = u.i64();
+  m.train.epoch = u.i64();
+  m.train.sample_index = u.i64();
+  for (std::int64_t n = u.i64(); n > 0; --n) {
+    std::string k = u.str();
+    m.train.scheduler[k] = u.f64();
+  }
+  m.train.deck = u.str();
+  m.optimizer_kind = u.str();
+  for (std::int64_t n = u.i64(); n > 0; --n) m.lrs.push_back(u.f64());
+  return m;
+}
+
+template <Communicator Comm>
+void arrive_together(Comm& comm, const CheckpointOptions& options, const char* what) {
+  if constexpr (requires { comm.barrier_within(1.0, std::string()); })
+    comm.barrier_within(options.collective_timeout_s, what);
+  else
+    comm.barrier();
+}
+
+inline std::string mismatch_message(const std::string& path, const std::vector<std::string>& problems) {
+  std::string m = "checkpoint '" + path + "' does not match the model: ";
+  for (std::size_t i = 0; i < problems.size() && i < 20; ++i) m += (i ? "; " : "") + problems[i];
+  if (problems.size() > 20) m += "; ... and " + std::to_string(problems.size() - 20) + " more";
+  return m;
+}
+
+}  // namespace detail
+
+}  // namespace fsdp
