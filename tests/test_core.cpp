@@ -9,6 +9,7 @@
 #include "fsdp/core/execution_order.hpp"
 #include "fsdp/core/strategy.hpp"
 #include "fsdp/core/unit_plan.hpp"
+#include "fsdp/io/safetensors_format.hpp"
 #include "fsdp/trace.hpp"
 
 #include <filesystem>
@@ -295,4 +296,42 @@ BOOST_AUTO_TEST_CASE(execution_order_picks_the_next_unit_to_prefetch) {
   BOOST_TEST(order.next_forward(1) == 2);  // the previous step's order
   BOOST_TEST(order.next_forward(3) == -1);
   BOOST_TEST(order.next_backward(0) == -1);  // nothing ran yet in this step
+}
+
+BOOST_AUTO_TEST_CASE(safetensors_header_round_trip_and_errors) {
+  namespace st = fsdp::safetensors;
+  std::vector<st::TensorEntry> tensors = {{"a.weight", "F32", {2, 3}}, {"a.bias", "BF16", {3}}, {"scale", "F64", {}}};
+  st::Header layout;
+  const std::string header = st::encode_header(tensors, {{"format", "pt"}}, &layout);
+  BOOST_TEST(header.size() % 8 == 0u);  // the data starts 8-byte aligned
+  BOOST_TEST(tensors[1].begin == 24);
+  BOOST_TEST(tensors[2].end == 24 + 6 + 8);
+  const std::int64_t file_bytes = layout.data_start + layout.data_bytes;
+  const auto parsed = st::parse_header(header, file_bytes, "m.safetensors");
+  BOOST_TEST(parsed.data_start == static_cast<std::int64_t>(header.size()));
+  BOOST_TEST(parsed.tensors.size() == 3u);
+  BOOST_TEST(parsed.find("a.bias")->dtype == "BF16");
+  BOOST_TEST(parsed.find("scale")->shape.empty());
+  BOOST_TEST(parsed.metadata.at("format") == "pt");
+  auto fails = [&](const std::string& text, std::int64_t size, const std::string& expected) {
+    try {
+      (void)st::parse_header(text, size, "m.safetensors");
+      BOOST_FAIL("parsed; expected: " << expected);
+    } catch (const fsdp::CheckpointError& e) {
+      BOOST_TEST(std::string(e.what()).find(expected) != std::string::npos, e.what());
+    }
+  };
+  // A file of `json` as its header and `data_bytes` bytes of data.
+  auto fails_json = [&](const std::string& json, std::int64_t data_bytes, const std::string& expected) {
+    std::string file(8, '\0');
+    for (int i = 0; i < 8; ++i) file[static_cast<std::size_t>(i)] = static_cast<char>((json.size() >> (8 * i)) & 0xff);
+    fails(file + json, static_cast<std::int64_t>(8 + json.size()) + data_bytes, expected);
+  };
+  fails(header.substr(0, 5), 5, "too short");
+  fails(header, file_bytes - 1, "data_offsets [30, 38) outside the data section of 37 bytes");
+  fails_json("{\"x\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 4]}}", 4, "hold 4 bytes, its shape and dtype need 8");
+  fails_json("{\"x\": {\"dtype\": \"Q7\", \"shape\": [1], \"data_offsets\": [0, 1]}}", 1, "unknown dtype 'Q7'");
+  fails_json("{\"x\": {\"dtype\": \"U8\", \"shape\": [1], \"data_offsets\": [1, 2]}}", 2, "starts at data offset 1, expected 0");
+  fails_json("{\"x\": 1", 0, "is not valid JSON");
+  fails_json("{\"x\": {\"shape\": [1]}}", 0, "tensor 'x': malformed entry");
 }

@@ -1,0 +1,322 @@
+// Sharded models to and from safetensors files (io layer). Saving: every rank computes the same header
+// from the units' names and shapes, rank 0 writes it, and every rank writes the bytes of its own
+// shard slices into the one file (MPI-IO, no gather), under a temporary name that rank 0 renames once
+// every rank has synced. Loading: every rank reads the header and then only the byte ranges of its
+// own shard slices, at any world size and strategy; the ranks agree that every read succeeded before
+// any parameter changes. Peak memory: this rank's shards (staged) plus one slice.
+#pragma once
+
+#include <mpi.h>
+#include <torch/torch.h>
+
+#include <bit>
+#include <climits>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "fsdp/io/checkpoint_state.hpp"
+#include "fsdp/io/safetensors_format.hpp"
+
+namespace fsdp {
+
+static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian; so must the host be");
+
+/// The safetensors dtype name of a torch dtype ("F32" for float).
+inline std::string safetensors_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "F32";
+    case c10::ScalarType::Half: return "F16";
+    case c10::ScalarType::BFloat16: return "BF16";
+    case c10::ScalarType::Double: return "F64";
+    case c10::ScalarType::Long: return "I64";
+    case c10::ScalarType::Int: return "I32";
+    case c10::ScalarType::Short: return "I16";
+    case c10::ScalarType::Char: return "I8";
+    case c10::ScalarType::Byte: return "U8";
+    case c10::ScalarType::Bool: return "BOOL";
+    default: throw CheckpointError(std::string("safetensors cannot store tensors of dtype ") + c10::toString(t));
+  }
+}
+
+/// The torch dtype of a safetensors dtype name, if LibTorch has one.
+inline std::optional<c10::ScalarType> torch_dtype_of_safetensors(const std::string& dtype) {
+  static const std::map<std::string, c10::ScalarType> types = {
+      {"F32", c10::ScalarType::Float}, {"F16", c10::ScalarType::Half}, {"BF16", c10::ScalarType::BFloat16}, {"F64", c10::ScalarType::Double},
+      {"I64", c10::ScalarType::Long},  {"I32", c10::ScalarType::Int},  {"I16", c10::ScalarType::Short},     {"I8", c10::ScalarType::Char},
+      {"U8", c10::ScalarType::Byte},   {"BOOL", c10::ScalarType::Bool}};
+  const auto it = types.find(dtype);
+  if (it == types.end()) return std::nullopt;
+  return it->second;
+}
+
+struct SafetensorsSaveOptions {
+  /// Floating-point tensors are written in this dtype (bf16/fp16 exports); unset: as trained.
+  std::optional<c10::ScalarType> dtype;
+  /// The file's "__metadata__" (string pairs, e.g. {"format": "pt"}).
+  std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  /// Include the model's buffers (e.g. BatchNorm statistics) as tensors.
+  bool buffers = true;
+  /// Deadline for the ranks to arrive together (comm.timeout_s in fsdp-train).
+  double collective_timeout_s = 600;
+};
+
+struct SafetensorsSaveResult {
+  std::string path;
+  std::int64_t bytes = 0;
+  std::int64_t tensors = 0;
+  double seconds = 0;
+};
+
+struct SafetensorsLoadOptions {
+  /// Parameters the file may lack (they keep their values), listed in the result; otherwise a
+  /// missing parameter is an error.
+  bool allow_missing = false;
+  /// Tensors no parameter or buffer claims are listed in the result; otherwise they are an error.
+  bool allow_unexpected = false;
+  /// Load buffers found in the file (by name); buffers the file lacks keep their values.
+  bool buffers = true;
+  double collective_timeout_s = 600;
+};
+
+struct SafetensorsLoadResult {
+  std::vector<std::string> missing;     ///< parameters not in the file (allow_missing)
+  std::vector<std::string> unexpected;  ///< tensors of the file that no parameter or buffer claims
+  std::int64_t bytes_read = 0;          ///< by this rank
+};
+
+namespace detail {
+
+/// MPI's counts are int: large pieces go in chunks.
+inline constexpr std::int64_t kMpiChunkBytes = std::int64_t{1} << 30;
+
+inline void mpi_io_check(int rc, const std::string& what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw CheckpointError(what + ": " + std::string(text, static_cast<std::size_t>(len)));
+}
+
+/// The tensors a save writes, in file order: every unit's parameters, then the buffers.
+template <class Engine>
+std::vector<safetensors::TensorEntry> safetensors_entries(Engine& engine, const SafetensorsSaveOptions& options) {
+  std::vector<safetensors::TensorEntry> out;
+  auto out_dtype = [&](c10::ScalarType t) { return options.dtype && c10::isFloatingType(t) ? *options.dtype : t; };
+  for (const auto& u : engine.sharded_units())
+    for (std::size_t i = 0; i < u.param_names.size(); ++i) out.push_back({u.param_names[i], safetensors_dtype(out_dtype(u.dtype)), u.shapes[i]});
+  if (options.buffers)
+    for (const auto& [name, b] : named_buffers_of(engine)) out.push_back({name, safetensors_dtype(out_dtype(b.scalar_type())), b.sizes().vec()});
+  return out;
+}
+
+}  // namespace detail
+
+/// Writes the model's parameters (and buffers) to the safetensors file `path`. Each tensor once, under
+/// its canonical name (tied parameters once, as safetensors has no aliases). Collective over the
+/// engine's world; on any rank's failure every rank throws CheckpointError and `path` is untouched.
+template <class Engine>
+SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, const SafetensorsSaveOptions& options = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto& world = engine.comm();
+  detail::arrive_together(world, CheckpointOptions{.collective_timeout_s = options.collective_timeout_s}, "save_safetensors");
+  const std::filesystem::path target(path);
+  const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+  const std::filesystem::path tmp = dir / ckpt::temporary_name(target.filename().string());
+  auto entries = detail::safetensors_entries(engine, options);
+  safetensors::Header layout;
+  const std::string header = safetensors::encode_header(entries, options.metadata, &layout);
+  const std::int64_t total = layout.data_start + layout.data_bytes;
+
+  std::optional<std::string> error = detail::capture_error([&] {
+    if (world.rank() != 0) return;
+    std::filesystem::create_directories(dir);
+    ckpt::reserve_space(tmp, total, path);
+    std::fstream out(tmp, std::ios::in | std::ios::out | std::ios::binary);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    out.flush();
+    if (!out) throw CheckpointError("cannot write the header of '" + tmp.string() + "': " + std::strerror(errno));
+  });
+  detail::agree(world, error);
+
+  MPI_File fh = MPI_FILE_NULL;
+  const MPI_Comm mpi = detail::mpi_handle(world);
+  error = detail::capture_error(
+      [&] { detail::mpi_io_check(MPI_File_open(mpi, tmp.c_str(), MPI_MODE_WRONLY, MPI_INFO_NULL, &fh), "cannot open '" + tmp.string() + "'"); });
+  detail::agree(world, error);  // MPI_File_open is collective: all opened or all failed
+
+  auto write_at = [&](std::int64_t offset, const torch::Tensor& bytes_of, const std::string& name) {
+    const auto* data = static_cast<const char*>(bytes_of.data_ptr());
+    const std::int64_t n = bytes_of.numel() * static_cast<std::int64_t>(bytes_of.element_size());
+    for (std::int64_t done = 0; done < n; done += detail::kMpiChunkBytes) {
+      const int count = static_cast<int>(std::min(detail::kMpiChunkBytes, n - done));
+      MPI_Status status;
+      detail::mpi_io_check(MPI_File_write_at(fh, offset + done, data + done, count, MPI_BYTE, &status),
+                           "cannot write tensor '" + name + "' at offset " + std::to_string(offset + done) + " of '" + tmp.string() + "'");
+    }
+  };
+  // One copy of each shard is written: the first replica's.
+  const bool writer = engine.replica_comm().rank() == 0;
+  std::int64_t index = 0;
+  error = detail::capture_error([&] {
+    torch::NoGradGuard no_grad;
+    for (const auto& u : engine.sharded_units()) {
+      const auto first = index;
+      index += static_cast<std::int64_t>(u.param_names.size());
+      if (!writer || u.empty()) continue;
+      const auto shard = u.shard.detach().to(torch::kCPU).contiguous();
+      for (const auto& slice : u.layout.slices(u.shard_rank)) {
+        const auto& e = layout.tensors[static_cast<std::size_t>(first + slice.param_index)];
+        const auto dtype = *torch_dtype_of_safetensors(e.dtype);
+        const auto piece = shard.narrow(0, slice.shard_offset, slice.numel).to(dtype).contiguous();
+        write_at(layout.data_start + e.begin + slice.param_offset * static_cast<std::int64_t>(piece.element_size()), piece, e.name);
+      }
+    }
+    if (world.rank() == 0 && options.buffers) {
+      for (const auto& [name, b] : detail::named_buffers_of(engine)) {
+        const auto& e = layout.tensors[static_cast<std::size_t>(index++)];
+        write_at(layout.data_start + e.begin, b.detach().to(torch::kCPU, *torch_dtype_of_safetensors(e.dtype)).contiguous(), name);
+      }
+    }
+  });
+  // MPI_File_sync and MPI_File_close are collective: every rank calls them, failed or not.
+  const int sync_rc = MPI_File_sync(fh);
+  const int close_rc = MPI_File_close(&fh);
+  if (!error)
+    error = detail::capture_error([&] {
+      detail::mpi_io_check(sync_rc, "cannot sync '" + tmp.string() + "'");
+      detail::mpi_io_check(close_rc, "cannot close '" + tmp.string() + "'");
+    });
+  if (error && world.rank() == 0) std::filesystem::remove(tmp);
+  detail::agree(world, error);
+
+  error = detail::capture_error([&] {
+    if (world.rank() != 0) return;
+    std::filesystem::rename(tmp, target);
+    ckpt::fsync_path(dir);
+  });
+  detail::agree(world, error);
+  SafetensorsSaveResult result;
+  result.path = path;
+  result.bytes = total;
+  result.tensors = static_cast<std::int64_t>(layout.tensors.size());
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+namespace detail {
+
+/// Bytes [offset, offset + n) of `in` as a tensor of `dtype` (n a multiple of its size).
+inline torch::Tensor read_bytes(std::ifstream& in, const std::string& path, std::int64_t offset, std::int64_t n, c10::ScalarType dtype,
+                                const std::string& name) {
+  auto t = torch::empty({n / static_cast<std::int64_t>(c10::elementSize(dtype))}, torch::TensorOptions().dtype(dtype));
+  in.clear();
+  in.seekg(offset);
+  in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(n));
+  if (!in)
+    throw CheckpointError("safetensors file '" + path + "': cannot read tensor '" + name + "' (" + std::to_string(n) + " bytes at offset " +
+                          std::to_string(offset) + ")");
+  return t;
+}
+
+}  // namespace detail
+
+/// Loads parameters (and buffers) from the safetensors file `path` into the model: each rank reads
+/// only the bytes of its own shard slices. Every parameter must be in the file with its shape (a
+/// tied parameter under any of its names), in a dtype it can be cast from; problems are listed in one
+/// CheckpointError on every rank, and nothing changes. Optimizer state is not touched. Collective.
+template <class Engine>
+SafetensorsLoadResult load_safetensors(Engine& engine, const std::string& path, const SafetensorsLoadOptions& options = {}) {
+  auto& world = engine.comm();
+  detail::arrive_together(world, CheckpointOptions{.collective_timeout_s = options.collective_timeout_s}, "load_safetensors");
+  SafetensorsLoadResult result;
+  std::vector<torch::Tensor> staged_shards;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> staged_buffers;  // live, new value
+  const auto units = engine.sharded_units();
+  const auto error = detail::capture_error([&] {
+    const auto header = safetensors::read_header(path);
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw CheckpointError("cannot open safetensors file '" + path + "'");
+    std::set<std::string> claimed;
+    std::vector<std::string> problems;
+    // The file's entry for `name` (a tied parameter under any of its names), checked against the model.
+    auto entry_of = [&](const std::string& name, const std::vector<std::int64_t>& shape, c10::ScalarType into) -> const safetensors::TensorEntry* {
+      const safetensors::TensorEntry* e = header.find(name);
+      if (const auto aliases = engine.tied_parameter_aliases().find(name); !e && aliases != engine.tied_parameter_aliases().end())
+        for (const auto& a : aliases->second)
+          if ((e = header.find(a))) break;
+      if (!e) {
+        if (!options.allow_missing) problems.push_back("parameter '" + name + "' is missing");
+        result.missing.push_back(name);
+        return nullptr;
+      }
+      claimed.insert(e->name);
+      const auto dtype = torch_dtype_of_safetensors(e->dtype);
+      if (e->shape != shape) {
+        problems.push_back("tensor '" + e->name + "': shape " + detail::shape_text(e->shape) + " in the file, " + detail::shape_text(shape) +
+                           " in the model");
+        return nullptr;
+      }
+      if (!dtype || c10::isFloatingType(*dtype) != c10::isFloatingType(into)) {
+        problems.push_back("tensor '" + e->name + "': dtype " + e->dtype + " cannot be loaded into " + c10::toString(into));
+        return nullptr;
+      }
+      return e;
+    };
+    std::vector<std::vector<const safetensors::TensorEntry*>> found(units.size());
+    for (std::size_t k = 0; k < units.size(); ++k)
+      for (std::size_t i = 0; i < units[k].param_names.size(); ++i)
+        found[k].push_back(entry_of(units[k].param_names[i], units[k].shapes[i], units[k].dtype));
+    std::vector<std::pair<torch::Tensor, const safetensors::TensorEntry*>> buffer_entries;
+    if (options.buffers)
+      for (const auto& b : engine.module()->named_buffers(/*recurse=*/true))
+        if (b.value().defined() && header.find(b.key()))
+          if (const auto* e = entry_of(b.key(), b.value().sizes().vec(), b.value().scalar_type())) buffer_entries.emplace_back(b.value(), e);
+    for (const auto& t : header.tensors)
+      if (!claimed.count(t.name)) result.unexpected.push_back(t.name);
+    if (!options.allow_unexpected)
+      for (const auto& name : result.unexpected) problems.push_back("unexpected tensor '" + name + "' (no parameter or buffer of the model)");
+    if (!problems.empty()) throw CheckpointError(detail::mismatch_message(path, problems), detail::kMismatchId);
+
+    torch::NoGradGuard no_grad;
+    for (std::size_t k = 0; k < units.size(); ++k) {
+      const auto& u = units[k];
+      if (u.empty()) {
+        staged_shards.emplace_back();
+        continue;
+      }
+      auto staged = u.shard.detach().to(torch::kCPU).clone();
+      for (const auto& slice : u.layout.slices(u.shard_rank)) {
+        const auto* e = found[k][static_cast<std::size_t>(slice.param_index)];
+        if (!e) continue;  // allowed missing: keeps its value
+        const auto dtype = *torch_dtype_of_safetensors(e->dtype);
+        const auto esize = static_cast<std::int64_t>(c10::elementSize(dtype));
+        const auto piece =
+            detail::read_bytes(in, path, header.data_start + e->begin + slice.param_offset * esize, slice.numel * esize, dtype, e->name);
+        staged.narrow(0, slice.shard_offset, slice.numel).copy_(piece);
+        result.bytes_read += slice.numel * esize;
+      }
+      staged_shards.push_back(staged);
+    }
+    for (const auto& [live, e] : buffer_entries) {
+      const auto dtype = *torch_dtype_of_safetensors(e->dtype);
+      staged_buffers.emplace_back(live,
+                                  detail::read_bytes(in, path, header.data_start + e->begin, e->end - e->begin, dtype, e->name).view(live.sizes()));
+      result.bytes_read += e->end - e->begin;
+    }
+  });
+  detail::agree(world, error);
+  torch::NoGradGuard no_grad;
+  for (std::size_t k = 0; k < units.size(); ++k)
+    if (!units[k].empty()) units[k].shard.detach().copy_(staged_shards[k]);  // bumps the version: gathered copies are refreshed
+  for (auto& [live, value] : staged_buffers) live.copy_(value);
+  return result;
+}
+
+}  // namespace fsdp
