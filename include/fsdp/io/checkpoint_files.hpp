@@ -22,6 +22,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -190,20 +191,83 @@ inline void commit(const std::filesystem::path& dir, const std::string& name) {
   write_file_atomically(dir / kLatestName, name + "\n");
 }
 
+/// What the `latest` pointer of a checkpoint folder says.
+struct LatestPointer {
+  enum class State { kAbsent, kValid, kDamaged };
+  State state = State::kAbsent;
+  std::string name;     ///< kValid: the checkpoint it names (which exists)
+  std::string problem;  ///< kDamaged: what is wrong with it, for messages
+};
+
+/// Reads `latest`: absent, valid (names a checkpoint that exists) or damaged (empty, not a checkpoint
+/// name, or naming one that does not exist).
+inline LatestPointer inspect_latest(const std::filesystem::path& dir) {
+  LatestPointer p;
+  std::error_code ec;
+  if (!std::filesystem::exists(dir / kLatestName, ec)) return p;
+  p.state = LatestPointer::State::kDamaged;
+  std::ifstream in(dir / kLatestName);
+  if (!in) {
+    p.problem = "cannot be read";
+    return p;
+  }
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  const std::string shown = text.size() > 40 ? text.substr(0, 40) + "..." : text;
+  if (text.empty())
+    p.problem = "is empty";
+  else if (!step_of(text) || text.find('/') != std::string::npos)
+    p.problem = "holds '" + shown + "', not a checkpoint name";
+  else if (!std::filesystem::exists(dir / text, ec))
+    p.problem = "names " + text + ", which does not exist";
+  else {
+    p.state = LatestPointer::State::kValid;
+    p.name = text;
+  }
+  return p;
+}
+
 /// Committed checkpoints that belong to the run `latest` names, newest first: `latest` itself, then
 /// those with a smaller step. Checkpoints with a larger step than `latest` come from an abandoned run
 /// (a restart from an older step) or a crash between a commit's rename and its `latest` update; they
-/// are neither loaded by resume nor counted or deleted by keep_last. Without `latest`: all of them.
+/// are neither loaded by resume nor counted or deleted by keep_last. Without a valid `latest` (absent
+/// or damaged): all of them.
 inline std::vector<std::pair<std::int64_t, std::string>> run_checkpoints(const std::filesystem::path& dir) {
-  const auto latest = read_latest(dir);
+  const auto latest = inspect_latest(dir);
   auto all = list_checkpoints(dir);
-  if (!latest) return all;
-  const auto latest_step = step_of(*latest);
-  std::vector<std::pair<std::int64_t, std::string>> out;
-  if (latest_step) out.emplace_back(*latest_step, *latest);
+  if (latest.state != LatestPointer::State::kValid) return all;
+  const auto latest_step = *step_of(latest.name);
+  std::vector<std::pair<std::int64_t, std::string>> out{{latest_step, latest.name}};
   for (auto& c : all)
-    if (latest_step && c.first < *latest_step) out.push_back(std::move(c));
+    if (c.first < latest_step) out.push_back(std::move(c));
   return out;
+}
+
+/// Where checkpoints of another trajectory are moved so that a run never writes over them.
+inline constexpr const char* kSetAsideName = "abandoned";
+
+/// Moves every checkpoint of `dir` with a step above `step` into `dir/abandoned/` (a name taken there
+/// already gets the time appended): they belong to a trajectory this run does not continue, and its
+/// own saves at those steps must not replace them. Returns the names moved. Rank 0 only.
+inline std::vector<std::string> set_aside_checkpoints_after(const std::filesystem::path& dir, std::int64_t step) {
+  std::vector<std::string> moved;
+  const auto aside = dir / kSetAsideName;
+  for (const auto& [s, name] : list_checkpoints(dir)) {
+    if (s <= step) continue;
+    std::error_code ec;
+    std::filesystem::create_directories(aside, ec);
+    if (ec) throw CheckpointError("cannot create '" + aside.string() + "' to keep checkpoints of another run: " + ec.message());
+    auto target = aside / name;
+    if (std::filesystem::exists(target, ec)) target = aside / (name + "." + std::to_string(std::time(nullptr)));
+    std::filesystem::rename(dir / name, target, ec);
+    if (ec) throw CheckpointError("cannot move '" + (dir / name).string() + "' to '" + target.string() + "': " + ec.message());
+    moved.push_back(name);
+  }
+  if (!moved.empty()) {
+    fsync_path(aside);
+    fsync_path(dir);
+  }
+  return moved;
 }
 
 /// Deletes all but the newest `keep_last` checkpoints of the run (see run_checkpoints), never the one
@@ -211,10 +275,10 @@ inline std::vector<std::pair<std::int64_t, std::string>> run_checkpoints(const s
 inline std::vector<std::string> prune(const std::filesystem::path& dir, int keep_last) {
   std::vector<std::string> removed;
   if (keep_last <= 0) return removed;
-  const auto latest = read_latest(dir);
+  const auto latest = inspect_latest(dir);
   const auto all = run_checkpoints(dir);
   for (std::size_t i = static_cast<std::size_t>(keep_last); i < all.size(); ++i) {
-    if (latest && all[i].second == *latest) continue;
+    if (all[i].second == latest.name) continue;
     std::error_code ec;
     std::filesystem::remove_all(dir / all[i].second, ec);
     if (ec) throw CheckpointError("cannot remove old checkpoint '" + (dir / all[i].second).string() + "': " + ec.message());

@@ -361,41 +361,52 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
 }
 
 /// Loads the newest usable checkpoint in `dir`: the one `latest` names, else (or if that one is
-/// unreadable) the next newest. Returns its path and why newer ones were skipped; an empty path means
-/// nothing could be loaded (a fresh start). Collective.
+/// unreadable) the next older one; with `latest` absent or damaged (empty, garbage, naming a missing
+/// file), every checkpoint, newest first. Checkpoints past the one loaded are moved to `dir/abandoned/`
+/// so that this run's saves never replace them. Returns the path loaded and notes on what was skipped
+/// or moved; an empty path means the folder has no checkpoint (a fresh start). When checkpoints exist
+/// but none can be loaded, throws CheckpointError listing why: a run never starts over silently.
+/// Collective.
 template <class Engine>
 ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimizer, const std::string& dir, TrainState* state = nullptr,
                                 const CheckpointOptions& options = {}) {
   auto& world = engine.comm();
   detail::arrive_together(world, options, "resume_from_latest");
-  std::string listing;
-  std::string ignored;
+  // Rank 0 looks at the folder; every rank gets the same candidates and notes.
+  std::vector<std::string> candidates, notes;
+  std::int64_t existing = 0;
   if (world.rank() == 0) {
-    for (const auto& [step, name] : ckpt::run_checkpoints(dir)) listing += name + "\n";
-    if (const auto latest = ckpt::read_latest(dir)) {
-      const auto latest_step = ckpt::step_of(*latest).value_or(-1);
-      for (const auto& [step, name] : ckpt::list_checkpoints(dir))
-        if (step > latest_step) ignored += name + "\n";
+    const auto latest = ckpt::inspect_latest(dir);
+    const auto all = ckpt::list_checkpoints(dir);
+    existing = static_cast<std::int64_t>(all.size());
+    if (latest.state == ckpt::LatestPointer::State::kDamaged && !all.empty())
+      notes.push_back(std::string(ckpt::kLatestName) + ": " + latest.problem + "; trying every checkpoint, newest first");
+    for (const auto& [step, name] : ckpt::run_checkpoints(dir)) candidates.push_back(name);
+    if (latest.state == ckpt::LatestPointer::State::kValid)
+      for (const auto& [step, name] : all)
+        if (step > *ckpt::step_of(latest.name))
+          notes.push_back(name + ": newer than latest (from an abandoned run or an interrupted commit); not loaded");
+  }
+  auto share = [&](std::vector<std::string>& lines) {
+    std::string text;
+    for (const auto& l : lines) text += l + "\n";
+    text = detail::broadcast_string(world, text);
+    lines.clear();
+    for (std::size_t at = 0; at < text.size();) {
+      const auto end = text.find('\n', at);
+      lines.push_back(text.substr(at, end - at));
+      at = end + 1;
     }
-  }
-  listing = detail::broadcast_string(world, listing);
-  ignored = detail::broadcast_string(world, ignored);
+  };
+  share(candidates);
+  share(notes);
+  world.broadcast(&existing, 1, DType::kInt64, 0);
   ResumeResult result;
-  for (std::size_t at = 0; at < ignored.size();) {
-    const auto end = ignored.find('\n', at);
-    result.skipped.push_back(ignored.substr(at, end - at) + ": newer than latest (from an abandoned run or an interrupted commit); not loaded");
-    at = end + 1;
-  }
-  std::size_t start = 0;
-  while (start < listing.size()) {
-    const auto end = listing.find('\n', start);
-    const std::string name = listing.substr(start, end - start);
-    start = end + 1;
+  result.skipped = notes;
+  for (const auto& name : candidates) {
     const std::string path = (std::filesystem::path(dir) / name).string();
     try {
       load_checkpoint(engine, optimizer, path, state, options);
-      result.path = path;
-      return result;
     } catch (const CheckpointError& e) {
       // Unreadable (corrupt, truncated, incomplete): fall back to an older one. Readable but written by
       // another model, optimizer or plan: stop, the folder belongs to another run.
@@ -404,7 +415,33 @@ ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimiz
             detail::message_of(e) + ". The checkpoint folder '" + dir + "' holds another run: use another folder, or start fresh without resuming",
             detail::kMismatchId);
       result.skipped.push_back(name + ": " + detail::message_of(e));
+      continue;
     }
+    result.path = path;
+    // Checkpoints past the one resumed from belong to another trajectory: this run's saves at those
+    // steps must not replace them.
+    std::optional<std::string> error = detail::capture_error([&] {
+      if (world.rank() == 0) result.set_aside = ckpt::set_aside_checkpoints_after(dir, *ckpt::step_of(name));
+    });
+    detail::agree(world, error);
+    share(result.set_aside);
+    for (const auto& moved : result.set_aside) {
+      const std::string where = std::string("moved to ") + ckpt::kSetAsideName + "/";
+      const auto noted =
+          std::find_if(result.skipped.begin(), result.skipped.end(), [&](const std::string& s) { return s.rfind(moved + ":", 0) == 0; });
+      if (noted != result.skipped.end())
+        *noted += "; " + where;
+      else
+        result.skipped.push_back(moved + ": past the checkpoint resumed from (another trajectory); " + where);
+    }
+    return result;
+  }
+  // Never start over while checkpoints exist: whatever made them unreadable needs a look first.
+  if (existing > 0) {
+    std::string why;
+    for (const auto& s : result.skipped) why += "\n  " + s;
+    throw CheckpointError("none of the " + std::to_string(existing) + " checkpoint(s) in '" + dir + "' can be loaded:" + why +
+                          "\nRepair or move them (fsdp-ckpt verify names the damage), or start fresh with checkpoint.resume = \"none\"");
   }
   return result;
 }

@@ -79,8 +79,9 @@ struct SaveResult {
 };
 
 struct ResumeResult {
-  std::string path;                  ///< the checkpoint loaded; empty if none was usable
-  std::vector<std::string> skipped;  ///< "<name>: <why>" for each newer one that could not be loaded
+  std::string path;                    ///< the checkpoint loaded; empty if none was usable
+  std::vector<std::string> skipped;    ///< "<name>: <why>" for each checkpoint not loaded, and what was wrong with `latest`
+  std::vector<std::string> set_aside;  ///< checkpoints past the one loaded, moved to abandoned/ (another trajectory)
 };
 
 }  // namespace fsdp
