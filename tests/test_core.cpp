@@ -2,6 +2,9 @@
 #define BOOST_TEST_MODULE fsdp_core
 #include <boost/test/unit_test.hpp>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <numeric>
 #include <random>
 
@@ -9,6 +12,7 @@
 #include "fsdp/core/execution_order.hpp"
 #include "fsdp/core/strategy.hpp"
 #include "fsdp/core/unit_plan.hpp"
+#include "fsdp/io/run_lock.hpp"
 #include "fsdp/io/safetensors_format.hpp"
 #include "fsdp/trace.hpp"
 
@@ -334,4 +338,68 @@ BOOST_AUTO_TEST_CASE(safetensors_header_round_trip_and_errors) {
   fails_json("{\"x\": {\"dtype\": \"U8\", \"shape\": [1], \"data_offsets\": [1, 2]}}", 2, "starts at data offset 1, expected 0");
   fails_json("{\"x\": 1", 0, "is not valid JSON");
   fails_json("{\"x\": {\"shape\": [1]}}", 0, "tensor 'x': malformed entry");
+}
+
+namespace {
+/// A fresh folder under the system's temporary directory.
+std::filesystem::path fresh_dir(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / ("fsdp_test_core_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+void write_lock(const std::filesystem::path& dir, const fsdp::RunLockHolder& h) {
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / fsdp::RunLock::kFileName) << "host=" << h.host << "\npid=" << h.pid << "\njob_id=" << h.job_id << "\nstarted=" << h.started
+                                                << "\nflock=" << (h.flocked ? 1 : 0) << "\n";
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(run_lock_refuses_a_second_run_and_names_the_holder) {
+  const auto dir = fresh_dir("lock");
+  auto me = fsdp::RunLock::this_process();
+  me.job_id = "";
+  {
+    const auto lock = fsdp::RunLock::acquire(dir, me);
+    BOOST_TEST(std::filesystem::exists(dir / fsdp::RunLock::kFileName));
+    try {
+      (void)fsdp::RunLock::acquire(dir, me);  // a second run on the same folder
+      BOOST_FAIL("second lock taken");
+    } catch (const fsdp::RunLockError& e) {
+      const std::string what = e.what();
+      BOOST_TEST(what.find("is in use by another run (host " + me.host + ", pid " + std::to_string(me.pid)) != std::string::npos, what);
+      BOOST_TEST(e.holder().pid == me.pid);
+    }
+  }
+  BOOST_TEST(!std::filesystem::exists(dir / fsdp::RunLock::kFileName));  // released
+  // A live process of this host that holds no flock (pid 1): held.
+  write_lock(dir, {me.host, 1, "", "then", false});
+  BOOST_CHECK_THROW((void)fsdp::RunLock::acquire(dir, me), fsdp::RunLockError);
+  // Another node's run: cannot be checked from here, so held.
+  write_lock(dir, {"another-node", 12345, "77", "then", true});
+  BOOST_CHECK_THROW((void)fsdp::RunLock::acquire(dir, me), fsdp::RunLockError);
+  std::filesystem::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(run_lock_takes_over_a_stale_lock) {
+  const auto dir = fresh_dir("stale");
+  auto me = fsdp::RunLock::this_process();
+  me.job_id = "";
+  // A process of this host that is gone (a child that has exited and been reaped).
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  write_lock(dir, {me.host, child, "", "then", false});
+  { const auto lock = fsdp::RunLock::acquire(dir, me); }
+  // A live pid that held flock but no longer does (the pid was reused): stale.
+  write_lock(dir, {me.host, 1, "", "then", true});
+  { const auto lock = fsdp::RunLock::acquire(dir, me); }
+  // An earlier incarnation of the same Slurm job (a requeue), even from another node: taken over.
+  me.job_id = "4242";
+  write_lock(dir, {"old-node", 999, "4242", "then", true});
+  {
+    const auto lock = fsdp::RunLock::acquire(dir, me);
+    BOOST_TEST(fsdp::RunLock::read_holder(lock.path())->job_id == "4242");
+    BOOST_TEST(fsdp::RunLock::read_holder(lock.path())->host == me.host);
+  }
+  std::filesystem::remove_all(dir);
 }
