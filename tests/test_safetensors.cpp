@@ -6,6 +6,7 @@
 
 #include <fsdp/fsdp.hpp>
 #include <fsdp/io/safetensors.hpp>
+#include <fsdp/io/safetensors_export.hpp>
 
 #include <filesystem>
 #include <fstream>
@@ -235,4 +236,32 @@ BOOST_AUTO_TEST_CASE(a_save_into_a_missing_folder_fails_on_every_rank) {
   } catch (const std::exception& e) {
     BOOST_FAIL("expected CheckpointError, got " << e.what());
   }
+}
+
+BOOST_AUTO_TEST_CASE(checkpoints_of_every_type_export_to_the_same_file) {
+  const auto dir = shared_dir("export");
+  auto engine = make_engine(8, ShardingStrategy::FULL_SHARD);
+  const auto want = full_state(engine);
+  for (auto type : {fsdp::StateDictType::SHARDED_STATE_DICT, fsdp::StateDictType::FULL_STATE_DICT, fsdp::StateDictType::LOCAL_STATE_DICT}) {
+    BOOST_TEST_CONTEXT(fsdp::to_string(type)) {
+      fsdp::CheckpointOptions o;
+      o.state_dict_type = type;
+      const auto saved = fsdp::save_checkpoint(*engine, nullptr, dir + "/" + fsdp::to_string(type), {.step = 1}, o);
+      const std::string out = dir + "/" + fsdp::to_string(type) + ".safetensors";
+      const std::string out_bf16 = dir + "/" + fsdp::to_string(type) + ".bf16.safetensors";
+      if (MpiComm::world().rank() == 0) {
+        fsdp::ckpt::export_safetensors(saved.path, out);
+        fsdp::ckpt::export_safetensors(saved.path, out_bf16, {.dtype = "bf16"});
+      }
+      MpiComm::world().barrier();
+      check_equal(read_all(out), want);
+      const auto bf16 = read_all(out_bf16);
+      for (const auto& [name, t] : want) BOOST_TEST(torch::equal(bf16.at(name), t.is_floating_point() ? t.to(torch::kBFloat16) : t), name);
+      // The export loads back into the engine like a live save does.
+      auto loaded = make_engine(77, ShardingStrategy::NO_SHARD);
+      fsdp::load_safetensors(*loaded, out);
+      check_equal(full_state(loaded), want);
+    }
+  }
+  BOOST_CHECK_THROW(fsdp::ckpt::export_safetensors(dir + "/nothing.h5", dir + "/x.safetensors"), fsdp::Error);
 }
