@@ -15,6 +15,8 @@
 #include <string>
 #include <thread>
 
+#include "torch_common.hpp"
+
 namespace F = torch::nn::functional;
 namespace fs = std::filesystem;
 using fsdp::AutoWrapPolicy;
@@ -23,24 +25,10 @@ using fsdp::MpiComm;
 using fsdp::ShardingStrategy;
 using fsdp::StateDictType;
 
-struct MpiFixture {
-  MpiFixture() {
-    auto& suite = boost::unit_test::framework::master_test_suite();
-    env = std::make_unique<fsdp::MpiEnvironment>(&suite.argc, &suite.argv);
-    torch::set_num_threads(1);  // ranks x threads <= cores
-  }
-  std::unique_ptr<fsdp::MpiEnvironment> env;
-};
-BOOST_TEST_GLOBAL_FIXTURE(MpiFixture);
+using CheckpointFixture = TorchMpiFixture<>;
+BOOST_TEST_GLOBAL_FIXTURE(CheckpointFixture);
 
 // ---- model ------------------------------------------------------------------------------------
-
-struct TiedOutImpl : torch::nn::Module {
-  explicit TiedOutImpl(torch::Tensor shared) { weight = register_parameter("weight", std::move(shared)); }
-  torch::Tensor forward(const torch::Tensor& x) { return F::linear(x, weight.t()); }
-  torch::Tensor weight;
-};
-TORCH_MODULE(TiedOut);
 
 /// Linear layers, BatchNorm buffers (one of them an int64 scalar), a tied weight, a 0-d parameter and
 /// dropout (so a resume is exact only if the RNG state comes back too).

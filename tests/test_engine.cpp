@@ -11,21 +11,16 @@
 #include <set>
 #include <string>
 
+#include "torch_common.hpp"
+
 namespace F = torch::nn::functional;
 using fsdp::AutoWrapPolicy;
 using fsdp::FsdpOptions;
 using fsdp::MpiComm;
 using fsdp::ShardingStrategy;
 
-struct MpiFixture {
-  MpiFixture() {
-    auto& suite = boost::unit_test::framework::master_test_suite();
-    env = std::make_unique<fsdp::MpiEnvironment>(&suite.argc, &suite.argv, MPI_THREAD_MULTIPLE);  // prefetching
-    torch::set_num_threads(1);                                                                    // ranks x threads <= cores
-  }
-  std::unique_ptr<fsdp::MpiEnvironment> env;
-};
-BOOST_TEST_GLOBAL_FIXTURE(MpiFixture);
+using EngineFixture = TorchMpiFixture<MPI_THREAD_MULTIPLE>;  // prefetching runs collectives on a worker thread
+BOOST_TEST_GLOBAL_FIXTURE(EngineFixture);
 
 // ---- models -----------------------------------------------------------------------------------
 
@@ -52,14 +47,6 @@ struct GatedLinearImpl : torch::nn::Module {
   bool use_gate = true;
 };
 TORCH_MODULE(GatedLinear);
-
-/// Output projection that reuses (ties) an existing weight, transposed.
-struct TiedOutImpl : torch::nn::Module {
-  explicit TiedOutImpl(torch::Tensor shared) { weight = register_parameter("weight", std::move(shared)); }
-  torch::Tensor forward(const torch::Tensor& x) { return F::linear(x, weight.t()); }
-  torch::Tensor weight;
-};
-TORCH_MODULE(TiedOut);
 
 /// MLP with uneven widths, a tied weight, a scalar unit and a sometimes-unused parameter.
 /// Children are called through fsdp::forward, so nested units free their parameters between passes.
