@@ -18,10 +18,9 @@ export CCACHE_DIR ?= $(HOME)/.cache/ccache
 export CCACHE_SLOPPINESS = pch_defines,time_macros,include_file_mtime,include_file_ctime
 export OMPI_MCA_mpi_yield_when_idle = 1
 
-CMAKE_FLAGS = -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
-ifneq ($(shell command -v ccache 2>/dev/null),)
-CMAKE_FLAGS += -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache
-endif
+# Looked up when configure runs, after deps: on a fresh machine deps has just installed ccache.
+CCACHE_FLAGS = $(if $(shell command -v ccache 2>/dev/null),-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+CMAKE_FLAGS = -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CCACHE_FLAGS)
 
 .PHONY: deps build test run clean
 .PHONY: check-gpu format
