@@ -1,6 +1,8 @@
 # fsdp: one-word entry points. Everything builds into build/ (binaries in build/bin/).
-#   make deps    install the Debian packages (apt)
-#   make build   configure + build
+# A fresh Debian 12 machine needs only `make run` and `make test`: every target that builds first installs
+# the missing Debian packages (scripts/deps.sh, silent when nothing is missing).
+#   make deps    install the missing Debian packages (apt) and nothing else
+#   make build   deps, configure + build
 #   make test    build, then run every test through CTest
 #   make run     build, then train the default deck inputs/mnist_fsdp.toml on 2 ranks (NP=, DECK=)
 #   make bench   build what it needs, then fsdp-train vs PyTorch DDP/FSDP, MPI and checkpoint bandwidth -> build/bench/results.md (~13 min; BENCH_QUICK=1: ~3 min smoke test)
@@ -16,10 +18,9 @@ export CCACHE_DIR ?= $(HOME)/.cache/ccache
 export CCACHE_SLOPPINESS = pch_defines,time_macros,include_file_mtime,include_file_ctime
 export OMPI_MCA_mpi_yield_when_idle = 1
 
-CMAKE_FLAGS = -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
-ifneq ($(shell command -v ccache 2>/dev/null),)
-CMAKE_FLAGS += -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache
-endif
+# Looked up when configure runs, after deps: on a fresh machine deps has just installed ccache.
+CCACHE_FLAGS = $(if $(shell command -v ccache 2>/dev/null),-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+CMAKE_FLAGS = -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CCACHE_FLAGS)
 
 .PHONY: deps build test run clean
 .PHONY: check-gpu format
@@ -29,12 +30,13 @@ format:
 	git ls-files '*.hpp' '*.cpp' '*.h' | xargs clang-format -i
 
 deps:
-	bash scripts/deps.sh
+	@bash scripts/deps.sh
 
-$(BUILD_DIR)/CMakeCache.txt:
+# Order-only: deps runs before every configure and build, yet never forces a reconfigure.
+$(BUILD_DIR)/CMakeCache.txt: | deps
 	cmake -S . -B $(BUILD_DIR) $(CMAKE_FLAGS)
 
-build: $(BUILD_DIR)/CMakeCache.txt
+build: $(BUILD_DIR)/CMakeCache.txt | deps
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 test: build
@@ -58,7 +60,7 @@ run: build
 # NO_SHARD) against the PyTorch peer bench/train_peer.py (DDP, PyTorch FSDP) at 1, 2 and 4 ranks.
 # Builds only what it runs.
 .PHONY: bench
-bench: $(BUILD_DIR)/CMakeCache.txt
+bench: $(BUILD_DIR)/CMakeCache.txt | deps
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target fsdp-train fsdp_mpi_bandwidth fsdp_ckpt_bench
 	/usr/bin/python3 bench/run_bench.py
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian packages fsdp needs (idempotent: skips apt when everything is present).
+# Installs the Debian packages fsdp needs. Every build runs it (make build, run, test, bench), so it is
+# idempotent and silent when everything is present: apt runs only for what is missing.
 set -euo pipefail
 packages=(
   build-essential cmake make ccache pkg-config clang libclang-rt-14-dev
@@ -14,10 +15,7 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if ((${#missing[@]} == 0)); then
-  echo "deps: all ${#packages[@]} packages present"
-  exit 0
-fi
+((${#missing[@]} == 0)) && exit 0
 echo "deps: installing ${missing[*]}"
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -113,7 +113,7 @@ foreach(rank 0 1)
   if(n LESS 50)
     message(FATAL_ERROR "trace_rank${rank}.json has only ${n} events")
   endif()
-  foreach(event "\"all_gather\", \"cat\": \"comm\"" "\"reduce_scatter\", \"cat\": \"comm\"" "\"forward \\(root\\)\"" "\"forward fc1\""
+  foreach(event "\"all_gather\",\"cat\":\"comm\"" "\"reduce_scatter\",\"cat\":\"comm\"" "\"forward \\(root\\)\"" "\"forward fc1\""
                 "\"backward fc1\"" "\"optimizer\"" "\"checkpoint\"" "\"step 7\"" "\"resident memory\"" "\"gathered parameters\"")
     expect_in("${trace}" "${event}")
   endforeach()

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common.hpp"
 #include "fsdp/comm/agree.hpp"
 #include "fsdp/comm/mpi_comm.hpp"
 
@@ -13,14 +14,8 @@ using fsdp::DType;
 using fsdp::MpiComm;
 using fsdp::ReduceOp;
 
-struct MpiFixture {
-  MpiFixture() {
-    env = std::make_unique<fsdp::MpiEnvironment>(&boost::unit_test::framework::master_test_suite().argc,
-                                                 &boost::unit_test::framework::master_test_suite().argv);
-  }
-  std::unique_ptr<fsdp::MpiEnvironment> env;
-};
-BOOST_TEST_GLOBAL_FIXTURE(MpiFixture);
+using CommFixture = MpiFixture<>;
+BOOST_TEST_GLOBAL_FIXTURE(CommFixture);
 
 static float value(int rank, std::int64_t i) { return static_cast<float>(rank * 1000 + i) * 0.5f; }
 

@@ -131,8 +131,8 @@ BOOST_AUTO_TEST_CASE(tracer_records_only_when_enabled_and_writes_chrome_json) {
   std::stringstream text;
   text << std::ifstream(path).rdbuf();
   const std::string json = text.str();
-  for (const char* want : {"\"traceEvents\"", "\"pid\": 3", "\"name\": \"rank 3\"", "\"name\": \"all_gather\", \"cat\": \"comm\", \"ph\": \"X\"",
-                           "\"bytes\": 4096", "\"unit\": 2", "forward \\\"layers.0\\\"", "\"ph\": \"C\"", "\"MiB\": 12.5"})
+  for (const char* want : {"\"traceEvents\"", "\"pid\":3", "\"name\":\"rank 3\"", "\"name\":\"all_gather\",\"cat\":\"comm\",\"ph\":\"X\"",
+                           "\"bytes\":4096", "\"unit\":2", "forward \\\"layers.0\\\"", "\"ph\":\"C\"", "\"MiB\":12.5"})
     BOOST_TEST(json.find(want) != std::string::npos, "missing " << want << " in\n" << json);
   BOOST_CHECK_THROW(tracer.write_json("/nonexistent/dir/trace.json", 0), fsdp::Error);
   tracer.clear();

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "collective_deadline.hpp"
+
 namespace {
 
 using fsdp::FsdpOptions;
@@ -99,6 +101,7 @@ int main(int argc, char** argv) {
                 torch::cuda::is_available() ? "fewer GPUs than ranks on a node" : "this LibTorch has no CUDA or no GPU is visible");
     return 77;
   }
+  arm_collective_deadline(world.rank());          // a rank left alone in an MPI collective ends the run
   at::globalContext().setAllowTF32CuBLAS(false);  // fp32 means fp32 for the 1e-5 bar
   at::globalContext().setAllowTF32CuDNN(false);
   const torch::Device device(torch::kCUDA, local_rank);

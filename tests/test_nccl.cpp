@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common.hpp"
 #include "fsdp/comm/nccl_comm.hpp"
 
 using fsdp::DType;
@@ -701,6 +702,6 @@ int main(int argc, char** argv) {
     }
   }
   // A rank left alone in an MPI collective (a test failed on one rank) ends the job instead of hanging.
-  fsdp::CollectiveWatchdog::instance().configure(300, world.rank());
+  arm_collective_deadline(world.rank());
   return boost::unit_test::unit_test_main(&init_unit_test, argc, argv);
 }

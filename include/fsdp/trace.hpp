@@ -3,15 +3,21 @@
 // One Tracer per process records complete events ("X": name, category, start, duration, a few
 // integer arguments) and counters ("C": e.g. memory). Off by default: a disabled tracer costs one
 // relaxed atomic load per would-be event, so the hooks stay in the hot path. Events are coarse (one
-// per unit per phase per step), so a mutex-guarded vector is enough. std only.
+// per unit per phase per step), so a mutex-guarded vector is enough. The JSON is written with
+// nlohmann/json (escaping, numbers) only when the trace is saved; recording needs std only.
 #pragma once
+
+#if !__has_include(<nlohmann/json.hpp>)
+#error "fsdp/trace.hpp needs nlohmann/json (Debian: nlohmann-json3-dev; scripts/deps.sh installs it)"
+#endif
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -76,23 +82,23 @@ class Tracer {
   }
 
   /// Writes {"traceEvents": [...]} with process id `rank` (one trace per rank; Perfetto merges
-  /// several files opened together). Throws Error when the file cannot be written.
+  /// several files opened together), one event per line. Throws Error when the file cannot be written.
   void write_json(const std::string& path, int rank) const {
     std::ofstream out(path, std::ios::trunc);
     if (!out) throw Error("fsdp.trace", "cannot write trace '" + path + "'");
-    out << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
-    out << "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": " << rank << ", \"args\": {\"name\": \"rank " << rank << "\"}},\n";
-    out << "{\"name\": \"process_sort_index\", \"ph\": \"M\", \"pid\": " << rank << ", \"args\": {\"sort_index\": " << rank << "}}";
+    out << R"({"displayTimeUnit":"ms","traceEvents":[)" << '\n';
+    write_event(out, {{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
+    out << ",\n";
+    write_event(out, {{"name", "process_sort_index"}, {"ph", "M"}, {"pid", rank}, {"args", {{"sort_index", rank}}}});
     for (const auto& e : events()) {
-      out << ",\n{\"name\": \"" << escaped(e.name) << "\", \"cat\": \"" << e.category << "\", \"ph\": \"" << e.phase << "\", \"ts\": " << e.start_us
-          << ", \"pid\": " << rank << ", \"tid\": " << e.thread;
-      if (e.phase == 'X') out << ", \"dur\": " << e.duration_us;
+      Json event = {{"name", e.name}, {"cat", e.category}, {"ph", std::string(1, e.phase)}, {"ts", e.start_us}, {"pid", rank}, {"tid", e.thread}};
+      if (e.phase == 'X') event["dur"] = e.duration_us;
       if (!e.args.empty()) {
-        out << ", \"args\": {";
-        for (std::size_t i = 0; i < e.args.size(); ++i) out << (i ? ", " : "") << "\"" << e.args[i].first << "\": " << number(e.args[i].second);
-        out << "}";
+        Json& args = event["args"];
+        for (const auto& [key, value] : e.args) args[key] = number(value);
       }
-      out << "}";
+      out << ",\n";
+      write_event(out, event);
     }
     out << "\n]}\n";
     out.flush();
@@ -113,19 +119,16 @@ class Tracer {
     return mine;
   }
 
-  static std::string escaped(const std::string& s) {
-    std::string out;
-    for (char c : s) {
-      if (c == '"' || c == '\\') out += '\\';
-      if (static_cast<unsigned char>(c) >= 0x20) out += c;
-    }
-    return out;
-  }
+  using Json = nlohmann::ordered_json;  // keys in the order written: name, cat, ph, ts, ...
 
-  static std::string number(double v) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.17g", v);
-    return buf;
+  /// One event, compact; a name that is not valid UTF-8 gets U+FFFD rather than failing the write.
+  static void write_event(std::ofstream& out, const Json& event) { out << event.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+  /// Whole numbers (bytes, unit indices) as JSON integers, others as doubles; NaN and infinities
+  /// become null, as JSON has no spelling for them.
+  static Json number(double v) {
+    if (std::isfinite(v) && v == std::trunc(v) && std::fabs(v) < 9007199254740992.0) return static_cast<std::int64_t>(v);
+    return v;
   }
 
   std::atomic<bool> enabled_{false};

@@ -90,6 +90,25 @@ concept CommRequest = std::movable<R> && requires(R r) {
 ///  - reduce_scatter(send, recv, n, t, op): send holds n * size elements; rank r gets reduced chunk r
 ///  - all_reduce(send, recv, n, t, op): send may equal recv (in place)
 ///  - broadcast(buf, n, t, root); barrier(); split(color, key) -> a communicator over a subset
+///  - the non-blocking forms i*(...) -> a CommRequest; counters() -> the bytes and seconds so far
+///
+/// Optional capabilities: the engine and the checkpoints probe for these with `requires` and fall
+/// back as said when a communicator lacks them (MpiComm has every one but kMovesDeviceMemory; NcclComm
+/// has kMovesDeviceMemory, split_node() and mpi()).
+///  - `static constexpr bool kMovesDeviceMemory`: true when the buffers are device (GPU) memory; the
+///    engine then computes on the communicator's device and overlaps on its streams instead of a
+///    worker thread. Absent: false (fsdp::comm_moves_device_memory).
+///  - `static bool threads_may_call_concurrently()`: whether two threads may run collectives on two
+///    communicators at once; prefetching and overlapped reductions on the collective worker need it
+///    and are a ConfigError when it is false. Absent: true.
+///  - `set_waiting_yields_cpu(bool)`: the worker thread's communicators wait by polling and sleeping
+///    instead of spinning. Absent: not called.
+///  - `split_node()` -> a communicator over this node's ranks (collective): its size is the default
+///    shard group of the hybrid strategies. Absent: the whole world counts as one node.
+///  - `native()` convertible to MPI_Comm, else `mpi()` -> an MpiComm over the same ranks: the MPI
+///    communicator parallel HDF5 writes checkpoints through (one of the two is needed to checkpoint).
+///  - `barrier_within(seconds, what)`: a barrier that gives up with CommError (fsdp.comm.deadline), so
+///    a checkpoint called on some ranks only fails instead of hanging. Absent: a plain barrier().
 template <class C>
 concept Communicator = std::copy_constructible<C> &&
     requires(C c, const C cc, const void* src, void* dst, std::int64_t n, DType t, ReduceOp op, int root) {

@@ -1,6 +1,8 @@
 // MpiComm: the Communicator over MPI for CPU buffers (comm layer; no LibTorch).
 //
-// MpiEnvironment bootstraps MPI (MPI_Init_thread, FUNNELED: every MPI call from one thread).
+// MpiEnvironment bootstraps MPI (MPI_Init_thread): MPI_THREAD_FUNNELED unless asked for more;
+// prefetching and overlapped reductions run collectives on the engine's collective worker thread as
+// well, which needs MPI_THREAD_MULTIPLE (fsdp-train and test_engine ask for it).
 // Errors are returned, not fatal (MPI_ERRORS_RETURN) and rethrown as fsdp::CommError naming the call.
 // Reduce-scatter is a ring of N-1 MPI_Sendrecv steps with a local add: measured 4-11x faster here
 // than Open MPI's MPI_Reduce_scatter_block (see docs/design.md), and it supports 16-bit floats.

@@ -1,0 +1,396 @@
+// The checked CUDA and NCCL calls of NcclComm, their error text, and one NCCL communicator's lifetime
+// (comm layer; CUDA runtime + NCCL + MPI, no LibTorch), apart from the collectives as c10d keeps
+// NCCLUtils.hpp apart from ProcessGroupNCCL. Include fsdp/comm/nccl_comm.hpp, not this file.
+//
+// Every CUDA and NCCL call is checked (FSDP_CUDA_CHECK, FSDP_NCCL_CHECK) and a failure is a CommError
+// naming the call, the rank, file:line and the CUDA / NCCL error text. NcclState owns a non-blocking
+// NCCL communicator (ncclConfig_t::blocking = 0) with its stream and events: every wait (init, split,
+// enqueue, completion, finalize) polls ncclCommGetAsyncError and a deadline, and past the deadline
+// the communicator is aborted (ncclCommAbort) and CommError with id fsdp.comm.deadline is thrown.
+#pragma once
+
+#if !defined(FSDP_WITH_NCCL)
+#error "fsdp/comm/nccl_comm.hpp needs FSDP_WITH_NCCL: configure with -DFSDP_WITH_NCCL=ON and link fsdp::nccl"
+#endif
+#if !__has_include(<nccl.h>) || !__has_include(<cuda_runtime_api.h>)
+#error "fsdp/comm/nccl_comm.hpp: nccl.h or cuda_runtime_api.h not on the include path (link fsdp::nccl)"
+#endif
+
+#include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <nccl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "fsdp/comm/communicator.hpp"
+#include "fsdp/comm/mpi_comm.hpp"
+
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
+#error "NcclComm needs NCCL >= 2.14 (non-blocking communicators, ncclCommInitRankConfig, ncclAvg, bfloat16)"
+#endif
+
+/// Checks a CUDA runtime call; a failure throws fsdp::CommError naming the call, rank and file:line.
+#define FSDP_CUDA_CHECK(call)                                                                                     \
+  do {                                                                                                            \
+    const cudaError_t fsdp_cuda_rc_ = (call);                                                                     \
+    if (fsdp_cuda_rc_ != cudaSuccess) ::fsdp::detail::throw_cuda_error(#call, fsdp_cuda_rc_, __FILE__, __LINE__); \
+  } while (0)
+
+/// Checks an NCCL call that must succeed at once (ncclInProgress is a failure here; calls on the
+/// non-blocking communicator go through NcclComm's own polling instead).
+#define FSDP_NCCL_CHECK(call)                                                                                     \
+  do {                                                                                                            \
+    const ncclResult_t fsdp_nccl_rc_ = (call);                                                                    \
+    if (fsdp_nccl_rc_ != ncclSuccess) ::fsdp::detail::throw_nccl_error(#call, fsdp_nccl_rc_, __FILE__, __LINE__); \
+  } while (0)
+
+namespace fsdp {
+
+/// How NcclComm::split makes sub-communicators.
+enum class NcclSplit {
+  kAuto,       ///< ncclCommSplit where NCCL >= 2.18, else kMpi
+  kCommSplit,  ///< ncclCommSplit (an error before NCCL 2.18)
+  kMpi,        ///< a new communicator per group, its id broadcast over MPI (needs the MPI bootstrap)
+};
+
+/// Settings of an NcclComm (copied into every communicator split from it).
+struct NcclOptions {
+  /// Deadline in seconds of every wait (init, split, each collective, barrier, finalize); past it the
+  /// communicator is aborted and CommError (fsdp.comm.deadline) is thrown. <= 0 waits forever.
+  /// Give it the deck's comm.timeout_s.
+  double timeout_s = 600;
+  /// CUDA device of this rank; -1: the node-local rank modulo the number of visible devices.
+  int device = -1;
+  /// How split() makes sub-communicators.
+  NcclSplit split = NcclSplit::kAuto;
+  /// from_slurm_file: how long ranks other than 0 wait for rank 0's id file, in seconds.
+  double id_file_timeout_s = 300;
+};
+
+namespace detail {
+
+/// The rank named in error messages; the bootstraps set it to the world rank.
+inline std::atomic<int>& nccl_process_rank_slot() noexcept {
+  static std::atomic<int> rank{-1};
+  return rank;
+}
+
+/// This process's rank for messages: set by a bootstrap, else MPI's world rank, else SLURM_PROCID, else -1.
+inline int process_rank() noexcept {
+  const int set = nccl_process_rank_slot().load(std::memory_order_relaxed);
+  if (set >= 0) return set;
+  int initialized = 0, finalized = 0, rank = -1;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized && MPI_Comm_rank(MPI_COMM_WORLD, &rank) == MPI_SUCCESS) return rank;
+  if (const char* s = std::getenv("SLURM_PROCID")) return std::atoi(s);
+  return -1;
+}
+
+/// Seconds for messages: "2", "0.5", "600".
+inline std::string seconds_text(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", seconds);
+  return text;
+}
+
+inline std::string where(const char* file, int line) { return std::string(" (") + file + ":" + std::to_string(line) + ")"; }
+
+[[noreturn]] inline void throw_cuda_error(const char* call, cudaError_t rc, const char* file, int line) {
+  throw CommError("rank " + std::to_string(process_rank()) + ": " + call + " failed: " + cudaGetErrorName(rc) + ": " + cudaGetErrorString(rc) +
+                  where(file, line));
+}
+
+inline std::string nccl_error_text(ncclResult_t rc, ncclComm_t comm) {
+  std::string text = std::string(ncclGetErrorString(rc));
+  const char* last = ncclGetLastError(comm);
+  if (last != nullptr && *last != '\0') text += std::string("; NCCL says: ") + last;
+  return text;
+}
+
+[[noreturn]] inline void throw_nccl_error(const char* call, ncclResult_t rc, const char* file, int line, ncclComm_t comm = nullptr) {
+  throw CommError("rank " + std::to_string(process_rank()) + ": " + call + " failed: " + nccl_error_text(rc, comm) + where(file, line));
+}
+
+inline ncclDataType_t nccl_datatype(DType t) {
+  switch (t) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kFloat64: return ncclFloat64;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kBFloat16: return ncclBfloat16;
+    case DType::kInt32: return ncclInt32;
+    case DType::kInt64: return ncclInt64;
+    case DType::kUInt8: return ncclUint8;
+  }
+  throw CommError("rank " + std::to_string(process_rank()) + ": unsupported dtype for NCCL");
+}
+
+inline ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kAvg: return ncclAvg;
+    case ReduceOp::kMax: return ncclMax;
+  }
+  throw CommError("rank " + std::to_string(process_rank()) + ": unsupported reduction for NCCL");
+}
+
+inline std::size_t nccl_count(std::int64_t n, const char* what) {
+  if (n < 0) throw CommError("rank " + std::to_string(process_rank()) + ": " + what + ": negative element count " + std::to_string(n));
+  return static_cast<std::size_t>(n);
+}
+
+/// A point in time after which waiting is an error; seconds <= 0 never passes.
+class Deadline {
+ public:
+  explicit Deadline(double seconds)
+      : seconds_(seconds),
+        at_(std::chrono::steady_clock::now() +
+            std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds > 0 ? seconds : 0))) {}
+  bool passed() const noexcept { return seconds_ > 0 && std::chrono::steady_clock::now() > at_; }
+  double seconds() const noexcept { return seconds_; }
+
+ private:
+  double seconds_;
+  std::chrono::steady_clock::time_point at_;
+};
+
+/// Spins briefly, then sleeps up to 1 ms between polls.
+inline void poll_pause(unsigned& spins) {
+  if (++spins < 64) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 50 : 1000));
+  }
+}
+
+/// Makes `device` current for its scope (the autograd engine may call from a thread on another device).
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device) {
+    FSDP_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ == device) {
+      previous_ = -1;
+    } else {
+      FSDP_CUDA_CHECK(cudaSetDevice(device));
+    }
+  }
+  ~CudaDeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+inline ncclConfig_t nonblocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+// ---- one NCCL communicator with its stream, events and deadline --------------------------------------
+
+struct NcclState {
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int size = 1;
+  int device = 0;
+  cudaStream_t comm_stream = nullptr;
+  cudaStream_t compute_stream = nullptr;  // 0: the default stream
+  cudaEvent_t ready = nullptr;            // recorded on the compute stream before each collective
+  cudaEvent_t done = nullptr;             // completion of blocking collectives
+  void* scratch = nullptr;                // device memory for barrier and split_node
+  std::size_t scratch_bytes = 0;
+  NcclOptions options;
+  std::optional<MpiComm> mpi;  // the same ranks in the same order, when bootstrapped over MPI
+  CommCounters counters;
+  bool aborted = false;
+  std::string abort_reason;
+
+  NcclState(int dev, const NcclOptions& opts) : device(dev), options(opts) {
+    const CudaDeviceGuard on(device);
+    try {
+      FSDP_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
+      FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+      FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    } catch (...) {
+      if (ready != nullptr) cudaEventDestroy(ready);
+      if (comm_stream != nullptr) cudaStreamDestroy(comm_stream);
+      throw;
+    }
+  }
+  NcclState(const NcclState&) = delete;
+  NcclState& operator=(const NcclState&) = delete;
+
+  /// Flushes and frees the communicator (ncclCommFinalize, polled within the deadline, then
+  /// ncclCommDestroy); aborts it instead if that fails. Never throws.
+  ~NcclState() {
+    int previous = -1;
+    const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
+    if (comm != nullptr && !aborted) {
+      ncclResult_t rc = ncclCommFinalize(comm);
+      const Deadline deadline(options.timeout_s);
+      unsigned spins = 0;
+      while (rc == ncclInProgress && !deadline.passed()) {
+        poll_pause(spins);
+        if (ncclCommGetAsyncError(comm, &rc) != ncclSuccess) break;
+      }
+      if (rc == ncclSuccess) {
+        ncclCommDestroy(comm);
+      } else {
+        ncclCommAbort(comm);
+      }
+      comm = nullptr;
+    }
+    if (scratch != nullptr) cudaFree(scratch);
+    if (done != nullptr) cudaEventDestroy(done);
+    if (ready != nullptr) cudaEventDestroy(ready);
+    if (comm_stream != nullptr) cudaStreamDestroy(comm_stream);
+    if (switched) cudaSetDevice(previous);
+  }
+
+  std::string who() const { return "rank " + std::to_string(rank) + "/" + std::to_string(size) + " (device " + std::to_string(device) + ")"; }
+
+  void check_usable(const char* op) const {
+    if (aborted) throw CommError(who() + ": " + op + ": the NCCL communicator was aborted earlier (" + abort_reason + ")");
+    if (comm == nullptr) throw CommError(who() + ": " + op + ": no NCCL communicator");
+  }
+
+  /// ncclCommAbort: ends what is queued on the device; the communicator is unusable afterwards.
+  void abort(const std::string& reason) noexcept {
+    if (aborted) return;
+    aborted = true;
+    abort_reason = reason;
+    if (comm != nullptr) {
+      int previous = -1;
+      const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
+      ncclCommAbort(comm);  // its result does not matter: the handle is given up either way
+      comm = nullptr;
+      if (switched) cudaSetDevice(previous);
+    }
+  }
+
+  /// Throws (after aborting) if NCCL reports an asynchronous error on `c`; returns its state otherwise.
+  ncclResult_t poll_async(ncclComm_t c, const char* op, const char* file, int line) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(c, &state);
+    if (rc != ncclSuccess) {
+      const std::string text = nccl_error_text(rc, c);
+      abort(std::string("ncclCommGetAsyncError failed in ") + op);
+      throw CommError(who() + ": " + op + ": ncclCommGetAsyncError failed: " + text + where(file, line));
+    }
+    if (state != ncclSuccess && state != ncclInProgress) {
+      const std::string text = nccl_error_text(state, c);
+      abort(std::string("asynchronous NCCL error in ") + op);
+      throw CommError(who() + ": " + op + ": asynchronous NCCL error: " + text + "; the communicator was aborted" + where(file, line));
+    }
+    return state;
+  }
+
+  /// Aborts and throws fsdp.comm.deadline, naming the collective, the step and the FSDP unit (as the
+  /// CollectiveWatchdog does for MPI).
+  [[noreturn]] void deadline_passed(const char* op, const Deadline& deadline) {
+    abort(std::string(op) + " passed its deadline");
+    const auto& watchdog = CollectiveWatchdog::instance();
+    const int unit = watchdog.unit();
+    throw CommError(who() + ": " + op + " did not complete within " + seconds_text(deadline.seconds()) + " s (step " +
+                        std::to_string(watchdog.step()) + (unit >= 0 ? ", unit " + std::to_string(unit) : std::string()) +
+                        "): a peer rank is missing, stuck or called another collective; the NCCL communicator was aborted "
+                        "(NcclOptions::timeout_s, comm.timeout_s)",
+                    "fsdp.comm.deadline");
+  }
+
+  /// After an NCCL call on the non-blocking communicator `c`: an error throws; ncclInProgress is
+  /// polled (ncclCommGetAsyncError) until it settles, within the deadline.
+  void settle(ncclComm_t c, ncclResult_t rc, const char* call, const char* op, const char* file, int line, const Deadline& deadline) {
+    if (rc == ncclSuccess) return;
+    if (rc != ncclInProgress) {
+      // An asynchronous error makes the communicator unusable (abort); an immediate one (bad arguments) does not.
+      poll_async(c, op, file, line);
+      throw CommError(who() + ": " + call + " failed: " + nccl_error_text(rc, c) + where(file, line));
+    }
+    unsigned spins = 0;
+    while (poll_async(c, op, file, line) == ncclInProgress) {
+      if (deadline.passed()) deadline_passed(op, deadline);
+      poll_pause(spins);
+    }
+  }
+
+  /// Waits on the host until `event` has completed, polling NCCL's asynchronous errors and the deadline.
+  void wait_event(cudaEvent_t event, const char* op, const Deadline& deadline) {
+    unsigned spins = 0;
+    for (;;) {
+      check_usable(op);  // an aborted collective's event completes too: it must not look done
+      const cudaError_t q = cudaEventQuery(event);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) throw_cuda_error("cudaEventQuery(completion event)", q, __FILE__, __LINE__);
+      poll_async(comm, op, __FILE__, __LINE__);
+      if (deadline.passed()) deadline_passed(op, deadline);
+      poll_pause(spins);
+    }
+  }
+
+  /// Orders the comm stream after the compute stream, enqueues `launch` (an NCCL call) on the comm
+  /// stream and records `completion` after it. The caller holds a CudaDeviceGuard.
+  template <class Launch>
+  void enqueue(const char* op, const char* call, const char* file, int line, Launch&& launch, cudaEvent_t completion) {
+    check_usable(op);
+    FSDP_CUDA_CHECK(cudaEventRecord(ready, compute_stream));
+    FSDP_CUDA_CHECK(cudaStreamWaitEvent(comm_stream, ready, 0));
+    settle(comm, launch(), call, op, file, line, Deadline(options.timeout_s));
+    FSDP_CUDA_CHECK(cudaEventRecord(completion, comm_stream));
+  }
+
+  void* ensure_scratch(std::size_t bytes) {
+    if (bytes > scratch_bytes) {
+      if (scratch != nullptr) FSDP_CUDA_CHECK(cudaFree(scratch));
+      scratch = nullptr;
+      scratch_bytes = 0;
+      FSDP_CUDA_CHECK(cudaMalloc(&scratch, bytes));
+      scratch_bytes = bytes;
+    }
+    return scratch;
+  }
+
+  /// Creates this state's communicator as `rank` of `nranks` from `id` (collective over those ranks).
+  void init(const ncclUniqueId& id, int nranks, int my_rank) {
+    const CudaDeviceGuard on(device);
+    rank = my_rank;
+    size = nranks;
+    ncclConfig_t config = nonblocking_config();
+    ncclComm_t c = nullptr;
+    const ncclResult_t rc = ncclCommInitRankConfig(&c, nranks, id, my_rank, &config);
+    if (rc != ncclSuccess && rc != ncclInProgress) {
+      if (c != nullptr) ncclCommAbort(c);
+      throw_nccl_error("ncclCommInitRankConfig(&comm, nranks, id, rank, &config)", rc, __FILE__, __LINE__);
+    }
+    comm = c;
+    settle(comm, rc, "ncclCommInitRankConfig(&comm, nranks, id, rank, &config)", "NCCL init", __FILE__, __LINE__, Deadline(options.timeout_s));
+    check_rank_and_size();
+  }
+
+  void check_rank_and_size() const {
+    int n = 0, r = 0;
+    FSDP_NCCL_CHECK(ncclCommCount(comm, &n));
+    FSDP_NCCL_CHECK(ncclCommUserRank(comm, &r));
+    if (n != size || r != rank)
+      throw CommError(who() + ": NCCL made rank " + std::to_string(r) + " of " + std::to_string(n) + ", expected rank " + std::to_string(rank) +
+                      " of " + std::to_string(size));
+  }
+};
+
+}  // namespace detail
+
+}  // namespace fsdp

@@ -1,0 +1,214 @@
+// HDF5 checkpoint files (run at np = 1..4, part of test_checkpoint): corrupt and truncated files,
+// keep_last and the latest pointer, the schema h5dump reads, saves called on some ranks only or failing
+// on one, checkpoints newer than latest, and a checkpoint of another run.
+#include <boost/test/unit_test.hpp>
+
+#include "checkpoint_harness.hpp"
+
+/// Flips one byte inside the stored data of dataset `name` (its first chunk).
+void flip_byte_in_dataset(const std::string& file, const std::string& name) {
+  haddr_t addr = 0;
+  {
+    hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    hid_t d = H5Dopen2(f, name.c_str(), H5P_DEFAULT);
+    hid_t space = H5Dget_space(d);
+    unsigned mask = 0;
+    hsize_t size = 0;
+    std::vector<hsize_t> offset(8, 0);
+    BOOST_REQUIRE(H5Dget_chunk_info(d, space, 0, offset.data(), &mask, &addr, &size) >= 0);
+    H5Sclose(space);
+    H5Dclose(d);
+    H5Fclose(f);
+  }
+  std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(static_cast<std::streamoff>(addr + 8));
+  char c = 0;
+  io.read(&c, 1);
+  c = static_cast<char>(c ^ 0x40);
+  io.seekp(static_cast<std::streamoff>(addr + 8));
+  io.write(&c, 1);
+}
+
+BOOST_AUTO_TEST_CASE(corrupt_and_truncated_files_are_refused_and_resume_falls_back) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt = make_adam(*model);
+  train_step(*model, *opt, 0);
+  fsdp::save_checkpoint(*model, opt.get(), dir.path, {.step = 1});
+  const auto at_step1 = full_state(*model, opt.get());
+  train_step(*model, *opt, 1);
+  const auto step2 = fsdp::save_checkpoint(*model, opt.get(), dir.path, {.step = 2}).path;
+  const std::string truncated = dir / "truncated.h5", flipped = dir / "flipped.h5";
+  if (world.rank() == 0) {
+    fs::copy_file(step2, truncated);
+    fs::resize_file(truncated, fs::file_size(truncated) / 2);
+    fs::copy_file(step2, flipped);
+    flip_byte_in_dataset(flipped, "/model/fc2.weight");
+  }
+  world.barrier();
+  auto fresh = fsdp::make_fsdp(make_net(4), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt2 = make_adam(*fresh);
+  const auto before = full_state(*fresh, nullptr);
+  for (const auto& [path, expect] : std::vector<std::pair<std::string, std::string>>{{truncated, "truncated.h5"}, {flipped, "/model/fc2.weight"}}) {
+    try {
+      fsdp::load_checkpoint(*fresh, opt2.get(), path);
+      BOOST_ERROR(path << " must be refused");
+    } catch (const fsdp::CheckpointError& e) {
+      const std::string what = e.what();
+      BOOST_TEST(what.find(expect) != std::string::npos, what);
+    }
+  }
+  check_equal(before, full_state(*fresh, nullptr), "refused loads change nothing");
+  // Corrupt the newest checkpoint itself: resume falls back to step 1 and says why.
+  world.barrier();
+  if (world.rank() == 0) flip_byte_in_dataset(step2, "/model/fc2.weight");
+  world.barrier();
+  fsdp::TrainState state;
+  const auto resumed = fsdp::resume_from_latest(*fresh, opt2.get(), dir.path, &state);
+  BOOST_TEST(resumed.path == dir / "step_00000001.h5");
+  BOOST_REQUIRE(resumed.skipped.size() == 1u);
+  BOOST_TEST(resumed.skipped[0].find("step_00000002.h5") == 0u, resumed.skipped[0]);
+  BOOST_TEST(state.step == 1);
+  check_equal(at_step1, full_state(*fresh, opt2.get()), "fell back to step 1");
+}
+
+BOOST_AUTO_TEST_CASE(latest_pointer_and_keep_last) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  fsdp::CheckpointOptions o;
+  o.keep_last = 2;
+  for (int step = 1; step <= 4; ++step) {
+    const auto r = fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = step}, o);
+    BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value() == fsdp::ckpt::checkpoint_name(step));
+    if (step >= 3 && world.rank() == 0) BOOST_TEST(r.pruned == std::vector<std::string>{fsdp::ckpt::checkpoint_name(step - 2)});
+  }
+  world.barrier();
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path)) names.insert(e.path().filename().string());
+  BOOST_TEST((names == std::set<std::string>{"latest", "step_00000003.h5", "step_00000004.h5"}));
+  world.barrier();
+}
+
+BOOST_AUTO_TEST_CASE(h5dump_reads_the_schema) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt = make_adam(*model);
+  train_step(*model, *opt, 0);
+  const auto path = fsdp::save_checkpoint(*model, opt.get(), dir.path, {.step = 1, .deck = "x = 1"}).path;
+  if (world.rank() == 0) {
+    std::string out;
+    FILE* pipe = popen(("h5dump -A " + path + " 2>&1").c_str(), "r");
+    BOOST_REQUIRE(pipe);
+    char buf[4096];
+    while (std::size_t n = fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+    BOOST_TEST(pclose(pipe) == 0, out.substr(0, 2000));
+    for (const char* expected : {"GROUP \"model\"", "DATASET \"fc1.weight\"", "DATASET \"tied.weight\"", "DATASET \"bn.running_mean\"",
+                                 "GROUP \"optim\"", "DATASET \"exp_avg_sq\"", "ATTRIBUTE \"plan_hash\"", "\"fsdp-checkpoint\"",
+                                 "\"SHARDED_STATE_DICT\"", "GROUP \"rng\"", "ATTRIBUTE \"sample_index\""})
+      BOOST_TEST(out.find(expected) != std::string::npos, expected);
+    // The weights themselves, verified (Fletcher32) by h5dump.
+    pipe = popen(("h5dump -d /model/fc1.weight " + path + " 2>&1").c_str(), "r");
+    out.clear();
+    while (std::size_t n = fread(buf, 1, sizeof buf, pipe)) out.append(buf, n);
+    BOOST_TEST(pclose(pipe) == 0, out.substr(0, 2000));
+    BOOST_TEST(out.find("DATASPACE  SIMPLE { ( 23, 11 ) / ( 23, 11 ) }") != std::string::npos, out.substr(0, 400));
+  }
+  world.barrier();
+}
+
+BOOST_AUTO_TEST_CASE(save_on_some_ranks_only_is_reported_not_a_hang) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  if (world.size() == 1) {
+    BOOST_TEST(fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 1}).bytes > 0);
+    return;
+  }
+  fsdp::CheckpointOptions o;
+  o.collective_timeout_s = 1;
+  if (world.rank() == 0) {
+    try {
+      fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 1}, o);
+      BOOST_ERROR("a save on rank 0 alone must fail");
+    } catch (const fsdp::CommError& e) {
+      const std::string what = e.what();
+      BOOST_TEST(what.find("fsdp.comm.deadline") != std::string::npos, what);
+      BOOST_TEST(what.find("save_checkpoint") != std::string::npos, what);
+    }
+    BOOST_TEST(!fs::exists(dir / "latest"));
+  } else {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    world.barrier_within(60, "matching the abandoned barrier");  // completes rank 0's pending one
+  }
+}
+
+BOOST_AUTO_TEST_CASE(checkpoints_newer_than_latest_are_neither_loaded_nor_pruned) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  fsdp::CheckpointOptions o;
+  o.keep_last = 1;
+  for (int step : {10, 20}) fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = step}, o);
+  // A restart from step 5 of another run: its saves must not delete or load step 20.
+  fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 5}, o);
+  fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 6}, o);
+  world.barrier();
+  BOOST_TEST(fs::exists(dir / "step_00000020.h5"));
+  BOOST_TEST(!fs::exists(dir / "step_00000005.h5"));
+  fsdp::TrainState state;
+  const auto r = fsdp::resume_from_latest(*model, nullptr, dir.path, &state);
+  BOOST_TEST(r.path == dir / "step_00000006.h5");
+  BOOST_TEST(state.step == 6);
+  BOOST_REQUIRE(r.skipped.size() == 1u);
+  BOOST_TEST(r.skipped[0].find("step_00000020.h5: newer than latest") == 0u, r.skipped[0]);
+}
+
+BOOST_AUTO_TEST_CASE(a_failure_on_one_rank_in_the_middle_of_a_save_fails_every_rank) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt = make_adam(*model);
+  train_step(*model, *opt, 0);
+  fsdp::save_checkpoint(*model, opt.get(), dir.path, {.step = 1});
+  const int victim = world.size() - 1;
+  for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
+    fsdp::CheckpointOptions o;
+    o.state_dict_type = type;
+    o.on_stage = [&](const std::string& stage, std::int64_t) {
+      if (stage == "writing" && world.rank() == victim) throw std::runtime_error("disk full (simulated)");
+    };
+    try {
+      fsdp::save_checkpoint(*model, opt.get(), dir.path, {.step = 2}, o);
+      BOOST_ERROR(fsdp::to_string(type) << ": the save must fail on every rank");
+    } catch (const fsdp::CheckpointError& e) {
+      const std::string what = e.what();
+      BOOST_TEST(what.find("disk full (simulated)") != std::string::npos, what);
+    }
+    BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value() == "step_00000001.h5");
+    BOOST_TEST(!fs::exists(dir / "step_00000002.h5"));
+  }
+}
+
+BOOST_AUTO_TEST_CASE(resume_stops_at_a_checkpoint_of_another_run) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto adam = make_adam(*model);
+  train_step(*model, *adam, 0);
+  fsdp::save_checkpoint(*model, adam.get(), dir.path, {.step = 1});
+  // Readable, but written with another optimizer: not skipped (that would start a second run in the
+  // same folder), an error on every rank.
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  try {
+    fsdp::resume_from_latest(*model, &sgd, dir.path);
+    BOOST_ERROR("resuming with another optimizer must fail");
+  } catch (const fsdp::CheckpointError& e) {
+    const std::string what = e.what();
+    BOOST_TEST(e.id() == "fsdp.ckpt.mismatch");
+    BOOST_TEST(what.find("holds Adam state but the optimizer is SGD") != std::string::npos, what);
+    BOOST_TEST(what.find("(reported by rank") == std::string::npos, what);  // every rank found it
+  }
+}

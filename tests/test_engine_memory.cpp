@@ -1,0 +1,278 @@
+// What the engine keeps resident and when (run at np = 1..4, part of test_engine): sharded memory,
+// freeing after forward, eval, memory-bounded construction, no_sync, reshard_after_forward.
+#include <boost/test/unit_test.hpp>
+
+#include "engine_harness.hpp"
+
+struct DeepImpl : torch::nn::Module {
+  DeepImpl() {
+    for (int i = 0; i < 4; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(256, 256)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) {
+      x = torch::relu(fsdp::forward(l, x));
+      if (after_layer) after_layer();
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+  std::function<void()> after_layer;  // lets a test look at memory inside forward
+};
+
+BOOST_AUTO_TEST_CASE(memory_is_sharded) {
+  auto world = MpiComm::world();
+  auto measure = [&](ShardingStrategy strategy) {
+    torch::manual_seed(3);
+    auto net = std::make_shared<DeepImpl>();
+    FsdpOptions options;
+    options.sharding_strategy = strategy;
+    options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+    auto model = fsdp::make_fsdp(net, world, options);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      model->forward(torch::randn({4, 256})).sum().backward();
+      opt.step();
+    }
+    BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);  // between steps nothing is gathered
+    return model->memory_stats(&opt);
+  };
+  const auto full = measure(ShardingStrategy::FULL_SHARD);
+  const auto replicated = measure(ShardingStrategy::NO_SHARD);
+  const int64_t n = world.size();
+  // params + grads + Adam's two moments, each 1/N of the unsharded flat parameters.
+  const int64_t unsharded_state = 4 * full.unsharded_param_bytes;
+  BOOST_TEST(full.shard_param_bytes * n == full.unsharded_param_bytes);
+  BOOST_TEST(full.grad_bytes == full.shard_param_bytes);
+  BOOST_TEST(full.optimizer_state_bytes == 2 * full.shard_param_bytes);
+  BOOST_TEST(full.gathered_param_bytes == 0);
+  BOOST_TEST(full.total() <= unsharded_state / n + full.largest_unit_bytes);
+  BOOST_TEST(full.total() * n == unsharded_state);
+  BOOST_TEST(replicated.total() == 4 * replicated.unsharded_param_bytes);
+  // N x the sharded state is the replicated state plus padding (< N elements per unit, 4 tensors).
+  BOOST_TEST(full.total() * n >= replicated.total());
+  BOOST_TEST(full.total() * n - replicated.total() <= 4 * 4 * (n - 1) * 5);
+}
+
+BOOST_AUTO_TEST_CASE(full_shard_frees_each_unit_after_its_forward) {
+  auto world = MpiComm::world();
+  const int64_t unit_bytes = fsdp::padded_numel(256 * 256 + 256, world.size()) * 4;
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
+    for (bool promise : {false, true}) {
+      BOOST_TEST_CONTEXT("strategy=" << strategy << " all_units_called_through_forward=" << promise) {
+        torch::manual_seed(3);
+        auto net = std::make_shared<DeepImpl>();
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+        options.all_units_called_through_forward = promise;
+        auto model = fsdp::make_fsdp(net, world, options);
+        torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+        for (int step = 0; step < 2; ++step) {
+          std::vector<int64_t> gathered;
+          net->after_layer = [&] { gathered.push_back(model->memory_stats().gathered_param_bytes); };
+          opt.zero_grad();
+          auto loss = model->forward(torch::randn({4, 256})).sum();
+          BOOST_TEST_REQUIRE(gathered.size() == 4u);
+          for (std::size_t i = 0; i < gathered.size(); ++i) {
+            int64_t expect = 0;  // one rank: the shard is the full parameter, nothing extra is held
+            if (world.size() > 1) {
+              if (strategy == ShardingStrategy::SHARD_GRAD_OP)  // kept for backward; the first forward gathers all up front
+                expect = (step == 0 && !promise ? 4 : static_cast<int64_t>(i + 1)) * unit_bytes;
+              else if (step == 0 && !promise)
+                expect = static_cast<int64_t>(3 - i) * unit_bytes;  // first forward: not yet run ones
+              else
+                expect = 0;  // each layer freed right after its forward
+            }
+            BOOST_TEST(gathered[i] == expect, "step " << step << " after layer " << i);
+          }
+          net->after_layer = nullptr;
+          loss.backward();
+          opt.step();
+          BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);  // backward frees everything at its end
+        }
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(eval_under_no_grad_frees_parameters) {
+  auto world = MpiComm::world();
+  for (const auto& [strategy, group] : strategies_and_groups(world.size())) {
+    for (auto s : {strategy, ShardingStrategy::HYBRID_SHARD_ZERO2}) {
+      BOOST_TEST_CONTEXT(fsdp::to_string(s) << " group " << group) {
+        auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+        FsdpOptions options;
+        options.sharding_strategy = s;
+        options.shard_group_size = group;
+        options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+        auto model = fsdp::make_fsdp(net, world, options);
+        for (int round = 0; round < 2; ++round) {  // a training step, then evaluation
+          model->train();
+          model->forward(torch::randn({2, 13})).sum().backward();
+          model->eval();
+          torch::NoGradGuard no_grad;
+          auto out = model->forward(torch::randn({2, 13}));
+          BOOST_TEST(out.sizes() == (std::vector<int64_t>{2, 13}));
+          BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);
+        }
+      }
+    }
+  }
+}
+
+namespace {
+/// Five Linear units and a BatchNorm (buffers) under the root; with `meta`, each layer's storage is
+/// released (fsdp::defer_init) right after it is built, so the whole model never exists in memory.
+struct WideImpl : torch::nn::Module {
+  explicit WideImpl(bool meta) {
+    auto place = [meta](auto module) {
+      if (meta) fsdp::defer_init(*module);
+      return module;
+    };
+    for (int i = 0; i < 5; ++i) layers.push_back(register_module("fc" + std::to_string(i), place(torch::nn::Linear(64, 64))));
+    norm = register_module("norm", place(torch::nn::BatchNorm1d(64)));
+    head = register_module("head", place(torch::nn::Linear(64, 4)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = torch::relu(fsdp::forward(l, x));
+    return head(norm(x));
+  }
+  std::vector<torch::nn::Linear> layers;
+  torch::nn::BatchNorm1d norm{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+
+/// Bytes of parameter storage the module's tree holds right now (meta and freed storage count 0).
+std::int64_t live_param_bytes(torch::nn::Module& m) {
+  std::int64_t bytes = 0;
+  std::set<const void*> seen;
+  for (const auto& p : m.parameters(/*recurse=*/true)) {
+    if (!p.has_storage()) continue;
+    const void* key = p.storage().unsafeGetStorageImpl();
+    if (seen.insert(key).second) bytes += static_cast<std::int64_t>(p.storage().nbytes());
+  }
+  return bytes;
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(memory_bounded_construction_with_deferred_init) {
+  auto world = MpiComm::world();
+  std::int64_t worst_live = 0;
+  torch::nn::Module* root = nullptr;
+  auto init = [&](torch::nn::Module& m, const std::string&) {
+    if (root) worst_live = std::max(worst_live, live_param_bytes(*root));
+    if (auto* linear = m.as<torch::nn::Linear>()) linear->reset_parameters();
+    if (auto* bn = m.as<torch::nn::BatchNorm1d>()) {
+      bn->reset_running_stats();
+      bn->reset_parameters();
+      bn->running_mean.fill_(0.5);  // something the default init would not give
+    }
+  };
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+    BOOST_TEST_CONTEXT("np=" << world.size() << " strategy=" << fsdp::to_string(strategy)) {
+      std::map<std::string, torch::Tensor> results[2];
+      for (bool meta : {false, true}) {
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+        options.param_init_fn = init;
+        options.init_seed = 99;
+        auto net = std::make_shared<WideImpl>(meta);
+        root = meta ? net.get() : nullptr;
+        worst_live = 0;
+        torch::manual_seed(5);
+        auto model = fsdp::make_fsdp(net, world, options);
+        root = nullptr;
+        if (meta) {
+          // At any init call the tree held at most one unit's unsharded parameters (a Linear(64, 64)),
+          // where units are sharded; NO_SHARD and one rank keep every parameter whole by definition.
+          const std::int64_t unit = (64 * 64 + 64) * 4, all = 5 * unit + (64 * 4 + 4) * 4 + 2 * 64 * 4;
+          const bool sharded = strategy != ShardingStrategy::NO_SHARD && world.size() > 1;
+          BOOST_TEST(worst_live <= (sharded ? unit : all), "live parameter bytes during construction: " << worst_live);
+          for (const auto& b : net->buffers()) BOOST_TEST(b.storage().nbytes() > 0u);
+        }
+        torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+        for (int step = 0; step < 3; ++step) {
+          auto gen = at::make_generator<at::CPUGeneratorImpl>(77 + step);
+          auto x = torch::randn({4 * world.size(), 64}, gen).narrow(0, 4 * world.rank(), 4);
+          opt.zero_grad();
+          model->forward(x).pow(2).mean().backward();
+          opt.step();
+        }
+        for (auto& [name, t] : model->full_parameters()) results[meta ? 1 : 0][name] = t;
+        auto buffers = net->named_buffers();
+        BOOST_TEST(buffers["norm.running_var"].defined());
+      }
+      for (const auto& [name, t] : results[0]) BOOST_TEST(torch::equal(t, results[1].at(name)), "meta-built differs in " << name);
+    }
+  }
+  // A meta module without param_init_fn is refused.
+  try {
+    fsdp::make_fsdp(std::make_shared<WideImpl>(true), world, FsdpOptions{});
+    BOOST_FAIL("expected a ConfigError");
+  } catch (const fsdp::ConfigError& e) {
+    BOOST_TEST(std::string(e.what()).find("param_init_fn") != std::string::npos, e.what());
+  }
+}
+
+BOOST_AUTO_TEST_CASE(no_sync_moves_no_gradient_bytes) {
+  auto world = MpiComm::world();
+  for (const auto& [strategy, group] : strategies_and_groups(world.size())) {
+    for (bool overlap : {false, true}) {
+      BOOST_TEST_CONTEXT("strategy=" << strategy << " group=" << group << " overlap_grad_reduce=" << overlap) {
+        auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.shard_group_size = group;
+        options.overlap_grad_reduce = overlap;
+        options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+        auto model = fsdp::make_fsdp(net, world, options);
+        auto reduced_bytes = [&] {
+          // All of the engine's communicators: overlapped reductions run on the worker's duplicates.
+          const auto c = model->comm_counters();
+          return c.reduce_scatter_bytes + c.all_reduce_bytes;
+        };
+        const auto before = reduced_bytes();
+        {
+          auto scope = model->no_sync();
+          model->forward(torch::randn({2, 13})).sum().backward();
+        }
+        BOOST_TEST(reduced_bytes() == before);  // gradients stayed local
+        for (const auto& p : model->parameters()) BOOST_TEST(!p.grad().defined());
+        BOOST_TEST(model->memory_stats().grad_bytes > 0);  // ... in the unsharded accumulators
+        model->forward(torch::randn({2, 13})).sum().backward();
+        if (world.size() > 1) BOOST_TEST(reduced_bytes() > before);
+        for (const auto& p : model->parameters()) BOOST_TEST(p.grad().defined());
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(reshard_after_forward_overrides_the_strategy) {
+  auto world = MpiComm::world();
+  const int64_t unit_bytes = fsdp::padded_numel(256 * 256 + 256, world.size()) * 4;
+  for (auto [strategy, reshard] : {std::pair{ShardingStrategy::FULL_SHARD, false}, std::pair{ShardingStrategy::SHARD_GRAD_OP, true}}) {
+    BOOST_TEST_CONTEXT("strategy=" << strategy << " reshard_after_forward=" << reshard) {
+      torch::manual_seed(3);
+      auto net = std::make_shared<DeepImpl>();
+      FsdpOptions options;
+      options.sharding_strategy = strategy;
+      options.reshard_after_forward = reshard;
+      options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+      options.all_units_called_through_forward = true;
+      auto model = fsdp::make_fsdp(net, world, options);
+      std::vector<int64_t> gathered;
+      net->after_layer = [&] { gathered.push_back(model->memory_stats().gathered_param_bytes); };
+      auto loss = model->forward(torch::randn({4, 256})).sum();
+      BOOST_TEST_REQUIRE(gathered.size() == 4u);
+      for (std::size_t i = 0; i < 4; ++i) {
+        const int64_t expect = world.size() == 1 || reshard ? 0 : static_cast<int64_t>(i + 1) * unit_bytes;
+        BOOST_TEST(gathered[i] == expect);
+      }
+      net->after_layer = nullptr;
+      loss.backward();
+      BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);
+    }
+  }
+}

@@ -1,0 +1,277 @@
+// The engine's overlap and autograd corner cases (run at np = 1..4, part of test_engine): prefetching,
+// overlapped gradient reductions, a unit called twice, a forward without backward, a failed backward,
+// a backward after the model is gone, activation checkpointing.
+#include <boost/test/unit_test.hpp>
+
+#include "engine_harness.hpp"
+
+BOOST_AUTO_TEST_CASE(prefetching_overlaps_and_changes_no_result) {
+  // Prefetched all-gathers run on the collective worker over a duplicate communicator; the parameters
+  // must be bit-identical to the run without prefetching, for every strategy that gathers.
+  const int world = MpiComm::world().size();
+  const auto ref = train_reference(ModelKind::kCnn, OptimKind::kAdam, world);
+  std::vector<ShardingStrategy> strategies = {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP};
+  if (world % 2 == 0 && world > 2) strategies.push_back(ShardingStrategy::HYBRID_SHARD);
+  struct Prefetch {
+    fsdp::BackwardPrefetch backward;
+    bool forward;
+    int limit;
+  };
+  for (auto strategy : strategies) {
+    FsdpOptions options;
+    options.sharding_strategy = strategy;
+    options.shard_group_size = strategy == ShardingStrategy::HYBRID_SHARD ? 2 : 0;
+    options.auto_wrap_policy = AutoWrapPolicy::module_types({"Conv2d", "Linear"});
+    const auto plain = train_fsdp(ModelKind::kCnn, OptimKind::kAdam, options);
+    BOOST_TEST(plain.overlap.prefetched == 0);
+    for (const auto& p : {Prefetch{fsdp::BackwardPrefetch::BACKWARD_PRE, false, 1}, Prefetch{fsdp::BackwardPrefetch::BACKWARD_POST, false, 1},
+                          Prefetch{fsdp::BackwardPrefetch::NO_PREFETCH, true, 1}, Prefetch{fsdp::BackwardPrefetch::BACKWARD_PRE, true, 0}}) {
+      BOOST_TEST_CONTEXT("np=" << world << " strategy=" << fsdp::to_string(strategy) << " backward_prefetch=" << fsdp::to_string(p.backward)
+                               << " forward_prefetch=" << p.forward << " limit=" << p.limit) {
+        options.backward_prefetch = p.backward;
+        options.forward_prefetch = p.forward;
+        options.limit_all_gathers = p.limit;
+        const auto got = train_fsdp(ModelKind::kCnn, OptimKind::kAdam, options);
+        BOOST_TEST(compare(got.params, ref.params) <= 1e-5);
+        for (const auto& [name, t] : got.params) BOOST_TEST(torch::equal(t, plain.params.at(name)), "prefetching changed " << name);
+        // Units are re-gathered in backward only when the strategy frees them after forward.
+        const bool regathers = strategy != ShardingStrategy::SHARD_GRAD_OP;
+        if (world > 1 && (regathers || p.forward)) BOOST_TEST(got.overlap.prefetched > 0);
+        if (world == 1) BOOST_TEST(got.overlap.prefetched == 0);  // nothing to gather
+      }
+    }
+  }
+  BOOST_CHECK_THROW(fsdp::parse_backward_prefetch("BACKWARDS"), fsdp::ConfigError);
+  BOOST_TEST(fsdp::parse_backward_prefetch("backward_post") == fsdp::BackwardPrefetch::BACKWARD_POST);
+}
+
+BOOST_AUTO_TEST_CASE(overlapped_gradient_reductions_change_no_result) {
+  // Reductions on the collective worker (overlap_grad_reduce) against reductions on the computing thread:
+  // bit-identical parameters for every strategy, with and without prefetching and accumulation, and
+  // the overlap statistics say which path ran.
+  const int world = MpiComm::world().size();
+  for (const auto kind : {ModelKind::kMlp, ModelKind::kCnn}) {
+    for (const auto& [strategy, group] : strategies_and_groups(world)) {
+      for (const auto& [prefetch, accum] : {std::pair{false, 1}, std::pair{true, 1}, std::pair{false, 2}}) {
+        BOOST_TEST_CONTEXT("np=" << world << " model=" << static_cast<int>(kind) << " strategy=" << strategy << " group=" << group
+                                 << " prefetch=" << prefetch << " accumulate=" << accum) {
+          FsdpOptions options;
+          options.sharding_strategy = strategy;
+          options.shard_group_size = group;
+          options.auto_wrap_policy = kind == ModelKind::kCnn ? AutoWrapPolicy::module_types({"Conv2d", "Linear"}) : AutoWrapPolicy::size_based(200);
+          if (prefetch) options.backward_prefetch = fsdp::BackwardPrefetch::BACKWARD_PRE;
+          const Setup setup{.accum = accum};
+          options.overlap_grad_reduce = false;
+          const auto sync = train_fsdp(kind, OptimKind::kAdam, options, setup);
+          options.overlap_grad_reduce = true;
+          const auto overlapped = train_fsdp(kind, OptimKind::kAdam, options, setup);
+          for (const auto& [name, t] : overlapped.params) BOOST_TEST(torch::equal(t, sync.params.at(name)), "overlapped reduction changed " << name);
+          BOOST_TEST(sync.overlap.reductions_overlapped == 0);
+          BOOST_TEST(sync.overlap.reductions_synchronous > 0);
+          if (world > 1) {
+            BOOST_TEST(overlapped.overlap.reductions_overlapped == sync.overlap.reductions_synchronous);
+            BOOST_TEST(overlapped.overlap.reductions_synchronous == 0);
+          } else {
+            BOOST_TEST(overlapped.overlap.reductions_overlapped == 0);  // nothing to reduce across ranks
+          }
+        }
+      }
+    }
+  }
+}
+
+/// A layer applied twice per forward (weights shared across "depth").
+struct TwiceImpl : torch::nn::Module {
+  TwiceImpl() {
+    a = register_module("a", torch::nn::Linear(8, 8));
+    b = register_module("b", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::tanh(fsdp::forward(a, x));
+    x = torch::tanh(fsdp::forward(a, x));
+    return fsdp::forward(b, x);
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+
+/// Trains TwiceImpl; with `dropped_forward`, every step also runs a forward whose output is dropped
+/// (no backward) between the optimizer step and the next training forward.
+std::map<std::string, torch::Tensor> train_twice(const std::optional<FsdpOptions>& options, bool dropped_forward) {
+  auto world = MpiComm::world();
+  torch::manual_seed(11);
+  auto net = std::make_shared<TwiceImpl>();
+  std::shared_ptr<fsdp::FullyShardedDataParallel<TwiceImpl, MpiComm>> model;
+  if (options) model = fsdp::make_fsdp(net, world, *options);
+  auto opt = make_optimizer(OptimKind::kAdam, options ? model->parameters() : net->parameters());
+  const int n = options ? world.size() : 1;
+  const int r = options ? world.rank() : 0;
+  for (int step = 0; step < kSteps; ++step) {
+    auto gen = at::detail::createCPUGenerator(500 + step);
+    auto x = torch::randn({2 * world.size(), 8}, gen);
+    auto local = x.narrow(0, r * (2 * world.size() / n), 2 * world.size() / n);
+    opt->zero_grad();
+    (options ? model->forward(local) : net->forward(local)).pow(2).mean().backward();
+    opt->step();
+    if (dropped_forward) (void)(options ? model->forward(local) : net->forward(local));  // grad enabled, never backwarded
+  }
+  std::map<std::string, torch::Tensor> out;
+  if (options) {
+    for (auto& [name, t] : model->full_parameters()) out[name] = t;
+  } else {
+    for (const auto& p : net->named_parameters()) out[p.key()] = p.value().detach().clone();
+  }
+  return out;
+}
+
+BOOST_AUTO_TEST_CASE(unit_called_twice_and_forward_without_backward) {
+  const int world = MpiComm::world().size();
+  for (bool dropped : {false, true}) {
+    const auto ref = train_twice(std::nullopt, dropped);
+    for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+      for (bool promise : {false, true}) {
+        BOOST_TEST_CONTEXT("np=" << world << " strategy=" << strategy << " dropped_forward=" << dropped << " promise=" << promise) {
+          FsdpOptions options;
+          options.sharding_strategy = strategy;
+          options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+          options.all_units_called_through_forward = promise;
+          BOOST_TEST(compare(train_twice(options, dropped), ref) <= 1e-5);
+        }
+      }
+    }
+  }
+}
+
+/// TwiceImpl (a unit called twice per forward) trained with two backward passes per optimizer step
+/// accumulating into the shards' grads (no zero_grad between them), and at step 1 a backward that
+/// throws first (from a hook on the input, after every unit's reduction was issued), then zero_grad.
+std::map<std::string, torch::Tensor> train_twice_accumulating(const FsdpOptions& options, bool throw_once) {
+  auto world = MpiComm::world();
+  torch::manual_seed(11);
+  auto net = std::make_shared<TwiceImpl>();
+  auto model = fsdp::make_fsdp(net, world, options);
+  auto opt = make_optimizer(OptimKind::kAdam, model->parameters());
+  for (int step = 0; step < kSteps; ++step) {
+    auto gen = at::detail::createCPUGenerator(700 + step + 13 * world.rank());
+    if (throw_once && step == 1) {
+      auto x = torch::randn({2, 8}, gen).requires_grad_(true);
+      x.register_hook([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("a hook failed"); });
+      BOOST_CHECK_THROW(model->forward(x).pow(2).mean().backward(), std::exception);
+    }
+    opt->zero_grad();
+    for (int pass = 0; pass < 2; ++pass) model->forward(torch::randn({2, 8}, gen)).pow(2).mean().backward();
+    opt->step();
+  }
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [name, t] : model->full_parameters()) out[name] = t;
+  return out;
+}
+
+BOOST_AUTO_TEST_CASE(overlapped_reductions_accumulate_like_autograd_and_survive_a_failed_backward) {
+  // Two UnitGather nodes of one unit feed one AccumulateGrad, which adds their sum to an existing
+  // grad: the overlapped path must do the same arithmetic. A backward that throws never runs its
+  // end-of-backward callback: its overlapped reductions must not reach the next step.
+  const int world = MpiComm::world().size();
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+    for (bool throw_once : {false, true}) {
+      BOOST_TEST_CONTEXT("np=" << world << " strategy=" << strategy << " throw_once=" << throw_once) {
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+        options.overlap_grad_reduce = false;
+        const auto sync = train_twice_accumulating(options, throw_once);
+        options.overlap_grad_reduce = true;
+        const auto overlapped = train_twice_accumulating(options, throw_once);
+        for (const auto& [name, t] : overlapped) BOOST_TEST(torch::equal(t, sync.at(name)), "overlapped reduction changed " << name);
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(backward_after_the_model_is_destroyed_is_an_error) {
+  auto world = MpiComm::world();
+  torch::manual_seed(11);
+  auto net = std::make_shared<TwiceImpl>();
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+  auto model = fsdp::make_fsdp(net, world, options);
+  auto loss = model->forward(torch::randn({2, 8})).sum();
+  model.reset();
+  try {
+    loss.backward();
+    BOOST_FAIL("expected an error");
+  } catch (const std::exception& e) {
+    BOOST_TEST(std::string(e.what()).find("already destroyed") != std::string::npos, e.what());
+  }
+}
+
+/// Blocks with dropout inside, for activation checkpointing.
+struct DropBlockImpl : torch::nn::Module {
+  DropBlockImpl(int64_t in, int64_t out, double p) : p_(p) { fc = register_module("fc", torch::nn::Linear(in, out)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return F::dropout(torch::tanh(fsdp::forward(fc, x)), F::DropoutFuncOptions().p(p_).training(is_training()));
+  }
+  torch::nn::Linear fc{nullptr};
+  double p_;
+};
+TORCH_MODULE(DropBlock);
+
+struct DropNetImpl : torch::nn::Module {
+  explicit DropNetImpl(double p) {
+    b1 = register_module("b1", DropBlock(13, 31, p));
+    b2 = register_module("b2", DropBlock(31, 17, p));
+    b3 = register_module("b3", DropBlock(17, 13, 0.0));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fsdp::forward(b3, fsdp::forward(b2, fsdp::forward(b1, x))); }
+  DropBlock b1{nullptr}, b2{nullptr}, b3{nullptr};
+};
+TORCH_MODULE(DropNet);
+
+BOOST_AUTO_TEST_CASE(activation_checkpointing_replays_dropout_and_matches) {
+  auto world = MpiComm::world();
+  const int n = world.size();
+  auto train = [&](double p, bool ac, ShardingStrategy strategy, int group, bool nested_linear) {
+    torch::manual_seed(11);
+    auto net = DropNet(p).ptr();
+    FsdpOptions options;
+    options.sharding_strategy = strategy;
+    options.shard_group_size = group;
+    options.auto_wrap_policy = nested_linear ? AutoWrapPolicy::module_types({"DropBlock", "Linear"}) : AutoWrapPolicy::module_types({"DropBlock"});
+    options.activation_checkpointing = ac;
+    auto model = fsdp::make_fsdp(net, world, options);
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+    torch::manual_seed(100 + world.rank());  // each rank its own dropout masks
+    for (int step = 0; step < kSteps; ++step) {
+      auto batch = global_batch(ModelKind::kMlp, step, kLocalRows * n);
+      opt.zero_grad();
+      F::mse_loss(model->forward(batch.x.narrow(0, world.rank() * kLocalRows, kLocalRows)), batch.y.narrow(0, world.rank() * kLocalRows, kLocalRows))
+          .backward();
+      opt.step();
+    }
+    std::map<std::string, torch::Tensor> out;
+    for (auto& [name, t] : model->full_parameters()) out[name] = t;
+    return out;
+  };
+  for (const auto& [strategy, group] : strategies_and_groups(n)) {
+    for (bool nested : {false, true}) {
+      BOOST_TEST_CONTEXT("np=" << n << " strategy=" << fsdp::to_string(strategy) << " group=" << group << " nested=" << nested) {
+        // With dropout: recomputation replays the RNG, so the result is bit-identical to no checkpointing.
+        const auto plain = train(0.3, false, strategy, group, nested);
+        const auto checkpointed = train(0.3, true, strategy, group, nested);
+        for (const auto& [name, t] : plain) BOOST_TEST(torch::equal(t, checkpointed.at(name)), name);
+        // And it changes nothing in the math: without dropout it matches single-process training.
+        torch::manual_seed(11);
+        auto ref_net = DropNet(0.0).ptr();
+        torch::optim::Adam ref_opt(ref_net->parameters(), torch::optim::AdamOptions(1e-2));
+        for (int step = 0; step < kSteps; ++step) {
+          auto batch = global_batch(ModelKind::kMlp, step, kLocalRows * n);
+          ref_opt.zero_grad();
+          F::mse_loss(ref_net->forward(batch.x), batch.y).backward();
+          ref_opt.step();
+        }
+        std::map<std::string, torch::Tensor> ref;
+        for (const auto& p : ref_net->named_parameters()) ref[p.key()] = p.value().detach().clone();
+        BOOST_TEST(compare(train(0.0, true, strategy, group, nested), ref) <= 1e-5);
+      }
+    }
+  }
+}

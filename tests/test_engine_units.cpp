@@ -1,0 +1,155 @@
+// The engine's units and state (run at np = 1..4, part of test_engine): units follow the wrap policy,
+// summon_full_params, buffers, and the configuration errors.
+#include <boost/test/unit_test.hpp>
+
+#include "engine_harness.hpp"
+
+BOOST_AUTO_TEST_CASE(units_follow_the_policy_and_print_as_a_tree) {
+  auto world = MpiComm::world();
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear", "Scale", "TiedOut"});
+  auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+  auto model = fsdp::make_fsdp(net, world, options);
+  const auto units = model->units();
+  // root, fc1, fc2, gated.fc, scale, fc3, tied
+  BOOST_TEST_REQUIRE(units.size() == 7u);
+  BOOST_TEST(units[0].module_path == "");
+  BOOST_TEST(units[1].module_path == "fc1");
+  // The tied weight is used by fc1 and tied: it belongs to their common ancestor, the root.
+  BOOST_TEST(units[1].param_names == std::vector<std::string>{"fc1.bias"});
+  BOOST_TEST((std::find(units[0].param_names.begin(), units[0].param_names.end(), "fc1.weight") != units[0].param_names.end()));
+  BOOST_TEST(units[6].param_names.empty());
+  BOOST_TEST(units[4].numel == 1);
+  BOOST_TEST(units[4].shard_numel == 1);
+  BOOST_TEST(units[4].padded_numel == world.size());
+  BOOST_TEST(model->num_params() == static_cast<int64_t>(13 * 37 + 37 + 37 * 29 + 29 + 29 * 29 + 29 + 29 + 1 + 29 * 37 + 37));
+  const std::string text = model->describe();
+  BOOST_TEST(text.find("[unit 0, root") != std::string::npos);
+  BOOST_TEST(text.find("(fc2): torch::nn::Linear(in_features=37, out_features=29, bias=true)  [unit 2") != std::string::npos, text);
+  std::ostringstream printed;
+  printed << *model;
+  BOOST_TEST(printed.str().find("FullyShardedDataParallel(strategy=FULL_SHARD") == 0u);
+
+  // Units called directly (not through fsdp::forward) are reported as gathered with the root.
+  auto cnn = std::static_pointer_cast<CnnImpl>(make_model(ModelKind::kCnn));
+  FsdpOptions cnn_options;
+  cnn_options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear", "Conv2d"});
+  auto wrapped = fsdp::make_fsdp(cnn, world, cnn_options);
+  wrapped->forward(torch::randn({2, 1, 10, 10}));
+  const auto cu = wrapped->units();
+  BOOST_TEST(cu[1].called_through_hook);   // conv1
+  BOOST_TEST(!cu[3].called_through_hook);  // fc1
+  BOOST_TEST(wrapped->describe().find("gathered with root") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(summon_full_params_reads_and_writes_back) {
+  auto world = MpiComm::world();
+  auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+  const auto fc2_before = net->fc2->weight.detach().clone();
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+  auto model = fsdp::make_fsdp(net, world, options);
+  {
+    auto scope = model->summon_full_params(/*writeback=*/true);
+    BOOST_TEST(torch::equal(net->fc2->weight.detach(), fc2_before));
+    torch::NoGradGuard no_grad;
+    net->fc2->bias.fill_(1.5);
+  }
+  BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);
+  {
+    auto scope = model->summon_full_params();
+    BOOST_TEST(net->fc2->bias.detach().eq(1.5).all().item<bool>());
+    torch::NoGradGuard no_grad;
+    net->fc2->bias.fill_(-7);  // not written back
+  }
+  const auto params = model->full_parameters();
+  for (const auto& [name, t] : params)
+    if (name == "fc2.bias") BOOST_TEST(t.eq(1.5).all().item<bool>());
+}
+
+BOOST_AUTO_TEST_CASE(buffers_stay_identical_across_ranks) {
+  auto world = MpiComm::world();
+  struct BnImpl : torch::nn::Module {
+    BnImpl() {
+      fc = register_module("fc", torch::nn::Linear(6, 8));
+      bn = register_module("bn", torch::nn::BatchNorm1d(8));
+    }
+    torch::Tensor forward(torch::Tensor x) { return bn->forward(fc->forward(x)); }
+    torch::nn::Linear fc{nullptr};
+    torch::nn::BatchNorm1d bn{nullptr};
+  };
+  torch::manual_seed(5);
+  auto net = std::make_shared<BnImpl>();
+  auto model = fsdp::make_fsdp(net, world, {});
+  torch::manual_seed(100 + world.rank());  // different data on every rank
+  for (int step = 0; step < 3; ++step) model->forward(torch::randn({4, 6}) * (world.rank() + 1)).sum().backward();
+  for (const auto& b : net->named_buffers()) {
+    auto mine = b.value().to(torch::kDouble).contiguous();
+    auto sum = mine.clone();
+    world.all_reduce(sum.data_ptr(), sum.data_ptr(), sum.numel(), fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+    BOOST_TEST((sum - mine * world.size()).abs().max().item<double>() < 1e-9, "buffer " << b.key() << " differs across ranks");
+  }
+}
+
+namespace {
+struct StridedBufferImpl : torch::nn::Module {
+  StridedBufferImpl() {
+    fc = register_module("fc", torch::nn::Linear(4, 3));
+    stat = register_buffer("stat", torch::zeros({4, 3}).t());  // a transposed view: not contiguous
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc(x); }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor stat;
+};
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(strided_buffers_are_synchronized) {
+  auto world = MpiComm::world();
+  auto net = std::make_shared<StridedBufferImpl>();
+  BOOST_TEST(!net->stat.is_contiguous());
+  FsdpOptions options;
+  options.sync_module_states = true;  // broadcasts the strided buffer at construction
+  auto model = fsdp::make_fsdp(net, world, options);
+  {
+    torch::NoGradGuard no_grad;
+    net->stat.fill_(static_cast<float>(world.rank()));
+  }
+  model->train();
+  (void)model->forward(torch::randn({2, 4}));  // training forward: floating buffers are averaged
+  BOOST_TEST(!net->stat.is_contiguous());
+  BOOST_TEST(torch::equal(net->stat, torch::full({3, 4}, static_cast<float>(world.size() - 1) / 2.0f)));
+}
+
+BOOST_AUTO_TEST_CASE(configuration_errors_are_clear) {
+  auto world = MpiComm::world();
+  BOOST_CHECK_THROW(fsdp::parse_sharding_strategy("FULLSHARD"), fsdp::ConfigError);
+  BOOST_TEST(fsdp::parse_sharding_strategy("shard_grad_op") == ShardingStrategy::SHARD_GRAD_OP);
+  BOOST_CHECK_THROW(AutoWrapPolicy::size_based(0), fsdp::ConfigError);
+  if (world.size() == 3) {
+    FsdpOptions options;
+    options.sharding_strategy = ShardingStrategy::HYBRID_SHARD;
+    options.shard_group_size = 2;
+    try {
+      fsdp::make_fsdp(std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp)), world, options);
+      BOOST_FAIL("expected a ConfigError");
+    } catch (const fsdp::ConfigError& e) {
+      BOOST_TEST(std::string(e.what()).find("not divisible by shard_group_size 2") != std::string::npos);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(compute_device_must_suit_the_communicator) {
+  auto world = MpiComm::world();
+  auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+  FsdpOptions options;
+  options.device = torch::Device(torch::kCUDA, 0);
+  try {
+    fsdp::make_fsdp(net, world, options);
+    BOOST_FAIL("expected a ConfigError");
+  } catch (const fsdp::ConfigError& e) {
+    BOOST_TEST(std::string(e.what()).find("moves host memory only (MpiComm): use NcclComm for GPUs") != std::string::npos, e.what());
+  }
+  options.device = torch::Device(torch::kCPU);
+  auto model = fsdp::make_fsdp(std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp)), world, options);
+  BOOST_TEST(model->compute_device() == torch::Device(torch::kCPU));
+}
