@@ -93,20 +93,20 @@ inline std::map<std::string, torch::Tensor> full_state(Engine& model, torch::opt
   for (auto& [name, t] : model.full_parameters()) out[name] = t;
   for (const auto& b : model.module()->named_buffers()) out["buffer/" + b.key()] = b.value().clone();
   if (!opt) return out;
-  for (const auto& up : model.flat_units()) {
-    if (up->params.empty()) continue;
-    const auto it = opt->state().find(fsdp::optimizer_state_key(up->shard));
+  for (const auto& up : model.sharded_units()) {
+    if (up.empty()) continue;
+    const auto it = opt->state().find(fsdp::optimizer_state_key(up.shard));
     if (it == opt->state().end()) continue;
     const auto view = fsdp::optimizer_state_view(*it->second);
     for (const auto& [sname, t] : view.tensors) {
-      const auto flat = model.gather_flat(up->info.index, t);
-      for (std::size_t i = 0; i < up->params.size(); ++i) {
+      const auto flat = model.gather_flat(up.index, t);
+      for (std::size_t i = 0; i < up.param_names.size(); ++i) {
         const auto i64 = static_cast<int64_t>(i);
-        out["optim/" + up->info.param_names[i] + "/" + sname] =
-            flat.narrow(0, up->layout.param_offset(i64), up->layout.param_numel(i64)).view(up->shapes[i]).clone();
+        out["optim/" + up.param_names[i] + "/" + sname] =
+            flat.narrow(0, up.layout.param_offset(i64), up.layout.param_numel(i64)).view(up.shapes[i]).clone();
       }
     }
-    for (const auto& n : up->info.param_names) out["optim/" + n + "/step"] = torch::tensor(view.step);
+    for (const auto& n : up.param_names) out["optim/" + n + "/step"] = torch::tensor(view.step);
   }
   return out;
 }

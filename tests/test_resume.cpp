@@ -5,6 +5,8 @@
 #define BOOST_TEST_MODULE fsdp_resume
 #include <boost/test/unit_test.hpp>
 
+#include "torch_common.hpp"
+
 #include <fsdp/fsdp.hpp>
 
 #include <filesystem>
@@ -14,16 +16,8 @@
 namespace fs = std::filesystem;
 using fsdp::MpiComm;
 
-struct MpiFixture {
-  MpiFixture() {
-    auto& suite = boost::unit_test::framework::master_test_suite();
-    env = std::make_unique<fsdp::MpiEnvironment>(&suite.argc, &suite.argv);
-    torch::set_num_threads(1);
-    fsdp::CollectiveWatchdog::instance().configure(120, MpiComm::world().rank());
-  }
-  std::unique_ptr<fsdp::MpiEnvironment> env;
-};
-BOOST_TEST_GLOBAL_FIXTURE(MpiFixture);
+using Fixture = TorchMpiFixture<>;
+BOOST_TEST_GLOBAL_FIXTURE(Fixture);
 
 namespace {
 

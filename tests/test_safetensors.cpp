@@ -4,6 +4,8 @@
 #define BOOST_TEST_MODULE fsdp_safetensors
 #include <boost/test/unit_test.hpp>
 
+#include "torch_common.hpp"
+
 #include <fsdp/fsdp.hpp>
 #include <fsdp/io/safetensors.hpp>
 #include <fsdp/io/safetensors_export.hpp>
@@ -19,16 +21,8 @@ using fsdp::FsdpOptions;
 using fsdp::MpiComm;
 using fsdp::ShardingStrategy;
 
-struct MpiFixture {
-  MpiFixture() {
-    auto& suite = boost::unit_test::framework::master_test_suite();
-    env = std::make_unique<fsdp::MpiEnvironment>(&suite.argc, &suite.argv);
-    torch::set_num_threads(1);
-    fsdp::CollectiveWatchdog::instance().configure(120, MpiComm::world().rank());
-  }
-  std::unique_ptr<fsdp::MpiEnvironment> env;
-};
-BOOST_TEST_GLOBAL_FIXTURE(MpiFixture);
+using Fixture = TorchMpiFixture<>;
+BOOST_TEST_GLOBAL_FIXTURE(Fixture);
 
 namespace {
 

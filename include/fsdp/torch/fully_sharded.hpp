@@ -295,22 +295,15 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   /// Bytes moved and time spent in collectives by this engine's world, shard and replica
   /// communicators together (see CommCounters). Local.
   CommCounters comm_counters() const {
-    if constexpr (requires(const Comm& c) { c.counters(); }) {
-      CommCounters total = world_.counters();
-      total += shard_comm_.counters();
-      total += replica_comm_.counters();
-      if (worker_shard_comm_) total += worker_shard_comm_->counters();      // the collective worker's all-gathers and reduce-scatters
-      if (worker_replica_comm_) total += worker_replica_comm_->counters();  // ... and all-reduces
-      return total;
-    } else {
-      return {};
-    }
+    CommCounters total = world_.counters();
+    total += shard_comm_.counters();
+    total += replica_comm_.counters();
+    if (worker_shard_comm_) total += worker_shard_comm_->counters();      // the collective worker's all-gathers and reduce-scatters
+    if (worker_replica_comm_) total += worker_replica_comm_->counters();  // ... and all-reduces
+    return total;
   }
 
   // ---- access for checkpointing (fsdp/io/checkpoint.hpp) ---------------------------------------
-
-  /// The engine's own unit records (internal; tests only). Local.
-  const std::vector<std::unique_ptr<detail::FlatUnit>>& flat_units() const noexcept { return units_; }
 
   /// The units with their flat layouts and this rank's shards. Local.
   std::vector<ShardedUnit> sharded_units() const {
