@@ -3,6 +3,7 @@
 //   fsdp-ckpt verify PATH           checksums and completeness; exit 0 if good, 1 if not
 //   fsdp-ckpt merge LOCAL_DIR OUT   LOCAL_STATE_DICT folder -> one FULL_STATE_DICT file
 //   fsdp-ckpt diff A B              max abs / rel difference per tensor; exit 0 if within --atol/--rtol
+//   fsdp-ckpt export CKPT OUT       the model's tensors as a safetensors file (--dtype fp32|bf16|fp16)
 // PATH may be a checkpoint file, a LOCAL folder, or a checkpoint folder holding `latest` (diff takes
 // files: merge a LOCAL folder first).
 #include <CLI/CLI.hpp>
@@ -12,6 +13,7 @@
 #include <string>
 
 #include "fsdp/io/checkpoint_tools.hpp"
+#include "fsdp/io/safetensors_export.hpp"
 #include "fsdp/version.hpp"
 
 namespace fs = std::filesystem;
@@ -92,6 +94,13 @@ int main(int argc, char** argv) {
   diff->add_option("--atol,--tolerance", atol, "absolute tolerance (default 0: identical)")->check(CLI::NonNegativeNumber);
   diff->add_option("--rtol", rtol, "relative tolerance, against the tensor's max |B| (default 0)")->check(CLI::NonNegativeNumber);
 
+  std::string export_dtype;
+  auto* exporter = app.add_subcommand("export", "the model's parameters and buffers as a safetensors file (PyTorch, Hugging Face)");
+  exporter->add_option("CKPT", path, "SHARDED or FULL checkpoint file, LOCAL folder, or folder with `latest`")->required();
+  exporter->add_option("OUT", out, "the .safetensors file to write")->required();
+  exporter->add_option("--dtype", export_dtype, "floating-point tensors as fp32, bf16 or fp16 (default: as stored)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*inspect) {
@@ -121,6 +130,12 @@ int main(int argc, char** argv) {
     if (*merge) {
       fsdp::ckpt::merge_local(resolve(path), out);
       std::printf("merged %s into %s\n", path.c_str(), out.c_str());
+      return 0;
+    }
+    if (*exporter) {
+      const auto result = fsdp::ckpt::export_safetensors(resolve(path), out, {.dtype = export_dtype});
+      std::printf("exported %lld tensors of %s to %s (%s)\n", static_cast<long long>(result.tensors), resolve(path).c_str(), result.path.c_str(),
+                  human_bytes(result.bytes).c_str());
       return 0;
     }
     if (*diff) {
