@@ -35,6 +35,7 @@
 #include "data.hpp"
 #include "deck.hpp"
 #include "models.hpp"
+#include "run_config.hpp"
 
 namespace fs = std::filesystem;
 using fsdp::MpiComm;
@@ -108,6 +109,11 @@ void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_inp
   throw RankError(text, failure->flagged);
 }
 
+/// A collective that some rank never entered: the ranks cannot agree on it, so it ends the job (MPI_Abort).
+struct DeadlineMissed : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 /// Runs `f` on every rank; a failure on any rank becomes a RankError on all of them.
 template <class F>
 void on_all_ranks(MpiComm& world, F&& f) {
@@ -119,6 +125,8 @@ void on_all_ranks(MpiComm& world, F&& f) {
     error = e.what();
   } catch (const fsdp::CheckpointError& e) {
     error = e.what();
+  } catch (const DeadlineMissed&) {
+    throw;
   } catch (const std::exception& e) {
     error = e.what();
     bad_input = false;
@@ -166,39 +174,39 @@ struct Dataset {
   std::int64_t test_size() const { return tokens ? test_tokens.n : test_images.n; }
 };
 
-Dataset load_dataset(const Deck& deck) {
+Dataset load_dataset(const RunConfig& cfg) {
   Dataset d;
-  const std::string kind = deck.get_string("data.kind");
-  const std::string model = deck.get_string("model.kind");
+  const std::string kind = cfg.data.kind;
+  const std::string model = cfg.model.kind;
   const bool lm = kind == "tokens" || kind == "text";
   if (lm != (model == "transformer"))
     throw DeckError("data.kind = \"" + kind + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" + model +
                     "\")");
   if (kind == "fashion-mnist" || kind == "mnist") {
-    d.train_images = load_mnist_split(deck.get_string("data.path"), true);
-    d.test_images = load_mnist_split(deck.get_string("data.path"), false);
+    d.train_images = load_mnist_split(cfg.data.path, true);
+    d.test_images = load_mnist_split(cfg.data.path, false);
     if (d.train_images.rows != 28 || d.train_images.cols != 28)
-      throw DataError("'" + deck.get_string("data.path") + "' holds " + std::to_string(d.train_images.rows) + "x" +
-                      std::to_string(d.train_images.cols) + " images; the models take 28x28");
+      throw DataError("'" + cfg.data.path + "' holds " + std::to_string(d.train_images.rows) + "x" + std::to_string(d.train_images.cols) +
+                      " images; the models take 28x28");
     // Normalization constants of the tutorial (MNIST) and the same statistics for Fashion-MNIST.
     d.mean = kind == "mnist" ? 0.1307 : 0.2860;
     d.stddev = kind == "mnist" ? 0.3081 : 0.3530;
   } else if (kind == "tokens") {
     d.tokens = true;
-    const auto n = deck.get_int("data.num_samples");
-    const auto context = deck.get_int("model.context");
-    const int vocab = static_cast<int>(deck.get_int("model.vocab_size"));
-    const auto seed = static_cast<std::uint64_t>(deck.get_int("run.seed"));
+    const auto n = cfg.data.num_samples;
+    const auto context = cfg.model.context;
+    const int vocab = static_cast<int>(cfg.model.vocab_size);
+    const auto seed = cfg.run.seed;
     d.train_tokens = make_synthetic_tokens(n, context, vocab, seed);
     d.test_tokens = make_synthetic_tokens(std::max<std::int64_t>(n / 10, 1), context, vocab, seed + 1000003);
   } else {
     d.tokens = true;
-    auto corpus = load_text(deck.get_string("data.path"), deck.get_int("model.context"), static_cast<int>(deck.get_int("model.vocab_size")));
+    auto corpus = load_text(cfg.data.path, cfg.model.context, static_cast<int>(cfg.model.vocab_size));
     d.train_tokens = std::move(corpus.train);
     d.test_tokens = std::move(corpus.test);
     d.has_test = d.test_tokens.n > 0;
   }
-  const auto limit_train = deck.get_int("data.train_samples"), limit_test = deck.get_int("data.test_samples");
+  const auto limit_train = cfg.data.train_samples, limit_test = cfg.data.test_samples;
   auto cut_images = [](ImageSplit& s, std::int64_t n) {
     if (n <= 0 || n >= s.n) return;
     s.n = n;
@@ -270,90 +278,63 @@ torch::Tensor loss_of(const Dataset& d, const torch::Tensor& model_out, const to
 
 // ---- model and optimizer --------------------------------------------------------------------------
 
-std::shared_ptr<AppModel> build_model(const Deck& deck) {
-  const std::string kind = deck.get_string("model.kind");
-  std::optional<double> dropout;
-  if (deck.is_set("model.dropout")) dropout = deck.get_float("model.dropout");
-  const bool deferred = deck.get_bool("fsdp.deferred_init");
+std::shared_ptr<AppModel> build_model(const RunConfig& cfg) {
+  const std::string kind = cfg.model.kind;
+  const std::optional<double> dropout = cfg.model.dropout;
+  const bool deferred = cfg.fsdp.deferred_init;
   if (kind == "cnn") return std::make_shared<TutorialCnnImpl>(dropout, deferred);
-  if (kind == "mlp") return std::make_shared<MlpImpl>(deck.get_int_array("model.hidden_sizes"), dropout, deferred);
+  if (kind == "mlp") return std::make_shared<MlpImpl>(cfg.model.hidden_sizes, dropout, deferred);
   GptConfig c;
-  c.vocab_size = deck.get_int("model.vocab_size");
-  c.context = deck.get_int("model.context");
-  c.d_model = deck.get_int("model.d_model");
-  c.n_heads = deck.get_int("model.n_heads");
-  c.n_layers = deck.get_int("model.n_layers");
-  c.mlp_ratio = deck.get_int("model.mlp_ratio");
+  c.vocab_size = cfg.model.vocab_size;
+  c.context = cfg.model.context;
+  c.d_model = cfg.model.d_model;
+  c.n_heads = cfg.model.n_heads;
+  c.n_layers = cfg.model.n_layers;
+  c.mlp_ratio = cfg.model.mlp_ratio;
   c.dropout = dropout.value_or(0.1);
-  c.tie_embeddings = deck.get_bool("model.tie_embeddings");
+  c.tie_embeddings = cfg.model.tie_embeddings;
   c.deferred = deferred;
   return std::make_shared<GptImpl>(c);
 }
 
-/// fsdp.transformer_layer_cls_to_wrap as a list of names (comma separated, spaces trimmed).
-std::vector<std::string> layer_classes(const Deck& deck) {
-  std::vector<std::string> names;
-  std::stringstream ss(deck.get_string("fsdp.transformer_layer_cls_to_wrap"));
-  for (std::string n; std::getline(ss, n, ',');) {
-    n.erase(0, n.find_first_not_of(" \t"));
-    n.erase(n.find_last_not_of(" \t") + 1);
-    if (!n.empty()) names.push_back(n);
-  }
-  return names;
-}
-
 /// A class name to wrap that no module of the model has is a mistake, not a no-op.
-void check_layer_classes(const Deck& deck, const torch::nn::Module& model) {
-  if (deck.get_string("fsdp.auto_wrap_policy") != "TRANSFORMER_BASED_WRAP") return;
+void check_layer_classes(const RunConfig& cfg, const torch::nn::Module& model) {
+  if (cfg.fsdp.auto_wrap_policy != "TRANSFORMER_BASED_WRAP") return;
   std::set<std::string> types;
   for (const auto& m : model.modules(/*include_self=*/true)) types.insert(fsdp::module_type_name(*m));
   std::string known;
   for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
-  for (const auto& n : layer_classes(deck))
+  for (const auto& n : cfg.fsdp.transformer_layer_cls_to_wrap)
     if (!types.count(n))
-      throw DeckError(deck.entry("fsdp.transformer_layer_cls_to_wrap").where +
-                      ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n + "\" (its types: " + known + ")");
+      throw DeckError(cfg.fsdp.transformer_layer_cls_where + ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n +
+                      "\" (its types: " + known + ")");
 }
 
-/// fsdp.overlap_grad_reduce = auto: the collective worker pays only with a core of its own, i.e. when
-/// this rank may run on more CPUs than its compute threads and the node's ranks leave cores idle.
-bool resolve_overlap_grad_reduce(const Deck& deck, int ranks_per_node, int threads) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  const int mine = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-  return overlap_grad_reduce_resolved(deck.get_string("fsdp.overlap_grad_reduce"), mine, threads, ranks_per_node,
-                                      static_cast<int>(std::thread::hardware_concurrency()));
-}
-
-fsdp::FsdpOptions fsdp_options(const Deck& deck) {
+fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
   fsdp::FsdpOptions o;
-  o.sharding_strategy = fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
-  const std::string policy = deck.get_string("fsdp.auto_wrap_policy");
+  o.sharding_strategy = cfg.fsdp.sharding_strategy;
+  const std::string policy = cfg.fsdp.auto_wrap_policy;
   if (policy == "SIZE_BASED_WRAP")
-    o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(deck.get_int("fsdp.min_num_params"));
+    o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(cfg.fsdp.min_num_params);
   else if (policy == "TRANSFORMER_BASED_WRAP")
-    o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(layer_classes(deck));
-  const std::string reshard = deck.get_string("fsdp.reshard_after_forward");
-  if (reshard == "true")
-    o.reshard_after_forward = true;
-  else if (reshard == "false")
-    o.reshard_after_forward = false;
-  o.shard_group_size = static_cast<int>(deck.get_int("fsdp.shard_group_size"));
-  o.sync_module_states = deck.get_bool("fsdp.sync_module_states");
-  const std::string mp = deck.get_string("fsdp.mixed_precision");
+    o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(cfg.fsdp.transformer_layer_cls_to_wrap);
+  o.reshard_after_forward = cfg.fsdp.reshard_after_forward;
+  o.shard_group_size = cfg.fsdp.shard_group_size;
+  o.sync_module_states = cfg.fsdp.sync_module_states;
+  const std::string mp = cfg.fsdp.mixed_precision;
   if (mp == "bf16")
     o.mixed_precision = fsdp::MixedPrecision::bf16();
   else if (mp == "fp16")
     o.mixed_precision = fsdp::MixedPrecision::fp16();
-  o.activation_checkpointing = deck.get_bool("fsdp.activation_checkpointing");
-  o.offload_params = deck.get_bool("fsdp.offload_params");
-  o.backward_prefetch = fsdp::parse_backward_prefetch(deck.get_string("fsdp.backward_prefetch"));
-  o.forward_prefetch = deck.get_bool("fsdp.forward_prefetch");
-  o.limit_all_gathers = static_cast<int>(deck.get_int("fsdp.limit_all_gathers"));
-  if (deck.get_bool("fsdp.deferred_init")) {  // the layers were released as built: initialized unit by unit
-    const bool gpt = deck.get_string("model.kind") == "transformer";
+  o.activation_checkpointing = cfg.fsdp.activation_checkpointing;
+  o.offload_params = cfg.fsdp.offload_params;
+  o.backward_prefetch = cfg.fsdp.backward_prefetch;
+  o.forward_prefetch = cfg.fsdp.forward_prefetch;
+  o.limit_all_gathers = static_cast<int>(cfg.fsdp.limit_all_gathers);
+  if (cfg.fsdp.deferred_init) {  // the layers were released as built: initialized unit by unit
+    const bool gpt = cfg.model.kind == "transformer";
     o.param_init_fn = [gpt](torch::nn::Module& m, const std::string&) { init_module(m, gpt); };
-    o.init_seed = static_cast<std::uint64_t>(deck.get_int("run.seed"));
+    o.init_seed = cfg.run.seed;
     o.sync_module_states = false;  // every rank computes the same values: nothing to broadcast
   }
   o.all_units_called_through_forward = true;  // every model here calls its children through fsdp::forward
@@ -369,12 +350,12 @@ constexpr bool kBuiltWithNccl = false;
 /// fsdp.backend resolved: "mpi" or "nccl". auto means NCCL when the tensors can live on a GPU (a CUDA
 /// LibTorch with a visible device, and an fsdp-train built with NCCL), MPI otherwise. Asking for
 /// nccl where that does not hold is a deck error naming what is missing.
-std::string resolve_backend(const Deck& deck) {
-  const std::string asked = deck.get_string("fsdp.backend");
+std::string resolve_backend(const RunConfig& cfg) {
+  const std::string asked = cfg.fsdp.backend;
   const bool gpu = torch::cuda::is_available();
   if (asked == "mpi") return asked;
   if (asked == "auto") return kBuiltWithNccl && gpu ? "nccl" : "mpi";
-  const auto& set_at = deck.entry("fsdp.backend").where;
+  const auto& set_at = cfg.fsdp.backend_where;
   const std::string where = (set_at.empty() ? std::string() : set_at + ": ") + "fsdp.backend = \"nccl\": ";
   if (!gpu) {
     const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
@@ -389,36 +370,27 @@ std::string resolve_backend(const Deck& deck) {
 }
 
 template <class Engine>
-std::unique_ptr<torch::optim::Optimizer> build_optimizer(const Deck& deck, Engine& model) {
-  const std::string kind = deck.get_string("optim.kind");
-  const double lr = deck.get_float("optim.lr"), wd = deck.get_float("optim.weight_decay");
+std::unique_ptr<torch::optim::Optimizer> build_optimizer(const RunConfig& cfg, Engine& model) {
+  const std::string kind = cfg.optim.kind;
+  const double lr = cfg.optim.lr, wd = cfg.optim.weight_decay;
   const auto params = model.parameters();
-  if (kind == "sgd")
-    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(deck.get_float("optim.momentum")).weight_decay(wd));
-  const auto& betas = deck.get_float_array("optim.betas");
-  if (betas.size() != 2) throw DeckError("optim.betas must have 2 values, got " + std::to_string(betas.size()));
+  if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(cfg.optim.momentum).weight_decay(wd));
+  const auto& betas = cfg.optim.betas;
   if (kind == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
   if (kind == "adamw")
     return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
   return std::make_unique<fsdp::optim::Adadelta>(params, fsdp::optim::AdadeltaOptions(lr).weight_decay(wd));
 }
 
-/// Optimizer state tensors per parameter element (for the expected-memory estimate).
-int optimizer_state_copies(const Deck& deck) {
-  const std::string kind = deck.get_string("optim.kind");
-  if (kind == "sgd") return deck.get_float("optim.momentum") > 0 ? 1 : 0;
-  return 2;
-}
-
 /// The learning rate at optimizer step `step` (0-based) in `epoch`: a linear warmup from 0 to
 /// optim.lr over optim.warmup_steps, then the schedule (cosine: from optim.lr down to 0 at the last
 /// step; step: optim.lr x gamma^epoch; constant).
-double lr_at(const Deck& deck, std::int64_t step, std::int64_t epoch, std::int64_t total_steps) {
-  const double base = deck.get_float("optim.lr");
-  const auto warmup = deck.get_int("optim.warmup_steps");
+double lr_at(const RunConfig& cfg, std::int64_t step, std::int64_t epoch, std::int64_t total_steps) {
+  const double base = cfg.optim.lr;
+  const auto warmup = cfg.optim.warmup_steps;
   if (step < warmup) return base * static_cast<double>(step + 1) / static_cast<double>(warmup);
-  const std::string schedule = deck.get_string("optim.schedule");
-  if (schedule == "step") return base * std::pow(deck.get_float("optim.gamma"), static_cast<double>(epoch));  // StepLR(step_size=1) per epoch
+  const std::string schedule = cfg.optim.schedule;
+  if (schedule == "step") return base * std::pow(cfg.optim.gamma, static_cast<double>(epoch));  // StepLR(step_size=1) per epoch
   if (schedule == "cosine") {
     const double span = static_cast<double>(std::max<std::int64_t>(1, total_steps - warmup - 1));
     const double progress = std::min(1.0, static_cast<double>(step - warmup) / span);
@@ -501,14 +473,26 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   text = fsdp::detail::broadcast_string(world, text);
   std::optional<Deck> parsed;
   on_all_ranks(world, [&] { parsed = Deck::parse(text, deck_path, overrides); });
-  Deck& deck = *parsed;
+  const Deck& deck = *parsed;
+  // The deck resolved for this placement: every default, `auto` and check between keys decided once.
+  cpu_set_t affinity;
+  CPU_ZERO(&affinity);
+  Placement where_placed;
+  where_placed.world_size = world.size();
+  where_placed.nodes = placement.nodes;
+  where_placed.ranks_per_node = placement.local_size;
+  where_placed.node_cores = static_cast<int>(std::thread::hardware_concurrency());
+  where_placed.rank_cpus = sched_getaffinity(0, sizeof(affinity), &affinity) == 0 ? CPU_COUNT(&affinity) : 1;
+  std::optional<RunConfig> resolved;
+  on_all_ranks(world, [&] { resolved = resolve_run_config(deck, where_placed); });
+  const RunConfig& cfg = *resolved;
 
-  const std::string name = deck.get_string("run.name");
-  const fs::path out_dir = deck.out_dir();
-  const fs::path ckpt_dir = deck.checkpoint_dir();
-  fsdp::CollectiveWatchdog::instance().configure(deck.get_float("comm.timeout_s"), world.rank());
+  const std::string name = cfg.run.name;
+  const fs::path out_dir = cfg.run.out_dir;
+  const fs::path ckpt_dir = cfg.checkpoint.dir;
+  fsdp::CollectiveWatchdog::instance().configure(cfg.comm.timeout_s, world.rank());
   // log.trace: every rank records its timeline and writes it when the run ends, however it ends.
-  fsdp::Tracer::instance().enable(deck.get_bool("log.trace") && !dry_run);
+  fsdp::Tracer::instance().enable(cfg.log.trace && !dry_run);
   struct TraceWriter {
     fs::path dir;
     int rank;
@@ -530,10 +514,9 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       }
     }
   } trace_writer{out_dir, world.rank()};
-  int threads = static_cast<int>(deck.get_int("run.threads"));
-  if (threads == 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, placement.local_size));
+  const int threads = cfg.run.threads;
   torch::set_num_threads(threads);
-  if (const auto mib = deck.get_int("run.malloc_mmap_threshold_mib"); mib > 0) {
+  if (const auto mib = cfg.run.malloc_mmap_threshold_mib; mib > 0) {
     // Before the model exists: its shards, gathered units and gradients are allocated from here on.
     if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(mib << 20)) != 1)
       throw DeckError(deck.entry("run.malloc_mmap_threshold_mib").where + ": run.malloc_mmap_threshold_mib: glibc refused " + std::to_string(mib) +
@@ -541,42 +524,38 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   }
   // Every rank must decide the same (the engine splits communicators for the worker): any rank
   // without a spare core turns the overlap off for all.
-  double no_overlap = resolve_overlap_grad_reduce(deck, placement.local_size, threads) ? 0.0 : 1.0;
+  double no_overlap = cfg.fsdp.overlap_grad_reduce ? 0.0 : 1.0;
   world.all_reduce(&no_overlap, &no_overlap, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
   const bool overlap_grad_reduce = no_overlap == 0.0;
-  torch::manual_seed(static_cast<std::uint64_t>(deck.get_int("run.seed")));
+  torch::manual_seed(cfg.run.seed);
 
   // 2. The communicator, data (each rank reads the files itself) and the model.
   std::string backend;
-  on_all_ranks(world, [&] { backend = resolve_backend(deck); });
+  on_all_ranks(world, [&] { backend = resolve_backend(cfg); });
   // The rest runs with the engine over the chosen communicator.
   auto train = [&](auto comm_type) -> int {
     using Comm = typename decltype(comm_type)::type;
     using Engine = EngineOver<Comm>;
     Dataset data;
-    on_all_ranks(world, [&] { data = load_dataset(deck); });
+    on_all_ranks(world, [&] { data = load_dataset(cfg); });
     std::shared_ptr<Engine> model;
     std::unique_ptr<torch::optim::Optimizer> optimizer;
     on_all_ranks(world, [&] {
-      auto net = build_model(deck);
-      check_layer_classes(deck, *net);
-      const auto group = deck.get_int("fsdp.shard_group_size");
-      if (group > 0 && world.size() % group != 0)
-        throw DeckError(deck.entry("fsdp.shard_group_size").where + ": fsdp.shard_group_size: " + std::to_string(group) +
-                        " does not divide the world size " + std::to_string(world.size()));
-      auto options = fsdp_options(deck);
+      auto net = build_model(cfg);
+      check_layer_classes(cfg, *net);
+      auto options = fsdp_options(cfg);
       options.overlap_grad_reduce = overlap_grad_reduce;
       if constexpr (std::is_same_v<Comm, MpiComm>) {
         model = std::make_shared<Engine>(net, world, options);
       } else {  // NCCL: this rank's GPU on its node; NCCL's own deadline is comm.timeout_s
         fsdp::NcclOptions nccl;
-        nccl.timeout_s = deck.get_float("comm.timeout_s");
+        nccl.timeout_s = cfg.comm.timeout_s;
         nccl.device = placement.local_rank;
         auto comm = fsdp::NcclComm::from_mpi(world, nccl);
         options.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm.device()));
         model = std::make_shared<Engine>(net, comm, options);
       }
-      optimizer = build_optimizer(deck, *model);
+      optimizer = build_optimizer(cfg, *model);
     });
 
     // 3. Echo: the resolved deck and what follows from it.
@@ -586,19 +565,19 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       shard_numel += u.shard_numel;
       padding += u.padded_numel - u.numel;
     }
-    const std::int64_t state_bytes = shard_numel * 4 * (2 + optimizer_state_copies(deck));
+    const std::int64_t state_bytes = shard_numel * 4 * (2 + cfg.optim.state_copies());
     if (root) {
       std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, deck_path.c_str(), deck.echo_table().c_str());
       std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", world.size(), placement.nodes, placement.local_size,
                   threads);
-      std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", backend.c_str(), deck.get_string("fsdp.backend").c_str(),
-                  model->compute_device().str().c_str(), deck.get_bool("fsdp.offload_params") ? ", parameter shards offloaded to host memory" : "");
+      std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", backend.c_str(), cfg.fsdp.backend.c_str(),
+                  model->compute_device().str().c_str(), cfg.fsdp.offload_params ? ", parameter shards offloaded to host memory" : "");
       std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model->sharding_strategy()), model->shard_group_size(),
                   units.size(), static_cast<long long>(model->num_params()));
       std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
                   static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
-      std::printf("  data %s: %lld train, %lld test samples; out_dir %s\n\n", deck.get_string("data.kind").c_str(),
-                  static_cast<long long>(data.train_size()), static_cast<long long>(data.test_size()), out_dir.c_str());
+      std::printf("  data %s: %lld train, %lld test samples; out_dir %s\n\n", cfg.data.kind.c_str(), static_cast<long long>(data.train_size()),
+                  static_cast<long long>(data.test_size()), out_dir.c_str());
       std::fflush(stdout);
     }
     // Every rank must run the same job: compare the resolved deck and the sharding plan before the
@@ -644,11 +623,12 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
 
     // 4. Resume.
     fsdp::CheckpointOptions ckpt;
-    ckpt.state_dict_type = fsdp::parse_state_dict_type(deck.get_string("checkpoint.state_dict_type"));
-    ckpt.keep_last = static_cast<int>(deck.get_int("checkpoint.keep_last"));
-    ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
+    ckpt.state_dict_type = fsdp::parse_state_dict_type(cfg.checkpoint.state_dict_type);
+    ckpt.keep_last = static_cast<int>(cfg.checkpoint.keep_last);
+    ckpt.rank0_only = cfg.checkpoint.rank0_only;
+    ckpt.collective_timeout_s = cfg.checkpoint.collective_timeout_s;  // comm.timeout_s: a save or load some rank never enters fails in time
     fsdp::TrainState state;
-    const std::string resume = deck.get_string("checkpoint.resume");
+    const std::string resume = cfg.checkpoint.resume;
     if (resume == "auto") {
       fsdp::ResumeResult r;
       // A checkpoint of another model or optimizer in this folder stops the run (it is not skipped:
@@ -668,15 +648,14 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     }
 
     // 5. Train.
-    const std::int64_t batch = deck.get_int("data.batch_size");
-    const std::int64_t accum = deck.get_int("optim.grad_accum_steps");
-    const std::int64_t epochs = deck.get_int("run.epochs");
-    const std::int64_t max_steps = deck.get_int("run.max_steps");
-    const double clip = deck.get_float("optim.clip_grad_norm");
-    const std::int64_t log_every = deck.get_int("log.every_steps");
-    const std::int64_t ckpt_every = deck.get_int("checkpoint.every_steps");
-    DistributedSampler sampler(data.train_size(), world.size(), world.rank(), deck.get_bool("data.shuffle"),
-                               static_cast<std::uint64_t>(deck.get_int("run.seed")));
+    const std::int64_t batch = cfg.data.batch_size;
+    const std::int64_t accum = cfg.optim.grad_accum_steps;
+    const std::int64_t epochs = cfg.run.epochs;
+    const std::int64_t max_steps = cfg.run.max_steps;
+    const double clip = cfg.optim.clip_grad_norm;
+    const std::int64_t log_every = cfg.log.every_steps;
+    const std::int64_t ckpt_every = cfg.checkpoint.every_steps;
+    DistributedSampler sampler(data.train_size(), world.size(), world.rank(), cfg.data.shuffle, cfg.run.seed);
     const std::int64_t micro_per_epoch = (sampler.num_samples() + batch - 1) / batch;
     const std::int64_t steps_per_epoch = micro_per_epoch / accum;
     if (steps_per_epoch == 0)
@@ -691,7 +670,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
             out_dir.c_str(), static_cast<long long>(state.step), static_cast<long long>(total_steps));
       return 0;
     }
-    const std::string progress_mode = deck.get_string("log.progress");
+    const std::string progress_mode = cfg.log.progress;
     // auto: a live line only for a process started directly on a terminal. Under mpirun or srun the
     // ranks' stdout is a pseudo-terminal even when the job's output goes to a file.
     const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK") || std::getenv("SLURM_PROCID");
@@ -699,8 +678,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     const bool quiet = progress_mode == "none";
 
     std::ofstream metrics;
-    const bool write_metrics = !deck.get_string("log.metrics_file").empty();
-    const fs::path metrics_path = out_dir / deck.get_string("log.metrics_file");
+    const bool write_metrics = !cfg.log.metrics_file.empty();
+    const fs::path metrics_path = out_dir / cfg.log.metrics_file;
     on_all_ranks(world, [&] {
       if (root && write_metrics) {
         fs::create_directories(metrics_path.parent_path());
@@ -735,19 +714,36 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
 
     // Where a run restarted from the current state continues: the next epoch and global sample.
     std::int64_t next_epoch = state.epoch, next_sample_index = state.sample_index;
-    const bool save_final = deck.get_bool("checkpoint.save_final");
+    const bool save_final = cfg.checkpoint.save_final;
+    const char* skip_save_rank = std::getenv("FSDP_TEST_SKIP_SAVE_ON_RANK");
+    const bool skip_save_on_this_rank = skip_save_rank && *skip_save_rank && std::atoi(skip_save_rank) == world.rank();
     auto save = [&] {
       Timed t(phases.checkpoint, "checkpoint");
       fsdp::TrainState s;
       s.step = step;
       s.epoch = next_epoch;
       s.sample_index = next_sample_index;
-      s.scheduler = {{"lr", lr_at(deck, step, next_epoch, total_steps)}, {"total_steps", static_cast<double>(total_steps)}};
+      s.scheduler = {{"lr", lr_at(cfg, step, next_epoch, total_steps)}, {"total_steps", static_cast<double>(total_steps)}};
       s.deck = deck.to_toml();
       fsdp::SaveResult r;
       // A failed save (folder not writable, disk full) fails on every rank alike: a clean exit 2, and the
       // previous checkpoint and `latest` stay valid.
-      on_all_ranks(world, [&] { r = fsdp::save_checkpoint(*model, optimizer.get(), ckpt_dir.string(), s, ckpt); });
+      if (skip_save_on_this_rank) {
+        // Test hook (docs/reliability.md): this rank never enters the save, like a rank stuck elsewhere; the
+        // others give up after comm.timeout_s and abort the job, which ends this rank too.
+        std::fprintf(stderr, "fsdp-train: rank %d does not enter the save at step %lld (FSDP_TEST_SKIP_SAVE_ON_RANK)\n", world.rank(),
+                     static_cast<long long>(step));
+        std::this_thread::sleep_for(std::chrono::seconds(3600));
+      }
+      on_all_ranks(world, [&] {
+        try {
+          r = fsdp::save_checkpoint(*model, optimizer.get(), ckpt_dir.string(), s, ckpt);
+        } catch (const fsdp::CommError& e) {
+          // A rank that never arrived cannot agree on the failure either: abort (main) instead of waiting.
+          if (e.id() == "fsdp.comm.deadline") throw DeadlineMissed(e.what());
+          throw;
+        }
+      });
       if (root && !quiet) std::printf("checkpoint %s (%.1f MiB, %.2f s)\n", r.path.c_str(), r.bytes / 1048576.0, r.seconds);
       if (root)
         for (const auto& w : r.warnings) std::printf("warning: %s\n", w.c_str());
@@ -759,7 +755,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     // Past a file size limit (ulimit -f) a write then fails with EFBIG and the save reports it, instead
     // of SIGXFSZ killing the rank in the middle of a checkpoint.
     std::signal(SIGXFSZ, SIG_IGN);
-    const bool skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
+    const bool skip_nonfinite = cfg.run.skip_nonfinite;
     std::int64_t skipped_steps = 0;
 
     bool done = step >= total_steps;
@@ -769,7 +765,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       // Resuming inside an epoch: skip the micro-batches already trained (global sample count).
       std::int64_t first_micro = 0;
       if (epoch == state.epoch && state.sample_index > 0) first_micro = state.sample_index / (batch * world.size());
-      const int workers = static_cast<int>(deck.get_int("data.num_workers"));
+      const int workers = static_cast<int>(cfg.data.num_workers);
       const std::int64_t micro_end = steps_per_epoch * accum;
       Prefetcher<Batch> loader(
           std::max<std::int64_t>(0, micro_end - first_micro),
@@ -781,7 +777,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       for (std::int64_t micro = first_micro; micro < micro_end && !done; micro += accum) {
         const auto step_start = Clock::now();
         fsdp::CollectiveWatchdog::instance().set_step(step + 1);
-        const double lr = lr_at(deck, step, epoch, total_steps);
+        const double lr = lr_at(cfg, step, epoch, total_steps);
         for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
         optimizer->zero_grad();
         double loss_sum = 0;
@@ -889,7 +885,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       if (data.has_test) {
         const auto pause_start = Clock::now();
         Timed t(phases.eval, "eval");
-        last_eval = evaluate(*model, data, deck.get_int("data.test_batch_size"), world);
+        last_eval = evaluate(*model, data, cfg.data.test_batch_size, world);
         evaluated = true;
         if (root && !quiet)
           std::printf("epoch %lld: test loss %.4f, accuracy %.2f%% (%lld %s)\n", static_cast<long long>(epoch + 1), last_eval.loss,
@@ -957,8 +953,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       js << ",\n    \"skew_s\": " << comm.skew_seconds - comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
       // Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the
       // computing thread waited for unit all-gathers (across ranks): the exposed communication.
-      js << "\n  },\n  \"overlap\": {\"backward_prefetch\": \"" << deck.get_string("fsdp.backward_prefetch")
-         << "\", \"forward_prefetch\": " << (deck.get_bool("fsdp.forward_prefetch") ? "true" : "false") << ", \"prefetched\": " << overlap.prefetched
+      js << "\n  },\n  \"overlap\": {\"backward_prefetch\": \"" << cfg.fsdp.backward_prefetch_name
+         << "\", \"forward_prefetch\": " << (cfg.fsdp.forward_prefetch ? "true" : "false") << ", \"prefetched\": " << overlap.prefetched
          << ", \"gathered_on_demand\": " << overlap.gathered_on_demand << ", \"exposed_all_gather_s\": {\"min\": " << exposed_all_gather.min
          << ", \"avg\": " << exposed_all_gather.avg << ", \"max\": " << exposed_all_gather.max << "}";
       // Gradient reductions run on the worker while backward went on, and the time the computing
