@@ -139,12 +139,4 @@ std::string format_value(const Value& v);
 /// The full content of docs/deck_reference.md, generated from deck_schema().
 std::string reference_markdown();
 
-/// fsdp.overlap_grad_reduce (auto, true, false) resolved: auto overlaps only where the collective worker
-/// gets a core of its own, i.e. the rank may run on more CPUs than its compute threads and the node's
-/// ranks leave cores idle. fsdp-train and fsdp-plan decide alike.
-inline bool overlap_grad_reduce_resolved(const std::string& value, int rank_cpus, int threads, int ranks_per_node, int node_cores) {
-  if (value != "auto") return value == "true";
-  return rank_cpus > threads && ranks_per_node * threads < node_cores;
-}
-
 }  // namespace fsdp::app

@@ -5,6 +5,7 @@
 // between the ranks and end every rank with exit code 2 and one message from rank 0; an error during
 // training aborts the whole job (MPI_Abort) so that no rank is left waiting in a collective.
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <fsdp/fsdp.hpp>
 #ifdef FSDP_WITH_NCCL
 #include <fsdp/comm/nccl_comm.hpp>
@@ -35,6 +36,7 @@
 #include "data.hpp"
 #include "deck.hpp"
 #include "models.hpp"
+#include "plan/model_check.hpp"
 #include "run_config.hpp"
 
 namespace fs = std::filesystem;
@@ -146,19 +148,6 @@ double peak_rss_mb() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
-}
-
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (c == '\n') {
-      out += "\\n";
-      continue;
-    }
-    out += c;
-  }
-  return out;
 }
 
 // ---- data ---------------------------------------------------------------------------------------
@@ -458,6 +447,34 @@ std::string format_duration(double s) {
   else
     std::snprintf(buf, sizeof buf, "%.1fs", s);
   return buf;
+}
+
+/// --check-plan: fsdp-plan's closed-form model (app/plan/) against the model LibTorch builds: module
+/// tree, types, parameter names and shapes, ties, buffers and the parameter count. 0 if they match, 1 if not.
+int check_plan_model(const std::string& deck_path, const std::vector<std::string>& overrides) {
+  const ModelShape shape = model_shape(resolve_model_section(Deck::from_file(deck_path, overrides)));
+  const ModelDesc desc = describe_model(shape);
+  torch::manual_seed(0);
+  auto built = build_app_model(shape);
+  std::int64_t numel = 0, tensors = 0;
+  std::set<const void*> seen;  // Module::parameters() lists a tied tensor once per name: count it once
+  for (const auto& p : built->parameters()) {
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    numel += p.numel();
+    ++tensors;
+  }
+  std::string diff = compare_descriptions(desc, describe_module(*built, shape.kind));
+  if (closed_form_num_params(shape) != numel)
+    diff += "parameter count: formula " + std::to_string(closed_form_num_params(shape)) + ", built " + std::to_string(numel) + "\n";
+  if (desc.num_params() != numel)
+    diff += "parameter count: description " + std::to_string(desc.num_params()) + ", built " + std::to_string(numel) + "\n";
+  if (!diff.empty()) {
+    std::fprintf(stderr, "fsdp-train: error: the closed-form model differs from the built one:\n%s", diff.c_str());
+    return kExitFailure;
+  }
+  std::printf("model check: the closed form matches the built model (%lld parameters in %lld tensors, %zu modules)\n", static_cast<long long>(numel),
+              static_cast<long long>(tensors), desc.modules.size());
+  return 0;
 }
 
 int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides, bool dry_run) {
@@ -921,51 +938,61 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     const double median_ms = sorted.empty() ? 0 : sorted[sorted.size() / 2];
     if (root) {
       const double rate = total_samples / std::max(train_s, 1e-9);
-      std::ostringstream js;
-      js.precision(8);
-      js << "{\n  \"name\": \"" << json_escape(name) << "\",\n  \"world_size\": " << world.size() << ",\n  \"nodes\": " << placement.nodes
-         << ",\n  \"ranks_per_node\": " << placement.local_size << ",\n  \"threads_per_rank\": " << threads << ",\n  \"backend\": \"" << backend
-         << "\",\n  \"strategy\": \"" << to_string(model->sharding_strategy()) << "\",\n  \"shard_group_size\": " << model->shard_group_size()
-         << ",\n  \"replica_groups\": " << world.size() / model->shard_group_size() << ",\n  \"params\": " << model->num_params()
-         << ",\n  \"steps\": " << step << ",\n  \"resumed_from_step\": " << state.step << ",\n  \"skipped_steps\": " << skipped_steps
-         << ",\n  \"final_train_loss\": " << (std::isnan(last_loss) ? std::string("null") : std::to_string(last_loss));
-      if (evaluated) js << ",\n  \"test_loss\": " << last_eval.loss << ",\n  \"test_accuracy\": " << last_eval.accuracy;
-      js << ",\n  \"wall_s\": " << wall << ",\n  \"train_s\": " << train_s << ",\n  \"step_ms_median\": " << median_ms << ",\n  \""
-         << (data.tokens ? "tokens_per_s" : "samples_per_s")
-         << "\": " << (data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate) << ",\n  \"peak_rss_mb\": [";
-      for (std::size_t i = 0; i < rss.size(); ++i) js << (i ? ", " : "") << rss[i];
-      js << "],\n  \"phases\": {";
-      for (std::size_t i = 0; i < phase_stats.size(); ++i) {
-        const auto& [n, s] = phase_stats[i];
-        js << (i ? ",\n" : "\n") << "    \"" << n << "\": {\"min\": " << s.min << ", \"avg\": " << s.avg << ", \"max\": " << s.max << "}";
+      auto min_avg_max = [](const Stats& st) { return nlohmann::ordered_json{{"min", st.min}, {"avg", st.avg}, {"max", st.max}}; };
+      nlohmann::ordered_json js;
+      js["name"] = name;
+      js["world_size"] = world.size();
+      js["nodes"] = placement.nodes;
+      js["ranks_per_node"] = placement.local_size;
+      js["threads_per_rank"] = threads;
+      js["backend"] = backend;
+      js["strategy"] = to_string(model->sharding_strategy());
+      js["shard_group_size"] = model->shard_group_size();
+      js["replica_groups"] = world.size() / model->shard_group_size();
+      js["params"] = model->num_params();
+      js["steps"] = step;
+      js["resumed_from_step"] = state.step;
+      js["skipped_steps"] = skipped_steps;
+      js["final_train_loss"] = std::isnan(last_loss) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(last_loss);
+      if (evaluated) {
+        js["test_loss"] = last_eval.loss;
+        js["test_accuracy"] = last_eval.accuracy;
       }
+      js["wall_s"] = wall;
+      js["train_s"] = train_s;
+      js["step_ms_median"] = median_ms;
+      js[data.tokens ? "tokens_per_s" : "samples_per_s"] = data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate;
+      js["peak_rss_mb"] = rss;
+      auto& phases_js = js["phases"] = nlohmann::ordered_json::object();
+      for (const auto& [n, st] : phase_stats) phases_js[n] = min_avg_max(st);
       // Rank 0's collectives over the same span as the phases (training, evaluation, checkpoints): bytes
       // as the engine counts them (all_gather: this rank's shard; reduce_scatter: the full input buffer;
       // all_reduce, broadcast: the buffer) and wall seconds inside the blocking calls.
-      js << "\n  },\n  \"comm\": {\"rank\": 0, \"calls\": " << comm.calls - comm_start.calls;
-      auto comm_kind = [&](const char* n, std::uint64_t bytes, double s) {
-        js << ",\n    \"" << n << "\": {\"bytes\": " << bytes << ", \"seconds\": " << s << "}";
-      };
+      auto& comm_js = js["comm"];
+      comm_js["rank"] = 0;
+      comm_js["calls"] = comm.calls - comm_start.calls;
+      auto comm_kind = [&](const char* n, std::uint64_t bytes, double seconds) { comm_js[n] = {{"bytes", bytes}, {"seconds", seconds}}; };
       comm_kind("all_gather", comm.all_gather_bytes - comm_start.all_gather_bytes, all_gather_s);
       comm_kind("reduce_scatter", comm.reduce_scatter_bytes - comm_start.reduce_scatter_bytes, reduce_scatter_s);
       comm_kind("all_reduce", comm.all_reduce_bytes - comm_start.all_reduce_bytes, all_reduce_s);
       comm_kind("broadcast", comm.broadcast_bytes - comm_start.broadcast_bytes, comm.broadcast_seconds - comm_start.broadcast_seconds);
-      js << ",\n    \"skew_s\": " << comm.skew_seconds - comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
+      comm_js["skew_s"] = comm.skew_seconds - comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
       // Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the
       // computing thread waited for unit all-gathers (across ranks): the exposed communication.
-      js << "\n  },\n  \"overlap\": {\"backward_prefetch\": \"" << cfg.fsdp.backward_prefetch_name
-         << "\", \"forward_prefetch\": " << (cfg.fsdp.forward_prefetch ? "true" : "false") << ", \"prefetched\": " << overlap.prefetched
-         << ", \"gathered_on_demand\": " << overlap.gathered_on_demand << ", \"exposed_all_gather_s\": {\"min\": " << exposed_all_gather.min
-         << ", \"avg\": " << exposed_all_gather.avg << ", \"max\": " << exposed_all_gather.max << "}";
+      auto& overlap_js = js["overlap"];
+      overlap_js["backward_prefetch"] = cfg.fsdp.backward_prefetch_name;
+      overlap_js["forward_prefetch"] = cfg.fsdp.forward_prefetch;
+      overlap_js["prefetched"] = overlap.prefetched;
+      overlap_js["gathered_on_demand"] = overlap.gathered_on_demand;
+      overlap_js["exposed_all_gather_s"] = min_avg_max(exposed_all_gather);
       // Gradient reductions run on the worker while backward went on, and the time the computing
       // thread then waited for them (end of backward, or the in-flight bound).
       // NCCL reduces on its own stream: the setting is not used there.
-      js << ", \"overlap_grad_reduce\": " << (overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>() ? "true" : "false")
-         << ", \"reductions_overlapped\": " << overlap.reductions_overlapped << ", \"reductions_synchronous\": " << overlap.reductions_synchronous
-         << ", \"exposed_reduce_s\": {\"min\": " << exposed_reduce.min << ", \"avg\": " << exposed_reduce.avg << ", \"max\": " << exposed_reduce.max
-         << "}";
-      js << "\n  }\n}\n";
-      std::ofstream(out_dir / "summary.json") << js.str();
+      overlap_js["overlap_grad_reduce"] = overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>();
+      overlap_js["reductions_overlapped"] = overlap.reductions_overlapped;
+      overlap_js["reductions_synchronous"] = overlap.reductions_synchronous;
+      overlap_js["exposed_reduce_s"] = min_avg_max(exposed_reduce);
+      std::ofstream(out_dir / "summary.json") << js.dump(2) << "\n";
       std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n", world.size());
       for (const auto& [n, s] : phase_stats) std::printf("%-14s %8.3f  %8.3f  %8.3f\n", n.c_str(), s.min, s.avg, s.max);
       std::printf("peak RSS per rank (MiB):");
@@ -996,14 +1023,23 @@ int main(int argc, char** argv) {
   CLI::App cli{"fsdp-train: train a model with Fully Sharded Data Parallel from a TOML input deck", "fsdp-train"};
   std::string deck_path;
   std::vector<std::string> overrides;
-  bool dry_run = false;
+  bool dry_run = false, check_plan = false;
   cli.add_option("DECK", deck_path, "the input deck (TOML)")->required();
   cli.add_option("--set", overrides, "override a deck value: section.key=value (repeatable)");
   cli.add_flag("--dry-run", dry_run, "validate, print the echo and stop");
+  cli.add_flag("--check-plan", check_plan, "build the deck's model (no MPI) and check fsdp-plan's closed-form description against it");
   try {
     cli.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return cli.exit(e) == 0 ? 0 : kExitBadInput;
+  }
+  if (check_plan) {
+    try {
+      return check_plan_model(deck_path, overrides);
+    } catch (const fsdp::ConfigError& e) {
+      std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+      return kExitBadInput;
+    }
   }
   std::unique_ptr<fsdp::MpiEnvironment> env;
   try {

@@ -2,7 +2,6 @@
 #include "run_config.hpp"
 
 #include <algorithm>
-#include <filesystem>
 #include <sstream>
 
 namespace fsdp::app {
@@ -13,6 +12,13 @@ namespace {
 std::string blame(const Deck& deck, const std::string& key) {
   const auto& where = deck.entry(key).where;
   return (where.empty() ? deck.path() : where) + ": " + key + ": ";
+}
+
+/// fsdp.overlap_grad_reduce = auto: the collective worker pays only with a core of its own, i.e. when
+/// the rank may run on more CPUs than its compute threads and the node's ranks leave cores idle.
+bool overlap_grad_reduce_resolved(const std::string& value, int rank_cpus, int threads, int ranks_per_node, int node_cores) {
+  if (value != "auto") return value == "true";
+  return rank_cpus > threads && ranks_per_node * threads < node_cores;
 }
 
 int resolve_threads(const Deck& deck, const Placement& p) {
@@ -33,21 +39,21 @@ std::vector<std::string> split_layer_classes(const std::string& names) {
   return out;
 }
 
-RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
-  RunConfig c;
-  c.placement = placement;
-
-  auto& run = c.run;
+RunSection resolve_run_section(const Deck& deck, const Placement& placement) {
+  RunSection run;
   run.name = deck.get_string("run.name");
   run.seed = static_cast<std::uint64_t>(deck.get_int("run.seed"));
   run.epochs = deck.get_int("run.epochs");
   run.max_steps = deck.get_int("run.max_steps");
-  run.out_dir = deck.get_string("run.out_dir").empty() ? "runs/" + run.name : deck.get_string("run.out_dir");
+  run.out_dir = deck.out_dir();
   run.threads = resolve_threads(deck, placement);
   run.malloc_mmap_threshold_mib = deck.get_int("run.malloc_mmap_threshold_mib");
   run.skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
+  return run;
+}
 
-  auto& model = c.model;
+ModelSection resolve_model_section(const Deck& deck) {
+  ModelSection model;
   model.kind = deck.get_string("model.kind");
   if (deck.is_set("model.dropout")) model.dropout = deck.get_float("model.dropout");
   model.hidden_sizes = deck.get_int_array("model.hidden_sizes");
@@ -58,6 +64,16 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   model.n_layers = deck.get_int("model.n_layers");
   model.mlp_ratio = deck.get_int("model.mlp_ratio");
   model.tie_embeddings = deck.get_bool("model.tie_embeddings");
+  return model;
+}
+
+RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
+  RunConfig c;
+  c.placement = placement;
+  c.run = resolve_run_section(deck, placement);
+  const auto& run = c.run;
+
+  c.model = resolve_model_section(deck);
 
   auto& data = c.data;
   data.kind = deck.get_string("data.kind");
@@ -97,7 +113,8 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.overlap_grad_reduce = overlap_grad_reduce_resolved(deck.get_string("fsdp.overlap_grad_reduce"), placement.rank_cpus, run.threads,
                                                        placement.ranks_per_node, placement.node_cores);
   const std::string reshard = deck.get_string("fsdp.reshard_after_forward");
-  f.reshard_after_forward = reshard == "auto" ? reshard_after_forward_default(f.sharding_strategy) : reshard == "true";
+  if (reshard != "auto") f.reshard_after_forward_asked = reshard == "true";
+  f.reshard_after_forward = f.reshard_after_forward_asked.value_or(reshard_after_forward_default(f.sharding_strategy));
   f.shard_group_size_requested = static_cast<int>(deck.get_int("fsdp.shard_group_size"));
   const int group = f.shard_group_size_requested;
   if (group > 0 && placement.world_size % group != 0)
@@ -119,8 +136,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   c.comm.timeout_s = deck.get_float("comm.timeout_s");
 
   auto& ckpt = c.checkpoint;
-  ckpt.dir =
-      deck.get_string("checkpoint.dir").empty() ? (std::filesystem::path(run.out_dir) / "checkpoints").string() : deck.get_string("checkpoint.dir");
+  ckpt.dir = deck.checkpoint_dir();
   ckpt.every_steps = deck.get_int("checkpoint.every_steps");
   ckpt.state_dict_type = deck.get_string("checkpoint.state_dict_type");
   ckpt.keep_last = static_cast<int>(deck.get_int("checkpoint.keep_last"));

@@ -77,8 +77,9 @@ struct FsdpSection {
   /// resolved for this rank: "auto" overlaps only where the collective worker gets a core of its own.
   /// Every rank must agree: fsdp-train turns it off everywhere if any rank says false.
   bool overlap_grad_reduce = false;
-  bool reshard_after_forward = true;  ///< resolved: "auto" follows the strategy
-  int shard_group_size = 1;           ///< resolved for the placement's world size
+  bool reshard_after_forward = true;                ///< resolved: "auto" follows the strategy
+  std::optional<bool> reshard_after_forward_asked;  ///< unset for "auto" (fsdp-plan compares strategies)
+  int shard_group_size = 1;                         ///< resolved for the placement's world size
   int shard_group_size_requested = 0;
   bool offload_params = false;
   std::string mixed_precision;  ///< none, bf16, fp16
@@ -127,6 +128,12 @@ struct RunConfig {
 /// Resolves `deck` for `placement`; the checks between keys and the placement (a shard group that does
 /// not divide the world size) are DeckErrors naming the key and where it was set.
 RunConfig resolve_run_config(const Deck& deck, const Placement& placement);
+
+/// The [run] section alone, for programs that do not place a run (fsdp-sweep's manifest).
+RunSection resolve_run_section(const Deck& deck, const Placement& placement = {});
+
+/// The [model] section alone (fsdp-train --check-plan builds the model without placing a run).
+ModelSection resolve_model_section(const Deck& deck);
 
 /// The class names of fsdp.transformer_layer_cls_to_wrap ("A, B" split at commas, blanks dropped).
 std::vector<std::string> split_layer_classes(const std::string& names);
