@@ -225,7 +225,9 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.transformer_layer_cls_to_wrap",
                .type = T::kString,
                .default_value = "TransformerBlock",
-               .description = "TRANSFORMER_BASED_WRAP: module type names to wrap, comma-separated"});
+               .description = "TRANSFORMER_BASED_WRAP: module type names to wrap, comma-separated or an array of strings "
+                              "([\"TransformerBlock\", \"Other\"]); each must be a type the model has",
+               .names_list = true});
   s.push_back({.key = "fsdp.backward_prefetch",
                .type = T::kString,
                .default_value = "NO_PREFETCH",
@@ -294,7 +296,6 @@ std::vector<KeySpec> make_schema() {
                .choices = {"auto", "mpi", "nccl"},
                .description = "communication: mpi (CPU tensors), nccl (GPU tensors: needs a CUDA LibTorch, a visible GPU and an "
                               "fsdp-train built with NCCL; a clear error otherwise), auto (nccl when all that holds, else mpi)"});
-  // [checkpoint]
   // [comm]
   s.push_back({.key = "comm.timeout_s",
                .type = T::kFloat,
@@ -302,6 +303,7 @@ std::vector<KeySpec> make_schema() {
                .min = 0,
                .description = "deadline of every collective, like NCCL's watchdog: a rank waiting longer names the collective, unit and "
                               "step and ends the job (exit code 6); 0: no deadline"});
+  // [checkpoint]
   s.push_back(
       {.key = "checkpoint.dir", .type = T::kString, .default_value = "", .description = "checkpoint folder; empty: <run.out_dir>/checkpoints"});
   s.push_back({.key = "checkpoint.every_steps",
@@ -504,14 +506,14 @@ int line_of(const toml::node& n) { return static_cast<int>(n.source().begin.line
 
 // ---- values: conversion and checks -----------------------------------------------------------
 
-/// One problem with a value; `text` is "<key>: <message>" (or "<key> = <value> is not supported yet ...").
+/// One problem with a value; `text` is "<key>: <message>".
 struct Issue {
   std::string text;
   int line = 0;    // for sorting problems found in the deck
   int column = 0;  // TOML syntax errors only
 };
 
-/// Range, choices (normalized in place), array size, and the "not supported yet" rule.
+/// Range, choices (normalized in place) and array size.
 void check_value(const KeySpec& spec, Value& v, std::vector<Issue>& issues, int line) {
   const std::size_t before = issues.size();
   auto range = [&](double x, const std::string& label) {
@@ -555,19 +557,8 @@ void check_value(const KeySpec& spec, Value& v, std::vector<Issue>& issues, int 
         issues.push_back({msg, line});
       } else {
         *s = *it;
-        if (std::find(spec.unsupported_choices.begin(), spec.unsupported_choices.end(), *s) != spec.unsupported_choices.end()) {
-          std::vector<std::string> ok;
-          for (const auto& c : spec.choices)
-            if (std::find(spec.unsupported_choices.begin(), spec.unsupported_choices.end(), c) == spec.unsupported_choices.end()) ok.push_back(c);
-          issues.push_back({spec.key + " = " + toml_string(*s) + " is not supported yet (only " + join(ok, ", ") + " for now)", line});
-        }
       }
     }
-  }
-  if (issues.size() == before && !spec.supported && v != spec.default_value) {
-    issues.push_back({spec.key + " = " + format_value(v) + " is not supported yet (the feature has not landed; only the default " +
-                          format_value(spec.default_value) + " is accepted)",
-                      line});
   }
 }
 
@@ -590,6 +581,19 @@ std::optional<Value> from_node(const KeySpec& spec, const toml::node& n, std::ve
       return wrong(spec.key, n, expected(spec.type));
     case KeyType::kString: {
       if (auto* s = n.as_string()) return Value{s->get()};
+      if (const auto* a = n.as_array(); a && spec.names_list) {  // stored as the comma-separated text it stands for
+        std::vector<std::string> names;
+        bool ok = true;
+        for (std::size_t k = 0; k < a->size(); ++k) {
+          const toml::node& e = *a->get(k);
+          if (auto* name = e.as_string())
+            names.push_back(name->get());
+          else
+            ok = false, wrong(spec.key + "[" + std::to_string(k) + "]", e, "a string");
+        }
+        if (!ok) return std::nullopt;
+        return Value{join(names, ", ")};
+      }
       const bool bool_choices = std::find(spec.choices.begin(), spec.choices.end(), "true") != spec.choices.end();
       if (auto* b = n.as_boolean(); b && bool_choices) return Value{std::string(b->get() ? "true" : "false")};
       return wrong(spec.key, n, expected(spec.type));
@@ -696,7 +700,7 @@ std::optional<std::pair<const KeySpec*, Value>> parse_override(const std::string
     if (t.size() == 1 && t.contains("v")) {
       const toml::node& n = *t.get("v");
       parsed = true;
-      if (spec->type == KeyType::kString && !n.is_string()) {
+      if (spec->type == KeyType::kString && !n.is_string() && !(spec->names_list && n.is_array())) {
         value = Value{raw};  // a string key takes the text as written (run.name=2024, reshard_after_forward=true)
       } else {
         std::vector<Issue> found;
@@ -1095,9 +1099,7 @@ std::string reference_markdown() {
      << "- **Unset.** A default of *(unset)* means the program decides (e.g. `model.dropout`: each model's\n"
      << "  own values). An empty string default is derived from other keys as its description says\n"
      << "  (`run.out_dir` is `runs/<run.name>`, `checkpoint.dir` is `<run.out_dir>/checkpoints`).\n"
-     << "- **Not supported yet.** Keys marked so describe features that have not landed. They accept only\n"
-     << "  their default; any other value is an error (`fsdp.mixed_precision = \"bf16\" is not supported yet`),\n"
-     << "  never silently ignored. Likewise for single choices marked *not supported yet*.\n"
+
      << "- **Errors.** Every problem of a deck and its `--set` options is reported at once, one per line,\n"
      << "  as `<file>:<line>: <key>: <message>` (`--set <text>: <key>: <message>` for an override), e.g.\n"
      << "  `inputs/a.toml:7: optim.lr: -1 must be greater than 0` or\n"
@@ -1120,10 +1122,7 @@ std::string reference_markdown() {
       std::string range;
       if (!s.choices.empty()) {
         std::vector<std::string> parts;
-        for (const auto& c : s.choices) {
-          const bool refused = std::find(s.unsupported_choices.begin(), s.unsupported_choices.end(), c) != s.unsupported_choices.end();
-          parts.push_back("`" + c + "`" + (refused ? " (not supported yet)" : ""));
-        }
+        for (const auto& c : s.choices) parts.push_back("`" + c + "`");
         range = join(parts, ", ");
       } else if (s.min && s.max) {
         range = std::string(s.min_exclusive ? "(" : "[") + format_number(*s.min) + ", " + format_number(*s.max) + (s.max_exclusive ? ")" : "]");
@@ -1135,8 +1134,9 @@ std::string reference_markdown() {
       if (s.array_size) range += (range.empty() ? "" : "; ") + std::to_string(s.array_size) + " elements";
       if (range.empty()) range = "any";
       const std::string def = std::holds_alternative<std::monostate>(s.default_value) ? "*(unset)*" : "`" + format_value(s.default_value) + "`";
-      const std::string description = (s.supported ? "" : "**Not supported yet** (only the default is accepted): ") + s.description;
-      md << "| `" << s.name() << "` | " << type_name(s.type) << " | " << cell(def) << " | " << cell(range) << " | " << cell(description) << " |\n";
+      const std::string& description = s.description;
+      md << "| `" << s.name() << "` | " << (s.names_list ? "string or string array" : type_name(s.type)) << " | " << cell(def) << " | " << cell(range)
+         << " | " << cell(description) << " |\n";
     }
   }
   return md.str();

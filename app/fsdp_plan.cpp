@@ -64,21 +64,6 @@ std::string join(const std::vector<std::int64_t>& v) {
   return s + "]";
 }
 
-/// The check fsdp-train makes once the model is built, with its message: the wrap types must exist in
-/// the model (resolve_run_config made the others).
-void check_like_fsdp_train(const RunConfig& cfg, const ModelDesc& desc) {
-  if (cfg.fsdp.auto_wrap_policy != "TRANSFORMER_BASED_WRAP") return;
-  const auto types = desc.types();
-  std::set<std::string> full;
-  for (const auto& m : desc.modules) full.insert(m.full_type);
-  std::string known;
-  for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
-  for (const auto& n : cfg.fsdp.transformer_layer_cls_to_wrap)
-    if (!types.count(n) && !full.count(n))
-      throw DeckError(cfg.fsdp.transformer_layer_cls_where + ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n +
-                      "\" (its types: " + known + ")");
-}
-
 void print_prediction(const RunConfig& cfg, const ModelShape& shape, const RunShape& run, const Prediction& p, bool list_units) {
   std::printf("  model %s: %s parameters (closed form), %zu unit(s) under %s, largest unit %s (%s padded elements)\n", shape.kind.c_str(),
               grouped(p.num_params).c_str(), p.units, run.wrap.policy.c_str(), p.largest_unit_path.c_str(), grouped(p.largest_unit).c_str());
@@ -172,7 +157,9 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
   const RunConfig cfg = resolve_run_config(deck, placement);
   const ModelShape shape = model_shape(cfg.model);
   const ModelDesc desc = describe_model(shape);
-  check_like_fsdp_train(cfg, desc);
+  std::set<std::string> full_types;  // a full name ("torch::nn::Linear") selects a module too
+  for (const auto& m : desc.modules) full_types.insert(m.full_type);
+  check_wrap_classes(cfg.fsdp, desc.types(), full_types);
   const auto strategy = cfg.fsdp.sharding_strategy;
   const DataFootprint data = data_footprint(cfg);
 

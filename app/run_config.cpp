@@ -39,6 +39,16 @@ std::vector<std::string> split_layer_classes(const std::string& names) {
   return out;
 }
 
+void check_wrap_classes(const FsdpSection& fsdp, const std::set<std::string>& types, const std::set<std::string>& also_accepted) {
+  if (fsdp.auto_wrap_policy != "TRANSFORMER_BASED_WRAP") return;
+  std::string known;
+  for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
+  for (const auto& n : fsdp.transformer_layer_cls_to_wrap)
+    if (!types.count(n) && !also_accepted.count(n))
+      throw DeckError(fsdp.transformer_layer_cls_where + ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n +
+                      "\" (its types: " + known + ")");
+}
+
 RunSection resolve_run_section(const Deck& deck, const Placement& placement) {
   RunSection run;
   run.name = deck.get_string("run.name");

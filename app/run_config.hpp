@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -134,6 +135,11 @@ RunSection resolve_run_section(const Deck& deck, const Placement& placement = {}
 
 /// The [model] section alone (fsdp-train --check-plan builds the model without placing a run).
 ModelSection resolve_model_section(const Deck& deck);
+
+/// Under TRANSFORMER_BASED_WRAP, every name of fsdp.transformer_layer_cls_to_wrap must be a type the
+/// model has: one of `types` (short names, listed in the message) or `also_accepted` (e.g. full names).
+/// A DeckError naming where the key was set and the model's types otherwise (fsdp-train and fsdp-plan alike).
+void check_wrap_classes(const FsdpSection& fsdp, const std::set<std::string>& types, const std::set<std::string>& also_accepted = {});
 
 /// The class names of fsdp.transformer_layer_cls_to_wrap ("A, B" split at commas, blanks dropped).
 std::vector<std::string> split_layer_classes(const std::string& names);

@@ -574,3 +574,36 @@ BOOST_AUTO_TEST_CASE(resolved_config_splits_the_layer_classes) {
   BOOST_TEST((cfg.fsdp.transformer_layer_cls_to_wrap == std::vector<std::string>{"A", "B", "C"}));
   BOOST_TEST(cfg.fsdp.transformer_layer_cls_where == "inputs/a.toml:2");
 }
+
+BOOST_AUTO_TEST_CASE(layer_classes_as_a_toml_array) {
+  const auto deck =
+      Deck::parse("[fsdp]\nauto_wrap_policy = \"TRANSFORMER_BASED_WRAP\"\ntransformer_layer_cls_to_wrap = [\"TransformerBlock\", \"Other\"]\n",
+                  "inputs/a.toml", {});
+  const auto cfg = resolve_run_config(deck, placement_of(1, 1));
+  BOOST_TEST((cfg.fsdp.transformer_layer_cls_to_wrap == std::vector<std::string>{"TransformerBlock", "Other"}));
+  BOOST_TEST(cfg.fsdp.transformer_layer_cls_where == "inputs/a.toml:3");
+  // The resolved deck writes it back as the comma-separated string, which parses to the same names.
+  const auto again = resolve_run_config(Deck::parse(deck.to_toml(), "deck.toml", {}), placement_of(1, 1));
+  BOOST_TEST((again.fsdp.transformer_layer_cls_to_wrap == cfg.fsdp.transformer_layer_cls_to_wrap));
+  // --set takes the array too.
+  const auto set = Deck::parse("", "inputs/a.toml", {"fsdp.transformer_layer_cls_to_wrap=[\"A\", \"B\"]"});
+  BOOST_TEST((resolve_run_config(set, placement_of(1, 1)).fsdp.transformer_layer_cls_to_wrap == std::vector<std::string>{"A", "B"}));
+  // Elements must be strings.
+  BOOST_TEST(problem_of("[fsdp]\ntransformer_layer_cls_to_wrap = [\"A\", 2]\n") ==
+             "inputs/a.toml:2: fsdp.transformer_layer_cls_to_wrap[1]: expected a string, got an integer (2)");
+  // Every name must be a type of the model, with the model's types in the message, as for the string.
+  check_wrap_classes(cfg.fsdp, {"Gpt", "Other", "TransformerBlock"});
+  for (const auto& names : {std::string("[\"TransformerBlok\", \"Other\"]"), std::string("\"TransformerBlok, Other\"")}) {
+    const auto bad = resolve_run_config(
+        Deck::parse("[fsdp]\nauto_wrap_policy = \"TRANSFORMER_BASED_WRAP\"\ntransformer_layer_cls_to_wrap = " + names + "\n", "inputs/a.toml", {}),
+        placement_of(1, 1));
+    try {
+      check_wrap_classes(bad.fsdp, {"Gpt", "Other", "TransformerBlock"});
+      BOOST_FAIL("an unknown layer class passed");
+    } catch (const DeckError& e) {
+      BOOST_TEST(std::string(e.what()) ==
+                 "[fsdp.deck] inputs/a.toml:3: fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"TransformerBlok\" (its types: "
+                 "Gpt, Other, TransformerBlock)");
+    }
+  }
+}
