@@ -288,15 +288,9 @@ std::shared_ptr<AppModel> build_model(const RunConfig& cfg) {
 
 /// A class name to wrap that no module of the model has is a mistake, not a no-op.
 void check_layer_classes(const RunConfig& cfg, const torch::nn::Module& model) {
-  if (cfg.fsdp.auto_wrap_policy != "TRANSFORMER_BASED_WRAP") return;
   std::set<std::string> types;
   for (const auto& m : model.modules(/*include_self=*/true)) types.insert(fsdp::module_type_name(*m));
-  std::string known;
-  for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
-  for (const auto& n : cfg.fsdp.transformer_layer_cls_to_wrap)
-    if (!types.count(n))
-      throw DeckError(cfg.fsdp.transformer_layer_cls_where + ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n +
-                      "\" (its types: " + known + ")");
+  check_wrap_classes(cfg.fsdp, types);
 }
 
 fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
