@@ -36,21 +36,18 @@
 #include "data.hpp"
 #include "deck.hpp"
 #include "models.hpp"
-#include "plan/model_check.hpp"
 #include "run_config.hpp"
+#include "train/build.hpp"
+#include "train/dataset.hpp"
+#include "train/metrics_log.hpp"
+#include "train/ranks.hpp"
+#include "train/timing.hpp"
 
 namespace fs = std::filesystem;
 using fsdp::MpiComm;
 using namespace fsdp::app;
 
 namespace {
-
-// Exit codes (docs/reliability.md): 0 done, 1 failure, 2 bad input, 3 stopped by a signal after saving
-// a checkpoint (rerun to continue), 4 non-finite loss or gradient norm.
-constexpr int kExitFailure = 1;
-constexpr int kExitBadInput = 2;
-constexpr int kExitStopped = 3;
-constexpr int kExitNonFinite = 4;
 
 /// The signal that asked for a graceful stop (SIGTERM, SIGUSR1), 0 if none.
 volatile std::sig_atomic_t g_stop_signal = 0;
@@ -59,83 +56,6 @@ extern "C" void request_stop(int signo) { g_stop_signal = signo; }
 /// The engine over communicator `Comm`: MpiComm (CPU tensors) or, built with NCCL, NcclComm (GPUs).
 template <class Comm>
 using EngineOver = fsdp::FullyShardedDataParallel<AppModel, Comm>;
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-double current_rss_mb() {
-  std::ifstream statm("/proc/self/statm");
-  long pages = 0, resident = 0;
-  statm >> pages >> resident;
-  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / 1048576.0;
-}
-
-/// Adds the time of its scope to `total`; with log.trace on, also records it as a trace event named
-/// `name` (a string literal) and samples the resident memory at its end.
-struct Timed {
-  explicit Timed(double& total, const char* name = nullptr) : total_(total), name_(name), start_(Clock::now()) {}
-  ~Timed() {
-    const auto end = Clock::now();
-    total_ += std::chrono::duration<double>(end - start_).count();
-    auto& tracer = fsdp::Tracer::instance();
-    if (name_ && tracer.enabled()) {
-      tracer.complete(name_, "app", tracer.to_us(start_), tracer.to_us(end));
-      tracer.counter("resident memory", {{"MiB", current_rss_mb()}});
-    }
-  }
-  double& total_;
-  const char* name_;
-  Clock::time_point start_;
-};
-
-/// Per-phase wall time on this rank.
-struct Phases {
-  double data = 0, forward = 0, backward = 0, optimizer = 0, checkpoint = 0, eval = 0;
-};
-
-/// Every rank learns whether any rank failed; all throw the lowest failing rank's message.
-void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_input);
-
-struct RankError : std::runtime_error {
-  RankError(const std::string& what, bool bad_input) : std::runtime_error(what), bad_input(bad_input) {}
-  RankError(const std::string& what, int exit_code) : std::runtime_error(what), bad_input(false), code(exit_code) {}
-  bool bad_input;
-  int code = 0;  ///< overrides the exit code when set
-};
-
-void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_input) {
-  const auto failure = fsdp::agree_on_failure(world, error, bad_input);
-  if (!failure) return;
-  std::string text = failure->message;
-  if (world.size() > 1 && text.find("(reported by rank") == std::string::npos) text += " (rank " + std::to_string(failure->rank) + ")";
-  throw RankError(text, failure->flagged);
-}
-
-/// A collective that some rank never entered: the ranks cannot agree on it, so it ends the job (MPI_Abort).
-struct DeadlineMissed : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-/// Runs `f` on every rank; a failure on any rank becomes a RankError on all of them.
-template <class F>
-void on_all_ranks(MpiComm& world, F&& f) {
-  std::optional<std::string> error;
-  bool bad_input = true;
-  try {
-    f();
-  } catch (const fsdp::ConfigError& e) {
-    error = e.what();
-  } catch (const fsdp::CheckpointError& e) {
-    error = e.what();
-  } catch (const DeadlineMissed&) {
-    throw;
-  } catch (const std::exception& e) {
-    error = e.what();
-    bad_input = false;
-  }
-  agree(world, error, bad_input);
-}
-
 std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw DeckError("cannot read deck '" + path + "'");
@@ -144,332 +64,7 @@ std::string read_text_file(const std::string& path) {
   return ss.str();
 }
 
-double peak_rss_mb() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
-}
-
-// ---- data ---------------------------------------------------------------------------------------
-
-/// The training data of one run: images (classification) or token sequences (language modelling).
-struct Dataset {
-  bool tokens = false;
-  ImageSplit train_images, test_images;
-  TokenSplit train_tokens, test_tokens;
-  bool has_test = true;
-  double mean = 0, stddev = 1;  // image normalization
-  std::int64_t train_size() const { return tokens ? train_tokens.n : train_images.n; }
-  std::int64_t test_size() const { return tokens ? test_tokens.n : test_images.n; }
-};
-
-Dataset load_dataset(const RunConfig& cfg) {
-  Dataset d;
-  const std::string kind = cfg.data.kind;
-  const std::string model = cfg.model.kind;
-  const bool lm = kind == "tokens" || kind == "text";
-  if (lm != (model == "transformer"))
-    throw DeckError("data.kind = \"" + kind + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" + model +
-                    "\")");
-  if (kind == "fashion-mnist" || kind == "mnist") {
-    d.train_images = load_mnist_split(cfg.data.path, true);
-    d.test_images = load_mnist_split(cfg.data.path, false);
-    if (d.train_images.rows != 28 || d.train_images.cols != 28)
-      throw DataError("'" + cfg.data.path + "' holds " + std::to_string(d.train_images.rows) + "x" + std::to_string(d.train_images.cols) +
-                      " images; the models take 28x28");
-    // Normalization constants of the tutorial (MNIST) and the same statistics for Fashion-MNIST.
-    d.mean = kind == "mnist" ? 0.1307 : 0.2860;
-    d.stddev = kind == "mnist" ? 0.3081 : 0.3530;
-  } else if (kind == "tokens") {
-    d.tokens = true;
-    const auto n = cfg.data.num_samples;
-    const auto context = cfg.model.context;
-    const int vocab = static_cast<int>(cfg.model.vocab_size);
-    const auto seed = cfg.run.seed;
-    d.train_tokens = make_synthetic_tokens(n, context, vocab, seed);
-    d.test_tokens = make_synthetic_tokens(std::max<std::int64_t>(n / 10, 1), context, vocab, seed + 1000003);
-  } else {
-    d.tokens = true;
-    auto corpus = load_text(cfg.data.path, cfg.model.context, static_cast<int>(cfg.model.vocab_size));
-    d.train_tokens = std::move(corpus.train);
-    d.test_tokens = std::move(corpus.test);
-    d.has_test = d.test_tokens.n > 0;
-  }
-  const auto limit_train = cfg.data.train_samples, limit_test = cfg.data.test_samples;
-  auto cut_images = [](ImageSplit& s, std::int64_t n) {
-    if (n <= 0 || n >= s.n) return;
-    s.n = n;
-    s.images.resize(static_cast<std::size_t>(n * s.rows * s.cols));
-    s.labels.resize(static_cast<std::size_t>(n));
-  };
-  auto cut_tokens = [](TokenSplit& s, std::int64_t n) {
-    if (n <= 0 || n >= s.n) return;
-    s.n = n;
-    s.tokens.resize(static_cast<std::size_t>(n * s.length));
-  };
-  cut_images(d.train_images, limit_train);
-  cut_images(d.test_images, limit_test);
-  cut_tokens(d.train_tokens, limit_train);
-  cut_tokens(d.test_tokens, limit_test);
-  return d;
-}
-
-struct Batch {
-  torch::Tensor x, y;
-  std::int64_t samples = 0;
-  /// The batch on `device` (the engine's compute device; a no-op on CPU).
-  Batch to(const torch::Device& device) && {
-    if (x.device() != device) x = x.to(device), y = y.to(device);
-    return std::move(*this);
-  }
-};
-
-Batch make_batch(const Dataset& d, bool train, const std::vector<std::int64_t>& idx, std::size_t begin, std::size_t end) {
-  Batch b;
-  const auto n = static_cast<std::int64_t>(end - begin);
-  b.samples = n;
-  if (!d.tokens) {
-    const ImageSplit& s = train ? d.train_images : d.test_images;
-    const std::int64_t pixels = s.rows * s.cols;
-    auto x = torch::empty({n, 1, s.rows, s.cols}, torch::kFloat32);
-    auto y = torch::empty({n}, torch::kLong);
-    float* xp = x.data_ptr<float>();
-    std::int64_t* yp = y.data_ptr<std::int64_t>();
-    const float scale = static_cast<float>(1.0 / (255.0 * d.stddev)), shift = static_cast<float>(d.mean / d.stddev);
-    for (std::int64_t i = 0; i < n; ++i) {
-      const auto k = idx[begin + static_cast<std::size_t>(i)];
-      const std::uint8_t* src = s.images.data() + k * pixels;
-      for (std::int64_t p = 0; p < pixels; ++p) xp[i * pixels + p] = static_cast<float>(src[p]) * scale - shift;
-      yp[i] = s.labels[static_cast<std::size_t>(k)];
-    }
-    b.x = x;
-    b.y = y;
-  } else {
-    const TokenSplit& s = train ? d.train_tokens : d.test_tokens;
-    auto all = torch::empty({n, s.length}, torch::kLong);
-    std::int64_t* p = all.data_ptr<std::int64_t>();
-    for (std::int64_t i = 0; i < n; ++i) {
-      const auto k = idx[begin + static_cast<std::size_t>(i)];
-      for (std::int64_t t = 0; t < s.length; ++t) p[i * s.length + t] = s.tokens[static_cast<std::size_t>(k * s.length + t)];
-    }
-    b.x = all.narrow(1, 0, s.length - 1).contiguous();
-    b.y = all.narrow(1, 1, s.length - 1).contiguous();
-  }
-  return b;
-}
-
-torch::Tensor loss_of(const Dataset& d, const torch::Tensor& model_out, const torch::Tensor& y, bool sum = false) {
-  const auto reduction = sum ? torch::Reduction::Sum : torch::Reduction::Mean;
-  const auto out = model_out.to(torch::kFloat);  // under mixed precision the model answers in bf16/fp16; the loss is fp32
-  if (!d.tokens) return torch::nll_loss(out, y, {}, reduction);
-  return torch::nll_loss(torch::log_softmax(out.reshape({-1, out.size(-1)}), 1), y.reshape({-1}), {}, reduction);
-}
-
-// ---- model and optimizer --------------------------------------------------------------------------
-
-std::shared_ptr<AppModel> build_model(const RunConfig& cfg) {
-  const std::string kind = cfg.model.kind;
-  const std::optional<double> dropout = cfg.model.dropout;
-  const bool deferred = cfg.fsdp.deferred_init;
-  if (kind == "cnn") return std::make_shared<TutorialCnnImpl>(dropout, deferred);
-  if (kind == "mlp") return std::make_shared<MlpImpl>(cfg.model.hidden_sizes, dropout, deferred);
-  GptConfig c;
-  c.vocab_size = cfg.model.vocab_size;
-  c.context = cfg.model.context;
-  c.d_model = cfg.model.d_model;
-  c.n_heads = cfg.model.n_heads;
-  c.n_layers = cfg.model.n_layers;
-  c.mlp_ratio = cfg.model.mlp_ratio;
-  c.dropout = dropout.value_or(0.1);
-  c.tie_embeddings = cfg.model.tie_embeddings;
-  c.deferred = deferred;
-  return std::make_shared<GptImpl>(c);
-}
-
-/// A class name to wrap that no module of the model has is a mistake, not a no-op.
-void check_layer_classes(const RunConfig& cfg, const torch::nn::Module& model) {
-  std::set<std::string> types;
-  for (const auto& m : model.modules(/*include_self=*/true)) types.insert(fsdp::module_type_name(*m));
-  check_wrap_classes(cfg.fsdp, types);
-}
-
-fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
-  fsdp::FsdpOptions o;
-  o.sharding_strategy = cfg.fsdp.sharding_strategy;
-  const std::string policy = cfg.fsdp.auto_wrap_policy;
-  if (policy == "SIZE_BASED_WRAP")
-    o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(cfg.fsdp.min_num_params);
-  else if (policy == "TRANSFORMER_BASED_WRAP")
-    o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(cfg.fsdp.transformer_layer_cls_to_wrap);
-  o.reshard_after_forward = cfg.fsdp.reshard_after_forward;
-  o.shard_group_size = cfg.fsdp.shard_group_size;
-  o.sync_module_states = cfg.fsdp.sync_module_states;
-  const std::string mp = cfg.fsdp.mixed_precision;
-  if (mp == "bf16")
-    o.mixed_precision = fsdp::MixedPrecision::bf16();
-  else if (mp == "fp16")
-    o.mixed_precision = fsdp::MixedPrecision::fp16();
-  o.activation_checkpointing = cfg.fsdp.activation_checkpointing;
-  o.offload_params = cfg.fsdp.offload_params;
-  o.backward_prefetch = cfg.fsdp.backward_prefetch;
-  o.forward_prefetch = cfg.fsdp.forward_prefetch;
-  o.limit_all_gathers = static_cast<int>(cfg.fsdp.limit_all_gathers);
-  if (cfg.fsdp.deferred_init) {  // the layers were released as built: initialized unit by unit
-    const bool gpt = cfg.model.kind == "transformer";
-    o.param_init_fn = [gpt](torch::nn::Module& m, const std::string&) { init_module(m, gpt); };
-    o.init_seed = cfg.run.seed;
-    o.sync_module_states = false;  // every rank computes the same values: nothing to broadcast
-  }
-  o.all_units_called_through_forward = true;  // every model here calls its children through fsdp::forward
-  return o;
-}
-
-#ifdef FSDP_WITH_NCCL
-constexpr bool kBuiltWithNccl = true;
-#else
-constexpr bool kBuiltWithNccl = false;
-#endif
-
-/// fsdp.backend resolved: "mpi" or "nccl". auto means NCCL when the tensors can live on a GPU (a CUDA
-/// LibTorch with a visible device, and an fsdp-train built with NCCL), MPI otherwise. Asking for
-/// nccl where that does not hold is a deck error naming what is missing.
-std::string resolve_backend(const RunConfig& cfg) {
-  const std::string asked = cfg.fsdp.backend;
-  const bool gpu = torch::cuda::is_available();
-  if (asked == "mpi") return asked;
-  if (asked == "auto") return kBuiltWithNccl && gpu ? "nccl" : "mpi";
-  const auto& set_at = cfg.fsdp.backend_where;
-  const std::string where = (set_at.empty() ? std::string() : set_at + ": ") + "fsdp.backend = \"nccl\": ";
-  if (!gpu) {
-    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-    throw DeckError(
-        where + "no CUDA device is usable on this rank (" +
-        (torch::cuda::device_count() == 0 && !at::hasCUDA() ? std::string("this LibTorch was built without CUDA") : std::string("no GPU visible")) +
-        (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string()) + "); use \"mpi\" or \"auto\" on CPUs");
-  }
-  if (!kBuiltWithNccl)
-    throw DeckError(where + "this fsdp-train was built without NCCL (configure with -DFSDP_WITH_NCCL=ON where CUDA and NCCL are installed)");
-  return asked;
-}
-
-template <class Engine>
-std::unique_ptr<torch::optim::Optimizer> build_optimizer(const RunConfig& cfg, Engine& model) {
-  const std::string kind = cfg.optim.kind;
-  const double lr = cfg.optim.lr, wd = cfg.optim.weight_decay;
-  const auto params = model.parameters();
-  if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(cfg.optim.momentum).weight_decay(wd));
-  const auto& betas = cfg.optim.betas;
-  if (kind == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
-  if (kind == "adamw")
-    return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
-  return std::make_unique<fsdp::optim::Adadelta>(params, fsdp::optim::AdadeltaOptions(lr).weight_decay(wd));
-}
-
-/// The learning rate at optimizer step `step` (0-based) in `epoch`: a linear warmup from 0 to
-/// optim.lr over optim.warmup_steps, then the schedule (cosine: from optim.lr down to 0 at the last
-/// step; step: optim.lr x gamma^epoch; constant).
-double lr_at(const RunConfig& cfg, std::int64_t step, std::int64_t epoch, std::int64_t total_steps) {
-  const double base = cfg.optim.lr;
-  const auto warmup = cfg.optim.warmup_steps;
-  if (step < warmup) return base * static_cast<double>(step + 1) / static_cast<double>(warmup);
-  const std::string schedule = cfg.optim.schedule;
-  if (schedule == "step") return base * std::pow(cfg.optim.gamma, static_cast<double>(epoch));  // StepLR(step_size=1) per epoch
-  if (schedule == "cosine") {
-    const double span = static_cast<double>(std::max<std::int64_t>(1, total_steps - warmup - 1));
-    const double progress = std::min(1.0, static_cast<double>(step - warmup) / span);
-    return base * 0.5 * (1 + std::cos(M_PI * progress));
-  }
-  return base;
-}
-
 // ---- the run ------------------------------------------------------------------------------------
-
-struct EvalResult {
-  double loss = 0, accuracy = 0;
-  std::int64_t samples = 0;
-};
-
-/// The tutorial's test(): loss summed and correct predictions counted on each rank, reduced.
-template <class Engine>
-EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, MpiComm& world) {
-  model.eval();
-  torch::NoGradGuard no_grad;
-  // Rank r takes samples r, r+N, ...: every sample exactly once (no padding).
-  std::vector<std::int64_t> idx;
-  for (std::int64_t i = world.rank(); i < d.test_size(); i += world.size()) idx.push_back(i);
-  // Every rank runs the same number of (collective) forwards, the last ones possibly empty.
-  std::int64_t batches = (static_cast<std::int64_t>(idx.size()) + batch - 1) / batch;
-  world.all_reduce(&batches, &batches, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
-  double sums[3] = {0, 0, 0};  // loss, correct, count
-  for (std::int64_t k = 0; k < batches; ++k) {
-    const auto begin = std::min(static_cast<std::size_t>(k * batch), idx.size());
-    const auto end = std::min(begin + static_cast<std::size_t>(batch), idx.size());
-    Batch b = make_batch(d, false, idx, begin, end).to(model.compute_device());
-    if (b.samples == 0) {  // keep the collectives in step with an empty batch
-      b = make_batch(d, false, std::vector<std::int64_t>{0}, 0, 1).to(model.compute_device());
-      model.forward(b.x);
-      continue;
-    }
-    torch::Tensor out = model.forward(b.x);
-    sums[0] += loss_of(d, out, b.y, true).item<double>();
-    sums[1] += out.argmax(-1).eq(b.y).sum().item<double>();
-    sums[2] += static_cast<double>(b.y.numel());
-  }
-  world.all_reduce(sums, sums, 3, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
-  model.train();
-  return {sums[2] > 0 ? sums[0] / sums[2] : 0, sums[2] > 0 ? sums[1] / sums[2] : 0, static_cast<std::int64_t>(sums[2])};
-}
-
-struct Stats {
-  double min = 0, avg = 0, max = 0;
-};
-
-Stats across_ranks(MpiComm& world, double v) {
-  double mx = v, mn = -v, sum = v;
-  world.all_reduce(&mx, &mx, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
-  world.all_reduce(&mn, &mn, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
-  world.all_reduce(&sum, &sum, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
-  return {-mn, sum / world.size(), mx};
-}
-
-std::string format_duration(double s) {
-  char buf[32];
-  if (s >= 3600)
-    std::snprintf(buf, sizeof buf, "%dh%02dm", static_cast<int>(s / 3600), static_cast<int>(std::fmod(s, 3600) / 60));
-  else if (s >= 60)
-    std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s / 60), static_cast<int>(std::fmod(s, 60)));
-  else
-    std::snprintf(buf, sizeof buf, "%.1fs", s);
-  return buf;
-}
-
-/// --check-plan: fsdp-plan's closed-form model (app/plan/) against the model LibTorch builds: module
-/// tree, types, parameter names and shapes, ties, buffers and the parameter count. 0 if they match, 1 if not.
-int check_plan_model(const std::string& deck_path, const std::vector<std::string>& overrides) {
-  const ModelShape shape = model_shape(resolve_model_section(Deck::from_file(deck_path, overrides)));
-  const ModelDesc desc = describe_model(shape);
-  torch::manual_seed(0);
-  auto built = build_app_model(shape);
-  std::int64_t numel = 0, tensors = 0;
-  std::set<const void*> seen;  // Module::parameters() lists a tied tensor once per name: count it once
-  for (const auto& p : built->parameters()) {
-    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
-    numel += p.numel();
-    ++tensors;
-  }
-  std::string diff = compare_descriptions(desc, describe_module(*built, shape.kind));
-  if (closed_form_num_params(shape) != numel)
-    diff += "parameter count: formula " + std::to_string(closed_form_num_params(shape)) + ", built " + std::to_string(numel) + "\n";
-  if (desc.num_params() != numel)
-    diff += "parameter count: description " + std::to_string(desc.num_params()) + ", built " + std::to_string(numel) + "\n";
-  if (!diff.empty()) {
-    std::fprintf(stderr, "fsdp-train: error: the closed-form model differs from the built one:\n%s", diff.c_str());
-    return kExitFailure;
-  }
-  std::printf("model check: the closed form matches the built model (%lld parameters in %lld tensors, %zu modules)\n", static_cast<long long>(numel),
-              static_cast<long long>(tensors), desc.modules.size());
-  return 0;
-}
 
 int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides, bool dry_run) {
   const auto wall_start = Clock::now();
@@ -486,16 +81,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   on_all_ranks(world, [&] { parsed = Deck::parse(text, deck_path, overrides); });
   const Deck& deck = *parsed;
   // The deck resolved for this placement: every default, `auto` and check between keys decided once.
-  cpu_set_t affinity;
-  CPU_ZERO(&affinity);
-  Placement where_placed;
-  where_placed.world_size = world.size();
-  where_placed.nodes = placement.nodes;
-  where_placed.ranks_per_node = placement.local_size;
-  where_placed.node_cores = static_cast<int>(std::thread::hardware_concurrency());
-  where_placed.rank_cpus = sched_getaffinity(0, sizeof(affinity), &affinity) == 0 ? CPU_COUNT(&affinity) : 1;
   std::optional<RunConfig> resolved;
-  on_all_ranks(world, [&] { resolved = resolve_run_config(deck, where_placed); });
+  on_all_ranks(world, [&] { resolved = resolve_run_config(deck, placement_of_this_rank(placement)); });
   const RunConfig& cfg = *resolved;
 
   const std::string name = cfg.run.name;
@@ -504,27 +91,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   fsdp::CollectiveWatchdog::instance().configure(cfg.comm.timeout_s, world.rank());
   // log.trace: every rank records its timeline and writes it when the run ends, however it ends.
   fsdp::Tracer::instance().enable(cfg.log.trace && !dry_run);
-  struct TraceWriter {
-    fs::path dir;
-    int rank;
-    ~TraceWriter() {
-      auto& tracer = fsdp::Tracer::instance();
-      if (!tracer.enabled()) return;
-      try {
-        std::error_code ec;
-        fs::create_directories(dir, ec);
-        const auto trace = dir / ("trace_rank" + std::to_string(rank) + ".json");
-        tracer.write_json(trace.string(), rank);
-        std::ofstream csv(dir / ("memory_rank" + std::to_string(rank) + ".csv"), std::ios::trunc);
-        csv << "time_s,counter,mib\n";
-        for (const auto& e : tracer.events())
-          if (e.phase == 'C' && !e.args.empty()) csv << e.start_us / 1e6 << "," << e.name << "," << e.args.front().second << "\n";
-        if (rank == 0) std::printf("wrote %s (and one per rank; open them in https://ui.perfetto.dev)\n", trace.c_str());
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "fsdp-train: warning: cannot write the trace: %s\n", e.what());
-      }
-    }
-  } trace_writer{out_dir, world.rank()};
+  const TraceWriter trace_writer{out_dir, world.rank()};
   const int threads = cfg.run.threads;
   torch::set_num_threads(threads);
   if (const auto mib = cfg.run.malloc_mmap_threshold_mib; mib > 0) {
@@ -591,25 +158,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                   static_cast<long long>(data.test_size()), out_dir.c_str());
       std::fflush(stdout);
     }
-    // Every rank must run the same job: compare the resolved deck and the sharding plan before the
-    // first training collective.
-    {
-      std::string values;
-      std::istringstream lines(deck.to_toml());
-      for (std::string line; std::getline(lines, line);)
-        if (!line.empty() && line[0] != '#') values += line + "\n";
-      std::int64_t mine[2] = {static_cast<std::int64_t>(fsdp::fnv1a64(values) >> 1), static_cast<std::int64_t>(model->plan_hash() >> 1)};
-      std::vector<std::int64_t> all(static_cast<std::size_t>(2 * world.size()));
-      world.all_gather(mine, all.data(), 2, fsdp::DType::kInt64);
-      for (int r = 1; r < world.size(); ++r) {
-        const bool deck_differs = all[2 * r] != all[0], plan_differs = all[2 * r + 1] != all[1];
-        if (!deck_differs && !plan_differs) continue;
-        throw RankError(std::string("rank ") + std::to_string(r) + " runs a different job than rank 0: " +
-                            (deck_differs ? "its resolved deck differs (other --set options or deck file?)" : "its model or wrapping plan differs") +
-                            "; every rank must get the same deck and options",
-                        true);
-      }
-    }
+    check_same_job(world, deck, model->plan_hash());
     if (dry_run) {
       // A dry run leaves an existing run alone; it writes the resolved deck only into a new out_dir.
       bool wrote = false;
@@ -688,25 +237,11 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     const bool live = progress_mode == "live" || (progress_mode == "auto" && isatty(STDOUT_FILENO) && !launched);
     const bool quiet = progress_mode == "none";
 
-    std::ofstream metrics;
     const bool write_metrics = !cfg.log.metrics_file.empty();
     const fs::path metrics_path = out_dir / cfg.log.metrics_file;
+    MetricsLog metrics;
     on_all_ranks(world, [&] {
-      if (root && write_metrics) {
-        fs::create_directories(metrics_path.parent_path());
-        // On resume keep the rows up to the resumed step; a crashed run may have logged past it.
-        std::vector<std::string> kept;
-        if (state.step > 0) {
-          std::ifstream old(metrics_path);
-          for (std::string line; std::getline(old, line);)
-            if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= state.step) kept.push_back(line);
-        }
-        metrics.open(metrics_path, std::ios::trunc);
-        if (!metrics) throw std::runtime_error("cannot write '" + metrics_path.string() + "'");
-        metrics << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s\n";
-        for (const auto& l : kept) metrics << l << "\n";
-        metrics.flush();
-      }
+      if (root && write_metrics) metrics.open(metrics_path, state.step);
     });
 
     Phases phases;
@@ -865,8 +400,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
               std::fflush(stdout);
             }
             if (write_metrics) {
-              metrics << step << "," << epoch + 1 << "," << loss_avg << "," << lr << "," << rate << "," << step_ms.back() << "," << elapsed << "\n";
-              metrics.flush();
+              metrics.row(step, epoch + 1, loss_avg, lr, rate, step_ms.back(), elapsed);
             }
           }
           window_loss = 0;

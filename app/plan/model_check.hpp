@@ -20,7 +20,7 @@
 
 namespace fsdp::app {
 
-/// The model fsdp-train builds for the deck (models.hpp), for --check-model.
+/// The model fsdp-train builds for the deck (models.hpp), for fsdp-train --check-plan.
 inline std::shared_ptr<AppModel> build_app_model(const ModelShape& s) {
   if (s.kind == "cnn") return std::make_shared<TutorialCnnImpl>(s.dropout);
   if (s.kind == "mlp") return std::make_shared<MlpImpl>(s.hidden_sizes, s.dropout);

@@ -58,8 +58,8 @@ inline void layer_norm(ModelDesc& d, int parent, const std::string& key, std::in
 }
 }  // namespace detail
 
-/// The module tree of models.hpp's model for `s`, built in closed form (no tensors). `fsdp-plan
-/// --check-model` and tests/plan_e2e.cmake compare it with the model LibTorch builds.
+/// The module tree of models.hpp's model for `s`, built in closed form (no tensors). `fsdp-train
+/// --check-plan` and tests/plan_e2e.cmake compare it with the model LibTorch builds.
 inline ModelDesc describe_model(const ModelShape& s) {
   ModelDesc d;
   d.kind = s.kind;
