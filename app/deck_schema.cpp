@@ -403,7 +403,7 @@ std::string reference_markdown() {
   };
   std::ostringstream md;
   md << "# Deck reference\n\n"
-     << "<!-- Generated from the schema in app/deck.cpp; do not edit. Regenerate with\n"
+     << "<!-- Generated from the schema in app/deck_schema.cpp; do not edit. Regenerate with\n"
      << "     build/bin/fsdp-sweep --print-reference > docs/deck_reference.md\n"
      << "     The test test_deck fails when this file and the schema disagree. -->\n\n"
      << "`fsdp-train` reads every setting from an input deck, a [TOML](https://toml.io) file. This page\n"
