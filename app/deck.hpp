@@ -38,15 +38,14 @@ using Value = std::variant<std::monostate, std::int64_t, double, bool, std::stri
 struct KeySpec {
   std::string key;  ///< "optim.lr" (section.name)
   KeyType type;
-  Value default_value{};                           ///< monostate: unset by default
-  std::optional<double> min{}, max{};              ///< range for numbers and for each array element (inclusive unless *_exclusive)
-  std::vector<std::string> choices{};              ///< non-empty: a string must be one of these (any case on input, stored as listed)
-  std::string description{};                       ///< one line
-  bool supported = true;                           ///< false: the feature has not landed; only the default value is accepted
-  bool min_exclusive = false;                      ///< the value must be > min (e.g. a learning rate)
-  bool max_exclusive = false;                      ///< the value must be < max (e.g. a dropout probability)
-  std::vector<std::string> unsupported_choices{};  ///< choices listed (and documented) but refused as "not supported yet"
-  std::size_t array_size = 0;                      ///< arrays: non-zero = exactly this many elements
+  Value default_value{};               ///< monostate: unset by default
+  std::optional<double> min{}, max{};  ///< range for numbers and for each array element (inclusive unless *_exclusive)
+  std::vector<std::string> choices{};  ///< non-empty: a string must be one of these (any case on input, stored as listed)
+  std::string description{};           ///< one line
+  bool min_exclusive = false;          ///< the value must be > min (e.g. a learning rate)
+  bool max_exclusive = false;          ///< the value must be < max (e.g. a dropout probability)
+  std::size_t array_size = 0;          ///< arrays: non-zero = exactly this many elements
+  bool names_list = false;             ///< strings: a TOML array of strings is accepted too, stored comma-joined
 
   std::string section() const { return key.substr(0, key.find('.')); }
   std::string name() const { return key.substr(key.find('.') + 1); }
@@ -138,13 +137,5 @@ class Deck {
 std::string format_value(const Value& v);
 /// The full content of docs/deck_reference.md, generated from deck_schema().
 std::string reference_markdown();
-
-/// fsdp.overlap_grad_reduce (auto, true, false) resolved: auto overlaps only where the collective worker
-/// gets a core of its own, i.e. the rank may run on more CPUs than its compute threads and the node's
-/// ranks leave cores idle. fsdp-train and fsdp-plan decide alike.
-inline bool overlap_grad_reduce_resolved(const std::string& value, int rank_cpus, int threads, int ranks_per_node, int node_cores) {
-  if (value != "auto") return value == "true";
-  return rank_cpus > threads && ranks_per_node * threads < node_cores;
-}
 
 }  // namespace fsdp::app

@@ -1,12 +1,14 @@
 // fsdp-plan: predicts the memory of an fsdp-train run per rank from its deck, without MPI and without
 // allocating the model, and finds the largest model of the deck's family that fits a budget.
 //   fsdp-plan DECK --np N [--set section.key=value ...] [--memory GIB] [--ranks-per-node R]
-//                  [--baseline-mib MIB] [--units] [--check-model]
-// The deck is read and validated exactly as fsdp-train does (Deck::parse and the same checks between
-// keys), so a bad deck gives the same message and exit code 2. docs/planning.md explains the model.
-// Exit status: 0 done, 1 --check-model found a difference (or another failure), 2 bad input.
+//                  [--baseline-mib MIB] [--units]
+// The deck is read, validated and resolved exactly as fsdp-train does (Deck::parse, resolve_run_config),
+// so a bad deck gives the same message and exit code 2. No LibTorch: `fsdp-train DECK --check-plan`
+// checks the closed-form model against the built one. docs/planning.md explains the model.
+// Exit status: 0 done, 1 failure, 2 bad input.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -14,11 +16,13 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "deck.hpp"
 #include "fsdp/version.hpp"
 #include "plan.hpp"
+#include "run_config.hpp"
 
 using namespace fsdp::app;
 using fsdp::ShardingStrategy;
@@ -60,34 +64,17 @@ std::string join(const std::vector<std::int64_t>& v) {
   return s + "]";
 }
 
-/// The checks fsdp-train makes after Deck::parse, with its messages: the wrap types must exist in the
-/// model, and the hybrid shard group must divide the world size.
-void check_like_fsdp_train(const Deck& deck, const ModelDesc& desc, int np, int ranks_per_node) {
-  if (deck.get_string("fsdp.auto_wrap_policy") == "TRANSFORMER_BASED_WRAP") {
-    const auto types = desc.types();
-    std::set<std::string> full;
-    for (const auto& m : desc.modules) full.insert(m.full_type);
-    std::string known;
-    for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
-    for (const auto& n : layer_classes(deck))
-      if (!types.count(n) && !full.count(n))
-        throw DeckError(deck.entry("fsdp.transformer_layer_cls_to_wrap").where +
-                        ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n + "\" (its types: " + known + ")");
-  }
-  (void)shard_group_size(deck, fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy")), np, ranks_per_node);
-}
-
-void print_prediction(const Deck& deck, const ModelShape& shape, const RunShape& run, const Prediction& p, bool list_units) {
+void print_prediction(const RunConfig& cfg, const ModelShape& shape, const RunShape& run, const Prediction& p, bool list_units) {
   std::printf("  model %s: %s parameters (closed form), %zu unit(s) under %s, largest unit %s (%s padded elements)\n", shape.kind.c_str(),
               grouped(p.num_params).c_str(), p.units, run.wrap.policy.c_str(), p.largest_unit_path.c_str(), grouped(p.largest_unit).c_str());
   std::printf("  strategy %s, shard group %lld, %lld replica group(s), %s, optimizer %s (%d state tensor(s) per shard), batch %lld per rank%s\n",
               to_string(run.strategy), static_cast<long long>(run.group), static_cast<long long>(run.replicas),
-              run.param_bytes == 4 ? "fp32" : ("mixed precision " + deck.get_string("fsdp.mixed_precision")).c_str(), run.optimizer.c_str(),
-              run.optimizer_copies, static_cast<long long>(run.batch), run.activation_checkpointing ? ", activation checkpointing" : "");
+              run.param_bytes == 4 ? "fp32" : ("mixed precision " + cfg.fsdp.mixed_precision).c_str(), run.optimizer.c_str(), run.optimizer_copies,
+              static_cast<long long>(run.batch), run.activation_checkpointing ? ", activation checkpointing" : "");
   std::printf("  parameters %lld\n", static_cast<long long>(p.num_params));
   std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
               static_cast<long long>(p.shard_elements), static_cast<long long>(p.padding), mib(p.state_bytes));
-  std::printf("  data %s: %s (%.1f MiB)\n", deck.get_string("data.kind").c_str(), run.data.note.c_str(), mib(run.data.resident_bytes));
+  std::printf("  data %s: %s (%.1f MiB)\n", cfg.data.kind.c_str(), run.data.note.c_str(), mib(run.data.resident_bytes));
   if (list_units) {
     std::printf("\n  unit  parent  module                         params        numel       padded        shard\n");
     for (const auto& u : p.unit_list)
@@ -157,52 +144,36 @@ ModelShape with_width(ModelShape s, std::int64_t first) {
 }
 
 int plan(const std::string& deck_path, const std::vector<std::string>& overrides, int np, int ranks_per_node, double memory_gib, double baseline_mib,
-         double heap_factor, bool list_units, bool check_model) {
+         double heap_factor, bool list_units) {
   const std::string text = read_text_file(deck_path);
   const Deck deck = Deck::parse(text, deck_path, overrides);
-  const ModelShape shape = model_shape(deck);
+  // Placed as fsdp-train would be at --np ranks on this machine's cores, ranks not bound to CPUs.
+  Placement placement;
+  placement.world_size = np;
+  placement.ranks_per_node = ranks_per_node > 0 ? ranks_per_node : np;
+  placement.nodes = (np + placement.ranks_per_node - 1) / placement.ranks_per_node;
+  placement.node_cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  placement.rank_cpus = placement.node_cores;
+  const RunConfig cfg = resolve_run_config(deck, placement);
+  const ModelShape shape = model_shape(cfg.model);
   const ModelDesc desc = describe_model(shape);
-  check_like_fsdp_train(deck, desc, np, ranks_per_node);
-  const auto strategy = fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
-  const DataFootprint data = data_footprint(deck);
+  std::set<std::string> full_types;  // a full name ("torch::nn::Linear") selects a module too
+  for (const auto& m : desc.modules) full_types.insert(m.full_type);
+  check_wrap_classes(cfg.fsdp, desc.types(), full_types);
+  const auto strategy = cfg.fsdp.sharding_strategy;
+  const DataFootprint data = data_footprint(cfg);
 
   std::printf("fsdp-plan %s: deck %s, %d rank(s)%s\n", fsdp::kVersion, deck_path.c_str(), np,
               ranks_per_node > 0 ? (", " + std::to_string(ranks_per_node) + " per node").c_str() : " on one node");
   for (const auto& o : deck.overrides()) std::printf("  %s\n", o.c_str());
   for (const auto& w : data.warnings) std::printf("warning: %s\n", w.c_str());
-  if (deck.get_string("fsdp.backend") == "nccl")
-    std::printf("note: fsdp.backend = \"nccl\": this plan is of host memory with MPI (the GPU path is not modelled)\n");
+  if (cfg.fsdp.backend == "nccl") std::printf("note: fsdp.backend = \"nccl\": this plan is of host memory with MPI (the GPU path is not modelled)\n");
 
-  if (check_model) {
-    // The closed form against the model LibTorch builds (models.hpp): tree, names, shapes, ties, counts.
-    torch::manual_seed(0);
-    auto built = build_app_model(shape);
-    std::int64_t numel = 0, tensors = 0;
-    std::set<const void*> seen;  // Module::parameters() lists a tied tensor once per name: count it once
-    for (const auto& p : built->parameters()) {
-      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
-      numel += p.numel();
-      ++tensors;
-    }
-    const ModelDesc built_desc = describe_module(*built, shape.kind);
-    std::string diff = compare_descriptions(desc, built_desc);
-    if (closed_form_num_params(shape) != numel)
-      diff += "parameter count: formula " + std::to_string(closed_form_num_params(shape)) + ", built " + std::to_string(numel) + "\n";
-    if (desc.num_params() != numel)
-      diff += "parameter count: description " + std::to_string(desc.num_params()) + ", built " + std::to_string(numel) + "\n";
-    if (!diff.empty()) {
-      std::fprintf(stderr, "fsdp-plan: error: the closed-form model differs from the built one:\n%s", diff.c_str());
-      return kExitFailure;
-    }
-    std::printf("model check: the closed form matches the built model (%lld parameters in %lld tensors, %zu modules)\n",
-                static_cast<long long>(numel), static_cast<long long>(tensors), desc.modules.size());
-  }
-
-  RunShape run = run_shape(deck, np, ranks_per_node, strategy, data);
+  RunShape run = run_shape(cfg, strategy, data);
   run.baseline_mib = baseline_mib;
   run.heap_factor = heap_factor;
   const Prediction p = predict(shape, run);
-  print_prediction(deck, shape, run, p, list_units);
+  print_prediction(cfg, shape, run, p, list_units);
 
   // Every strategy side by side at this world size.
   struct Row {
@@ -214,7 +185,7 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
   for (auto s : kStrategies) {
     Row r{s, std::nullopt, ""};
     try {
-      r.run = run_shape(deck, np, ranks_per_node, s, data);
+      r.run = run_shape(cfg, s, data);
       r.run->baseline_mib = baseline_mib;
       r.run->heap_factor = heap_factor;
     } catch (const std::exception& e) {
@@ -312,7 +283,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> overrides;
   int np = 1, ranks_per_node = 0;
   double memory_gib = 0, baseline_mib = kDefaultBaselineMib, heap_factor = kDefaultHeapFactor;
-  bool list_units = false, check_model = false;
+  bool list_units = false;
   cli.add_option("DECK", deck_path, "the input deck (TOML)")->required();
   cli.add_option("--np", np, "number of ranks (mpirun -np)")->required()->check(CLI::Range(1, 1 << 24));
   cli.add_option("--set", overrides, "override a deck value: section.key=value (repeatable)");
@@ -324,14 +295,13 @@ int main(int argc, char** argv) {
   cli.add_option("--heap-factor", heap_factor, "resident heap per byte of its live high-water mark (glibc fragmentation); default measured here")
       ->check(CLI::Range(1.0, 100.0));
   cli.add_flag("--units", list_units, "list the FSDP units");
-  cli.add_flag("--check-model", check_model, "build the deck's model with LibTorch and check the closed form against it");
   try {
     cli.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return cli.exit(e) == 0 ? 0 : kExitBadInput;
   }
   try {
-    return plan(deck_path, overrides, np, ranks_per_node, memory_gib, baseline_mib, heap_factor, list_units, check_model);
+    return plan(deck_path, overrides, np, ranks_per_node, memory_gib, baseline_mib, heap_factor, list_units);
   } catch (const fsdp::ConfigError& e) {  // DeckError, DataError and the engine's configuration errors
     std::fflush(stdout);
     std::fprintf(stderr, "fsdp-plan: error: %s\n", e.what());

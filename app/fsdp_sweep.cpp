@@ -16,11 +16,13 @@
 #include <vector>
 
 #include "deck.hpp"
+#include "run_config.hpp"
 #include "fsdp/version.hpp"
 
 namespace fs = std::filesystem;
 using fsdp::app::Deck;
 using fsdp::app::DeckError;
+using fsdp::app::resolve_run_section;
 
 namespace {
 
@@ -134,7 +136,7 @@ int sweep(const std::string& deck_path, const std::vector<std::string>& grids, c
       Deck d = base;
       d.apply_overrides(p.overrides, "--grid");
       if (!grid_sets_out_dir) d.set("run.out_dir", (fs::path(out) / "runs" / p.name).string());
-      p.out_dir = d.get_string("run.out_dir");
+      p.out_dir = resolve_run_section(d).out_dir;
       p.toml = d.to_toml();
       for (const auto& field : {joined(p.overrides), p.deck_path, p.out_dir})
         if (field.find_first_of("\t\n\r") != std::string::npos) throw DeckError("a tab or line break in '" + field + "' would break manifest.tsv");

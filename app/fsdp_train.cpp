@@ -5,6 +5,7 @@
 // between the ranks and end every rank with exit code 2 and one message from rank 0; an error during
 // training aborts the whole job (MPI_Abort) so that no rank is left waiting in a collective.
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <fsdp/fsdp.hpp>
 #ifdef FSDP_WITH_NCCL
 #include <fsdp/comm/nccl_comm.hpp>
@@ -35,19 +36,18 @@
 #include "data.hpp"
 #include "deck.hpp"
 #include "models.hpp"
+#include "run_config.hpp"
+#include "train/build.hpp"
+#include "train/dataset.hpp"
+#include "train/metrics_log.hpp"
+#include "train/ranks.hpp"
+#include "train/timing.hpp"
 
 namespace fs = std::filesystem;
 using fsdp::MpiComm;
 using namespace fsdp::app;
 
 namespace {
-
-// Exit codes (docs/reliability.md): 0 done, 1 failure, 2 bad input, 3 stopped by a signal after saving
-// a checkpoint (rerun to continue), 4 non-finite loss or gradient norm.
-constexpr int kExitFailure = 1;
-constexpr int kExitBadInput = 2;
-constexpr int kExitStopped = 3;
-constexpr int kExitNonFinite = 4;
 
 /// The signal that asked for a graceful stop (SIGTERM, SIGUSR1), 0 if none.
 volatile std::sig_atomic_t g_stop_signal = 0;
@@ -56,76 +56,6 @@ extern "C" void request_stop(int signo) { g_stop_signal = signo; }
 /// The engine over communicator `Comm`: MpiComm (CPU tensors) or, built with NCCL, NcclComm (GPUs).
 template <class Comm>
 using EngineOver = fsdp::FullyShardedDataParallel<AppModel, Comm>;
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-double current_rss_mb() {
-  std::ifstream statm("/proc/self/statm");
-  long pages = 0, resident = 0;
-  statm >> pages >> resident;
-  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / 1048576.0;
-}
-
-/// Adds the time of its scope to `total`; with log.trace on, also records it as a trace event named
-/// `name` (a string literal) and samples the resident memory at its end.
-struct Timed {
-  explicit Timed(double& total, const char* name = nullptr) : total_(total), name_(name), start_(Clock::now()) {}
-  ~Timed() {
-    const auto end = Clock::now();
-    total_ += std::chrono::duration<double>(end - start_).count();
-    auto& tracer = fsdp::Tracer::instance();
-    if (name_ && tracer.enabled()) {
-      tracer.complete(name_, "app", tracer.to_us(start_), tracer.to_us(end));
-      tracer.counter("resident memory", {{"MiB", current_rss_mb()}});
-    }
-  }
-  double& total_;
-  const char* name_;
-  Clock::time_point start_;
-};
-
-/// Per-phase wall time on this rank.
-struct Phases {
-  double data = 0, forward = 0, backward = 0, optimizer = 0, checkpoint = 0, eval = 0;
-};
-
-/// Every rank learns whether any rank failed; all throw the lowest failing rank's message.
-void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_input);
-
-struct RankError : std::runtime_error {
-  RankError(const std::string& what, bool bad_input) : std::runtime_error(what), bad_input(bad_input) {}
-  RankError(const std::string& what, int exit_code) : std::runtime_error(what), bad_input(false), code(exit_code) {}
-  bool bad_input;
-  int code = 0;  ///< overrides the exit code when set
-};
-
-void agree(MpiComm& world, const std::optional<std::string>& error, bool bad_input) {
-  const auto failure = fsdp::agree_on_failure(world, error, bad_input);
-  if (!failure) return;
-  std::string text = failure->message;
-  if (world.size() > 1 && text.find("(reported by rank") == std::string::npos) text += " (rank " + std::to_string(failure->rank) + ")";
-  throw RankError(text, failure->flagged);
-}
-
-/// Runs `f` on every rank; a failure on any rank becomes a RankError on all of them.
-template <class F>
-void on_all_ranks(MpiComm& world, F&& f) {
-  std::optional<std::string> error;
-  bool bad_input = true;
-  try {
-    f();
-  } catch (const fsdp::ConfigError& e) {
-    error = e.what();
-  } catch (const fsdp::CheckpointError& e) {
-    error = e.what();
-  } catch (const std::exception& e) {
-    error = e.what();
-    bad_input = false;
-  }
-  agree(world, error, bad_input);
-}
-
 std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw DeckError("cannot read deck '" + path + "'");
@@ -134,359 +64,7 @@ std::string read_text_file(const std::string& path) {
   return ss.str();
 }
 
-double peak_rss_mb() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
-}
-
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (c == '\n') {
-      out += "\\n";
-      continue;
-    }
-    out += c;
-  }
-  return out;
-}
-
-// ---- data ---------------------------------------------------------------------------------------
-
-/// The training data of one run: images (classification) or token sequences (language modelling).
-struct Dataset {
-  bool tokens = false;
-  ImageSplit train_images, test_images;
-  TokenSplit train_tokens, test_tokens;
-  bool has_test = true;
-  double mean = 0, stddev = 1;  // image normalization
-  std::int64_t train_size() const { return tokens ? train_tokens.n : train_images.n; }
-  std::int64_t test_size() const { return tokens ? test_tokens.n : test_images.n; }
-};
-
-Dataset load_dataset(const Deck& deck) {
-  Dataset d;
-  const std::string kind = deck.get_string("data.kind");
-  const std::string model = deck.get_string("model.kind");
-  const bool lm = kind == "tokens" || kind == "text";
-  if (lm != (model == "transformer"))
-    throw DeckError("data.kind = \"" + kind + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" + model +
-                    "\")");
-  if (kind == "fashion-mnist" || kind == "mnist") {
-    d.train_images = load_mnist_split(deck.get_string("data.path"), true);
-    d.test_images = load_mnist_split(deck.get_string("data.path"), false);
-    if (d.train_images.rows != 28 || d.train_images.cols != 28)
-      throw DataError("'" + deck.get_string("data.path") + "' holds " + std::to_string(d.train_images.rows) + "x" +
-                      std::to_string(d.train_images.cols) + " images; the models take 28x28");
-    // Normalization constants of the tutorial (MNIST) and the same statistics for Fashion-MNIST.
-    d.mean = kind == "mnist" ? 0.1307 : 0.2860;
-    d.stddev = kind == "mnist" ? 0.3081 : 0.3530;
-  } else if (kind == "tokens") {
-    d.tokens = true;
-    const auto n = deck.get_int("data.num_samples");
-    const auto context = deck.get_int("model.context");
-    const int vocab = static_cast<int>(deck.get_int("model.vocab_size"));
-    const auto seed = static_cast<std::uint64_t>(deck.get_int("run.seed"));
-    d.train_tokens = make_synthetic_tokens(n, context, vocab, seed);
-    d.test_tokens = make_synthetic_tokens(std::max<std::int64_t>(n / 10, 1), context, vocab, seed + 1000003);
-  } else {
-    d.tokens = true;
-    auto corpus = load_text(deck.get_string("data.path"), deck.get_int("model.context"), static_cast<int>(deck.get_int("model.vocab_size")));
-    d.train_tokens = std::move(corpus.train);
-    d.test_tokens = std::move(corpus.test);
-    d.has_test = d.test_tokens.n > 0;
-  }
-  const auto limit_train = deck.get_int("data.train_samples"), limit_test = deck.get_int("data.test_samples");
-  auto cut_images = [](ImageSplit& s, std::int64_t n) {
-    if (n <= 0 || n >= s.n) return;
-    s.n = n;
-    s.images.resize(static_cast<std::size_t>(n * s.rows * s.cols));
-    s.labels.resize(static_cast<std::size_t>(n));
-  };
-  auto cut_tokens = [](TokenSplit& s, std::int64_t n) {
-    if (n <= 0 || n >= s.n) return;
-    s.n = n;
-    s.tokens.resize(static_cast<std::size_t>(n * s.length));
-  };
-  cut_images(d.train_images, limit_train);
-  cut_images(d.test_images, limit_test);
-  cut_tokens(d.train_tokens, limit_train);
-  cut_tokens(d.test_tokens, limit_test);
-  return d;
-}
-
-struct Batch {
-  torch::Tensor x, y;
-  std::int64_t samples = 0;
-  /// The batch on `device` (the engine's compute device; a no-op on CPU).
-  Batch to(const torch::Device& device) && {
-    if (x.device() != device) x = x.to(device), y = y.to(device);
-    return std::move(*this);
-  }
-};
-
-Batch make_batch(const Dataset& d, bool train, const std::vector<std::int64_t>& idx, std::size_t begin, std::size_t end) {
-  Batch b;
-  const auto n = static_cast<std::int64_t>(end - begin);
-  b.samples = n;
-  if (!d.tokens) {
-    const ImageSplit& s = train ? d.train_images : d.test_images;
-    const std::int64_t pixels = s.rows * s.cols;
-    auto x = torch::empty({n, 1, s.rows, s.cols}, torch::kFloat32);
-    auto y = torch::empty({n}, torch::kLong);
-    float* xp = x.data_ptr<float>();
-    std::int64_t* yp = y.data_ptr<std::int64_t>();
-    const float scale = static_cast<float>(1.0 / (255.0 * d.stddev)), shift = static_cast<float>(d.mean / d.stddev);
-    for (std::int64_t i = 0; i < n; ++i) {
-      const auto k = idx[begin + static_cast<std::size_t>(i)];
-      const std::uint8_t* src = s.images.data() + k * pixels;
-      for (std::int64_t p = 0; p < pixels; ++p) xp[i * pixels + p] = static_cast<float>(src[p]) * scale - shift;
-      yp[i] = s.labels[static_cast<std::size_t>(k)];
-    }
-    b.x = x;
-    b.y = y;
-  } else {
-    const TokenSplit& s = train ? d.train_tokens : d.test_tokens;
-    auto all = torch::empty({n, s.length}, torch::kLong);
-    std::int64_t* p = all.data_ptr<std::int64_t>();
-    for (std::int64_t i = 0; i < n; ++i) {
-      const auto k = idx[begin + static_cast<std::size_t>(i)];
-      for (std::int64_t t = 0; t < s.length; ++t) p[i * s.length + t] = s.tokens[static_cast<std::size_t>(k * s.length + t)];
-    }
-    b.x = all.narrow(1, 0, s.length - 1).contiguous();
-    b.y = all.narrow(1, 1, s.length - 1).contiguous();
-  }
-  return b;
-}
-
-torch::Tensor loss_of(const Dataset& d, const torch::Tensor& model_out, const torch::Tensor& y, bool sum = false) {
-  const auto reduction = sum ? torch::Reduction::Sum : torch::Reduction::Mean;
-  const auto out = model_out.to(torch::kFloat);  // under mixed precision the model answers in bf16/fp16; the loss is fp32
-  if (!d.tokens) return torch::nll_loss(out, y, {}, reduction);
-  return torch::nll_loss(torch::log_softmax(out.reshape({-1, out.size(-1)}), 1), y.reshape({-1}), {}, reduction);
-}
-
-// ---- model and optimizer --------------------------------------------------------------------------
-
-std::shared_ptr<AppModel> build_model(const Deck& deck) {
-  const std::string kind = deck.get_string("model.kind");
-  std::optional<double> dropout;
-  if (deck.is_set("model.dropout")) dropout = deck.get_float("model.dropout");
-  const bool deferred = deck.get_bool("fsdp.deferred_init");
-  if (kind == "cnn") return std::make_shared<TutorialCnnImpl>(dropout, deferred);
-  if (kind == "mlp") return std::make_shared<MlpImpl>(deck.get_int_array("model.hidden_sizes"), dropout, deferred);
-  GptConfig c;
-  c.vocab_size = deck.get_int("model.vocab_size");
-  c.context = deck.get_int("model.context");
-  c.d_model = deck.get_int("model.d_model");
-  c.n_heads = deck.get_int("model.n_heads");
-  c.n_layers = deck.get_int("model.n_layers");
-  c.mlp_ratio = deck.get_int("model.mlp_ratio");
-  c.dropout = dropout.value_or(0.1);
-  c.tie_embeddings = deck.get_bool("model.tie_embeddings");
-  c.deferred = deferred;
-  return std::make_shared<GptImpl>(c);
-}
-
-/// fsdp.transformer_layer_cls_to_wrap as a list of names (comma separated, spaces trimmed).
-std::vector<std::string> layer_classes(const Deck& deck) {
-  std::vector<std::string> names;
-  std::stringstream ss(deck.get_string("fsdp.transformer_layer_cls_to_wrap"));
-  for (std::string n; std::getline(ss, n, ',');) {
-    n.erase(0, n.find_first_not_of(" \t"));
-    n.erase(n.find_last_not_of(" \t") + 1);
-    if (!n.empty()) names.push_back(n);
-  }
-  return names;
-}
-
-/// A class name to wrap that no module of the model has is a mistake, not a no-op.
-void check_layer_classes(const Deck& deck, const torch::nn::Module& model) {
-  if (deck.get_string("fsdp.auto_wrap_policy") != "TRANSFORMER_BASED_WRAP") return;
-  std::set<std::string> types;
-  for (const auto& m : model.modules(/*include_self=*/true)) types.insert(fsdp::module_type_name(*m));
-  std::string known;
-  for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
-  for (const auto& n : layer_classes(deck))
-    if (!types.count(n))
-      throw DeckError(deck.entry("fsdp.transformer_layer_cls_to_wrap").where +
-                      ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n + "\" (its types: " + known + ")");
-}
-
-/// fsdp.overlap_grad_reduce = auto: the collective worker pays only with a core of its own, i.e. when
-/// this rank may run on more CPUs than its compute threads and the node's ranks leave cores idle.
-bool resolve_overlap_grad_reduce(const Deck& deck, int ranks_per_node, int threads) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  const int mine = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-  return overlap_grad_reduce_resolved(deck.get_string("fsdp.overlap_grad_reduce"), mine, threads, ranks_per_node,
-                                      static_cast<int>(std::thread::hardware_concurrency()));
-}
-
-fsdp::FsdpOptions fsdp_options(const Deck& deck) {
-  fsdp::FsdpOptions o;
-  o.sharding_strategy = fsdp::parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
-  const std::string policy = deck.get_string("fsdp.auto_wrap_policy");
-  if (policy == "SIZE_BASED_WRAP")
-    o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(deck.get_int("fsdp.min_num_params"));
-  else if (policy == "TRANSFORMER_BASED_WRAP")
-    o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(layer_classes(deck));
-  const std::string reshard = deck.get_string("fsdp.reshard_after_forward");
-  if (reshard == "true")
-    o.reshard_after_forward = true;
-  else if (reshard == "false")
-    o.reshard_after_forward = false;
-  o.shard_group_size = static_cast<int>(deck.get_int("fsdp.shard_group_size"));
-  o.sync_module_states = deck.get_bool("fsdp.sync_module_states");
-  const std::string mp = deck.get_string("fsdp.mixed_precision");
-  if (mp == "bf16")
-    o.mixed_precision = fsdp::MixedPrecision::bf16();
-  else if (mp == "fp16")
-    o.mixed_precision = fsdp::MixedPrecision::fp16();
-  o.activation_checkpointing = deck.get_bool("fsdp.activation_checkpointing");
-  o.offload_params = deck.get_bool("fsdp.offload_params");
-  o.backward_prefetch = fsdp::parse_backward_prefetch(deck.get_string("fsdp.backward_prefetch"));
-  o.forward_prefetch = deck.get_bool("fsdp.forward_prefetch");
-  o.limit_all_gathers = static_cast<int>(deck.get_int("fsdp.limit_all_gathers"));
-  if (deck.get_bool("fsdp.deferred_init")) {  // the layers were released as built: initialized unit by unit
-    const bool gpt = deck.get_string("model.kind") == "transformer";
-    o.param_init_fn = [gpt](torch::nn::Module& m, const std::string&) { init_module(m, gpt); };
-    o.init_seed = static_cast<std::uint64_t>(deck.get_int("run.seed"));
-    o.sync_module_states = false;  // every rank computes the same values: nothing to broadcast
-  }
-  o.all_units_called_through_forward = true;  // every model here calls its children through fsdp::forward
-  return o;
-}
-
-#ifdef FSDP_WITH_NCCL
-constexpr bool kBuiltWithNccl = true;
-#else
-constexpr bool kBuiltWithNccl = false;
-#endif
-
-/// fsdp.backend resolved: "mpi" or "nccl". auto means NCCL when the tensors can live on a GPU (a CUDA
-/// LibTorch with a visible device, and an fsdp-train built with NCCL), MPI otherwise. Asking for
-/// nccl where that does not hold is a deck error naming what is missing.
-std::string resolve_backend(const Deck& deck) {
-  const std::string asked = deck.get_string("fsdp.backend");
-  const bool gpu = torch::cuda::is_available();
-  if (asked == "mpi") return asked;
-  if (asked == "auto") return kBuiltWithNccl && gpu ? "nccl" : "mpi";
-  const auto& set_at = deck.entry("fsdp.backend").where;
-  const std::string where = (set_at.empty() ? std::string() : set_at + ": ") + "fsdp.backend = \"nccl\": ";
-  if (!gpu) {
-    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-    throw DeckError(
-        where + "no CUDA device is usable on this rank (" +
-        (torch::cuda::device_count() == 0 && !at::hasCUDA() ? std::string("this LibTorch was built without CUDA") : std::string("no GPU visible")) +
-        (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string()) + "); use \"mpi\" or \"auto\" on CPUs");
-  }
-  if (!kBuiltWithNccl)
-    throw DeckError(where + "this fsdp-train was built without NCCL (configure with -DFSDP_WITH_NCCL=ON where CUDA and NCCL are installed)");
-  return asked;
-}
-
-template <class Engine>
-std::unique_ptr<torch::optim::Optimizer> build_optimizer(const Deck& deck, Engine& model) {
-  const std::string kind = deck.get_string("optim.kind");
-  const double lr = deck.get_float("optim.lr"), wd = deck.get_float("optim.weight_decay");
-  const auto params = model.parameters();
-  if (kind == "sgd")
-    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(deck.get_float("optim.momentum")).weight_decay(wd));
-  const auto& betas = deck.get_float_array("optim.betas");
-  if (betas.size() != 2) throw DeckError("optim.betas must have 2 values, got " + std::to_string(betas.size()));
-  if (kind == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
-  if (kind == "adamw")
-    return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
-  return std::make_unique<fsdp::optim::Adadelta>(params, fsdp::optim::AdadeltaOptions(lr).weight_decay(wd));
-}
-
-/// Optimizer state tensors per parameter element (for the expected-memory estimate).
-int optimizer_state_copies(const Deck& deck) {
-  const std::string kind = deck.get_string("optim.kind");
-  if (kind == "sgd") return deck.get_float("optim.momentum") > 0 ? 1 : 0;
-  return 2;
-}
-
-/// The learning rate at optimizer step `step` (0-based) in `epoch`: a linear warmup from 0 to
-/// optim.lr over optim.warmup_steps, then the schedule (cosine: from optim.lr down to 0 at the last
-/// step; step: optim.lr x gamma^epoch; constant).
-double lr_at(const Deck& deck, std::int64_t step, std::int64_t epoch, std::int64_t total_steps) {
-  const double base = deck.get_float("optim.lr");
-  const auto warmup = deck.get_int("optim.warmup_steps");
-  if (step < warmup) return base * static_cast<double>(step + 1) / static_cast<double>(warmup);
-  const std::string schedule = deck.get_string("optim.schedule");
-  if (schedule == "step") return base * std::pow(deck.get_float("optim.gamma"), static_cast<double>(epoch));  // StepLR(step_size=1) per epoch
-  if (schedule == "cosine") {
-    const double span = static_cast<double>(std::max<std::int64_t>(1, total_steps - warmup - 1));
-    const double progress = std::min(1.0, static_cast<double>(step - warmup) / span);
-    return base * 0.5 * (1 + std::cos(M_PI * progress));
-  }
-  return base;
-}
-
 // ---- the run ------------------------------------------------------------------------------------
-
-struct EvalResult {
-  double loss = 0, accuracy = 0;
-  std::int64_t samples = 0;
-};
-
-/// The tutorial's test(): loss summed and correct predictions counted on each rank, reduced.
-template <class Engine>
-EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, MpiComm& world) {
-  model.eval();
-  torch::NoGradGuard no_grad;
-  // Rank r takes samples r, r+N, ...: every sample exactly once (no padding).
-  std::vector<std::int64_t> idx;
-  for (std::int64_t i = world.rank(); i < d.test_size(); i += world.size()) idx.push_back(i);
-  // Every rank runs the same number of (collective) forwards, the last ones possibly empty.
-  std::int64_t batches = (static_cast<std::int64_t>(idx.size()) + batch - 1) / batch;
-  world.all_reduce(&batches, &batches, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
-  double sums[3] = {0, 0, 0};  // loss, correct, count
-  for (std::int64_t k = 0; k < batches; ++k) {
-    const auto begin = std::min(static_cast<std::size_t>(k * batch), idx.size());
-    const auto end = std::min(begin + static_cast<std::size_t>(batch), idx.size());
-    Batch b = make_batch(d, false, idx, begin, end).to(model.compute_device());
-    if (b.samples == 0) {  // keep the collectives in step with an empty batch
-      b = make_batch(d, false, std::vector<std::int64_t>{0}, 0, 1).to(model.compute_device());
-      model.forward(b.x);
-      continue;
-    }
-    torch::Tensor out = model.forward(b.x);
-    sums[0] += loss_of(d, out, b.y, true).item<double>();
-    sums[1] += out.argmax(-1).eq(b.y).sum().item<double>();
-    sums[2] += static_cast<double>(b.y.numel());
-  }
-  world.all_reduce(sums, sums, 3, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
-  model.train();
-  return {sums[2] > 0 ? sums[0] / sums[2] : 0, sums[2] > 0 ? sums[1] / sums[2] : 0, static_cast<std::int64_t>(sums[2])};
-}
-
-struct Stats {
-  double min = 0, avg = 0, max = 0;
-};
-
-Stats across_ranks(MpiComm& world, double v) {
-  double mx = v, mn = -v, sum = v;
-  world.all_reduce(&mx, &mx, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
-  world.all_reduce(&mn, &mn, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
-  world.all_reduce(&sum, &sum, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
-  return {-mn, sum / world.size(), mx};
-}
-
-std::string format_duration(double s) {
-  char buf[32];
-  if (s >= 3600)
-    std::snprintf(buf, sizeof buf, "%dh%02dm", static_cast<int>(s / 3600), static_cast<int>(std::fmod(s, 3600) / 60));
-  else if (s >= 60)
-    std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s / 60), static_cast<int>(std::fmod(s, 60)));
-  else
-    std::snprintf(buf, sizeof buf, "%.1fs", s);
-  return buf;
-}
 
 int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides, bool dry_run) {
   const auto wall_start = Clock::now();
@@ -501,39 +79,22 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   text = fsdp::detail::broadcast_string(world, text);
   std::optional<Deck> parsed;
   on_all_ranks(world, [&] { parsed = Deck::parse(text, deck_path, overrides); });
-  Deck& deck = *parsed;
+  const Deck& deck = *parsed;
+  // The deck resolved for this placement: every default, `auto` and check between keys decided once.
+  std::optional<RunConfig> resolved;
+  on_all_ranks(world, [&] { resolved = resolve_run_config(deck, placement_of_this_rank(placement)); });
+  const RunConfig& cfg = *resolved;
 
-  const std::string name = deck.get_string("run.name");
-  const fs::path out_dir = deck.out_dir();
-  const fs::path ckpt_dir = deck.checkpoint_dir();
-  fsdp::CollectiveWatchdog::instance().configure(deck.get_float("comm.timeout_s"), world.rank());
+  const std::string name = cfg.run.name;
+  const fs::path out_dir = cfg.run.out_dir;
+  const fs::path ckpt_dir = cfg.checkpoint.dir;
+  fsdp::CollectiveWatchdog::instance().configure(cfg.comm.timeout_s, world.rank());
   // log.trace: every rank records its timeline and writes it when the run ends, however it ends.
-  fsdp::Tracer::instance().enable(deck.get_bool("log.trace") && !dry_run);
-  struct TraceWriter {
-    fs::path dir;
-    int rank;
-    ~TraceWriter() {
-      auto& tracer = fsdp::Tracer::instance();
-      if (!tracer.enabled()) return;
-      try {
-        std::error_code ec;
-        fs::create_directories(dir, ec);
-        const auto trace = dir / ("trace_rank" + std::to_string(rank) + ".json");
-        tracer.write_json(trace.string(), rank);
-        std::ofstream csv(dir / ("memory_rank" + std::to_string(rank) + ".csv"), std::ios::trunc);
-        csv << "time_s,counter,mib\n";
-        for (const auto& e : tracer.events())
-          if (e.phase == 'C' && !e.args.empty()) csv << e.start_us / 1e6 << "," << e.name << "," << e.args.front().second << "\n";
-        if (rank == 0) std::printf("wrote %s (and one per rank; open them in https://ui.perfetto.dev)\n", trace.c_str());
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "fsdp-train: warning: cannot write the trace: %s\n", e.what());
-      }
-    }
-  } trace_writer{out_dir, world.rank()};
-  int threads = static_cast<int>(deck.get_int("run.threads"));
-  if (threads == 0) threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, placement.local_size));
+  fsdp::Tracer::instance().enable(cfg.log.trace && !dry_run);
+  const TraceWriter trace_writer{out_dir, world.rank()};
+  const int threads = cfg.run.threads;
   torch::set_num_threads(threads);
-  if (const auto mib = deck.get_int("run.malloc_mmap_threshold_mib"); mib > 0) {
+  if (const auto mib = cfg.run.malloc_mmap_threshold_mib; mib > 0) {
     // Before the model exists: its shards, gathered units and gradients are allocated from here on.
     if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(mib << 20)) != 1)
       throw DeckError(deck.entry("run.malloc_mmap_threshold_mib").where + ": run.malloc_mmap_threshold_mib: glibc refused " + std::to_string(mib) +
@@ -541,42 +102,38 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   }
   // Every rank must decide the same (the engine splits communicators for the worker): any rank
   // without a spare core turns the overlap off for all.
-  double no_overlap = resolve_overlap_grad_reduce(deck, placement.local_size, threads) ? 0.0 : 1.0;
+  double no_overlap = cfg.fsdp.overlap_grad_reduce ? 0.0 : 1.0;
   world.all_reduce(&no_overlap, &no_overlap, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
   const bool overlap_grad_reduce = no_overlap == 0.0;
-  torch::manual_seed(static_cast<std::uint64_t>(deck.get_int("run.seed")));
+  torch::manual_seed(cfg.run.seed);
 
   // 2. The communicator, data (each rank reads the files itself) and the model.
   std::string backend;
-  on_all_ranks(world, [&] { backend = resolve_backend(deck); });
+  on_all_ranks(world, [&] { backend = resolve_backend(cfg); });
   // The rest runs with the engine over the chosen communicator.
   auto train = [&](auto comm_type) -> int {
     using Comm = typename decltype(comm_type)::type;
     using Engine = EngineOver<Comm>;
     Dataset data;
-    on_all_ranks(world, [&] { data = load_dataset(deck); });
+    on_all_ranks(world, [&] { data = load_dataset(cfg); });
     std::shared_ptr<Engine> model;
     std::unique_ptr<torch::optim::Optimizer> optimizer;
     on_all_ranks(world, [&] {
-      auto net = build_model(deck);
-      check_layer_classes(deck, *net);
-      const auto group = deck.get_int("fsdp.shard_group_size");
-      if (group > 0 && world.size() % group != 0)
-        throw DeckError(deck.entry("fsdp.shard_group_size").where + ": fsdp.shard_group_size: " + std::to_string(group) +
-                        " does not divide the world size " + std::to_string(world.size()));
-      auto options = fsdp_options(deck);
+      auto net = build_model(cfg);
+      check_layer_classes(cfg, *net);
+      auto options = fsdp_options(cfg);
       options.overlap_grad_reduce = overlap_grad_reduce;
       if constexpr (std::is_same_v<Comm, MpiComm>) {
         model = std::make_shared<Engine>(net, world, options);
       } else {  // NCCL: this rank's GPU on its node; NCCL's own deadline is comm.timeout_s
         fsdp::NcclOptions nccl;
-        nccl.timeout_s = deck.get_float("comm.timeout_s");
+        nccl.timeout_s = cfg.comm.timeout_s;
         nccl.device = placement.local_rank;
         auto comm = fsdp::NcclComm::from_mpi(world, nccl);
         options.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm.device()));
         model = std::make_shared<Engine>(net, comm, options);
       }
-      optimizer = build_optimizer(deck, *model);
+      optimizer = build_optimizer(cfg, *model);
     });
 
     // 3. Echo: the resolved deck and what follows from it.
@@ -586,40 +143,22 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       shard_numel += u.shard_numel;
       padding += u.padded_numel - u.numel;
     }
-    const std::int64_t state_bytes = shard_numel * 4 * (2 + optimizer_state_copies(deck));
+    const std::int64_t state_bytes = shard_numel * 4 * (2 + cfg.optim.state_copies());
     if (root) {
       std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, deck_path.c_str(), deck.echo_table().c_str());
       std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", world.size(), placement.nodes, placement.local_size,
                   threads);
-      std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", backend.c_str(), deck.get_string("fsdp.backend").c_str(),
-                  model->compute_device().str().c_str(), deck.get_bool("fsdp.offload_params") ? ", parameter shards offloaded to host memory" : "");
+      std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", backend.c_str(), cfg.fsdp.backend.c_str(),
+                  model->compute_device().str().c_str(), cfg.fsdp.offload_params ? ", parameter shards offloaded to host memory" : "");
       std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model->sharding_strategy()), model->shard_group_size(),
                   units.size(), static_cast<long long>(model->num_params()));
       std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
                   static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
-      std::printf("  data %s: %lld train, %lld test samples; out_dir %s\n\n", deck.get_string("data.kind").c_str(),
-                  static_cast<long long>(data.train_size()), static_cast<long long>(data.test_size()), out_dir.c_str());
+      std::printf("  data %s: %lld train, %lld test samples; out_dir %s\n\n", cfg.data.kind.c_str(), static_cast<long long>(data.train_size()),
+                  static_cast<long long>(data.test_size()), out_dir.c_str());
       std::fflush(stdout);
     }
-    // Every rank must run the same job: compare the resolved deck and the sharding plan before the
-    // first training collective.
-    {
-      std::string values;
-      std::istringstream lines(deck.to_toml());
-      for (std::string line; std::getline(lines, line);)
-        if (!line.empty() && line[0] != '#') values += line + "\n";
-      std::int64_t mine[2] = {static_cast<std::int64_t>(fsdp::fnv1a64(values) >> 1), static_cast<std::int64_t>(model->plan_hash() >> 1)};
-      std::vector<std::int64_t> all(static_cast<std::size_t>(2 * world.size()));
-      world.all_gather(mine, all.data(), 2, fsdp::DType::kInt64);
-      for (int r = 1; r < world.size(); ++r) {
-        const bool deck_differs = all[2 * r] != all[0], plan_differs = all[2 * r + 1] != all[1];
-        if (!deck_differs && !plan_differs) continue;
-        throw RankError(std::string("rank ") + std::to_string(r) + " runs a different job than rank 0: " +
-                            (deck_differs ? "its resolved deck differs (other --set options or deck file?)" : "its model or wrapping plan differs") +
-                            "; every rank must get the same deck and options",
-                        true);
-      }
-    }
+    check_same_job(world, deck, model->plan_hash());
     if (dry_run) {
       // A dry run leaves an existing run alone; it writes the resolved deck only into a new out_dir.
       bool wrote = false;
@@ -644,11 +183,12 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
 
     // 4. Resume.
     fsdp::CheckpointOptions ckpt;
-    ckpt.state_dict_type = fsdp::parse_state_dict_type(deck.get_string("checkpoint.state_dict_type"));
-    ckpt.keep_last = static_cast<int>(deck.get_int("checkpoint.keep_last"));
-    ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
+    ckpt.state_dict_type = fsdp::parse_state_dict_type(cfg.checkpoint.state_dict_type);
+    ckpt.keep_last = static_cast<int>(cfg.checkpoint.keep_last);
+    ckpt.rank0_only = cfg.checkpoint.rank0_only;
+    ckpt.collective_timeout_s = cfg.checkpoint.collective_timeout_s;  // comm.timeout_s: a save or load some rank never enters fails in time
     fsdp::TrainState state;
-    const std::string resume = deck.get_string("checkpoint.resume");
+    const std::string resume = cfg.checkpoint.resume;
     if (resume == "auto") {
       fsdp::ResumeResult r;
       // A checkpoint of another model or optimizer in this folder stops the run (it is not skipped:
@@ -668,15 +208,14 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     }
 
     // 5. Train.
-    const std::int64_t batch = deck.get_int("data.batch_size");
-    const std::int64_t accum = deck.get_int("optim.grad_accum_steps");
-    const std::int64_t epochs = deck.get_int("run.epochs");
-    const std::int64_t max_steps = deck.get_int("run.max_steps");
-    const double clip = deck.get_float("optim.clip_grad_norm");
-    const std::int64_t log_every = deck.get_int("log.every_steps");
-    const std::int64_t ckpt_every = deck.get_int("checkpoint.every_steps");
-    DistributedSampler sampler(data.train_size(), world.size(), world.rank(), deck.get_bool("data.shuffle"),
-                               static_cast<std::uint64_t>(deck.get_int("run.seed")));
+    const std::int64_t batch = cfg.data.batch_size;
+    const std::int64_t accum = cfg.optim.grad_accum_steps;
+    const std::int64_t epochs = cfg.run.epochs;
+    const std::int64_t max_steps = cfg.run.max_steps;
+    const double clip = cfg.optim.clip_grad_norm;
+    const std::int64_t log_every = cfg.log.every_steps;
+    const std::int64_t ckpt_every = cfg.checkpoint.every_steps;
+    DistributedSampler sampler(data.train_size(), world.size(), world.rank(), cfg.data.shuffle, cfg.run.seed);
     const std::int64_t micro_per_epoch = (sampler.num_samples() + batch - 1) / batch;
     const std::int64_t steps_per_epoch = micro_per_epoch / accum;
     if (steps_per_epoch == 0)
@@ -691,32 +230,18 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
             out_dir.c_str(), static_cast<long long>(state.step), static_cast<long long>(total_steps));
       return 0;
     }
-    const std::string progress_mode = deck.get_string("log.progress");
+    const std::string progress_mode = cfg.log.progress;
     // auto: a live line only for a process started directly on a terminal. Under mpirun or srun the
     // ranks' stdout is a pseudo-terminal even when the job's output goes to a file.
     const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK") || std::getenv("SLURM_PROCID");
     const bool live = progress_mode == "live" || (progress_mode == "auto" && isatty(STDOUT_FILENO) && !launched);
     const bool quiet = progress_mode == "none";
 
-    std::ofstream metrics;
-    const bool write_metrics = !deck.get_string("log.metrics_file").empty();
-    const fs::path metrics_path = out_dir / deck.get_string("log.metrics_file");
+    const bool write_metrics = !cfg.log.metrics_file.empty();
+    const fs::path metrics_path = out_dir / cfg.log.metrics_file;
+    MetricsLog metrics;
     on_all_ranks(world, [&] {
-      if (root && write_metrics) {
-        fs::create_directories(metrics_path.parent_path());
-        // On resume keep the rows up to the resumed step; a crashed run may have logged past it.
-        std::vector<std::string> kept;
-        if (state.step > 0) {
-          std::ifstream old(metrics_path);
-          for (std::string line; std::getline(old, line);)
-            if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= state.step) kept.push_back(line);
-        }
-        metrics.open(metrics_path, std::ios::trunc);
-        if (!metrics) throw std::runtime_error("cannot write '" + metrics_path.string() + "'");
-        metrics << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s\n";
-        for (const auto& l : kept) metrics << l << "\n";
-        metrics.flush();
-      }
+      if (root && write_metrics) metrics.open(metrics_path, state.step);
     });
 
     Phases phases;
@@ -735,19 +260,36 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
 
     // Where a run restarted from the current state continues: the next epoch and global sample.
     std::int64_t next_epoch = state.epoch, next_sample_index = state.sample_index;
-    const bool save_final = deck.get_bool("checkpoint.save_final");
+    const bool save_final = cfg.checkpoint.save_final;
+    const char* skip_save_rank = std::getenv("FSDP_TEST_SKIP_SAVE_ON_RANK");
+    const bool skip_save_on_this_rank = skip_save_rank && *skip_save_rank && std::atoi(skip_save_rank) == world.rank();
     auto save = [&] {
       Timed t(phases.checkpoint, "checkpoint");
       fsdp::TrainState s;
       s.step = step;
       s.epoch = next_epoch;
       s.sample_index = next_sample_index;
-      s.scheduler = {{"lr", lr_at(deck, step, next_epoch, total_steps)}, {"total_steps", static_cast<double>(total_steps)}};
+      s.scheduler = {{"lr", lr_at(cfg, step, next_epoch, total_steps)}, {"total_steps", static_cast<double>(total_steps)}};
       s.deck = deck.to_toml();
       fsdp::SaveResult r;
       // A failed save (folder not writable, disk full) fails on every rank alike: a clean exit 2, and the
       // previous checkpoint and `latest` stay valid.
-      on_all_ranks(world, [&] { r = fsdp::save_checkpoint(*model, optimizer.get(), ckpt_dir.string(), s, ckpt); });
+      if (skip_save_on_this_rank) {
+        // Test hook (docs/reliability.md): this rank never enters the save, like a rank stuck elsewhere; the
+        // others give up after comm.timeout_s and abort the job, which ends this rank too.
+        std::fprintf(stderr, "fsdp-train: rank %d does not enter the save at step %lld (FSDP_TEST_SKIP_SAVE_ON_RANK)\n", world.rank(),
+                     static_cast<long long>(step));
+        std::this_thread::sleep_for(std::chrono::seconds(3600));
+      }
+      on_all_ranks(world, [&] {
+        try {
+          r = fsdp::save_checkpoint(*model, optimizer.get(), ckpt_dir.string(), s, ckpt);
+        } catch (const fsdp::CommError& e) {
+          // A rank that never arrived cannot agree on the failure either: abort (main) instead of waiting.
+          if (e.id() == "fsdp.comm.deadline") throw DeadlineMissed(e.what());
+          throw;
+        }
+      });
       if (root && !quiet) std::printf("checkpoint %s (%.1f MiB, %.2f s)\n", r.path.c_str(), r.bytes / 1048576.0, r.seconds);
       if (root)
         for (const auto& w : r.warnings) std::printf("warning: %s\n", w.c_str());
@@ -759,7 +301,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     // Past a file size limit (ulimit -f) a write then fails with EFBIG and the save reports it, instead
     // of SIGXFSZ killing the rank in the middle of a checkpoint.
     std::signal(SIGXFSZ, SIG_IGN);
-    const bool skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
+    const bool skip_nonfinite = cfg.run.skip_nonfinite;
     std::int64_t skipped_steps = 0;
 
     bool done = step >= total_steps;
@@ -769,7 +311,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       // Resuming inside an epoch: skip the micro-batches already trained (global sample count).
       std::int64_t first_micro = 0;
       if (epoch == state.epoch && state.sample_index > 0) first_micro = state.sample_index / (batch * world.size());
-      const int workers = static_cast<int>(deck.get_int("data.num_workers"));
+      const int workers = static_cast<int>(cfg.data.num_workers);
       const std::int64_t micro_end = steps_per_epoch * accum;
       Prefetcher<Batch> loader(
           std::max<std::int64_t>(0, micro_end - first_micro),
@@ -781,7 +323,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       for (std::int64_t micro = first_micro; micro < micro_end && !done; micro += accum) {
         const auto step_start = Clock::now();
         fsdp::CollectiveWatchdog::instance().set_step(step + 1);
-        const double lr = lr_at(deck, step, epoch, total_steps);
+        const double lr = lr_at(cfg, step, epoch, total_steps);
         for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
         optimizer->zero_grad();
         double loss_sum = 0;
@@ -858,8 +400,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
               std::fflush(stdout);
             }
             if (write_metrics) {
-              metrics << step << "," << epoch + 1 << "," << loss_avg << "," << lr << "," << rate << "," << step_ms.back() << "," << elapsed << "\n";
-              metrics.flush();
+              metrics.row(step, epoch + 1, loss_avg, lr, rate, step_ms.back(), elapsed);
             }
           }
           window_loss = 0;
@@ -889,7 +430,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       if (data.has_test) {
         const auto pause_start = Clock::now();
         Timed t(phases.eval, "eval");
-        last_eval = evaluate(*model, data, deck.get_int("data.test_batch_size"), world);
+        last_eval = evaluate(*model, data, cfg.data.test_batch_size, world);
         evaluated = true;
         if (root && !quiet)
           std::printf("epoch %lld: test loss %.4f, accuracy %.2f%% (%lld %s)\n", static_cast<long long>(epoch + 1), last_eval.loss,
@@ -925,51 +466,61 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     const double median_ms = sorted.empty() ? 0 : sorted[sorted.size() / 2];
     if (root) {
       const double rate = total_samples / std::max(train_s, 1e-9);
-      std::ostringstream js;
-      js.precision(8);
-      js << "{\n  \"name\": \"" << json_escape(name) << "\",\n  \"world_size\": " << world.size() << ",\n  \"nodes\": " << placement.nodes
-         << ",\n  \"ranks_per_node\": " << placement.local_size << ",\n  \"threads_per_rank\": " << threads << ",\n  \"backend\": \"" << backend
-         << "\",\n  \"strategy\": \"" << to_string(model->sharding_strategy()) << "\",\n  \"shard_group_size\": " << model->shard_group_size()
-         << ",\n  \"replica_groups\": " << world.size() / model->shard_group_size() << ",\n  \"params\": " << model->num_params()
-         << ",\n  \"steps\": " << step << ",\n  \"resumed_from_step\": " << state.step << ",\n  \"skipped_steps\": " << skipped_steps
-         << ",\n  \"final_train_loss\": " << (std::isnan(last_loss) ? std::string("null") : std::to_string(last_loss));
-      if (evaluated) js << ",\n  \"test_loss\": " << last_eval.loss << ",\n  \"test_accuracy\": " << last_eval.accuracy;
-      js << ",\n  \"wall_s\": " << wall << ",\n  \"train_s\": " << train_s << ",\n  \"step_ms_median\": " << median_ms << ",\n  \""
-         << (data.tokens ? "tokens_per_s" : "samples_per_s")
-         << "\": " << (data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate) << ",\n  \"peak_rss_mb\": [";
-      for (std::size_t i = 0; i < rss.size(); ++i) js << (i ? ", " : "") << rss[i];
-      js << "],\n  \"phases\": {";
-      for (std::size_t i = 0; i < phase_stats.size(); ++i) {
-        const auto& [n, s] = phase_stats[i];
-        js << (i ? ",\n" : "\n") << "    \"" << n << "\": {\"min\": " << s.min << ", \"avg\": " << s.avg << ", \"max\": " << s.max << "}";
+      auto min_avg_max = [](const Stats& st) { return nlohmann::ordered_json{{"min", st.min}, {"avg", st.avg}, {"max", st.max}}; };
+      nlohmann::ordered_json js;
+      js["name"] = name;
+      js["world_size"] = world.size();
+      js["nodes"] = placement.nodes;
+      js["ranks_per_node"] = placement.local_size;
+      js["threads_per_rank"] = threads;
+      js["backend"] = backend;
+      js["strategy"] = to_string(model->sharding_strategy());
+      js["shard_group_size"] = model->shard_group_size();
+      js["replica_groups"] = world.size() / model->shard_group_size();
+      js["params"] = model->num_params();
+      js["steps"] = step;
+      js["resumed_from_step"] = state.step;
+      js["skipped_steps"] = skipped_steps;
+      js["final_train_loss"] = std::isnan(last_loss) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(last_loss);
+      if (evaluated) {
+        js["test_loss"] = last_eval.loss;
+        js["test_accuracy"] = last_eval.accuracy;
       }
+      js["wall_s"] = wall;
+      js["train_s"] = train_s;
+      js["step_ms_median"] = median_ms;
+      js[data.tokens ? "tokens_per_s" : "samples_per_s"] = data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate;
+      js["peak_rss_mb"] = rss;
+      auto& phases_js = js["phases"] = nlohmann::ordered_json::object();
+      for (const auto& [n, st] : phase_stats) phases_js[n] = min_avg_max(st);
       // Rank 0's collectives over the same span as the phases (training, evaluation, checkpoints): bytes
       // as the engine counts them (all_gather: this rank's shard; reduce_scatter: the full input buffer;
       // all_reduce, broadcast: the buffer) and wall seconds inside the blocking calls.
-      js << "\n  },\n  \"comm\": {\"rank\": 0, \"calls\": " << comm.calls - comm_start.calls;
-      auto comm_kind = [&](const char* n, std::uint64_t bytes, double s) {
-        js << ",\n    \"" << n << "\": {\"bytes\": " << bytes << ", \"seconds\": " << s << "}";
-      };
+      auto& comm_js = js["comm"];
+      comm_js["rank"] = 0;
+      comm_js["calls"] = comm.calls - comm_start.calls;
+      auto comm_kind = [&](const char* n, std::uint64_t bytes, double seconds) { comm_js[n] = {{"bytes", bytes}, {"seconds", seconds}}; };
       comm_kind("all_gather", comm.all_gather_bytes - comm_start.all_gather_bytes, all_gather_s);
       comm_kind("reduce_scatter", comm.reduce_scatter_bytes - comm_start.reduce_scatter_bytes, reduce_scatter_s);
       comm_kind("all_reduce", comm.all_reduce_bytes - comm_start.all_reduce_bytes, all_reduce_s);
       comm_kind("broadcast", comm.broadcast_bytes - comm_start.broadcast_bytes, comm.broadcast_seconds - comm_start.broadcast_seconds);
-      js << ",\n    \"skew_s\": " << comm.skew_seconds - comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
+      comm_js["skew_s"] = comm.skew_seconds - comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
       // Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the
       // computing thread waited for unit all-gathers (across ranks): the exposed communication.
-      js << "\n  },\n  \"overlap\": {\"backward_prefetch\": \"" << deck.get_string("fsdp.backward_prefetch")
-         << "\", \"forward_prefetch\": " << (deck.get_bool("fsdp.forward_prefetch") ? "true" : "false") << ", \"prefetched\": " << overlap.prefetched
-         << ", \"gathered_on_demand\": " << overlap.gathered_on_demand << ", \"exposed_all_gather_s\": {\"min\": " << exposed_all_gather.min
-         << ", \"avg\": " << exposed_all_gather.avg << ", \"max\": " << exposed_all_gather.max << "}";
+      auto& overlap_js = js["overlap"];
+      overlap_js["backward_prefetch"] = cfg.fsdp.backward_prefetch_name;
+      overlap_js["forward_prefetch"] = cfg.fsdp.forward_prefetch;
+      overlap_js["prefetched"] = overlap.prefetched;
+      overlap_js["gathered_on_demand"] = overlap.gathered_on_demand;
+      overlap_js["exposed_all_gather_s"] = min_avg_max(exposed_all_gather);
       // Gradient reductions run on the worker while backward went on, and the time the computing
       // thread then waited for them (end of backward, or the in-flight bound).
       // NCCL reduces on its own stream: the setting is not used there.
-      js << ", \"overlap_grad_reduce\": " << (overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>() ? "true" : "false")
-         << ", \"reductions_overlapped\": " << overlap.reductions_overlapped << ", \"reductions_synchronous\": " << overlap.reductions_synchronous
-         << ", \"exposed_reduce_s\": {\"min\": " << exposed_reduce.min << ", \"avg\": " << exposed_reduce.avg << ", \"max\": " << exposed_reduce.max
-         << "}";
-      js << "\n  }\n}\n";
-      std::ofstream(out_dir / "summary.json") << js.str();
+      overlap_js["overlap_grad_reduce"] = overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>();
+      overlap_js["reductions_overlapped"] = overlap.reductions_overlapped;
+      overlap_js["reductions_synchronous"] = overlap.reductions_synchronous;
+      overlap_js["exposed_reduce_s"] = min_avg_max(exposed_reduce);
+      std::ofstream(out_dir / "summary.json") << js.dump(2) << "\n";
       std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n", world.size());
       for (const auto& [n, s] : phase_stats) std::printf("%-14s %8.3f  %8.3f  %8.3f\n", n.c_str(), s.min, s.avg, s.max);
       std::printf("peak RSS per rank (MiB):");
@@ -1000,14 +551,23 @@ int main(int argc, char** argv) {
   CLI::App cli{"fsdp-train: train a model with Fully Sharded Data Parallel from a TOML input deck", "fsdp-train"};
   std::string deck_path;
   std::vector<std::string> overrides;
-  bool dry_run = false;
+  bool dry_run = false, check_plan = false;
   cli.add_option("DECK", deck_path, "the input deck (TOML)")->required();
   cli.add_option("--set", overrides, "override a deck value: section.key=value (repeatable)");
   cli.add_flag("--dry-run", dry_run, "validate, print the echo and stop");
+  cli.add_flag("--check-plan", check_plan, "build the deck's model (no MPI) and check fsdp-plan's closed-form description against it");
   try {
     cli.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return cli.exit(e) == 0 ? 0 : kExitBadInput;
+  }
+  if (check_plan) {
+    try {
+      return check_plan_model(deck_path, overrides);
+    } catch (const fsdp::ConfigError& e) {
+      std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+      return kExitBadInput;
+    }
   }
   std::unique_ptr<fsdp::MpiEnvironment> env;
   try {

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "gpt_config.hpp"
+
 namespace fsdp::app {
 
 namespace F = torch::nn::functional;
@@ -74,13 +76,6 @@ struct MlpImpl : AppModel {
   }
   std::vector<torch::nn::Linear> layers;
   double p_;
-};
-
-struct GptConfig {
-  std::int64_t vocab_size = 256, context = 64, d_model = 128, n_heads = 4, n_layers = 4, mlp_ratio = 4;
-  double dropout = 0.1;
-  bool tie_embeddings = true;
-  bool deferred = false;  ///< fsdp.deferred_init: layers released as built, initialized by init_module()
 };
 
 /// Causal multi-head self-attention.

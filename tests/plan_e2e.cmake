@@ -1,7 +1,7 @@
 # fsdp-plan against fsdp-train (cmake -P script; registered in tests/CMakeLists.txt as plan_end_to_end).
-#  1. The closed-form model of every family equals the model LibTorch builds (fsdp-plan --check-model).
+#  1. The closed-form model of every family equals the model LibTorch builds (fsdp-train --check-plan).
 #  2. The process baseline: the peak RSS of a run whose model and data are negligible, minus what the
-#     plan predicts for them (reported next to the default, kDefaultBaselineMib in app/plan.hpp).
+#     plan predicts for them (reported next to the default, kDefaultBaselineMib in app/plan/measured.hpp).
 #  3. For an MLP of 24M parameters and a GPT of 7M parameters, FULL_SHARD and NO_SHARD at np 2 (torch
 #     threads 1, 3 steps, no checkpoints): the predicted parameter count equals summary.json's "params",
 #     the predicted params + grads + optimizer state equal fsdp-train's "expected ... MiB", the units,
@@ -105,7 +105,7 @@ endfunction()
 # 1. Closed forms against the built models.
 foreach(variant "${WORK_DIR}/mlp.toml" "${WORK_DIR}/gpt.toml" "${WORK_DIR}/gpt.toml;--set;model.tie_embeddings=false;--set;model.mlp_ratio=3"
                 "${WORK_DIR}/mlp.toml;--set;model.kind=cnn" "${WORK_DIR}/mlp.toml;--set;model.hidden_sizes=[7]")
-  run(0 ${PLAN} ${variant} --np 3 --check-model --units)
+  run(0 ${TRAIN} ${variant} --check-plan)
   expect_in("${last_output}" "model check: the closed form matches the built model")
 endforeach()
 
@@ -123,7 +123,7 @@ if(r1 GREATER r0)
   set(r0 ${r1})
 endif()
 math(EXPR baseline "${r0} - ${m}")
-file(STRINGS ${CMAKE_CURRENT_LIST_DIR}/../app/plan.hpp default_line REGEX "kDefaultBaselineMib = ")
+file(STRINGS ${CMAKE_CURRENT_LIST_DIR}/../app/plan/measured.hpp default_line REGEX "kDefaultBaselineMib = ")
 value_of(default_baseline "${default_line}" "kDefaultBaselineMib = ([0-9.]+)")
 message(STATUS "process baseline measured: ${baseline} MiB (peak RSS ${rss0} / ${rss1} MiB minus ${tiny_model} MiB predicted for the "
                "tiny model and data); fsdp-plan's default: ${default_baseline} MiB")

@@ -144,4 +144,14 @@ run "$WORK/kill.2.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WO
 expect 0 "resumed from" "$WORK/kill.2.log"
 "$CKPT" diff "$WORK/kill/checkpoints" "$WORK/straight/checkpoints" >/dev/null || fail "weights after a kill and resume differ"
 echo "ok: resumed after the kill to the straight run's weights, bit for bit"
+
+# 7. A save that one rank never enters (test hook FSDP_TEST_SKIP_SAVE_ON_RANK, docs/reliability.md): with
+#    comm.timeout_s = 5 the other rank's checkpoint barrier gives up after about 5 s, not the library's
+#    default of 600 s, and the job ends naming the deadline.
+run "$WORK/skipsave.log" "${MPI[@]}" -np 2 -x FSDP_TEST_SKIP_SAVE_ON_RANK=1 "$TRAIN" "$DECK" --set run.out_dir="$WORK/skipsave" \
+  --set comm.timeout_s=5 --set checkpoint.every_steps=8
+[[ $(cat "$WORK/skipsave.log.rc") != 0 ]] || { cat "$WORK/skipsave.log"; fail "a save entered by one rank only succeeded"; }
+grep -Eq "save_checkpoint: not all 2 ranks arrived within 5 s" "$WORK/skipsave.log" || { cat "$WORK/skipsave.log"; fail "no deadline message"; }
+(( $(cat "$WORK/skipsave.log.secs") < 30 )) || fail "the save entered by one rank only took $(cat "$WORK/skipsave.log.secs") s to end (comm.timeout_s = 5)"
+echo "ok: a save one rank never entered ended the job after $(cat "$WORK/skipsave.log.secs") s (comm.timeout_s = 5)"
 echo "all reliability cases passed"

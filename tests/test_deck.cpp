@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "deck.hpp"
+#include "run_config.hpp"
 
 using namespace fsdp::app;
 namespace fs = std::filesystem;
@@ -514,4 +515,95 @@ BOOST_AUTO_TEST_CASE(reference_doc_matches_the_schema) {
   BOOST_TEST((text.str() == expected), path << " is out of date with the schema in app/deck.cpp; regenerate it with\n"
                                                "  build/bin/fsdp-sweep --print-reference > docs/deck_reference.md");
   for (const auto& s : deck_schema()) BOOST_TEST(expected.find("| `" + s.name() + "` |") != std::string::npos, s.key);
+}
+
+// ---- the deck resolved for a placement (run_config.hpp) -------------------------------------------
+
+namespace {
+Placement placement_of(int world, int per_node, int node_cores = 8, int rank_cpus = 8) {
+  Placement p;
+  p.world_size = world;
+  p.ranks_per_node = per_node;
+  p.nodes = (world + per_node - 1) / per_node;
+  p.node_cores = node_cores;
+  p.rank_cpus = rank_cpus;
+  return p;
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(resolved_config_carries_comm_timeout_to_the_checkpoints) {
+  const auto deck = Deck::parse("[comm]\ntimeout_s = 30\n", "inputs/a.toml", {});
+  const auto cfg = resolve_run_config(deck, placement_of(4, 2));
+  BOOST_TEST(cfg.comm.timeout_s == 30.0);
+  BOOST_TEST(cfg.checkpoint.collective_timeout_s == 30.0);
+  const auto defaults = resolve_run_config(Deck(), placement_of(1, 1));
+  BOOST_TEST(defaults.checkpoint.collective_timeout_s == defaults.comm.timeout_s);
+}
+
+BOOST_AUTO_TEST_CASE(resolved_config_decides_the_autos) {
+  // run.threads = 0: the node's cores over its ranks; out_dir and checkpoint dir from run.name.
+  const auto deck = Deck::parse("[run]\nname = \"x\"\n[fsdp]\nsharding_strategy = \"HYBRID_SHARD\"\n", "inputs/a.toml", {});
+  const auto cfg = resolve_run_config(deck, placement_of(4, 2, 8, 8));
+  BOOST_TEST(cfg.run.threads == 4);
+  BOOST_TEST(cfg.run.out_dir == "runs/x");
+  BOOST_TEST(cfg.checkpoint.dir == "runs/x/checkpoints");
+  BOOST_TEST(cfg.fsdp.shard_group_size == 2);  // the ranks of one node
+  BOOST_TEST(cfg.fsdp.reshard_after_forward == fsdp::reshard_after_forward_default(fsdp::ShardingStrategy::HYBRID_SHARD));
+  BOOST_TEST(cfg.fsdp.sharding_strategy == fsdp::ShardingStrategy::HYBRID_SHARD);
+  // overlap_grad_reduce = auto: a spare core per rank (4 threads on 8 CPUs but 2 x 4 = 8 cores used: no).
+  BOOST_TEST(!cfg.fsdp.overlap_grad_reduce);
+  const auto spare = resolve_run_config(Deck::parse("[run]\nthreads = 2\n", "inputs/a.toml", {}), placement_of(2, 2, 8, 8));
+  BOOST_TEST(spare.fsdp.overlap_grad_reduce);
+  BOOST_TEST(spare.fsdp.shard_group_size == 2);
+}
+
+BOOST_AUTO_TEST_CASE(resolved_config_names_a_shard_group_that_does_not_divide_the_world) {
+  const auto deck = Deck::parse("[fsdp]\nsharding_strategy = \"HYBRID_SHARD\"\nshard_group_size = 3\n", "inputs/a.toml", {});
+  try {
+    resolve_run_config(deck, placement_of(4, 4));
+    BOOST_FAIL("a shard group of 3 in a world of 4 resolved");
+  } catch (const DeckError& e) {
+    BOOST_TEST(std::string(e.what()).find("inputs/a.toml:3: fsdp.shard_group_size: 3 does not divide the world size 4") != std::string::npos,
+               e.what());
+  }
+}
+
+BOOST_AUTO_TEST_CASE(resolved_config_splits_the_layer_classes) {
+  const auto deck = Deck::parse("[fsdp]\ntransformer_layer_cls_to_wrap = \"A, B ,C\"\n", "inputs/a.toml", {});
+  const auto cfg = resolve_run_config(deck, placement_of(1, 1));
+  BOOST_TEST((cfg.fsdp.transformer_layer_cls_to_wrap == std::vector<std::string>{"A", "B", "C"}));
+  BOOST_TEST(cfg.fsdp.transformer_layer_cls_where == "inputs/a.toml:2");
+}
+
+BOOST_AUTO_TEST_CASE(layer_classes_as_a_toml_array) {
+  const auto deck =
+      Deck::parse("[fsdp]\nauto_wrap_policy = \"TRANSFORMER_BASED_WRAP\"\ntransformer_layer_cls_to_wrap = [\"TransformerBlock\", \"Other\"]\n",
+                  "inputs/a.toml", {});
+  const auto cfg = resolve_run_config(deck, placement_of(1, 1));
+  BOOST_TEST((cfg.fsdp.transformer_layer_cls_to_wrap == std::vector<std::string>{"TransformerBlock", "Other"}));
+  BOOST_TEST(cfg.fsdp.transformer_layer_cls_where == "inputs/a.toml:3");
+  // The resolved deck writes it back as the comma-separated string, which parses to the same names.
+  const auto again = resolve_run_config(Deck::parse(deck.to_toml(), "deck.toml", {}), placement_of(1, 1));
+  BOOST_TEST((again.fsdp.transformer_layer_cls_to_wrap == cfg.fsdp.transformer_layer_cls_to_wrap));
+  // --set takes the array too.
+  const auto set = Deck::parse("", "inputs/a.toml", {"fsdp.transformer_layer_cls_to_wrap=[\"A\", \"B\"]"});
+  BOOST_TEST((resolve_run_config(set, placement_of(1, 1)).fsdp.transformer_layer_cls_to_wrap == std::vector<std::string>{"A", "B"}));
+  // Elements must be strings.
+  BOOST_TEST(problem_of("[fsdp]\ntransformer_layer_cls_to_wrap = [\"A\", 2]\n") ==
+             "inputs/a.toml:2: fsdp.transformer_layer_cls_to_wrap[1]: expected a string, got an integer (2)");
+  // Every name must be a type of the model, with the model's types in the message, as for the string.
+  check_wrap_classes(cfg.fsdp, {"Gpt", "Other", "TransformerBlock"});
+  for (const auto& names : {std::string("[\"TransformerBlok\", \"Other\"]"), std::string("\"TransformerBlok, Other\"")}) {
+    const auto bad = resolve_run_config(
+        Deck::parse("[fsdp]\nauto_wrap_policy = \"TRANSFORMER_BASED_WRAP\"\ntransformer_layer_cls_to_wrap = " + names + "\n", "inputs/a.toml", {}),
+        placement_of(1, 1));
+    try {
+      check_wrap_classes(bad.fsdp, {"Gpt", "Other", "TransformerBlock"});
+      BOOST_FAIL("an unknown layer class passed");
+    } catch (const DeckError& e) {
+      BOOST_TEST(std::string(e.what()) ==
+                 "[fsdp.deck] inputs/a.toml:3: fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"TransformerBlok\" (its types: "
+                 "Gpt, Other, TransformerBlock)");
+    }
+  }
 }

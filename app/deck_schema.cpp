@@ -1,0 +1,474 @@
+// Input decks (app layer): the schema (every key with its type, default, range, choices and
+// description), lookups in it (find_key, did_you_mean) and the reference it generates
+// (docs/deck_reference.md).
+#include <algorithm>
+#include <map>
+#include <regex>
+#include <sstream>
+
+#include "deck.hpp"
+#include "deck_detail.hpp"
+
+namespace fsdp::app {
+
+using namespace detail;
+
+namespace {
+
+// ---- the schema ------------------------------------------------------------------------------
+
+std::vector<KeySpec> make_schema() {
+  using T = KeyType;
+  std::vector<KeySpec> s;
+  // [run]
+  s.push_back(
+      {.key = "run.name", .type = T::kString, .default_value = "fsdp", .description = "name of the run; the default run.out_dir is runs/<run.name>"});
+  s.push_back({.key = "run.seed",
+               .type = T::kInt,
+               .default_value = I{1},
+               .min = 0,
+               .description = "random seed: initial weights (the same on every rank), data order, dropout"});
+  s.push_back({.key = "run.epochs", .type = T::kInt, .default_value = I{2}, .min = 1, .description = "passes over the training data"});
+  s.push_back({.key = "run.max_steps",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "stop after this many optimizer steps; 0: run all of run.epochs"});
+  s.push_back({.key = "run.out_dir",
+               .type = T::kString,
+               .default_value = "",
+               .description = "output folder (resolved deck, metrics, checkpoints); empty: runs/<run.name>"});
+  s.push_back({.key = "run.threads",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "intra-op threads per rank; 0: the node's cores divided by the ranks on the node"});
+  s.push_back({.key = "run.malloc_mmap_threshold_mib",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .max = I{32},
+               .description = "memory: allocations of at least this many MiB get their own mapping and go back to the system "
+                              "when freed (glibc's M_MMAP_THRESHOLD, fixed); peak RSS then follows the bytes live, at the cost of "
+                              "page faults on every large allocation. 0: glibc's default, a threshold that rises to 32 MiB and "
+                              "keeps freed memory in the heap (docs/performance.md)"});
+  s.push_back({.key = "run.on_nonfinite",
+               .type = T::kString,
+               .default_value = "stop",
+               .choices = {"stop", "skip"},
+               .description = "a non-finite loss or gradient norm on any rank: stop (exit code 4, no checkpoint of the poisoned state) "
+                              "or skip the step (no optimizer update)"});
+  // [model]
+  s.push_back({.key = "model.kind",
+               .type = T::kString,
+               .default_value = "cnn",
+               .choices = {"cnn", "mlp", "transformer"},
+               .description = "cnn (the PyTorch FSDP tutorial's MNIST net), mlp, or transformer (decoder-only, for data.kind tokens or text)"});
+  s.push_back(
+      {.key = "model.dropout",
+       .type = T::kFloat,
+       .default_value = std::monostate{},
+       .min = 0,
+       .max = 1,
+       .description = "every dropout probability of the model; unset: each model's own (cnn 0.25 and 0.5, mlp none, transformer 0.1); 0: none",
+       .max_exclusive = true});
+  s.push_back({.key = "model.hidden_sizes",
+               .type = T::kIntArray,
+               .default_value = Ints{512, 256},
+               .min = 1,
+               .description = "mlp: widths of the hidden layers"});
+  s.push_back(
+      {.key = "model.vocab_size", .type = T::kInt, .default_value = I{256}, .min = 1, .description = "transformer: vocabulary size (256: bytes)"});
+  s.push_back({.key = "model.context", .type = T::kInt, .default_value = I{64}, .min = 1, .description = "transformer: tokens per sequence"});
+  s.push_back({.key = "model.d_model",
+               .type = T::kInt,
+               .default_value = I{128},
+               .min = 1,
+               .description = "transformer: width of the residual stream, a multiple of model.n_heads"});
+  s.push_back({.key = "model.n_heads", .type = T::kInt, .default_value = I{4}, .min = 1, .description = "transformer: attention heads per block"});
+  s.push_back({.key = "model.n_layers", .type = T::kInt, .default_value = I{4}, .min = 1, .description = "transformer: number of blocks"});
+  s.push_back({.key = "model.mlp_ratio",
+               .type = T::kInt,
+               .default_value = I{4},
+               .min = 1,
+               .description = "transformer: width of each block's MLP as a multiple of model.d_model"});
+  s.push_back({.key = "model.tie_embeddings",
+               .type = T::kBool,
+               .default_value = true,
+               .description = "transformer: the output projection shares the token embedding's weights"});
+  // [data]
+  s.push_back({.key = "data.kind",
+               .type = T::kString,
+               .default_value = "fashion-mnist",
+               .choices = {"fashion-mnist", "mnist", "tokens", "text"},
+               .description = "fashion-mnist or mnist (IDX files in data.path), tokens (synthetic sequences), text (a file, one token per byte)"});
+  s.push_back({.key = "data.path",
+               .type = T::kString,
+               .default_value = "/usr/share/datasets/fashion-mnist",
+               .description = "folder of the IDX files (fashion-mnist, mnist) or the text file (text); unused for tokens"});
+  s.push_back({.key = "data.batch_size",
+               .type = T::kInt,
+               .default_value = I{64},
+               .min = 1,
+               .description = "training samples per rank and step (the global batch is batch_size x ranks)"});
+  s.push_back(
+      {.key = "data.test_batch_size", .type = T::kInt, .default_value = I{1000}, .min = 1, .description = "evaluation samples per rank and batch"});
+  s.push_back({.key = "data.shuffle",
+               .type = T::kBool,
+               .default_value = true,
+               .description = "reshuffle the training samples every epoch (seeded by run.seed)"});
+  s.push_back({.key = "data.num_workers",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "background loading threads per rank; 0: load on the training thread"});
+  s.push_back({.key = "data.train_samples",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "use only the first this many training samples (sequences for tokens and text); 0: all"});
+  s.push_back({.key = "data.test_samples",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "use only the first this many test samples; 0: all"});
+  s.push_back(
+      {.key = "data.num_samples", .type = T::kInt, .default_value = I{4096}, .min = 1, .description = "tokens: number of synthetic sequences"});
+  // [optim]
+  s.push_back({.key = "optim.kind",
+               .type = T::kString,
+               .default_value = "adadelta",
+               .choices = {"sgd", "adam", "adamw", "adadelta"},
+               .description = "optimizer (the PyTorch FSDP tutorial: adadelta, lr 1.0, step schedule with gamma 0.7)"});
+  s.push_back({.key = "optim.lr",
+               .type = T::kFloat,
+               .default_value = 1.0,
+               .min = 0,
+               .description = "learning rate (the peak, after optim.warmup_steps)",
+               .min_exclusive = true});
+  s.push_back({.key = "optim.weight_decay",
+               .type = T::kFloat,
+               .default_value = 0.0,
+               .min = 0,
+               .description = "weight decay (decoupled for adamw, L2 otherwise)"});
+  s.push_back(
+      {.key = "optim.momentum", .type = T::kFloat, .default_value = 0.0, .min = 0, .max = 1, .description = "sgd: momentum", .max_exclusive = true});
+  s.push_back({.key = "optim.betas",
+               .type = T::kFloatArray,
+               .default_value = Floats{0.9, 0.999},
+               .min = 0,
+               .max = 1,
+               .description = "adam, adamw: decay rates of the running averages (beta1, beta2)",
+               .max_exclusive = true,
+               .array_size = 2});
+  s.push_back({.key = "optim.schedule",
+               .type = T::kString,
+               .default_value = "step",
+               .choices = {"constant", "step", "cosine"},
+               .description = "learning-rate schedule: constant; step (times optim.gamma after every epoch); cosine (down to 0 at the last step)"});
+  s.push_back({.key = "optim.gamma",
+               .type = T::kFloat,
+               .default_value = 0.7,
+               .min = 0,
+               .description = "step schedule: factor applied to the learning rate after every epoch",
+               .min_exclusive = true});
+  s.push_back({.key = "optim.warmup_steps",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "linear warmup from 0 to optim.lr over this many optimizer steps"});
+  s.push_back({.key = "optim.clip_grad_norm",
+               .type = T::kFloat,
+               .default_value = 0.0,
+               .min = 0,
+               .description = "clip the global gradient norm to this value; 0: no clipping"});
+  s.push_back({.key = "optim.grad_accum_steps",
+               .type = T::kInt,
+               .default_value = I{1},
+               .min = 1,
+               .description = "micro-batches accumulated per optimizer step"});
+  // [fsdp]
+  s.push_back({.key = "fsdp.sharding_strategy",
+               .type = T::kString,
+               .default_value = "FULL_SHARD",
+               .choices = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"},
+               .description = "FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP), HYBRID_SHARD and HYBRID_SHARD_ZERO2 "
+                              "(shard inside a group of fsdp.shard_group_size ranks, replicate across groups)"});
+  s.push_back({.key = "fsdp.auto_wrap_policy",
+               .type = T::kString,
+               .default_value = "NO_WRAP",
+               .choices = {"NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"},
+               .description = "which submodules become FSDP units: none but the root; those of fsdp.min_num_params parameters or more; "
+                              "modules of the fsdp.transformer_layer_cls_to_wrap types"});
+  s.push_back({.key = "fsdp.min_num_params",
+               .type = T::kInt,
+               .default_value = I{100000},
+               .min = 1,
+               .description = "SIZE_BASED_WRAP: wrap a submodule holding at least this many parameters"});
+  s.push_back({.key = "fsdp.transformer_layer_cls_to_wrap",
+               .type = T::kString,
+               .default_value = "TransformerBlock",
+               .description = "TRANSFORMER_BASED_WRAP: module type names to wrap, comma-separated or an array of strings "
+                              "([\"TransformerBlock\", \"Other\"]); each must be a type the model has",
+               .names_list = true});
+  s.push_back({.key = "fsdp.backward_prefetch",
+               .type = T::kString,
+               .default_value = "NO_PREFETCH",
+               .choices = {"NO_PREFETCH", "BACKWARD_PRE", "BACKWARD_POST"},
+               .description = "overlap: issue the next unit's all-gather when the current unit's backward begins (BACKWARD_PRE) or "
+                              "when its gradients are ready (BACKWARD_POST), on a collective worker thread"});
+  s.push_back({.key = "fsdp.forward_prefetch",
+               .type = T::kBool,
+               .default_value = false,
+               .description = "overlap: issue the next unit's all-gather (previous step's order) when a unit's forward begins"});
+  s.push_back({.key = "fsdp.limit_all_gathers",
+               .type = T::kInt,
+               .default_value = I{1},
+               .min = 0,
+               .description = "at most this many prefetched units in flight or gathered ahead of use (bounds the memory "
+                              "prefetching adds); 0: no limit"});
+  s.push_back({.key = "fsdp.overlap_grad_reduce",
+               .type = T::kString,
+               .default_value = "auto",
+               .choices = {"auto", "true", "false"},
+               .description = "overlap: reduce each unit's gradients on a collective worker thread while backward goes on "
+                              "(like DDP's buckets); false: on the computing thread as each unit finishes; auto: overlap when the "
+                              "rank has a core to spare for the worker (its CPUs > run.threads and ranks per node x run.threads < "
+                              "the node's cores). Same results either way; a TOML boolean is accepted too"});
+  s.push_back({.key = "fsdp.reshard_after_forward",
+               .type = T::kString,
+               .default_value = "auto",
+               .choices = {"auto", "true", "false"},
+               .description = "free a unit's gathered parameters after its forward; auto: the strategy decides "
+                              "(true for FULL_SHARD and HYBRID_SHARD); a TOML boolean is accepted too"});
+  s.push_back({.key = "fsdp.shard_group_size",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "hybrid strategies: ranks per shard group; 0: the ranks of a node"});
+  s.push_back({.key = "fsdp.offload_params",
+               .type = T::kBool,
+               .default_value = false,
+               .description = "PyTorch's CPUOffload: parameter shards, gradients and optimizer state stay in host memory and the optimizer "
+                              "steps there; a unit is copied to the GPU for compute (with backend nccl). On CPU runs they are in host "
+                              "memory anyway: accepted, same results"});
+  s.push_back({.key = "fsdp.mixed_precision",
+               .type = T::kString,
+               .default_value = "no",
+               .choices = {"no", "bf16", "fp16"},
+               .description = "bf16/fp16: parameters all-gathered and used, gradients reduced, buffers kept in that dtype; the optimizer keeps fp32 "
+                              "master shards (fp16 has no loss scaling yet)"});
+  s.push_back({.key = "fsdp.activation_checkpointing",
+               .type = T::kBool,
+               .default_value = false,
+               .description = "recompute each nested unit's forward in backward instead of keeping its activations (dropout replayed exactly)"});
+  s.push_back({.key = "fsdp.deferred_init",
+               .type = T::kBool,
+               .default_value = false,
+               .description = "memory-bounded construction: each layer's storage is released as it is built and the engine "
+                              "initializes the model unit by unit (seeded by run.seed and each module's name), so no rank ever holds "
+                              "the whole unsharded model; the values are the same at any world size (but not those of the default "
+                              "initialization)"});
+  s.push_back({.key = "fsdp.sync_module_states",
+               .type = T::kBool,
+               .default_value = true,
+               .description = "broadcast rank 0's parameters and buffers at start, so every rank starts identical"});
+  s.push_back({.key = "fsdp.backend",
+               .type = T::kString,
+               .default_value = "auto",
+               .choices = {"auto", "mpi", "nccl"},
+               .description = "communication: mpi (CPU tensors), nccl (GPU tensors: needs a CUDA LibTorch, a visible GPU and an "
+                              "fsdp-train built with NCCL; a clear error otherwise), auto (nccl when all that holds, else mpi)"});
+  // [comm]
+  s.push_back({.key = "comm.timeout_s",
+               .type = T::kFloat,
+               .default_value = 600.0,
+               .min = 0,
+               .description = "deadline of every collective, like NCCL's watchdog: a rank waiting longer names the collective, unit and "
+                              "step and ends the job (exit code 6); 0: no deadline"});
+  // [checkpoint]
+  s.push_back(
+      {.key = "checkpoint.dir", .type = T::kString, .default_value = "", .description = "checkpoint folder; empty: <run.out_dir>/checkpoints"});
+  s.push_back({.key = "checkpoint.every_steps",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "save every this many optimizer steps; 0: only at the end (checkpoint.save_final)"});
+  s.push_back({.key = "checkpoint.state_dict_type",
+               .type = T::kString,
+               .default_value = "SHARDED_STATE_DICT",
+               .choices = {"SHARDED_STATE_DICT", "FULL_STATE_DICT", "LOCAL_STATE_DICT"},
+               .description = "SHARDED (every rank writes its part of one file), FULL (rank 0 writes), LOCAL (a file per rank; "
+                              "loads at the same world size only)"});
+  s.push_back({.key = "checkpoint.keep_last",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "keep the newest this many checkpoints; 0: keep all"});
+  s.push_back({.key = "checkpoint.resume",
+               .type = T::kString,
+               .default_value = "auto",
+               .description = "auto: continue from the newest readable checkpoint in checkpoint.dir, if any (one of another model or optimizer "
+                              "is an error; a finished run trains nothing); none: start fresh; anything else: a checkpoint file, LOCAL "
+                              "folder, or checkpoint folder (its latest) to load"});
+  s.push_back({.key = "checkpoint.save_final", .type = T::kBool, .default_value = true, .description = "save a checkpoint after the last step"});
+  s.push_back({.key = "checkpoint.rank0_only",
+               .type = T::kBool,
+               .default_value = true,
+               .description = "FULL_STATE_DICT loading: rank 0 reads the file and broadcasts it unit by unit"});
+  // [log]
+  s.push_back(
+      {.key = "log.every_steps", .type = T::kInt, .default_value = I{10}, .min = 1, .description = "print the loss every this many optimizer steps"});
+  s.push_back({.key = "log.progress",
+               .type = T::kString,
+               .default_value = "auto",
+               .choices = {"auto", "live", "plain", "none"},
+               .description = "auto: a live line when started directly on a terminal, plain lines under mpirun/srun or into files; live, plain; "
+                              "none: no progress output"});
+  s.push_back({.key = "log.metrics_file",
+               .type = T::kString,
+               .default_value = "metrics.csv",
+               .description = "CSV of the metrics of every logged step, relative to run.out_dir; empty: none"});
+  s.push_back({.key = "log.trace",
+               .type = T::kBool,
+               .default_value = false,
+               .description = "write a Chrome trace-event timeline per rank (trace_rank<R>.json: steps, forward/backward per unit, "
+                              "all-gather, reduce-scatter, optimizer, checkpoint, memory counters; open in Perfetto) and the memory "
+                              "timeline memory_rank<R>.csv (for fsdp-plot)"});
+  return s;
+}
+
+}  // namespace
+
+namespace detail {
+const std::map<std::string, std::size_t>& key_index() {
+  static const std::map<std::string, std::size_t> index = [] {
+    std::map<std::string, std::size_t> m;
+    const auto& s = deck_schema();
+    for (std::size_t i = 0; i < s.size(); ++i) m.emplace(s[i].key, i);
+    return m;
+  }();
+  return index;
+}
+}  // namespace detail
+
+// ---- schema access ---------------------------------------------------------------------------
+
+const std::vector<KeySpec>& deck_schema() {
+  static const std::vector<KeySpec> schema = make_schema();
+  return schema;
+}
+
+const std::vector<std::string>& deck_sections() {
+  static const std::vector<std::string> sections = [] {
+    std::vector<std::string> out;
+    for (const auto& s : deck_schema())
+      if (std::find(out.begin(), out.end(), s.section()) == out.end()) out.push_back(s.section());
+    return out;
+  }();
+  return sections;
+}
+
+const KeySpec* find_key(const std::string& key) {
+  const auto& index = key_index();
+  const auto it = index.find(key);
+  return it == index.end() ? nullptr : &deck_schema()[it->second];
+}
+
+std::string did_you_mean(const std::string& key) {
+  const auto dot = key.find('.');
+  const std::string section = dot == std::string::npos ? "" : lower(key.substr(0, dot));
+  const std::string name = lower(dot == std::string::npos ? key : key.substr(dot + 1));
+  int best = -1;
+  std::string out;
+  for (const auto& spec : deck_schema()) {
+    const int c = closeness(name, lower(spec.name()));
+    if (c < 0) continue;
+    const std::string s = lower(spec.section());
+    // The same section first, then a section that is a typo away (or none given), then any.
+    const int penalty = s == section ? 0 : (section.empty() || edit_distance(section, s) <= 2) ? 2 : 4;
+    if (best < 0 || c + penalty < best) best = c + penalty, out = spec.key;
+  }
+  return out;
+}
+
+// ---- the reference ---------------------------------------------------------------------------
+
+std::string reference_markdown() {
+  // A table cell: '|' escaped; a word holding <placeholder> in backticks, so it is not read as HTML.
+  auto cell = [](const std::string& s) {
+    std::string out;
+    for (char c : s) out += c == '|' ? std::string("\\|") : std::string(1, c);
+    return std::regex_replace(out, std::regex("([^ `]*<[^> ]+>[^ `;,)]*)"), "`$1`");
+  };
+  std::ostringstream md;
+  md << "# Deck reference\n\n"
+     << "<!-- Generated from the schema in app/deck_schema.cpp; do not edit. Regenerate with\n"
+     << "     build/bin/fsdp-sweep --print-reference > docs/deck_reference.md\n"
+     << "     The test test_deck fails when this file and the schema disagree. -->\n\n"
+     << "`fsdp-train` reads every setting from an input deck, a [TOML](https://toml.io) file. This page\n"
+     << "lists every key. `fsdp-sweep` writes one deck per point of a parameter grid.\n\n"
+     << "## How decks work\n\n"
+     << "- **Sections and keys.** A deck has the sections below, each a TOML table (`[optim]`), holding\n"
+     << "  `name = value` lines. A key is named `section.name` (`optim.lr`) in messages and on the command\n"
+     << "  line. Every key has a default, so an empty deck is a valid deck; a deck names only what it changes.\n"
+     << "  Unknown sections and keys are errors, with the closest known name suggested.\n"
+     << "- **Types.** integer, float, boolean, string, and arrays of integers or floats. An integer is\n"
+     << "  accepted where a float is expected (`lr = 1`). A key with choices takes one of the listed\n"
+     << "  strings in any case (`full_shard` is stored as `FULL_SHARD`). Ranges are inclusive unless\n"
+     << "  written with `>`, `<` or a parenthesis; an array's range applies to each element.\n"
+     << "- **`--set section.key=value`** on the command line overrides the deck, in order, after it is\n"
+     << "  read. The value is read as a TOML value (`--set optim.lr=1e-3`, `--set optim.betas=[0.9,0.99]`,\n"
+     << "  `--set data.shuffle=false`, `--set 'run.name=\"a b\"'`); text that is not a TOML value, and any\n"
+     << "  value of a string key, is taken as the string itself (`--set run.out_dir=runs/a`,\n"
+     << "  `--set fsdp.sharding_strategy=SHARD_GRAD_OP`).\n"
+     << "- **Sources.** The run's log echoes every key with its value and where it came from: `deck`,\n"
+     << "  `--set` or `default`. The resolved deck (every key, as TOML) is written to the run's output\n"
+     << "  folder; reading it again gives the same run.\n"
+     << "- **Unset.** A default of *(unset)* means the program decides (e.g. `model.dropout`: each model's\n"
+     << "  own values). An empty string default is derived from other keys as its description says\n"
+     << "  (`run.out_dir` is `runs/<run.name>`, `checkpoint.dir` is `<run.out_dir>/checkpoints`).\n"
+
+     << "- **Errors.** Every problem of a deck and its `--set` options is reported at once, one per line,\n"
+     << "  as `<file>:<line>: <key>: <message>` (`--set <text>: <key>: <message>` for an override), e.g.\n"
+     << "  `inputs/a.toml:7: optim.lr: -1 must be greater than 0` or\n"
+     << "  `inputs/a.toml:3: optim.lrr: unknown key (did you mean optim.lr?)`. A TOML syntax error gives\n"
+     << "  `<file>:<line>:<column>`. Some keys are checked together: `model.kind = \"transformer\"` goes with\n"
+     << "  `data.kind` `tokens` or `text` (and the image models with `fashion-mnist` or `mnist`), and\n"
+     << "  `model.n_heads` must divide `model.d_model`.\n\n"
+     << "```toml\n"
+     << "# inputs/example.toml\n"
+     << "[run]\nname = \"fmnist-sgo\"\nepochs = 3\n\n"
+     << "[optim]\nkind = \"adamw\"\nlr = 1e-3\n\n"
+     << "[fsdp]\nsharding_strategy = \"SHARD_GRAD_OP\"\n"
+     << "```\n";
+  for (const auto& section : deck_sections()) {
+    md << "\n## [" << section << "]\n\n"
+       << "| key | type | default | range / choices | description |\n"
+       << "|---|---|---|---|---|\n";
+    for (const auto& s : deck_schema()) {
+      if (s.section() != section) continue;
+      std::string range;
+      if (!s.choices.empty()) {
+        std::vector<std::string> parts;
+        for (const auto& c : s.choices) parts.push_back("`" + c + "`");
+        range = join(parts, ", ");
+      } else if (s.min && s.max) {
+        range = std::string(s.min_exclusive ? "(" : "[") + format_number(*s.min) + ", " + format_number(*s.max) + (s.max_exclusive ? ")" : "]");
+      } else if (s.min) {
+        range = std::string(s.min_exclusive ? "> " : ">= ") + format_number(*s.min);
+      } else if (s.max) {
+        range = std::string(s.max_exclusive ? "< " : "<= ") + format_number(*s.max);
+      }
+      if (s.array_size) range += (range.empty() ? "" : "; ") + std::to_string(s.array_size) + " elements";
+      if (range.empty()) range = "any";
+      const std::string def = std::holds_alternative<std::monostate>(s.default_value) ? "*(unset)*" : "`" + format_value(s.default_value) + "`";
+      const std::string& description = s.description;
+      md << "| `" << s.name() << "` | " << (s.names_list ? "string or string array" : type_name(s.type)) << " | " << cell(def) << " | " << cell(range)
+         << " | " << cell(description) << " |\n";
+    }
+  }
+  return md.str();
+}
+
+}  // namespace fsdp::app

@@ -1,0 +1,28 @@
+// Memory planning (app layer): the measured constants of the memory model (the process baseline, glibc's
+// mmap thresholds, the heap's fragmentation); docs/planning.md says how each was measured.
+#pragma once
+
+#include <cstdint>
+
+namespace fsdp::app {
+
+/// The resident memory of an fsdp-train rank before any data or model exists (LibTorch, Open MPI,
+/// the C++ runtime), in MiB. Measured on the development machine (Debian 12, LibTorch 1.13 CPU, Open
+/// MPI 4.1, 2 ranks on one node) as the peak RSS of a run whose data and model are negligible, minus
+/// what the plan predicts for them (178.5 MiB peak RSS, 0.0 MiB predicted); tests/plan_e2e.cmake
+/// measures it again on every run. fsdp-plan --baseline-mib overrides it.
+inline constexpr double kDefaultBaselineMib = 178.0;
+
+/// glibc's largest dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit): larger blocks are
+/// always mapped and unmapped; smaller ones may come from the heap, which keeps freed memory.
+inline constexpr std::int64_t kMmapThresholdMaxBytes = std::int64_t{32} << 20;
+inline constexpr std::int64_t kMmapThresholdStartBytes = std::int64_t{128} << 10;
+
+/// Resident heap per byte of the heap's live high-water mark. glibc places 64-byte-aligned tensor
+/// blocks (posix_memalign) so that a freed block rarely takes the next request of the same size, and
+/// small objects settle in the holes: the heap grows past its live bytes. Measured by tracing every
+/// malloc/free of fsdp-train (docs/planning.md): 1.47 for a GPT whose blocks all live on the heap, 1.75
+/// for an MLP with 12-16 MiB units. fsdp-plan --heap-factor overrides it.
+inline constexpr double kDefaultHeapFactor = 1.5;
+
+}  // namespace fsdp::app

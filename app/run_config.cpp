@@ -1,0 +1,166 @@
+// The deck resolved once into typed structs (app layer): see run_config.hpp.
+#include "run_config.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+namespace fsdp::app {
+
+namespace {
+
+/// "<where>: <key>: " for a message about `key`; the deck's path when the value is a default.
+std::string blame(const Deck& deck, const std::string& key) {
+  const auto& where = deck.entry(key).where;
+  return (where.empty() ? deck.path() : where) + ": " + key + ": ";
+}
+
+/// fsdp.overlap_grad_reduce = auto: the collective worker pays only with a core of its own, i.e. when
+/// the rank may run on more CPUs than its compute threads and the node's ranks leave cores idle.
+bool overlap_grad_reduce_resolved(const std::string& value, int rank_cpus, int threads, int ranks_per_node, int node_cores) {
+  if (value != "auto") return value == "true";
+  return rank_cpus > threads && ranks_per_node * threads < node_cores;
+}
+
+int resolve_threads(const Deck& deck, const Placement& p) {
+  const auto threads = static_cast<int>(deck.get_int("run.threads"));
+  return threads != 0 ? threads : std::max(1, p.node_cores / std::max(1, p.ranks_per_node));
+}
+
+}  // namespace
+
+std::vector<std::string> split_layer_classes(const std::string& names) {
+  std::vector<std::string> out;
+  std::stringstream ss(names);
+  for (std::string n; std::getline(ss, n, ',');) {
+    n.erase(0, n.find_first_not_of(" \t"));
+    n.erase(n.find_last_not_of(" \t") + 1);
+    if (!n.empty()) out.push_back(n);
+  }
+  return out;
+}
+
+void check_wrap_classes(const FsdpSection& fsdp, const std::set<std::string>& types, const std::set<std::string>& also_accepted) {
+  if (fsdp.auto_wrap_policy != "TRANSFORMER_BASED_WRAP") return;
+  std::string known;
+  for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
+  for (const auto& n : fsdp.transformer_layer_cls_to_wrap)
+    if (!types.count(n) && !also_accepted.count(n))
+      throw DeckError(fsdp.transformer_layer_cls_where + ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n +
+                      "\" (its types: " + known + ")");
+}
+
+RunSection resolve_run_section(const Deck& deck, const Placement& placement) {
+  RunSection run;
+  run.name = deck.get_string("run.name");
+  run.seed = static_cast<std::uint64_t>(deck.get_int("run.seed"));
+  run.epochs = deck.get_int("run.epochs");
+  run.max_steps = deck.get_int("run.max_steps");
+  run.out_dir = deck.out_dir();
+  run.threads = resolve_threads(deck, placement);
+  run.malloc_mmap_threshold_mib = deck.get_int("run.malloc_mmap_threshold_mib");
+  run.skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
+  return run;
+}
+
+ModelSection resolve_model_section(const Deck& deck) {
+  ModelSection model;
+  model.kind = deck.get_string("model.kind");
+  if (deck.is_set("model.dropout")) model.dropout = deck.get_float("model.dropout");
+  model.hidden_sizes = deck.get_int_array("model.hidden_sizes");
+  model.vocab_size = deck.get_int("model.vocab_size");
+  model.context = deck.get_int("model.context");
+  model.d_model = deck.get_int("model.d_model");
+  model.n_heads = deck.get_int("model.n_heads");
+  model.n_layers = deck.get_int("model.n_layers");
+  model.mlp_ratio = deck.get_int("model.mlp_ratio");
+  model.tie_embeddings = deck.get_bool("model.tie_embeddings");
+  return model;
+}
+
+RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
+  RunConfig c;
+  c.placement = placement;
+  c.run = resolve_run_section(deck, placement);
+  const auto& run = c.run;
+
+  c.model = resolve_model_section(deck);
+
+  auto& data = c.data;
+  data.kind = deck.get_string("data.kind");
+  data.path = deck.get_string("data.path");
+  data.batch_size = deck.get_int("data.batch_size");
+  data.test_batch_size = deck.get_int("data.test_batch_size");
+  data.shuffle = deck.get_bool("data.shuffle");
+  data.num_workers = static_cast<int>(deck.get_int("data.num_workers"));
+  data.train_samples = deck.get_int("data.train_samples");
+  data.test_samples = deck.get_int("data.test_samples");
+  data.num_samples = deck.get_int("data.num_samples");
+
+  auto& optim = c.optim;
+  optim.kind = deck.get_string("optim.kind");
+  optim.lr = deck.get_float("optim.lr");
+  optim.weight_decay = deck.get_float("optim.weight_decay");
+  optim.momentum = deck.get_float("optim.momentum");
+  optim.betas = deck.get_float_array("optim.betas");
+  optim.schedule = deck.get_string("optim.schedule");
+  optim.gamma = deck.get_float("optim.gamma");
+  optim.warmup_steps = deck.get_int("optim.warmup_steps");
+  optim.clip_grad_norm = deck.get_float("optim.clip_grad_norm");
+  optim.grad_accum_steps = deck.get_int("optim.grad_accum_steps");
+  if (optim.kind != "sgd" && optim.betas.size() != 2)
+    throw DeckError(blame(deck, "optim.betas") + "must have 2 values, got " + std::to_string(optim.betas.size()));
+
+  auto& f = c.fsdp;
+  f.sharding_strategy = parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
+  f.auto_wrap_policy = deck.get_string("fsdp.auto_wrap_policy");
+  f.min_num_params = deck.get_int("fsdp.min_num_params");
+  f.transformer_layer_cls_to_wrap = split_layer_classes(deck.get_string("fsdp.transformer_layer_cls_to_wrap"));
+  f.transformer_layer_cls_where = deck.entry("fsdp.transformer_layer_cls_to_wrap").where;
+  f.backward_prefetch_name = deck.get_string("fsdp.backward_prefetch");
+  f.backward_prefetch = parse_backward_prefetch(f.backward_prefetch_name);
+  f.forward_prefetch = deck.get_bool("fsdp.forward_prefetch");
+  f.limit_all_gathers = static_cast<int>(deck.get_int("fsdp.limit_all_gathers"));
+  f.overlap_grad_reduce = overlap_grad_reduce_resolved(deck.get_string("fsdp.overlap_grad_reduce"), placement.rank_cpus, run.threads,
+                                                       placement.ranks_per_node, placement.node_cores);
+  const std::string reshard = deck.get_string("fsdp.reshard_after_forward");
+  if (reshard != "auto") f.reshard_after_forward_asked = reshard == "true";
+  f.reshard_after_forward = f.reshard_after_forward_asked.value_or(reshard_after_forward_default(f.sharding_strategy));
+  f.shard_group_size_requested = static_cast<int>(deck.get_int("fsdp.shard_group_size"));
+  const int group = f.shard_group_size_requested;
+  if (group > 0 && placement.world_size % group != 0)
+    throw DeckError(blame(deck, "fsdp.shard_group_size") + std::to_string(group) + " does not divide the world size " +
+                    std::to_string(placement.world_size));
+  try {
+    f.shard_group_size = shard_group_size(f.sharding_strategy, placement.world_size, group, placement.ranks_per_node);
+  } catch (const ConfigError& e) {
+    throw DeckError(blame(deck, "fsdp.shard_group_size") + e.what());
+  }
+  f.offload_params = deck.get_bool("fsdp.offload_params");
+  f.mixed_precision = deck.get_string("fsdp.mixed_precision");
+  f.activation_checkpointing = deck.get_bool("fsdp.activation_checkpointing");
+  f.deferred_init = deck.get_bool("fsdp.deferred_init");
+  f.sync_module_states = deck.get_bool("fsdp.sync_module_states");
+  f.backend = deck.get_string("fsdp.backend");
+  f.backend_where = deck.entry("fsdp.backend").where;
+
+  c.comm.timeout_s = deck.get_float("comm.timeout_s");
+
+  auto& ckpt = c.checkpoint;
+  ckpt.dir = deck.checkpoint_dir();
+  ckpt.every_steps = deck.get_int("checkpoint.every_steps");
+  ckpt.state_dict_type = deck.get_string("checkpoint.state_dict_type");
+  ckpt.keep_last = static_cast<int>(deck.get_int("checkpoint.keep_last"));
+  ckpt.resume = deck.get_string("checkpoint.resume");
+  ckpt.save_final = deck.get_bool("checkpoint.save_final");
+  ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
+  ckpt.collective_timeout_s = c.comm.timeout_s;
+
+  auto& log = c.log;
+  log.every_steps = deck.get_int("log.every_steps");
+  log.progress = deck.get_string("log.progress");
+  log.metrics_file = deck.get_string("log.metrics_file");
+  log.trace = deck.get_bool("log.trace");
+  return c;
+}
+
+}  // namespace fsdp::app

@@ -1,0 +1,147 @@
+// The validated deck resolved once into typed structs (app layer, no LibTorch, no MPI): one struct per
+// deck section with the deck's values, plus every decision that depends on where the run is placed
+// (threads, overlap of gradient reductions, shard group size, resharding, output folders). The programs
+// read these fields; only this file and deck.cpp read the Deck by key.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "deck.hpp"
+#include "fsdp/core/strategy.hpp"
+
+namespace fsdp::app {
+
+/// Where a run is placed: what the `auto` values depend on.
+struct Placement {
+  int world_size = 1;
+  int nodes = 1;
+  int ranks_per_node = 1;
+  int node_cores = 1;  ///< hardware threads of the node
+  int rank_cpus = 1;   ///< CPUs this rank may run on (its affinity mask)
+};
+
+struct RunSection {
+  std::string name;
+  std::uint64_t seed = 1;
+  std::int64_t epochs = 2;
+  std::int64_t max_steps = 0;  ///< 0: every epoch
+  std::string out_dir;         ///< resolved: run.out_dir or runs/<run.name>
+  int threads = 1;             ///< resolved: run.threads, or the node's cores over its ranks
+  std::int64_t malloc_mmap_threshold_mib = 0;
+  bool skip_nonfinite = false;  ///< run.on_nonfinite = "skip"
+};
+
+struct ModelSection {
+  std::string kind;               ///< cnn, mlp, transformer
+  std::optional<double> dropout;  ///< unset: each model's own
+  std::vector<std::int64_t> hidden_sizes;
+  std::int64_t vocab_size = 256, context = 64, d_model = 128, n_heads = 4, n_layers = 4, mlp_ratio = 4;
+  bool tie_embeddings = true;
+};
+
+struct DataSection {
+  std::string kind;  ///< fashion-mnist, mnist, tokens, text
+  std::string path;
+  std::int64_t batch_size = 64, test_batch_size = 1000;
+  bool shuffle = true;
+  int num_workers = 0;
+  std::int64_t train_samples = 0, test_samples = 0, num_samples = 0;
+};
+
+struct OptimSection {
+  std::string kind;  ///< sgd, adam, adamw, adadelta
+  double lr = 1.0, weight_decay = 0, momentum = 0;
+  std::vector<double> betas;
+  std::string schedule;  ///< constant, step, cosine
+  double gamma = 0.7;
+  std::int64_t warmup_steps = 0;
+  double clip_grad_norm = 0;
+  std::int64_t grad_accum_steps = 1;
+  /// Optimizer state tensors per parameter element (for the expected-memory estimate).
+  int state_copies() const { return kind == "sgd" ? (momentum > 0 ? 1 : 0) : 2; }
+};
+
+struct FsdpSection {
+  ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
+  std::string auto_wrap_policy;  ///< NO_WRAP, SIZE_BASED_WRAP, TRANSFORMER_BASED_WRAP
+  std::int64_t min_num_params = 0;
+  std::vector<std::string> transformer_layer_cls_to_wrap;  ///< the class names, split
+  std::string transformer_layer_cls_where;                 ///< where they were set, for messages
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
+  std::string backward_prefetch_name;  ///< as the deck says it (summary.json)
+  bool forward_prefetch = false;
+  int limit_all_gathers = 0;
+  /// resolved for this rank: "auto" overlaps only where the collective worker gets a core of its own.
+  /// Every rank must agree: fsdp-train turns it off everywhere if any rank says false.
+  bool overlap_grad_reduce = false;
+  bool reshard_after_forward = true;                ///< resolved: "auto" follows the strategy
+  std::optional<bool> reshard_after_forward_asked;  ///< unset for "auto" (fsdp-plan compares strategies)
+  int shard_group_size = 1;                         ///< resolved for the placement's world size
+  int shard_group_size_requested = 0;
+  bool offload_params = false;
+  std::string mixed_precision;  ///< none, bf16, fp16
+  bool activation_checkpointing = false;
+  bool deferred_init = false;
+  bool sync_module_states = true;
+  std::string backend;  ///< as asked: auto, mpi, nccl (auto is resolved where the GPU is known)
+  std::string backend_where;
+};
+
+struct CommSection {
+  double timeout_s = 600;  ///< every collective deadline: the watchdog, NCCL, the checkpoint barriers
+};
+
+struct CheckpointSection {
+  std::string dir;  ///< resolved: checkpoint.dir or <out_dir>/checkpoints
+  std::int64_t every_steps = 0;
+  std::string state_dict_type;
+  int keep_last = 0;
+  std::string resume;  ///< auto, none, or a path
+  bool save_final = true;
+  bool rank0_only = false;
+  double collective_timeout_s = 600;  ///< comm.timeout_s
+};
+
+struct LogSection {
+  std::int64_t every_steps = 10;
+  std::string progress;      ///< auto, live, plain, none
+  std::string metrics_file;  ///< empty: none
+  bool trace = false;
+};
+
+/// A deck resolved for one placement.
+struct RunConfig {
+  Placement placement;
+  RunSection run;
+  ModelSection model;
+  DataSection data;
+  OptimSection optim;
+  FsdpSection fsdp;
+  CommSection comm;
+  CheckpointSection checkpoint;
+  LogSection log;
+};
+
+/// Resolves `deck` for `placement`; the checks between keys and the placement (a shard group that does
+/// not divide the world size) are DeckErrors naming the key and where it was set.
+RunConfig resolve_run_config(const Deck& deck, const Placement& placement);
+
+/// The [run] section alone, for programs that do not place a run (fsdp-sweep's manifest).
+RunSection resolve_run_section(const Deck& deck, const Placement& placement = {});
+
+/// The [model] section alone (fsdp-train --check-plan builds the model without placing a run).
+ModelSection resolve_model_section(const Deck& deck);
+
+/// Under TRANSFORMER_BASED_WRAP, every name of fsdp.transformer_layer_cls_to_wrap must be a type the
+/// model has: one of `types` (short names, listed in the message) or `also_accepted` (e.g. full names).
+/// A DeckError naming where the key was set and the model's types otherwise (fsdp-train and fsdp-plan alike).
+void check_wrap_classes(const FsdpSection& fsdp, const std::set<std::string>& types, const std::set<std::string>& also_accepted = {});
+
+/// The class names of fsdp.transformer_layer_cls_to_wrap ("A, B" split at commas, blanks dropped).
+std::vector<std::string> split_layer_classes(const std::string& names);
+
+}  // namespace fsdp::app

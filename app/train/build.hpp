@@ -1,0 +1,168 @@
+// fsdp-train (app layer): what the resolved deck builds: the model, the engine's options, the backend,
+// the optimizer and its learning-rate schedule; and --check-plan, the model against fsdp-plan's closed form.
+#pragma once
+
+#include <fsdp/fsdp.hpp>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "models.hpp"
+#include "plan/model_check.hpp"
+#include "run_config.hpp"
+#include "train/ranks.hpp"
+
+namespace fsdp::app {
+
+// ---- model and optimizer --------------------------------------------------------------------------
+
+inline std::shared_ptr<AppModel> build_model(const RunConfig& cfg) {
+  const std::string kind = cfg.model.kind;
+  const std::optional<double> dropout = cfg.model.dropout;
+  const bool deferred = cfg.fsdp.deferred_init;
+  if (kind == "cnn") return std::make_shared<TutorialCnnImpl>(dropout, deferred);
+  if (kind == "mlp") return std::make_shared<MlpImpl>(cfg.model.hidden_sizes, dropout, deferred);
+  GptConfig c;
+  c.vocab_size = cfg.model.vocab_size;
+  c.context = cfg.model.context;
+  c.d_model = cfg.model.d_model;
+  c.n_heads = cfg.model.n_heads;
+  c.n_layers = cfg.model.n_layers;
+  c.mlp_ratio = cfg.model.mlp_ratio;
+  c.dropout = dropout.value_or(0.1);
+  c.tie_embeddings = cfg.model.tie_embeddings;
+  c.deferred = deferred;
+  return std::make_shared<GptImpl>(c);
+}
+
+/// A class name to wrap that no module of the model has is a mistake, not a no-op.
+inline void check_layer_classes(const RunConfig& cfg, const torch::nn::Module& model) {
+  std::set<std::string> types;
+  for (const auto& m : model.modules(/*include_self=*/true)) types.insert(fsdp::module_type_name(*m));
+  check_wrap_classes(cfg.fsdp, types);
+}
+
+inline fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
+  fsdp::FsdpOptions o;
+  o.sharding_strategy = cfg.fsdp.sharding_strategy;
+  const std::string policy = cfg.fsdp.auto_wrap_policy;
+  if (policy == "SIZE_BASED_WRAP")
+    o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(cfg.fsdp.min_num_params);
+  else if (policy == "TRANSFORMER_BASED_WRAP")
+    o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(cfg.fsdp.transformer_layer_cls_to_wrap);
+  o.reshard_after_forward = cfg.fsdp.reshard_after_forward;
+  o.shard_group_size = cfg.fsdp.shard_group_size;
+  o.sync_module_states = cfg.fsdp.sync_module_states;
+  const std::string mp = cfg.fsdp.mixed_precision;
+  if (mp == "bf16")
+    o.mixed_precision = fsdp::MixedPrecision::bf16();
+  else if (mp == "fp16")
+    o.mixed_precision = fsdp::MixedPrecision::fp16();
+  o.activation_checkpointing = cfg.fsdp.activation_checkpointing;
+  o.offload_params = cfg.fsdp.offload_params;
+  o.backward_prefetch = cfg.fsdp.backward_prefetch;
+  o.forward_prefetch = cfg.fsdp.forward_prefetch;
+  o.limit_all_gathers = static_cast<int>(cfg.fsdp.limit_all_gathers);
+  if (cfg.fsdp.deferred_init) {  // the layers were released as built: initialized unit by unit
+    const bool gpt = cfg.model.kind == "transformer";
+    o.param_init_fn = [gpt](torch::nn::Module& m, const std::string&) { init_module(m, gpt); };
+    o.init_seed = cfg.run.seed;
+    o.sync_module_states = false;  // every rank computes the same values: nothing to broadcast
+  }
+  o.all_units_called_through_forward = true;  // every model here calls its children through fsdp::forward
+  return o;
+}
+
+#ifdef FSDP_WITH_NCCL
+inline constexpr bool kBuiltWithNccl = true;
+#else
+inline constexpr bool kBuiltWithNccl = false;
+#endif
+
+/// fsdp.backend resolved: "mpi" or "nccl". auto means NCCL when the tensors can live on a GPU (a CUDA
+/// LibTorch with a visible device, and an fsdp-train built with NCCL), MPI otherwise. Asking for
+/// nccl where that does not hold is a deck error naming what is missing.
+inline std::string resolve_backend(const RunConfig& cfg) {
+  const std::string asked = cfg.fsdp.backend;
+  const bool gpu = torch::cuda::is_available();
+  if (asked == "mpi") return asked;
+  if (asked == "auto") return kBuiltWithNccl && gpu ? "nccl" : "mpi";
+  const auto& set_at = cfg.fsdp.backend_where;
+  const std::string where = (set_at.empty() ? std::string() : set_at + ": ") + "fsdp.backend = \"nccl\": ";
+  if (!gpu) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    throw DeckError(
+        where + "no CUDA device is usable on this rank (" +
+        (torch::cuda::device_count() == 0 && !at::hasCUDA() ? std::string("this LibTorch was built without CUDA") : std::string("no GPU visible")) +
+        (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string()) + "); use \"mpi\" or \"auto\" on CPUs");
+  }
+  if (!kBuiltWithNccl)
+    throw DeckError(where + "this fsdp-train was built without NCCL (configure with -DFSDP_WITH_NCCL=ON where CUDA and NCCL are installed)");
+  return asked;
+}
+
+template <class Engine>
+inline std::unique_ptr<torch::optim::Optimizer> build_optimizer(const RunConfig& cfg, Engine& model) {
+  const std::string kind = cfg.optim.kind;
+  const double lr = cfg.optim.lr, wd = cfg.optim.weight_decay;
+  const auto params = model.parameters();
+  if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(cfg.optim.momentum).weight_decay(wd));
+  const auto& betas = cfg.optim.betas;
+  if (kind == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
+  if (kind == "adamw")
+    return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
+  return std::make_unique<fsdp::optim::Adadelta>(params, fsdp::optim::AdadeltaOptions(lr).weight_decay(wd));
+}
+
+/// The learning rate at optimizer step `step` (0-based) in `epoch`: a linear warmup from 0 to
+/// optim.lr over optim.warmup_steps, then the schedule (cosine: from optim.lr down to 0 at the last
+/// step; step: optim.lr x gamma^epoch; constant).
+inline double lr_at(const RunConfig& cfg, std::int64_t step, std::int64_t epoch, std::int64_t total_steps) {
+  const double base = cfg.optim.lr;
+  const auto warmup = cfg.optim.warmup_steps;
+  if (step < warmup) return base * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  const std::string schedule = cfg.optim.schedule;
+  if (schedule == "step") return base * std::pow(cfg.optim.gamma, static_cast<double>(epoch));  // StepLR(step_size=1) per epoch
+  if (schedule == "cosine") {
+    const double span = static_cast<double>(std::max<std::int64_t>(1, total_steps - warmup - 1));
+    const double progress = std::min(1.0, static_cast<double>(step - warmup) / span);
+    return base * 0.5 * (1 + std::cos(M_PI * progress));
+  }
+  return base;
+}
+
+/// --check-plan: fsdp-plan's closed-form model (app/plan/) against the model LibTorch builds: module
+/// tree, types, parameter names and shapes, ties, buffers and the parameter count. 0 if they match, 1 if not.
+inline int check_plan_model(const std::string& deck_path, const std::vector<std::string>& overrides) {
+  const ModelShape shape = model_shape(resolve_model_section(Deck::from_file(deck_path, overrides)));
+  const ModelDesc desc = describe_model(shape);
+  torch::manual_seed(0);
+  auto built = build_app_model(shape);
+  std::int64_t numel = 0, tensors = 0;
+  std::set<const void*> seen;  // Module::parameters() lists a tied tensor once per name: count it once
+  for (const auto& p : built->parameters()) {
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    numel += p.numel();
+    ++tensors;
+  }
+  std::string diff = compare_descriptions(desc, describe_module(*built, shape.kind));
+  if (closed_form_num_params(shape) != numel)
+    diff += "parameter count: formula " + std::to_string(closed_form_num_params(shape)) + ", built " + std::to_string(numel) + "\n";
+  if (desc.num_params() != numel)
+    diff += "parameter count: description " + std::to_string(desc.num_params()) + ", built " + std::to_string(numel) + "\n";
+  if (!diff.empty()) {
+    std::fprintf(stderr, "fsdp-train: error: the closed-form model differs from the built one:\n%s", diff.c_str());
+    return kExitFailure;
+  }
+  std::printf("model check: the closed form matches the built model (%lld parameters in %lld tensors, %zu modules)\n", static_cast<long long>(numel),
+              static_cast<long long>(tensors), desc.modules.size());
+  return 0;
+}
+
+}  // namespace fsdp::app

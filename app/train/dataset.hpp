@@ -1,0 +1,169 @@
+// fsdp-train (app layer): the run's data in memory (images or token sequences), its batches as tensors,
+// the loss, and the evaluation every epoch.
+#pragma once
+
+#include <fsdp/fsdp.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data.hpp"
+#include "run_config.hpp"
+
+namespace fsdp::app {
+
+// ---- data ---------------------------------------------------------------------------------------
+
+/// The training data of one run: images (classification) or token sequences (language modelling).
+struct Dataset {
+  bool tokens = false;
+  ImageSplit train_images, test_images;
+  TokenSplit train_tokens, test_tokens;
+  bool has_test = true;
+  double mean = 0, stddev = 1;  // image normalization
+  std::int64_t train_size() const { return tokens ? train_tokens.n : train_images.n; }
+  std::int64_t test_size() const { return tokens ? test_tokens.n : test_images.n; }
+};
+
+inline Dataset load_dataset(const RunConfig& cfg) {
+  Dataset d;
+  const std::string kind = cfg.data.kind;
+  const std::string model = cfg.model.kind;
+  const bool lm = kind == "tokens" || kind == "text";
+  if (lm != (model == "transformer"))
+    throw DeckError("data.kind = \"" + kind + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" + model +
+                    "\")");
+  if (kind == "fashion-mnist" || kind == "mnist") {
+    d.train_images = load_mnist_split(cfg.data.path, true);
+    d.test_images = load_mnist_split(cfg.data.path, false);
+    if (d.train_images.rows != 28 || d.train_images.cols != 28)
+      throw DataError("'" + cfg.data.path + "' holds " + std::to_string(d.train_images.rows) + "x" + std::to_string(d.train_images.cols) +
+                      " images; the models take 28x28");
+    // Normalization constants of the tutorial (MNIST) and the same statistics for Fashion-MNIST.
+    d.mean = kind == "mnist" ? 0.1307 : 0.2860;
+    d.stddev = kind == "mnist" ? 0.3081 : 0.3530;
+  } else if (kind == "tokens") {
+    d.tokens = true;
+    const auto n = cfg.data.num_samples;
+    const auto context = cfg.model.context;
+    const int vocab = static_cast<int>(cfg.model.vocab_size);
+    const auto seed = cfg.run.seed;
+    d.train_tokens = make_synthetic_tokens(n, context, vocab, seed);
+    d.test_tokens = make_synthetic_tokens(std::max<std::int64_t>(n / 10, 1), context, vocab, seed + 1000003);
+  } else {
+    d.tokens = true;
+    auto corpus = load_text(cfg.data.path, cfg.model.context, static_cast<int>(cfg.model.vocab_size));
+    d.train_tokens = std::move(corpus.train);
+    d.test_tokens = std::move(corpus.test);
+    d.has_test = d.test_tokens.n > 0;
+  }
+  const auto limit_train = cfg.data.train_samples, limit_test = cfg.data.test_samples;
+  auto cut_images = [](ImageSplit& s, std::int64_t n) {
+    if (n <= 0 || n >= s.n) return;
+    s.n = n;
+    s.images.resize(static_cast<std::size_t>(n * s.rows * s.cols));
+    s.labels.resize(static_cast<std::size_t>(n));
+  };
+  auto cut_tokens = [](TokenSplit& s, std::int64_t n) {
+    if (n <= 0 || n >= s.n) return;
+    s.n = n;
+    s.tokens.resize(static_cast<std::size_t>(n * s.length));
+  };
+  cut_images(d.train_images, limit_train);
+  cut_images(d.test_images, limit_test);
+  cut_tokens(d.train_tokens, limit_train);
+  cut_tokens(d.test_tokens, limit_test);
+  return d;
+}
+
+struct Batch {
+  torch::Tensor x, y;
+  std::int64_t samples = 0;
+  /// The batch on `device` (the engine's compute device; a no-op on CPU).
+  Batch to(const torch::Device& device) && {
+    if (x.device() != device) x = x.to(device), y = y.to(device);
+    return std::move(*this);
+  }
+};
+
+inline Batch make_batch(const Dataset& d, bool train, const std::vector<std::int64_t>& idx, std::size_t begin, std::size_t end) {
+  Batch b;
+  const auto n = static_cast<std::int64_t>(end - begin);
+  b.samples = n;
+  if (!d.tokens) {
+    const ImageSplit& s = train ? d.train_images : d.test_images;
+    const std::int64_t pixels = s.rows * s.cols;
+    auto x = torch::empty({n, 1, s.rows, s.cols}, torch::kFloat32);
+    auto y = torch::empty({n}, torch::kLong);
+    float* xp = x.data_ptr<float>();
+    std::int64_t* yp = y.data_ptr<std::int64_t>();
+    const float scale = static_cast<float>(1.0 / (255.0 * d.stddev)), shift = static_cast<float>(d.mean / d.stddev);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto k = idx[begin + static_cast<std::size_t>(i)];
+      const std::uint8_t* src = s.images.data() + k * pixels;
+      for (std::int64_t p = 0; p < pixels; ++p) xp[i * pixels + p] = static_cast<float>(src[p]) * scale - shift;
+      yp[i] = s.labels[static_cast<std::size_t>(k)];
+    }
+    b.x = x;
+    b.y = y;
+  } else {
+    const TokenSplit& s = train ? d.train_tokens : d.test_tokens;
+    auto all = torch::empty({n, s.length}, torch::kLong);
+    std::int64_t* p = all.data_ptr<std::int64_t>();
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto k = idx[begin + static_cast<std::size_t>(i)];
+      for (std::int64_t t = 0; t < s.length; ++t) p[i * s.length + t] = s.tokens[static_cast<std::size_t>(k * s.length + t)];
+    }
+    b.x = all.narrow(1, 0, s.length - 1).contiguous();
+    b.y = all.narrow(1, 1, s.length - 1).contiguous();
+  }
+  return b;
+}
+
+inline torch::Tensor loss_of(const Dataset& d, const torch::Tensor& model_out, const torch::Tensor& y, bool sum = false) {
+  const auto reduction = sum ? torch::Reduction::Sum : torch::Reduction::Mean;
+  const auto out = model_out.to(torch::kFloat);  // under mixed precision the model answers in bf16/fp16; the loss is fp32
+  if (!d.tokens) return torch::nll_loss(out, y, {}, reduction);
+  return torch::nll_loss(torch::log_softmax(out.reshape({-1, out.size(-1)}), 1), y.reshape({-1}), {}, reduction);
+}
+
+struct EvalResult {
+  double loss = 0, accuracy = 0;
+  std::int64_t samples = 0;
+};
+
+/// The tutorial's test(): loss summed and correct predictions counted on each rank, reduced.
+template <class Engine>
+inline EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, MpiComm& world) {
+  model.eval();
+  torch::NoGradGuard no_grad;
+  // Rank r takes samples r, r+N, ...: every sample exactly once (no padding).
+  std::vector<std::int64_t> idx;
+  for (std::int64_t i = world.rank(); i < d.test_size(); i += world.size()) idx.push_back(i);
+  // Every rank runs the same number of (collective) forwards, the last ones possibly empty.
+  std::int64_t batches = (static_cast<std::int64_t>(idx.size()) + batch - 1) / batch;
+  world.all_reduce(&batches, &batches, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+  double sums[3] = {0, 0, 0};  // loss, correct, count
+  for (std::int64_t k = 0; k < batches; ++k) {
+    const auto begin = std::min(static_cast<std::size_t>(k * batch), idx.size());
+    const auto end = std::min(begin + static_cast<std::size_t>(batch), idx.size());
+    Batch b = make_batch(d, false, idx, begin, end).to(model.compute_device());
+    if (b.samples == 0) {  // keep the collectives in step with an empty batch
+      b = make_batch(d, false, std::vector<std::int64_t>{0}, 0, 1).to(model.compute_device());
+      model.forward(b.x);
+      continue;
+    }
+    torch::Tensor out = model.forward(b.x);
+    sums[0] += loss_of(d, out, b.y, true).item<double>();
+    sums[1] += out.argmax(-1).eq(b.y).sum().item<double>();
+    sums[2] += static_cast<double>(b.y.numel());
+  }
+  world.all_reduce(sums, sums, 3, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+  model.train();
+  return {sums[2] > 0 ? sums[0] / sums[2] : 0, sums[2] > 0 ? sums[1] / sums[2] : 0, static_cast<std::int64_t>(sums[2])};
+}
+
+}  // namespace fsdp::app

@@ -1,0 +1,42 @@
+// fsdp-train (app layer): metrics.csv, one row per logged step (rank 0 writes it).
+#pragma once
+
+#include <cctype>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fsdp::app {
+
+/// metrics.csv: step, epoch, loss, lr, samples per second, step ms and elapsed seconds per logged step.
+class MetricsLog {
+ public:
+  /// Starts the file at `path`; resuming at `resumed_step` > 0 keeps the rows up to that step (a crashed
+  /// run may have logged past it).
+  void open(const std::filesystem::path& path, std::int64_t resumed_step) {
+    std::filesystem::create_directories(path.parent_path());
+    std::vector<std::string> kept;
+    if (resumed_step > 0) {
+      std::ifstream old(path);
+      for (std::string line; std::getline(old, line);)
+        if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= resumed_step) kept.push_back(line);
+    }
+    out_.open(path, std::ios::trunc);
+    if (!out_) throw std::runtime_error("cannot write '" + path.string() + "'");
+    out_ << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s\n";
+    for (const auto& l : kept) out_ << l << "\n";
+    out_.flush();
+  }
+  void row(std::int64_t step, std::int64_t epoch, double loss, double lr, double rate, double step_ms, double elapsed_s) {
+    out_ << step << "," << epoch << "," << loss << "," << lr << "," << rate << "," << step_ms << "," << elapsed_s << "\n";
+    out_.flush();
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+}  // namespace fsdp::app
