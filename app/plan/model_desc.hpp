@@ -1,5 +1,5 @@
-// Memory planning (app layer): a model's module tree without tensors (ModelDesc) and the FSDP units
-// derived from it as FullyShardedDataParallel::build_units makes them (plan_units). No LibTorch.
+// Memory planning (app layer): a model's module tree without tensors (ModelDesc) and its FSDP units,
+// planned by the core's plan_units() as the engine plans them. No LibTorch.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "fsdp/core/layout.hpp"
+#include "fsdp/core/unit_plan.hpp"
 #include "fsdp/errors.hpp"
 
 namespace fsdp::app {
@@ -98,17 +99,29 @@ struct WrapDesc {
   std::string policy = "NO_WRAP";  ///< NO_WRAP, SIZE_BASED_WRAP, TRANSFORMER_BASED_WRAP
   std::int64_t min_num_params = 100000;
   std::vector<std::string> types;
-  bool should_wrap(const ModuleDesc& m, std::int64_t nonwrapped_numel) const {
-    if (policy == "SIZE_BASED_WRAP") return nonwrapped_numel >= min_num_params && m.type != "ModuleList" && m.type != "ModuleDict";
-    if (policy == "TRANSFORMER_BASED_WRAP") {
-      for (std::string n : types) {
-        if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n.resize(n.size() - 4);
-        if (n == m.type || n == m.full_type) return true;
-      }
-    }
-    return false;
+  /// The core's rule for this policy: the one the engine applies.
+  WrapRule rule() const {
+    if (policy == "SIZE_BASED_WRAP") return WrapRule::size_based(min_num_params);
+    if (policy == "TRANSFORMER_BASED_WRAP") return WrapRule::module_types(types);
+    return WrapRule::none();
   }
 };
+
+/// The description as the core's module tree (a tied parameter shares its tensor's id).
+inline ModuleTree module_tree(const ModelDesc& d) {
+  ModuleTree tree;
+  std::map<std::string, std::int64_t> tensor_ids;
+  for (const auto& m : d.modules) {
+    const std::string key = m.parent < 0 ? "" : m.path.substr(m.path.rfind('.') == std::string::npos ? 0 : m.path.rfind('.') + 1);
+    const int id = tree.add_module(m.parent, key, m.type, m.full_type);
+    for (const auto& p : m.params) {
+      const std::string& tensor = p.tied_to.empty() ? p.name : p.tied_to;
+      const auto [it, fresh] = tensor_ids.emplace(tensor, static_cast<std::int64_t>(tensor_ids.size()));
+      tree.add_param(id, p.name.substr(p.name.rfind('.') == std::string::npos ? 0 : p.name.rfind('.') + 1), p.shape, it->second);
+    }
+  }
+  return tree;
+}
 
 /// One unit: its parameters (distinct tensors, canonical names) and flat layout over the shard group.
 struct PlanUnit {
@@ -121,93 +134,22 @@ struct PlanUnit {
   std::int64_t numel = 0, padded = 0, shard = 0;
 };
 
-/// The units of `d` under `wrap` with shard groups of `group` ranks: the same decisions, order and
-/// parameter assignment as FullyShardedDataParallel::build_units (bottom-up wrap decisions on the
-/// parameters not already in a wrapped descendant; a tied tensor goes to the lowest common ancestor
-/// unit of its users).
+/// The units of `d` under `wrap` with shard groups of `group` ranks: the core's plan_units, the
+/// function the engine builds its units from.
 inline std::vector<PlanUnit> plan_units(const ModelDesc& d, const WrapDesc& wrap, std::int64_t group) {
-  const std::size_t n = d.modules.size();
-  std::vector<std::int64_t> nonwrapped(n, 0);
-  std::vector<bool> wrapped(n, false);
-  for (int id = static_cast<int>(n) - 1; id >= 0; --id) {
-    const auto& m = d.modules[static_cast<std::size_t>(id)];
-    std::int64_t numel = 0;
-    for (const auto& p : m.params) numel += p.numel();
-    for (int c : m.children)
-      if (!wrapped[static_cast<std::size_t>(c)]) numel += nonwrapped[static_cast<std::size_t>(c)];
-    nonwrapped[static_cast<std::size_t>(id)] = numel;
-    if (id != 0 && wrap.should_wrap(m, numel)) wrapped[static_cast<std::size_t>(id)] = true;
-  }
-  wrapped[0] = true;
   std::vector<PlanUnit> units;
-  std::vector<int> owner(n, -1);
-  for (std::size_t id = 0; id < n; ++id) {
-    const auto& m = d.modules[id];
-    if (wrapped[id]) {
-      PlanUnit u;
-      u.index = static_cast<int>(units.size());
-      u.parent = m.parent >= 0 ? owner[static_cast<std::size_t>(m.parent)] : -1;
-      u.module = static_cast<int>(id);
-      u.path = m.path;
-      units.push_back(u);
-      owner[id] = u.index;
-    } else {
-      owner[id] = owner[static_cast<std::size_t>(m.parent)];
-    }
-  }
-  auto common_ancestor = [&](int a, int b) {
-    auto depth = [&](int u) {
-      int k = 0;
-      while (units[static_cast<std::size_t>(u)].parent >= 0) {
-        u = units[static_cast<std::size_t>(u)].parent;
-        ++k;
-      }
-      return k;
-    };
-    int da = depth(a), db = depth(b);
-    while (da > db) {
-      a = units[static_cast<std::size_t>(a)].parent;
-      --da;
-    }
-    while (db > da) {
-      b = units[static_cast<std::size_t>(b)].parent;
-      --db;
-    }
-    while (a != b) {
-      a = units[static_cast<std::size_t>(a)].parent;
-      b = units[static_cast<std::size_t>(b)].parent;
-    }
-    return a;
-  };
-  struct Use {
-    std::string name;
-    std::int64_t numel;
-    int unit;
-  };
-  std::vector<Use> uses;
-  std::map<std::string, std::size_t> first;
-  for (std::size_t id = 0; id < n; ++id) {
-    for (const auto& p : d.modules[id].params) {
-      const std::string canonical = p.tied_to.empty() ? p.name : p.tied_to;
-      const auto it = first.find(canonical);
-      if (it == first.end()) {
-        first.emplace(canonical, uses.size());
-        uses.push_back({canonical, p.numel(), owner[id]});
-      } else {
-        uses[it->second].unit = common_ancestor(uses[it->second].unit, owner[id]);
-      }
-    }
-  }
-  for (const auto& use : uses) {
-    auto& u = units[static_cast<std::size_t>(use.unit)];
-    u.params.push_back(use.name);
-    u.numels.push_back(use.numel);
-  }
-  for (auto& u : units) {
-    const FlatLayout layout(u.numels, group);
-    u.numel = layout.numel();
-    u.padded = layout.padded_numel();
-    u.shard = layout.shard_numel();
+  for (const auto& planned : fsdp::plan_units(module_tree(d), wrap.rule(), group).units) {
+    PlanUnit u;
+    u.index = planned.index;
+    u.parent = planned.parent;
+    u.module = planned.module;
+    u.path = planned.path;
+    for (const auto& p : planned.params) u.params.push_back(p.name);
+    u.numels = planned.numels();
+    u.numel = planned.layout.numel();
+    u.padded = planned.layout.padded_numel();
+    u.shard = planned.layout.shard_numel();
+    units.push_back(std::move(u));
   }
   return units;
 }
