@@ -1,8 +1,7 @@
-// Resuming from a checkpoint folder that has been damaged (run at np = 1..3): a `latest` that is
+// Resuming from a checkpoint folder that has been damaged (part of test_checkpoint, run at np = 1..4): a `latest` that is
 // empty, garbage, names a missing file or a corrupt one falls back to the newest checkpoint that
 // loads; a folder whose checkpoints are all unreadable stops the run instead of starting over; and
 // checkpoints past the one resumed from are moved aside, never overwritten by the resumed run.
-#define BOOST_TEST_MODULE fsdp_resume
 #include <boost/test/unit_test.hpp>
 
 #include "torch_common.hpp"
@@ -16,10 +15,8 @@
 namespace fs = std::filesystem;
 using fsdp::MpiComm;
 
-using Fixture = TorchMpiFixture<>;
-BOOST_TEST_GLOBAL_FIXTURE(Fixture);
 
-namespace {
+namespace resume_tests {
 
 auto make_model() {
   torch::manual_seed(7);
@@ -51,7 +48,9 @@ bool any_starts_with(const std::vector<std::string>& lines, const std::string& p
   return false;
 }
 
-}  // namespace
+}  // namespace resume_tests
+
+using namespace resume_tests;
 
 BOOST_AUTO_TEST_CASE(a_damaged_latest_falls_back_to_the_newest_checkpoint_that_loads) {
   auto model = make_model();

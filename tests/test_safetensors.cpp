@@ -1,7 +1,6 @@
-// safetensors files of a sharded model (run at np = 1..4): every rank writes its own slices and the
+// safetensors files of a sharded model (part of test_checkpoint, run at np = 1..4): every rank writes its own slices and the
 // file reads back bit for bit, loads at another strategy and world layout, exports in bf16, and bad
 // files fail on every rank naming the tensor or offset, leaving the model unchanged.
-#define BOOST_TEST_MODULE fsdp_safetensors
 #include <boost/test/unit_test.hpp>
 
 #include "torch_common.hpp"
@@ -21,10 +20,8 @@ using fsdp::FsdpOptions;
 using fsdp::MpiComm;
 using fsdp::ShardingStrategy;
 
-using Fixture = TorchMpiFixture<>;
-BOOST_TEST_GLOBAL_FIXTURE(Fixture);
 
-namespace {
+namespace safetensors_tests {
 
 struct TiedHeadImpl : torch::nn::Module {
   explicit TiedHeadImpl(torch::Tensor shared) { weight = register_parameter("weight", std::move(shared)); }
@@ -121,7 +118,9 @@ void expect_error(F&& f, const std::string& expected) {
   }
 }
 
-}  // namespace
+}  // namespace safetensors_tests
+
+using namespace safetensors_tests;
 
 BOOST_AUTO_TEST_CASE(every_rank_writes_its_slices_and_the_file_reads_back_bit_for_bit) {
   const auto dir = shared_dir("roundtrip");
