@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <fsdp/fsdp.hpp>
+#include <fsdp/io/run_lock.hpp>
 #ifdef FSDP_WITH_NCCL
 #include <fsdp/comm/nccl_comm.hpp>
 #endif
@@ -173,6 +174,12 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                     wrote ? (" (resolved deck in " + (out_dir / "deck.toml").string() + ")").c_str() : " (existing deck.toml left as it is)");
       return 0;
     }
+    // One run per run directory: a second one (a repeated sweep point, a job started twice) stops here,
+    // naming the run that holds it, before it writes anything there.
+    std::optional<fsdp::RunLock> run_lock;
+    on_all_ranks(world, [&] {
+      if (root) run_lock.emplace(fsdp::RunLock::acquire(out_dir));
+    });
     on_all_ranks(world, [&] {
       if (!root) return;
       fs::create_directories(out_dir);
@@ -205,6 +212,22 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       }
       on_all_ranks(world, [&] { fsdp::load_checkpoint(*model, optimizer.get(), path, &state, ckpt); });
       if (root) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
+    }
+    if (resume != "auto") {
+      // This run's saves must not replace checkpoints of another trajectory in its folder: those past
+      // the step it starts from (all of them for a fresh start) move to abandoned/.
+      std::vector<std::string> moved;
+      on_all_ranks(world, [&] {
+        if (!root) return;
+        moved = fsdp::ckpt::set_aside_checkpoints_after(ckpt_dir, state.step);
+        if (resume == "none" && fs::exists(ckpt_dir / fsdp::ckpt::kLatestName)) {  // a fresh start: the old pointer goes with its run
+          fs::create_directories(ckpt_dir / fsdp::ckpt::kSetAsideName);
+          fs::rename(ckpt_dir / fsdp::ckpt::kLatestName, ckpt_dir / fsdp::ckpt::kSetAsideName / fsdp::ckpt::kLatestName);
+        }
+      });
+      if (root && !moved.empty())
+        std::printf("warning: moved %zu checkpoint(s) of another run from %s to %s/ (%s ... %s)\n", moved.size(), ckpt_dir.c_str(), fsdp::ckpt::kSetAsideName,
+                    moved.back().c_str(), moved.front().c_str());
     }
 
     // 5. Train.

@@ -154,4 +154,42 @@ run "$WORK/skipsave.log" "${MPI[@]}" -np 2 -x FSDP_TEST_SKIP_SAVE_ON_RANK=1 "$TR
 grep -Eq "save_checkpoint: not all 2 ranks arrived within 5 s" "$WORK/skipsave.log" || { cat "$WORK/skipsave.log"; fail "no deadline message"; }
 (( $(cat "$WORK/skipsave.log.secs") < 30 )) || fail "the save entered by one rank only took $(cat "$WORK/skipsave.log.secs") s to end (comm.timeout_s = 5)"
 echo "ok: a save one rank never entered ended the job after $(cat "$WORK/skipsave.log.secs") s (comm.timeout_s = 5)"
+# 8. Two runs on one run directory: the second stops at once with exit 2 naming the first; the first is
+#    not disturbed. A lock left by a run that is gone (killed: its pid no longer exists) is taken over.
+( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice" "${long[@]}" --set run.max_steps=600 >"$WORK/twice.1.log" 2>&1
+  echo $? >"$WORK/twice.1.log.rc" ) &
+first=$!
+for _ in $(seq 1000); do grep -q "step 10/" "$WORK/twice.1.log" 2>/dev/null && break; sleep 0.05; done
+run "$WORK/twice.2.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice"
+expect 2 "run directory '.*twice' is in use by another run \(host .*, pid [0-9]+" "$WORK/twice.2.log"
+quick "$WORK/twice.2.log"
+wait $first
+[[ $(cat "$WORK/twice.1.log.rc") == 0 ]] || { cat "$WORK/twice.1.log"; fail "the first run was disturbed by the second"; }
+[[ ! -e "$WORK/twice/.fsdp-run.lock" ]] || fail "the lock outlived its run"
+printf 'host=%s\npid=999999999\njob_id=\nstarted=then\nflock=0\n' "$(hostname)" >"$WORK/twice/.fsdp-run.lock"
+run "$WORK/twice.3.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice" --set checkpoint.resume=none "${short[@]}"
+expect 0 "" "$WORK/twice.3.log"
+echo "ok: a second run on a held run directory was refused; a stale lock was taken over"
+
+# 9. A damaged `latest` (garbage, then naming a missing file) resumes from the newest checkpoint, with a
+#    warning, instead of starting over from step 0 and overwriting the run's checkpoints.
+run "$WORK/latest.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/latest" --set run.max_steps=16 --set checkpoint.every_steps=8
+expect 0 "" "$WORK/latest.log"
+for pointer in garbage step_00000099.h5; do
+  echo "$pointer" >"$WORK/latest/checkpoints/latest"
+  run "$WORK/latest.$pointer.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/latest" --set run.max_steps=16 --set checkpoint.every_steps=8
+  expect 0 "warning: skipped checkpoint latest: .*trying every checkpoint, newest first" "$WORK/latest.$pointer.log"
+  grep -q "resumed from .*step_00000016.h5 at step 16" "$WORK/latest.$pointer.log" || { cat "$WORK/latest.$pointer.log"; fail "did not resume from step 16"; }
+done
+echo "ok: a damaged latest resumed from the newest checkpoint"
+
+# 10. A fresh start (checkpoint.resume = none) in a folder with checkpoints moves them to abandoned/
+#     instead of writing over them.
+run "$WORK/fresh.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/latest" --set run.max_steps=8 --set checkpoint.every_steps=8 \
+  --set checkpoint.resume=none
+expect 0 "warning: moved 2 checkpoint\(s\) of another run" "$WORK/fresh.log"
+[[ -e "$WORK/latest/checkpoints/abandoned/step_00000016.h5" && -e "$WORK/latest/checkpoints/abandoned/step_00000008.h5" ]] || fail "old checkpoints not kept"
+"$CKPT" verify "$WORK/latest/checkpoints/abandoned/step_00000008.h5" >/dev/null || fail "the kept checkpoint does not verify"
+[[ $(cat "$WORK/latest/checkpoints/latest") == step_00000008.h5 ]] || fail "latest does not name the new run's checkpoint"
+echo "ok: a fresh start kept the old run's checkpoints in abandoned/"
 echo "all reliability cases passed"
