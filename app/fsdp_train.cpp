@@ -7,7 +7,6 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <fsdp/fsdp.hpp>
-#include <fsdp/io/run_lock.hpp>
 #ifdef FSDP_WITH_NCCL
 #include <fsdp/comm/nccl_comm.hpp>
 #endif
@@ -39,6 +38,7 @@
 #include "models.hpp"
 #include "run_config.hpp"
 #include "train/build.hpp"
+#include "train/checkpointer.hpp"
 #include "train/dataset.hpp"
 #include "train/metrics_log.hpp"
 #include "train/ranks.hpp"
@@ -88,7 +88,6 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
 
   const std::string name = cfg.run.name;
   const fs::path out_dir = cfg.run.out_dir;
-  const fs::path ckpt_dir = cfg.checkpoint.dir;
   fsdp::CollectiveWatchdog::instance().configure(cfg.comm.timeout_s, world.rank());
   // log.trace: every rank records its timeline and writes it when the run ends, however it ends.
   fsdp::Tracer::instance().enable(cfg.log.trace && !dry_run);
@@ -174,61 +173,10 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                     wrote ? (" (resolved deck in " + (out_dir / "deck.toml").string() + ")").c_str() : " (existing deck.toml left as it is)");
       return 0;
     }
-    // One run per run directory: a second one (a repeated sweep point, a job started twice) stops here,
-    // naming the run that holds it, before it writes anything there.
-    std::optional<fsdp::RunLock> run_lock;
-    on_all_ranks(world, [&] {
-      if (root) run_lock.emplace(fsdp::RunLock::acquire(out_dir));
-    });
-    on_all_ranks(world, [&] {
-      if (!root) return;
-      fs::create_directories(out_dir);
-      std::ofstream out(out_dir / "deck.toml");
-      out << deck.to_toml();
-      if (!out) throw DeckError("cannot write '" + (out_dir / "deck.toml").string() + "'");
-    });
-
-    // 4. Resume.
-    fsdp::CheckpointOptions ckpt;
-    ckpt.state_dict_type = fsdp::parse_state_dict_type(cfg.checkpoint.state_dict_type);
-    ckpt.keep_last = static_cast<int>(cfg.checkpoint.keep_last);
-    ckpt.rank0_only = cfg.checkpoint.rank0_only;
-    ckpt.collective_timeout_s = cfg.checkpoint.collective_timeout_s;  // comm.timeout_s: a save or load some rank never enters fails in time
-    fsdp::TrainState state;
-    const std::string resume = cfg.checkpoint.resume;
-    if (resume == "auto") {
-      fsdp::ResumeResult r;
-      // A checkpoint of another model or optimizer in this folder stops the run (it is not skipped:
-      // training on would mix two runs in one folder).
-      on_all_ranks(world, [&] { r = fsdp::resume_from_latest(*model, optimizer.get(), ckpt_dir.string(), &state, ckpt); });
-      if (root) {
-        for (const auto& why : r.skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
-        if (!r.path.empty()) std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
-      }
-    } else if (resume != "none") {
-      std::string path = resume;
-      if (fs::is_directory(path) && fs::exists(fs::path(path) / fsdp::ckpt::kLatestName)) {  // a checkpoint folder: its latest
-        if (const auto name = fsdp::ckpt::read_latest(path)) path = (fs::path(path) / *name).string();
-      }
-      on_all_ranks(world, [&] { fsdp::load_checkpoint(*model, optimizer.get(), path, &state, ckpt); });
-      if (root) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
-    }
-    if (resume != "auto") {
-      // This run's saves must not replace checkpoints of another trajectory in its folder: those past
-      // the step it starts from (all of them for a fresh start) move to abandoned/.
-      std::vector<std::string> moved;
-      on_all_ranks(world, [&] {
-        if (!root) return;
-        moved = fsdp::ckpt::set_aside_checkpoints_after(ckpt_dir, state.step);
-        if (resume == "none" && fs::exists(ckpt_dir / fsdp::ckpt::kLatestName)) {  // a fresh start: the old pointer goes with its run
-          fs::create_directories(ckpt_dir / fsdp::ckpt::kSetAsideName);
-          fs::rename(ckpt_dir / fsdp::ckpt::kLatestName, ckpt_dir / fsdp::ckpt::kSetAsideName / fsdp::ckpt::kLatestName);
-        }
-      });
-      if (root && !moved.empty())
-        std::printf("warning: moved %zu checkpoint(s) of another run from %s to %s/ (%s ... %s)\n", moved.size(), ckpt_dir.c_str(), fsdp::ckpt::kSetAsideName,
-                    moved.back().c_str(), moved.front().c_str());
-    }
+    // 4. The run directory and the state to start from.
+    Checkpointer<Engine> checkpointer(cfg, deck, world, *model, optimizer.get());
+    checkpointer.take_run_directory();
+    const fsdp::TrainState state = checkpointer.resume();
 
     // 5. Train.
     const std::int64_t batch = cfg.data.batch_size;
@@ -284,38 +232,13 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     // Where a run restarted from the current state continues: the next epoch and global sample.
     std::int64_t next_epoch = state.epoch, next_sample_index = state.sample_index;
     const bool save_final = cfg.checkpoint.save_final;
-    const char* skip_save_rank = std::getenv("FSDP_TEST_SKIP_SAVE_ON_RANK");
-    const bool skip_save_on_this_rank = skip_save_rank && *skip_save_rank && std::atoi(skip_save_rank) == world.rank();
     auto save = [&] {
-      Timed t(phases.checkpoint, "checkpoint");
       fsdp::TrainState s;
       s.step = step;
       s.epoch = next_epoch;
       s.sample_index = next_sample_index;
       s.scheduler = {{"lr", lr_at(cfg, step, next_epoch, total_steps)}, {"total_steps", static_cast<double>(total_steps)}};
-      s.deck = deck.to_toml();
-      fsdp::SaveResult r;
-      // A failed save (folder not writable, disk full) fails on every rank alike: a clean exit 2, and the
-      // previous checkpoint and `latest` stay valid.
-      if (skip_save_on_this_rank) {
-        // Test hook (docs/reliability.md): this rank never enters the save, like a rank stuck elsewhere; the
-        // others give up after comm.timeout_s and abort the job, which ends this rank too.
-        std::fprintf(stderr, "fsdp-train: rank %d does not enter the save at step %lld (FSDP_TEST_SKIP_SAVE_ON_RANK)\n", world.rank(),
-                     static_cast<long long>(step));
-        std::this_thread::sleep_for(std::chrono::seconds(3600));
-      }
-      on_all_ranks(world, [&] {
-        try {
-          r = fsdp::save_checkpoint(*model, optimizer.get(), ckpt_dir.string(), s, ckpt);
-        } catch (const fsdp::CommError& e) {
-          // A rank that never arrived cannot agree on the failure either: abort (main) instead of waiting.
-          if (e.id() == "fsdp.comm.deadline") throw DeadlineMissed(e.what());
-          throw;
-        }
-      });
-      if (root && !quiet) std::printf("checkpoint %s (%.1f MiB, %.2f s)\n", r.path.c_str(), r.bytes / 1048576.0, r.seconds);
-      if (root)
-        for (const auto& w : r.warnings) std::printf("warning: %s\n", w.c_str());
+      checkpointer.save(s, phases.checkpoint, quiet);
     };
 
     // SIGTERM (Slurm's time limit, scancel) and SIGUSR1 (sbatch --signal): finish the step, save, exit 3.
@@ -438,7 +361,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                               (flags[0] == SIGTERM   ? "SIGTERM"
                                : flags[0] == SIGUSR1 ? "SIGUSR1"
                                                      : std::to_string(flags[0])) +
-                              " after step " + std::to_string(step) + "; checkpoint saved in " + ckpt_dir.string() +
+                              " after step " + std::to_string(step) + "; checkpoint saved in " + checkpointer.dir().string() +
                               ": rerun the same command to continue",
                           kExitStopped);
         }

@@ -1,0 +1,144 @@
+// fsdp-train (app layer): the run directory and its checkpoints as one collaborator of the run: it
+// holds the directory (one run per directory), writes the resolved deck, resumes (from `latest`, a
+// given checkpoint, or nothing, keeping checkpoints of other trajectories aside) and saves.
+#pragma once
+
+#include <fsdp/fsdp.hpp>
+#include <fsdp/io/run_lock.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "deck.hpp"
+#include "run_config.hpp"
+#include "train/ranks.hpp"
+#include "train/timing.hpp"
+
+namespace fsdp::app {
+
+template <class Engine>
+class Checkpointer {
+ public:
+  Checkpointer(const RunConfig& cfg, const Deck& deck, MpiComm& world, Engine& model, torch::optim::Optimizer* optimizer)
+      : cfg_(cfg),
+        deck_text_(deck.to_toml()),
+        world_(world),
+        root_(world.rank() == 0),
+        model_(model),
+        optimizer_(optimizer),
+        out_dir_(cfg.run.out_dir),
+        dir_(cfg.checkpoint.dir) {
+    options_.state_dict_type = fsdp::parse_state_dict_type(cfg.checkpoint.state_dict_type);
+    options_.keep_last = static_cast<int>(cfg.checkpoint.keep_last);
+    options_.rank0_only = cfg.checkpoint.rank0_only;
+    options_.collective_timeout_s = cfg.checkpoint.collective_timeout_s;  // comm.timeout_s: a save or load some rank never enters fails in time
+    const char* skip = std::getenv("FSDP_TEST_SKIP_SAVE_ON_RANK");
+    skip_save_ = skip && *skip && std::atoi(skip) == world.rank();
+  }
+
+  /// Holds the run directory (a second run on it stops here, exit 2, naming the holder) and writes the
+  /// resolved deck there. Collective.
+  void take_run_directory() {
+    on_all_ranks(world_, [&] {
+      if (root_) lock_.emplace(fsdp::RunLock::acquire(out_dir_));
+    });
+    on_all_ranks(world_, [&] {
+      if (!root_) return;
+      std::filesystem::create_directories(out_dir_);
+      std::ofstream out(out_dir_ / "deck.toml");
+      out << deck_text_;
+      if (!out) throw DeckError("cannot write '" + (out_dir_ / "deck.toml").string() + "'");
+    });
+  }
+
+  /// The state training starts from (checkpoint.resume: auto, none or a checkpoint). Checkpoints this
+  /// run does not continue move to abandoned/ so its saves never replace them. Collective.
+  fsdp::TrainState resume() {
+    fsdp::TrainState state;
+    const std::string& resume = cfg_.checkpoint.resume;
+    if (resume == "auto") {
+      fsdp::ResumeResult r;
+      // A checkpoint of another model or optimizer in this folder stops the run (it is not skipped:
+      // training on would mix two runs in one folder).
+      on_all_ranks(world_, [&] { r = fsdp::resume_from_latest(model_, optimizer_, dir_.string(), &state, options_); });
+      if (root_) {
+        for (const auto& why : r.skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
+        if (!r.path.empty()) std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
+      }
+      return state;
+    }
+    if (resume != "none") {
+      std::string path = resume;
+      if (std::filesystem::is_directory(path) && std::filesystem::exists(std::filesystem::path(path) / fsdp::ckpt::kLatestName)) {
+        if (const auto name = fsdp::ckpt::read_latest(path)) path = (std::filesystem::path(path) / *name).string();  // a folder: its latest
+      }
+      on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, optimizer_, path, &state, options_); });
+      if (root_) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
+    }
+    // Those past the step this run starts from (all of them for a fresh start) belong to another run.
+    std::vector<std::string> moved;
+    on_all_ranks(world_, [&] {
+      if (!root_) return;
+      moved = fsdp::ckpt::set_aside_checkpoints_after(dir_, state.step);
+      if (resume == "none" && std::filesystem::exists(dir_ / fsdp::ckpt::kLatestName)) {  // a fresh start: the old pointer goes with its run
+        std::filesystem::create_directories(dir_ / fsdp::ckpt::kSetAsideName);
+        std::filesystem::rename(dir_ / fsdp::ckpt::kLatestName, dir_ / fsdp::ckpt::kSetAsideName / fsdp::ckpt::kLatestName);
+      }
+    });
+    if (root_ && !moved.empty())
+      std::printf("warning: moved %zu checkpoint(s) of another run from %s to %s/ (%s ... %s)\n", moved.size(), dir_.c_str(),
+                  fsdp::ckpt::kSetAsideName, moved.back().c_str(), moved.front().c_str());
+    return state;
+  }
+
+  /// Saves `state` (the deck is added); the time goes to `seconds`. A failed save fails on every rank
+  /// alike (exit 2, the previous checkpoint and `latest` intact). Collective.
+  void save(fsdp::TrainState state, double& seconds, bool quiet) {
+    Timed t(seconds, "checkpoint");
+    state.deck = deck_text_;
+    if (skip_save_) {
+      // Test hook (docs/reliability.md): this rank never enters the save, like a rank stuck elsewhere; the
+      // others give up after comm.timeout_s and abort the job, which ends this rank too.
+      std::fprintf(stderr, "fsdp-train: rank %d does not enter the save at step %lld (FSDP_TEST_SKIP_SAVE_ON_RANK)\n", world_.rank(),
+                   static_cast<long long>(state.step));
+      std::this_thread::sleep_for(std::chrono::seconds(3600));
+    }
+    fsdp::SaveResult r;
+    on_all_ranks(world_, [&] {
+      try {
+        r = fsdp::save_checkpoint(model_, optimizer_, dir_.string(), state, options_);
+      } catch (const fsdp::CommError& e) {
+        // A rank that never arrived cannot agree on the failure either: abort (main) instead of waiting.
+        if (e.id() == "fsdp.comm.deadline") throw DeadlineMissed(e.what());
+        throw;
+      }
+    });
+    if (root_ && !quiet) std::printf("checkpoint %s (%.1f MiB, %.2f s)\n", r.path.c_str(), r.bytes / 1048576.0, r.seconds);
+    if (root_)
+      for (const auto& w : r.warnings) std::printf("warning: %s\n", w.c_str());
+  }
+
+  const std::filesystem::path& dir() const noexcept { return dir_; }
+
+ private:
+  const RunConfig& cfg_;
+  std::string deck_text_;
+  MpiComm& world_;
+  bool root_;
+  Engine& model_;
+  torch::optim::Optimizer* optimizer_;
+  std::filesystem::path out_dir_, dir_;
+  fsdp::CheckpointOptions options_;
+  bool skip_save_ = false;
+  std::optional<fsdp::RunLock> lock_;  // held until the run ends
+};
+
+}  // namespace fsdp::app
