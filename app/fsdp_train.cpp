@@ -39,6 +39,7 @@
 #include "run_config.hpp"
 #include "train/build.hpp"
 #include "train/checkpointer.hpp"
+#include "train/summary.hpp"
 #include "train/dataset.hpp"
 #include "train/metrics_log.hpp"
 #include "train/ranks.hpp"
@@ -387,95 +388,24 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     if (save_final) save();
 
     // 6. Summary.
-    const double wall = seconds_since(wall_start);
-    const auto comm = model->comm_counters();
-    const double all_gather_s = comm.all_gather_seconds - comm_start.all_gather_seconds;
-    const double reduce_scatter_s = comm.reduce_scatter_seconds - comm_start.reduce_scatter_seconds;
-    const double all_reduce_s = comm.all_reduce_seconds - comm_start.all_reduce_seconds;
-    const std::vector<std::pair<std::string, double>> phase_list = {
-        {"data", phases.data},           {"forward", phases.forward},          {"backward", phases.backward},
-        {"all_gather", all_gather_s},    {"reduce_scatter", reduce_scatter_s}, {"all_reduce", all_reduce_s},
-        {"optimizer", phases.optimizer}, {"checkpoint", phases.checkpoint},    {"eval", phases.eval}};
-    std::vector<std::pair<std::string, Stats>> phase_stats;
-    for (const auto& [n, v] : phase_list) phase_stats.emplace_back(n, across_ranks(world, v));
-    const auto overlap = model->overlap_stats();
-    const Stats exposed_all_gather = across_ranks(world, overlap.exposed_all_gather_seconds);
-    const Stats exposed_reduce = across_ranks(world, overlap.exposed_reduce_seconds);
-    std::vector<double> rss(static_cast<std::size_t>(world.size()));
-    const double my_rss = peak_rss_mb();
-    world.all_gather(&my_rss, rss.data(), 1, fsdp::DType::kFloat64);
-    double total_samples = static_cast<double>(samples_trained);
-    world.all_reduce(&total_samples, &total_samples, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
-    const double train_s = seconds_since(train_start) - phases.checkpoint - phases.eval;  // training only
-    std::vector<double> sorted = step_ms;
-    std::sort(sorted.begin(), sorted.end());
-    const double median_ms = sorted.empty() ? 0 : sorted[sorted.size() / 2];
-    if (root) {
-      const double rate = total_samples / std::max(train_s, 1e-9);
-      auto min_avg_max = [](const Stats& st) { return nlohmann::ordered_json{{"min", st.min}, {"avg", st.avg}, {"max", st.max}}; };
-      nlohmann::ordered_json js;
-      js["name"] = name;
-      js["world_size"] = world.size();
-      js["nodes"] = placement.nodes;
-      js["ranks_per_node"] = placement.local_size;
-      js["threads_per_rank"] = threads;
-      js["backend"] = backend;
-      js["strategy"] = to_string(model->sharding_strategy());
-      js["shard_group_size"] = model->shard_group_size();
-      js["replica_groups"] = world.size() / model->shard_group_size();
-      js["params"] = model->num_params();
-      js["steps"] = step;
-      js["resumed_from_step"] = state.step;
-      js["skipped_steps"] = skipped_steps;
-      js["final_train_loss"] = std::isnan(last_loss) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(last_loss);
-      if (evaluated) {
-        js["test_loss"] = last_eval.loss;
-        js["test_accuracy"] = last_eval.accuracy;
-      }
-      js["wall_s"] = wall;
-      js["train_s"] = train_s;
-      js["step_ms_median"] = median_ms;
-      js[data.tokens ? "tokens_per_s" : "samples_per_s"] = data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate;
-      js["peak_rss_mb"] = rss;
-      auto& phases_js = js["phases"] = nlohmann::ordered_json::object();
-      for (const auto& [n, st] : phase_stats) phases_js[n] = min_avg_max(st);
-      // Rank 0's collectives over the same span as the phases (training, evaluation, checkpoints): bytes
-      // as the engine counts them (all_gather: this rank's shard; reduce_scatter: the full input buffer;
-      // all_reduce, broadcast: the buffer) and wall seconds inside the blocking calls.
-      auto& comm_js = js["comm"];
-      comm_js["rank"] = 0;
-      comm_js["calls"] = comm.calls - comm_start.calls;
-      auto comm_kind = [&](const char* n, std::uint64_t bytes, double seconds) { comm_js[n] = {{"bytes", bytes}, {"seconds", seconds}}; };
-      comm_kind("all_gather", comm.all_gather_bytes - comm_start.all_gather_bytes, all_gather_s);
-      comm_kind("reduce_scatter", comm.reduce_scatter_bytes - comm_start.reduce_scatter_bytes, reduce_scatter_s);
-      comm_kind("all_reduce", comm.all_reduce_bytes - comm_start.all_reduce_bytes, all_reduce_s);
-      comm_kind("broadcast", comm.broadcast_bytes - comm_start.broadcast_bytes, comm.broadcast_seconds - comm_start.broadcast_seconds);
-      comm_js["skew_s"] = comm.skew_seconds - comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
-      // Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the
-      // computing thread waited for unit all-gathers (across ranks): the exposed communication.
-      auto& overlap_js = js["overlap"];
-      overlap_js["backward_prefetch"] = cfg.fsdp.backward_prefetch_name;
-      overlap_js["forward_prefetch"] = cfg.fsdp.forward_prefetch;
-      overlap_js["prefetched"] = overlap.prefetched;
-      overlap_js["gathered_on_demand"] = overlap.gathered_on_demand;
-      overlap_js["exposed_all_gather_s"] = min_avg_max(exposed_all_gather);
-      // Gradient reductions run on the worker while backward went on, and the time the computing
-      // thread then waited for them (end of backward, or the in-flight bound).
-      // NCCL reduces on its own stream: the setting is not used there.
-      overlap_js["overlap_grad_reduce"] = overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>();
-      overlap_js["reductions_overlapped"] = overlap.reductions_overlapped;
-      overlap_js["reductions_synchronous"] = overlap.reductions_synchronous;
-      overlap_js["exposed_reduce_s"] = min_avg_max(exposed_reduce);
-      std::ofstream(out_dir / "summary.json") << js.dump(2) << "\n";
-      std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n", world.size());
-      for (const auto& [n, s] : phase_stats) std::printf("%-14s %8.3f  %8.3f  %8.3f\n", n.c_str(), s.min, s.avg, s.max);
-      std::printf("peak RSS per rank (MiB):");
-      for (double r : rss) std::printf(" %.0f", r);
-      std::printf("\n%lld steps, median step %.1f ms, %.0f %s, wall %.1f s\n", static_cast<long long>(step), median_ms,
-                  data.tokens ? rate * static_cast<double>(data.train_tokens.length - 1) : rate, data.tokens ? "tokens/s" : "samples/s", wall);
-      if (evaluated) std::printf("test accuracy %.2f%%, test loss %.4f\n", 100 * last_eval.accuracy, last_eval.loss);
-      std::printf("wrote %s%s%s\n", (out_dir / "summary.json").c_str(), write_metrics ? " and " : "", write_metrics ? metrics_path.c_str() : "");
-    }
+    RunTotals totals;
+    totals.backend = backend;
+    totals.out_dir = out_dir;
+    if (write_metrics) totals.metrics_path = metrics_path;
+    totals.steps = step;
+    totals.resumed_from_step = state.step;
+    totals.skipped_steps = skipped_steps;
+    totals.samples_trained = samples_trained;
+    totals.tokens_per_sample = data.tokens ? data.train_tokens.length - 1 : 0;
+    totals.last_loss = last_loss;
+    if (evaluated) totals.eval = last_eval;
+    totals.wall_s = seconds_since(wall_start);
+    totals.train_elapsed_s = seconds_since(train_start);
+    totals.phases = phases;
+    totals.step_ms = std::move(step_ms);
+    totals.comm_start = comm_start;
+    totals.overlap_grad_reduce = overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>();  // NCCL reduces on its own stream
+    write_summary(world, placement, cfg, *model, totals);
     return 0;
   };  // train
 

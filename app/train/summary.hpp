@@ -1,0 +1,137 @@
+// fsdp-train (app layer): the end of a run: times per phase across ranks, collectives, overlap, peak
+// memory, written to summary.json and printed as a table.
+#pragma once
+
+#include <fsdp/fsdp.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "run_config.hpp"
+#include "train/dataset.hpp"
+#include "train/ranks.hpp"
+#include "train/timing.hpp"
+
+namespace fsdp::app {
+
+/// What a run did: the numbers its summary is made of (this rank's).
+struct RunTotals {
+  std::string backend;
+  std::filesystem::path out_dir;
+  std::filesystem::path metrics_path;  ///< "" when metrics.csv was not written
+  std::int64_t steps = 0, resumed_from_step = 0, skipped_steps = 0, samples_trained = 0;
+  std::int64_t tokens_per_sample = 0;  ///< language models: tokens predicted per sequence; 0 otherwise
+  double last_loss = std::nan("");
+  std::optional<EvalResult> eval;  ///< the last evaluation, if any ran
+  double wall_s = 0;               ///< since the program started
+  double train_elapsed_s = 0;      ///< since training started (checkpoints and evaluation included)
+  Phases phases;
+  std::vector<double> step_ms;
+  fsdp::CommCounters comm_start;  ///< the engine's counters when training started
+  bool overlap_grad_reduce = false;
+};
+
+/// Writes <out_dir>/summary.json and prints the phase table (rank 0). Collective: every rank calls it.
+template <class Engine>
+void write_summary(MpiComm& world, const MpiComm::Placement& placement, const RunConfig& cfg, Engine& model, const RunTotals& t) {
+  const double wall = t.wall_s;
+  const auto comm = model.comm_counters();
+  const double all_gather_s = comm.all_gather_seconds - t.comm_start.all_gather_seconds;
+  const double reduce_scatter_s = comm.reduce_scatter_seconds - t.comm_start.reduce_scatter_seconds;
+  const double all_reduce_s = comm.all_reduce_seconds - t.comm_start.all_reduce_seconds;
+  const std::vector<std::pair<std::string, double>> phase_list = {
+      {"data", t.phases.data},           {"forward", t.phases.forward},        {"backward", t.phases.backward},
+      {"all_gather", all_gather_s},      {"reduce_scatter", reduce_scatter_s}, {"all_reduce", all_reduce_s},
+      {"optimizer", t.phases.optimizer}, {"checkpoint", t.phases.checkpoint},  {"eval", t.phases.eval}};
+  std::vector<std::pair<std::string, Stats>> phase_stats;
+  for (const auto& [n, v] : phase_list) phase_stats.emplace_back(n, across_ranks(world, v));
+  const auto overlap = model.overlap_stats();
+  const Stats exposed_all_gather = across_ranks(world, overlap.exposed_all_gather_seconds);
+  const Stats exposed_reduce = across_ranks(world, overlap.exposed_reduce_seconds);
+  std::vector<double> rss(static_cast<std::size_t>(world.size()));
+  const double my_rss = peak_rss_mb();
+  world.all_gather(&my_rss, rss.data(), 1, fsdp::DType::kFloat64);
+  double total_samples = static_cast<double>(t.samples_trained);
+  world.all_reduce(&total_samples, &total_samples, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+  const double train_s = t.train_elapsed_s - t.phases.checkpoint - t.phases.eval;  // training only
+  std::vector<double> sorted = t.step_ms;
+  std::sort(sorted.begin(), sorted.end());
+  const double median_ms = sorted.empty() ? 0 : sorted[sorted.size() / 2];
+  if (world.rank() == 0) {
+    const double rate = total_samples / std::max(train_s, 1e-9);
+    auto min_avg_max = [](const Stats& st) { return nlohmann::ordered_json{{"min", st.min}, {"avg", st.avg}, {"max", st.max}}; };
+    nlohmann::ordered_json js;
+    js["name"] = cfg.run.name;
+    js["world_size"] = world.size();
+    js["nodes"] = placement.nodes;
+    js["ranks_per_node"] = placement.local_size;
+    js["threads_per_rank"] = cfg.run.threads;
+    js["backend"] = t.backend;
+    js["strategy"] = to_string(model.sharding_strategy());
+    js["shard_group_size"] = model.shard_group_size();
+    js["replica_groups"] = world.size() / model.shard_group_size();
+    js["params"] = model.num_params();
+    js["steps"] = t.steps;
+    js["resumed_from_step"] = t.resumed_from_step;
+    js["skipped_steps"] = t.skipped_steps;
+    js["final_train_loss"] = std::isnan(t.last_loss) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(t.last_loss);
+    if (t.eval) {
+      js["test_loss"] = t.eval->loss;
+      js["test_accuracy"] = t.eval->accuracy;
+    }
+    js["wall_s"] = wall;
+    js["train_s"] = train_s;
+    js["step_ms_median"] = median_ms;
+    js[t.tokens_per_sample > 0 ? "tokens_per_s" : "samples_per_s"] = t.tokens_per_sample > 0 ? rate * static_cast<double>(t.tokens_per_sample) : rate;
+    js["peak_rss_mb"] = rss;
+    auto& phases_js = js["phases"] = nlohmann::ordered_json::object();
+    for (const auto& [n, st] : phase_stats) phases_js[n] = min_avg_max(st);
+    // Rank 0's collectives over the same span as the phases (training, evaluation, checkpoints): bytes
+    // as the engine counts them (all_gather: this rank's shard; reduce_scatter: the full input buffer;
+    // all_reduce, broadcast: the buffer) and wall seconds inside the blocking calls.
+    auto& comm_js = js["comm"];
+    comm_js["rank"] = 0;
+    comm_js["calls"] = comm.calls - t.comm_start.calls;
+    auto comm_kind = [&](const char* n, std::uint64_t bytes, double seconds) { comm_js[n] = {{"bytes", bytes}, {"seconds", seconds}}; };
+    comm_kind("all_gather", comm.all_gather_bytes - t.comm_start.all_gather_bytes, all_gather_s);
+    comm_kind("reduce_scatter", comm.reduce_scatter_bytes - t.comm_start.reduce_scatter_bytes, reduce_scatter_s);
+    comm_kind("all_reduce", comm.all_reduce_bytes - t.comm_start.all_reduce_bytes, all_reduce_s);
+    comm_kind("broadcast", comm.broadcast_bytes - t.comm_start.broadcast_bytes, comm.broadcast_seconds - t.comm_start.broadcast_seconds);
+    comm_js["skew_s"] = comm.skew_seconds - t.comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
+    // Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the
+    // computing thread waited for unit all-gathers (across ranks): the exposed communication.
+    auto& overlap_js = js["overlap"];
+    overlap_js["backward_prefetch"] = cfg.fsdp.backward_prefetch_name;
+    overlap_js["forward_prefetch"] = cfg.fsdp.forward_prefetch;
+    overlap_js["prefetched"] = overlap.prefetched;
+    overlap_js["gathered_on_demand"] = overlap.gathered_on_demand;
+    overlap_js["exposed_all_gather_s"] = min_avg_max(exposed_all_gather);
+    // Gradient reductions run on the worker while backward went on, and the time the computing
+    // thread then waited for them (end of backward, or the in-flight bound).
+    // NCCL reduces on its own stream: the setting is not used there.
+    overlap_js["overlap_grad_reduce"] = t.overlap_grad_reduce;
+    overlap_js["reductions_overlapped"] = overlap.reductions_overlapped;
+    overlap_js["reductions_synchronous"] = overlap.reductions_synchronous;
+    overlap_js["exposed_reduce_s"] = min_avg_max(exposed_reduce);
+    std::ofstream(t.out_dir / "summary.json") << js.dump(2) << "\n";
+    std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n", world.size());
+    for (const auto& [n, s] : phase_stats) std::printf("%-14s %8.3f  %8.3f  %8.3f\n", n.c_str(), s.min, s.avg, s.max);
+    std::printf("peak RSS per rank (MiB):");
+    for (double r : rss) std::printf(" %.0f", r);
+    std::printf("\n%lld steps, median step %.1f ms, %.0f %s, wall %.1f s\n", static_cast<long long>(t.steps), median_ms,
+                t.tokens_per_sample > 0 ? rate * static_cast<double>(t.tokens_per_sample) : rate, t.tokens_per_sample > 0 ? "tokens/s" : "samples/s",
+                wall);
+    if (t.eval) std::printf("test accuracy %.2f%%, test loss %.4f\n", 100 * t.eval->accuracy, t.eval->loss);
+    std::printf("wrote %s%s%s\n", (t.out_dir / "summary.json").c_str(), t.metrics_path.empty() ? "" : " and ", t.metrics_path.c_str());
+  }
+}
+
+}  // namespace fsdp::app
