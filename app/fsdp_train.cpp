@@ -39,6 +39,7 @@
 #include "run_config.hpp"
 #include "train/build.hpp"
 #include "train/checkpointer.hpp"
+#include "train/step.hpp"
 #include "train/summary.hpp"
 #include "train/dataset.hpp"
 #include "train/metrics_log.hpp"
@@ -272,50 +273,18 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         fsdp::CollectiveWatchdog::instance().set_step(step + 1);
         const double lr = lr_at(cfg, step, epoch, total_steps);
         for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
-        optimizer->zero_grad();
-        double loss_sum = 0;
-        std::int64_t samples = 0;
-        for (std::int64_t a = 0; a < accum; ++a) {
-          std::optional<Batch> b;
-          {
-            Timed t(phases.data, "data");
-            b = loader.next();
-          }
-          if (!b) throw std::runtime_error("data loader ended early");
-          std::optional<typename Engine::NoSyncScope> no_sync;
-          if (a + 1 < accum) no_sync.emplace(model->no_sync());
-          torch::Tensor loss;
-          {
-            Timed t(phases.forward, "forward + loss");
-            loss = loss_of(data, model->forward(b->x.to(model->compute_device())), b->y.to(model->compute_device())) / static_cast<double>(accum);
-          }
-          {
-            Timed t(phases.backward, "backward");
-            loss.backward();
-          }
-          loss_sum += loss.item<double>();
-          samples += b->samples;
-        }
-        // One small all-reduce per step: did any rank see a non-finite loss or gradient norm, or get a
-        // stop signal? Every rank then takes the same branch.
-        std::int64_t flags[2] = {g_stop_signal, 0};
-        {
-          Timed t(phases.optimizer, "optimizer");
-          const double norm = clip > 0 ? model->clip_grad_norm(clip) : 0.0;
-          flags[1] = std::isfinite(loss_sum) && std::isfinite(norm) ? 0 : 1;
-          world.all_reduce(flags, flags, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
-          if (flags[1] && !skip_nonfinite)
-            throw RankError("non-finite loss or gradient norm at step " + std::to_string(step + 1) + " (epoch " + std::to_string(epoch + 1) +
-                                "); stopped without saving the poisoned state (run.on_nonfinite = \"skip\" skips such steps)",
-                            kExitNonFinite);
-          if (flags[1])
-            ++skipped_steps;
-          else
-            optimizer->step();
-        }
+        const StepOutcome outcome = train_step(*model, *optimizer, data, loader, accum, clip, g_stop_signal, world, phases);
+        samples_trained += outcome.samples;
+        if (outcome.nonfinite && !skip_nonfinite)
+          throw RankError("non-finite loss or gradient norm at step " + std::to_string(step + 1) + " (epoch " + std::to_string(epoch + 1) +
+                              "); stopped without saving the poisoned state (run.on_nonfinite = \"skip\" skips such steps)",
+                          kExitNonFinite);
+        if (outcome.nonfinite) ++skipped_steps;
+        const double loss_sum = outcome.loss;
+        const std::int64_t samples = outcome.samples;
+        const std::int64_t flags[2] = {outcome.stop_signal, outcome.nonfinite ? 1 : 0};
         if (flags[1] && root) std::printf("warning: non-finite loss or gradient norm at step %lld: step skipped\n", static_cast<long long>(step + 1));
         ++step;
-        samples_trained += samples;
         step_ms.push_back(1000 * seconds_since(step_start));
         if (auto& tracer = fsdp::Tracer::instance(); tracer.enabled())
           tracer.complete("step " + std::to_string(step), "step", tracer.to_us(step_start), tracer.now_us(), {{"step", static_cast<double>(step)}});
