@@ -85,7 +85,11 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   const Deck& deck = *parsed;
   // The deck resolved for this placement: every default, `auto` and check between keys decided once.
   std::optional<RunConfig> resolved;
-  on_all_ranks(world, [&] { resolved = resolve_run_config(deck, placement_of_this_rank(placement)); });
+  on_all_ranks(world, [&] {
+    auto here = placement_of_this_rank(placement);
+    here.gpu = probe_gpu();
+    resolved = resolve_run_config(deck, here);
+  });
   const RunConfig& cfg = *resolved;
 
   const std::string name = cfg.run.name;
@@ -110,8 +114,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   torch::manual_seed(cfg.run.seed);
 
   // 2. The communicator, data (each rank reads the files itself) and the model.
-  std::string backend;
-  on_all_ranks(world, [&] { backend = resolve_backend(cfg); });
+  const std::string& backend = cfg.fsdp.backend_resolved;
   // The rest runs with the engine over the chosen communicator.
   auto train = [&](auto comm_type) -> int {
     using Comm = typename decltype(comm_type)::type;
@@ -384,7 +387,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
 #ifdef FSDP_WITH_NCCL
     return train(std::type_identity<fsdp::NcclComm>{});
 #else
-    throw std::logic_error("fsdp.backend resolved to nccl in a build without NCCL");  // resolve_backend refuses it
+    throw std::logic_error("fsdp.backend resolved to nccl in a build without NCCL");  // resolve_run_config refuses it
 #endif
   }
   return train(std::type_identity<MpiComm>{});

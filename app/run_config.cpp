@@ -77,6 +77,21 @@ ModelSection resolve_model_section(const Deck& deck) {
   return model;
 }
 
+namespace {
+// fsdp.backend: auto is NCCL where this rank has a usable GPU and NCCL is built in, else MPI; "nccl"
+// where it cannot run is an error naming why.
+std::string resolve_backend(const std::string& asked, const std::string& where, const std::optional<Placement::Gpu>& gpu) {
+  if (!gpu) return asked == "nccl" ? "nccl" : "mpi";
+  if (asked == "mpi") return asked;
+  if (asked == "auto") return gpu->built_with_nccl && gpu->usable ? "nccl" : "mpi";
+  const std::string prefix = (where.empty() ? std::string() : where + ": ") + "fsdp.backend = \"nccl\": ";
+  if (!gpu->usable) throw DeckError(prefix + "no CUDA device is usable on this rank (" + gpu->why_not + "); use \"mpi\" or \"auto\" on CPUs");
+  if (!gpu->built_with_nccl)
+    throw DeckError(prefix + "this fsdp-train was built without NCCL (configure with -DFSDP_WITH_NCCL=ON where CUDA and NCCL are installed)");
+  return asked;
+}
+}  // namespace
+
 RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   RunConfig c;
   c.placement = placement;
@@ -142,6 +157,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.sync_module_states = deck.get_bool("fsdp.sync_module_states");
   f.backend = deck.get_string("fsdp.backend");
   f.backend_where = deck.entry("fsdp.backend").where;
+  f.backend_resolved = resolve_backend(f.backend, f.backend_where, placement.gpu);
 
   c.comm.timeout_s = deck.get_float("comm.timeout_s");
 

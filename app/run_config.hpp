@@ -22,6 +22,14 @@ struct Placement {
   int ranks_per_node = 1;
   int node_cores = 1;  ///< hardware threads of the node
   int rank_cpus = 1;   ///< CPUs this rank may run on (its affinity mask)
+  /// What this rank can run NCCL on (fsdp-train probes LibTorch and its build); unset where nothing
+  /// runs (fsdp-plan): then `auto` means MPI and "nccl" is taken as asked.
+  struct Gpu {
+    bool usable = false;  ///< a CUDA device is usable by this rank
+    std::string why_not;  ///< for the error when it is not
+    bool built_with_nccl = false;
+  };
+  std::optional<Gpu> gpu;
 };
 
 struct RunSection {
@@ -87,8 +95,9 @@ struct FsdpSection {
   bool activation_checkpointing = false;
   bool deferred_init = false;
   bool sync_module_states = true;
-  std::string backend;  ///< as asked: auto, mpi, nccl (auto is resolved where the GPU is known)
+  std::string backend;  ///< as asked: auto, mpi, nccl
   std::string backend_where;
+  std::string backend_resolved;  ///< mpi or nccl (auto: nccl where a GPU is usable and NCCL built in)
 };
 
 struct CommSection {

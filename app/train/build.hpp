@@ -88,23 +88,18 @@ inline constexpr bool kBuiltWithNccl = false;
 /// fsdp.backend resolved: "mpi" or "nccl". auto means NCCL when the tensors can live on a GPU (a CUDA
 /// LibTorch with a visible device, and an fsdp-train built with NCCL), MPI otherwise. Asking for
 /// nccl where that does not hold is a deck error naming what is missing.
-inline std::string resolve_backend(const RunConfig& cfg) {
-  const std::string asked = cfg.fsdp.backend;
-  const bool gpu = torch::cuda::is_available();
-  if (asked == "mpi") return asked;
-  if (asked == "auto") return kBuiltWithNccl && gpu ? "nccl" : "mpi";
-  const auto& set_at = cfg.fsdp.backend_where;
-  const std::string where = (set_at.empty() ? std::string() : set_at + ": ") + "fsdp.backend = \"nccl\": ";
-  if (!gpu) {
+/// What this rank can run NCCL on, for resolve_run_config's choice of fsdp.backend.
+inline Placement::Gpu probe_gpu() {
+  Placement::Gpu gpu;
+  gpu.usable = torch::cuda::is_available();
+  gpu.built_with_nccl = kBuiltWithNccl;
+  if (!gpu.usable) {
     const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-    throw DeckError(
-        where + "no CUDA device is usable on this rank (" +
+    gpu.why_not =
         (torch::cuda::device_count() == 0 && !at::hasCUDA() ? std::string("this LibTorch was built without CUDA") : std::string("no GPU visible")) +
-        (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string()) + "); use \"mpi\" or \"auto\" on CPUs");
+        (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string());
   }
-  if (!kBuiltWithNccl)
-    throw DeckError(where + "this fsdp-train was built without NCCL (configure with -DFSDP_WITH_NCCL=ON where CUDA and NCCL are installed)");
-  return asked;
+  return gpu;
 }
 
 template <class Engine>
