@@ -15,7 +15,6 @@
 namespace fs = std::filesystem;
 using fsdp::MpiComm;
 
-
 namespace resume_tests {
 
 auto make_model() {

@@ -20,7 +20,6 @@ using fsdp::FsdpOptions;
 using fsdp::MpiComm;
 using fsdp::ShardingStrategy;
 
-
 namespace safetensors_tests {
 
 struct TiedHeadImpl : torch::nn::Module {
