@@ -2,6 +2,8 @@
 // (deck_schema.cpp), --set overrides, the checks between keys, the echo table and the resolved deck as TOML.
 #include "deck.hpp"
 
+#include "fsdp/core/strategy.hpp"
+
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -298,7 +300,9 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
   {
     const Entry& group = deck.entry("fsdp.shard_group_size");
     const std::string& strategy = deck.get_string("fsdp.sharding_strategy");
-    if (deck.get_int("fsdp.shard_group_size") != 0 && strategy != "HYBRID_SHARD" && strategy != "HYBRID_SHARD_ZERO2")
+    const auto& names = find_key("fsdp.sharding_strategy")->choices;
+    const bool known = std::find(names.begin(), names.end(), strategy) != names.end();  // else its own problem is reported
+    if (deck.get_int("fsdp.shard_group_size") != 0 && known && !fsdp::is_hybrid(fsdp::parse_sharding_strategy(strategy)))
       problems.push_back(where(group) + ": fsdp.shard_group_size: applies to HYBRID_SHARD and HYBRID_SHARD_ZERO2 only (fsdp.sharding_strategy is \"" +
                          strategy + "\"); leave it at 0");
   }

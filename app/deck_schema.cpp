@@ -8,8 +8,18 @@
 
 #include "deck.hpp"
 #include "deck_detail.hpp"
+#include "fsdp/core/strategy.hpp"
 
 namespace fsdp::app {
+
+namespace {
+// fsdp.sharding_strategy takes the core's strategy names.
+std::vector<std::string> strategy_names() {
+  std::vector<std::string> names;
+  for (auto s : fsdp::kShardingStrategies) names.emplace_back(fsdp::to_string(s));
+  return names;
+}
+}  // namespace
 
 using namespace detail;
 
@@ -191,7 +201,7 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.sharding_strategy",
                .type = T::kString,
                .default_value = "FULL_SHARD",
-               .choices = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"},
+               .choices = strategy_names(),
                .description = "FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP), HYBRID_SHARD and HYBRID_SHARD_ZERO2 "
                               "(shard inside a group of fsdp.shard_group_size ranks, replicate across groups)"});
   s.push_back({.key = "fsdp.auto_wrap_policy",

@@ -32,9 +32,6 @@ namespace {
 constexpr int kExitFailure = 1;
 constexpr int kExitBadInput = 2;
 
-constexpr ShardingStrategy kStrategies[] = {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD,
-                                            ShardingStrategy::HYBRID_SHARD, ShardingStrategy::HYBRID_SHARD_ZERO2};
-
 std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw DeckError("cannot read deck '" + path + "'");  // fsdp-train's message
@@ -182,7 +179,7 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
     std::string why;
   };
   std::vector<Row> rows;
-  for (auto s : kStrategies) {
+  for (auto s : fsdp::kShardingStrategies) {
     Row r{s, std::nullopt, ""};
     try {
       r.run = run_shape(cfg, s, data);
