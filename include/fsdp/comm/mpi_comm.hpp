@@ -4,8 +4,8 @@
 // prefetching and overlapped reductions run collectives on the engine's collective worker thread as
 // well, which needs MPI_THREAD_MULTIPLE (fsdp-train and test_engine ask for it).
 // Errors are returned, not fatal (MPI_ERRORS_RETURN) and rethrown as fsdp::CommError naming the call.
-// Reduce-scatter is a ring of N-1 MPI_Sendrecv steps with a local add: measured 4-11x faster here
-// than Open MPI's MPI_Reduce_scatter_block (see docs/design.md), and it supports 16-bit floats.
+// Reduce-scatter is a ring of N-1 MPI_Sendrecv steps with a local add: faster than Open MPI's
+// MPI_Reduce_scatter_block at the unit sizes (docs/design.md), and it supports 16-bit floats.
 #pragma once
 
 #include <mpi.h>
@@ -450,8 +450,7 @@ class MpiComm {
   // and both waiting modes take the same path, and the additions run in a fixed order: the same bits
   // everywhere, given the same floating-point environment on every thread that adds (no rank or thread
   // may set flush-to-zero on its own; the ring's adds made the same assumption of the adding thread).
-  // Measured here (fsdp_mpi_bandwidth, 4 ranks): 16 floats 16 -> 10 us, 256 floats 19 -> 8 us, on par
-  // with MPI_Allreduce; at 3 ranks the ring was ahead again at 12 KiB gathered, hence 8 KiB.
+  // The cut-off is where the ring overtakes the gather (docs/performance.md, small all-reduces).
   static constexpr std::int64_t kGatherAllReduceMaxBytes = 8 * 1024;
 
   void all_reduce_by_gather(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
