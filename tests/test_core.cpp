@@ -349,8 +349,8 @@ std::filesystem::path fresh_dir(const std::string& name) {
 }
 void write_lock(const std::filesystem::path& dir, const fsdp::RunLockHolder& h) {
   std::filesystem::create_directories(dir);
-  std::ofstream(dir / fsdp::RunLock::kFileName) << "host=" << h.host << "\npid=" << h.pid << "\njob_id=" << h.job_id << "\nstarted=" << h.started
-                                                << "\nflock=" << (h.flocked ? 1 : 0) << "\n";
+  std::ofstream(dir / fsdp::RunLock::kFileName) << "host=" << h.host << "\npid=" << h.pid << "\njob_id=" << h.job_id << "\nrestart=" << h.restart
+                                                << "\nstarted=" << h.started << "\nflock=" << (h.flocked ? 1 : 0) << "\n";
 }
 }  // namespace
 
@@ -372,10 +372,10 @@ BOOST_AUTO_TEST_CASE(run_lock_refuses_a_second_run_and_names_the_holder) {
   }
   BOOST_TEST(!std::filesystem::exists(dir / fsdp::RunLock::kFileName));  // released
   // A live process of this host that holds no flock (pid 1): held.
-  write_lock(dir, {me.host, 1, "", "then", false});
+  write_lock(dir, {.host = me.host, .pid = 1, .started = "then"});
   BOOST_CHECK_THROW((void)fsdp::RunLock::acquire(dir, me), fsdp::RunLockError);
   // Another node's run: cannot be checked from here, so held.
-  write_lock(dir, {"another-node", 12345, "77", "then", true});
+  write_lock(dir, {.host = "another-node", .pid = 12345, .job_id = "77", .restart = "0", .started = "then", .flocked = true});
   BOOST_CHECK_THROW((void)fsdp::RunLock::acquire(dir, me), fsdp::RunLockError);
   std::filesystem::remove_all(dir);
 }
@@ -388,17 +388,22 @@ BOOST_AUTO_TEST_CASE(run_lock_takes_over_a_stale_lock) {
   const pid_t child = ::fork();
   if (child == 0) ::_exit(0);
   ::waitpid(child, nullptr, 0);
-  write_lock(dir, {me.host, child, "", "then", false});
+  write_lock(dir, {.host = me.host, .pid = child, .started = "then"});
   { const auto lock = fsdp::RunLock::acquire(dir, me); }
   // A live pid that held flock but no longer does (the pid was reused): stale.
-  write_lock(dir, {me.host, 1, "", "then", true});
+  write_lock(dir, {.host = me.host, .pid = 1, .started = "then", .flocked = true});
   { const auto lock = fsdp::RunLock::acquire(dir, me); }
-  // An earlier incarnation of the same Slurm job (a requeue), even from another node: taken over.
+  // An earlier incarnation of the same Slurm job (a requeue: a higher restart count), even from another node: taken over.
   me.job_id = "4242";
-  write_lock(dir, {"old-node", 999, "4242", "then", true});
+  me.restart = "0";
+  // Another step of the same allocation (same job, same restart count) on another node: held.
+  write_lock(dir, {.host = "other-node", .pid = 999, .job_id = "4242", .restart = "0", .started = "then", .flocked = true});
+  BOOST_CHECK_THROW((void)fsdp::RunLock::acquire(dir, me), fsdp::RunLockError);
+  me.restart = "1";  // the requeued incarnation
   {
     const auto lock = fsdp::RunLock::acquire(dir, me);
     BOOST_TEST(fsdp::RunLock::read_holder(lock.path())->job_id == "4242");
+    BOOST_TEST(fsdp::RunLock::read_holder(lock.path())->restart == "1");
     BOOST_TEST(fsdp::RunLock::read_holder(lock.path())->host == me.host);
   }
   std::filesystem::remove_all(dir);

@@ -81,13 +81,17 @@ class Checkpointer {
         if (const auto name = fsdp::ckpt::read_latest(path)) path = (std::filesystem::path(path) / *name).string();  // a folder: its latest
       }
       on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, optimizer_, path, &state, options_); });
+      loaded_from_ = path;
       if (root_) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
     }
-    // Those past the step this run starts from (all of them for a fresh start) belong to another run.
+    // Those past the step this run starts from belong to another trajectory; all of them do for a fresh
+    // start or a checkpoint taken from another folder.
     std::vector<std::string> moved;
     on_all_ranks(world_, [&] {
       if (!root_) return;
-      moved = fsdp::ckpt::set_aside_checkpoints_after(dir_, state.step);
+      const bool from_this_folder = resume != "none" && std::filesystem::exists(dir_) &&
+                                    std::filesystem::equivalent(std::filesystem::absolute(loaded_from_).parent_path(), dir_);
+      moved = fsdp::ckpt::set_aside_checkpoints_after(dir_, from_this_folder ? state.step : -1);
       if (resume == "none" && std::filesystem::exists(dir_ / fsdp::ckpt::kLatestName)) {  // a fresh start: the old pointer goes with its run
         std::filesystem::create_directories(dir_ / fsdp::ckpt::kSetAsideName);
         std::filesystem::rename(dir_ / fsdp::ckpt::kLatestName, dir_ / fsdp::ckpt::kSetAsideName / fsdp::ckpt::kLatestName);
@@ -138,6 +142,7 @@ class Checkpointer {
   std::filesystem::path out_dir_, dir_;
   fsdp::CheckpointOptions options_;
   bool skip_save_ = false;
+  std::filesystem::path loaded_from_;  // checkpoint.resume = <path>: the checkpoint loaded
   std::optional<fsdp::RunLock> lock_;  // held until the run ends
 };
 

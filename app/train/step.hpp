@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -26,10 +27,11 @@ struct StepOutcome {
 };
 
 /// Runs `accum` micro-batches from `loader` and the optimizer step (the learning rate is set by the
-/// caller). `stop_signal` is this rank's pending signal, shared with the others. Collective.
+/// caller). `stop_signal` is this rank's pending signal (set by a handler), read after the micro-batches
+/// and shared with the others. Collective.
 template <class Engine, class Loader>
 StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const Dataset& data, Loader& loader, std::int64_t accum, double clip,
-                       std::int64_t stop_signal, MpiComm& world, Phases& phases) {
+                       const volatile std::sig_atomic_t& stop_signal, MpiComm& world, Phases& phases) {
   StepOutcome out;
   optimizer.zero_grad();
   for (std::int64_t a = 0; a < accum; ++a) {

@@ -52,7 +52,8 @@ inline std::string checkpoint_name(std::int64_t step) {
 inline std::optional<std::int64_t> step_of(const std::string& name) {
   if (name.size() < 11 || name.rfind("step_", 0) != 0 || name.substr(name.size() - 3) != ".h5") return std::nullopt;
   const std::string digits = name.substr(5, name.size() - 8);
-  if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); })) return std::nullopt;
+  if (digits.empty() || digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); }))
+    return std::nullopt;  // more than 18 digits could overflow: not a name fsdp writes
   return std::stoll(digits);
 }
 

@@ -375,7 +375,9 @@ ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimiz
   // Rank 0 looks at the folder; every rank gets the same candidates and notes.
   std::vector<std::string> candidates, notes;
   std::int64_t existing = 0;
-  if (world.rank() == 0) {
+  // Rank 0 reads the folder; a failure there (an unreadable folder) is agreed before the broadcasts.
+  const auto inspected = detail::capture_error([&] {
+    if (world.rank() != 0) return;
     const auto latest = ckpt::inspect_latest(dir);
     const auto all = ckpt::list_checkpoints(dir);
     existing = static_cast<std::int64_t>(all.size());
@@ -386,7 +388,8 @@ ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimiz
       for (const auto& [step, name] : all)
         if (step > *ckpt::step_of(latest.name))
           notes.push_back(name + ": newer than latest (from an abandoned run or an interrupted commit); not loaded");
-  }
+  });
+  detail::agree(world, inspected);
   auto share = [&](std::vector<std::string>& lines) {
     std::string text;
     for (const auto& l : lines) text += l + "\n";

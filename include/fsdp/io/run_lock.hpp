@@ -29,7 +29,8 @@ namespace fsdp {
 struct RunLockHolder {
   std::string host;
   long pid = 0;
-  std::string job_id;  ///< SLURM_JOB_ID, "" outside Slurm
+  std::string job_id;   ///< SLURM_JOB_ID, "" outside Slurm
+  std::string restart;  ///< SLURM_RESTART_COUNT: a requeued job runs again under the same id with a higher count
   std::string started;
   bool flocked = false;  ///< the holder also holds flock on the file (so a free flock means it is gone)
   std::string describe() const {
@@ -60,6 +61,7 @@ class RunLock {
     h.host = host;
     h.pid = static_cast<long>(::getpid());
     if (const char* job = std::getenv("SLURM_JOB_ID")) h.job_id = job;
+    h.restart = std::getenv("SLURM_RESTART_COUNT") ? std::getenv("SLURM_RESTART_COUNT") : "0";
     const std::time_t t = std::time(nullptr);
     std::tm tm{};
     gmtime_r(&t, &tm);
@@ -81,12 +83,14 @@ class RunLock {
       if (errno != EEXIST) throw ConfigError("cannot create the run lock '" + path.string() + "': " + std::strerror(errno), "fsdp.run.lock");
       const auto holder = read_holder(path);
       if (!holder || !is_stale(path, *holder, me)) {
-        const RunLockHolder shown = holder.value_or(RunLockHolder{"(unreadable lock file)", 0, "", "", false});
+        const RunLockHolder shown = holder.value_or(RunLockHolder{"(unreadable lock file)", 0, "", "", "", false});
         throw RunLockError("run directory '" + dir.string() + "' is in use by another run (" + shown.describe() +
                                "). Use another run.out_dir, or wait for that run to end; if it is certainly gone, delete " + path.string(),
                            shown);
       }
-      std::filesystem::remove(path, ec);  // stale: the next attempt creates it anew
+      // Stale: removed only if it still names that holder (another run may have taken it over meanwhile).
+      if (const auto now = read_holder(path); now && now->host == holder->host && now->pid == holder->pid && now->started == holder->started)
+        std::filesystem::remove(path, ec);
     }
     throw ConfigError("cannot take over the stale run lock '" + path.string() + "': another process keeps recreating it", "fsdp.run.lock");
   }
@@ -121,6 +125,7 @@ class RunLock {
       if (key == "host") h.host = value;
       if (key == "pid") h.pid = std::strtol(value.c_str(), nullptr, 10);
       if (key == "job_id") h.job_id = value;
+      if (key == "restart") h.restart = value;
       if (key == "started") h.started = value;
       if (key == "flock") h.flocked = value == "1";
     }
@@ -133,7 +138,7 @@ class RunLock {
     // Where flock works, a holder that died without removing the file leaves it free.
     me_.flocked = ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
     std::ostringstream text;
-    text << "host=" << me_.host << "\npid=" << me_.pid << "\njob_id=" << me_.job_id << "\nstarted=" << me_.started
+    text << "host=" << me_.host << "\npid=" << me_.pid << "\njob_id=" << me_.job_id << "\nrestart=" << me_.restart << "\nstarted=" << me_.started
          << "\nflock=" << (me_.flocked ? 1 : 0) << "\n";
     const std::string s = text.str();
     const bool written = ::write(fd_, s.data(), s.size()) == static_cast<ssize_t>(s.size()) && ::fsync(fd_) == 0;
@@ -148,9 +153,10 @@ class RunLock {
   }
 
   // A lock whose holder cannot be running any more: an earlier incarnation of this Slurm job (a
-  // requeue), or a process of this host that is gone.
+  // requeue: same id, another restart count; two steps of one allocation share the count), or a
+  // process of this host that is gone.
   static bool is_stale(const std::filesystem::path& path, const RunLockHolder& holder, const RunLockHolder& me) {
-    if (!me.job_id.empty() && holder.job_id == me.job_id) return true;
+    if (!me.job_id.empty() && holder.job_id == me.job_id && holder.restart != me.restart) return true;
     if (holder.host != me.host) return false;  // another node: its process cannot be checked from here
     if (::kill(static_cast<pid_t>(holder.pid), 0) != 0 && errno == ESRCH) return true;
     // The pid may have been reused: if the holder held the flock, a free flock means it is gone.
@@ -159,7 +165,7 @@ class RunLock {
     if (fd < 0) return false;
     const bool free = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
     ::close(fd);
-    return free && holder.pid != static_cast<long>(::getpid());
+    return free;
   }
 
   std::filesystem::path path_;

@@ -149,7 +149,13 @@ SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, 
   const MPI_Comm mpi = detail::mpi_handle(world);
   error = detail::capture_error(
       [&] { detail::mpi_io_check(MPI_File_open(mpi, tmp.c_str(), MPI_MODE_WRONLY, MPI_INFO_NULL, &fh), "cannot open '" + tmp.string() + "'"); });
-  detail::agree(world, error);  // MPI_File_open is collective: all opened or all failed
+  try {
+    detail::agree(world, error);  // MPI_File_open is collective: all opened or all failed
+  } catch (...) {
+    std::error_code ec;
+    if (world.rank() == 0) std::filesystem::remove(tmp, ec);
+    throw;
+  }
 
   auto write_at = [&](std::int64_t offset, const torch::Tensor& bytes_of, const std::string& name) {
     const auto* data = static_cast<const char*>(bytes_of.data_ptr());
@@ -193,15 +199,24 @@ SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, 
       detail::mpi_io_check(sync_rc, "cannot sync '" + tmp.string() + "'");
       detail::mpi_io_check(close_rc, "cannot close '" + tmp.string() + "'");
     });
-  if (error && world.rank() == 0) std::filesystem::remove(tmp);
-  detail::agree(world, error);
+  // Whichever rank failed, the partial file goes: rank 0 removes it once all agree on the failure.
+  auto agree_or_remove = [&](const std::optional<std::string>& failure) {
+    try {
+      detail::agree(world, failure);
+    } catch (...) {
+      std::error_code ec;
+      if (world.rank() == 0) std::filesystem::remove(tmp, ec);
+      throw;
+    }
+  };
+  agree_or_remove(error);
 
   error = detail::capture_error([&] {
     if (world.rank() != 0) return;
     std::filesystem::rename(tmp, target);
     ckpt::fsync_path(dir);
   });
-  detail::agree(world, error);
+  agree_or_remove(error);
   SafetensorsSaveResult result;
   result.path = path;
   result.bytes = total;
