@@ -106,6 +106,17 @@ std::vector<KeySpec> make_schema() {
                .type = T::kBool,
                .default_value = true,
                .description = "transformer: the output projection shares the token embedding's weights"});
+  s.push_back({.key = "model.vocab_pad_multiple",
+               .type = T::kInt,
+               .default_value = I{1},
+               .min = 1,
+               .description = "transformer: the embedding and output rows are model.vocab_size rounded up to this multiple (llm.c: 50257 "
+                              "-> 50304 with 64); the padding is cut from the logits, so it never enters the loss, and from exports"});
+  s.push_back({.key = "model.activation",
+               .type = T::kString,
+               .default_value = "gelu",
+               .choices = {"gelu", "gelu_tanh"},
+               .description = "transformer: the MLP's GELU, exact (gelu) or GPT-2's tanh approximation (gelu_tanh)"});
   // [data]
   s.push_back({.key = "data.kind",
                .type = T::kString,
@@ -326,6 +337,35 @@ std::vector<KeySpec> make_schema() {
                .type = T::kBool,
                .default_value = true,
                .description = "FULL_STATE_DICT loading: rank 0 reads the file and broadcasts it unit by unit"});
+  s.push_back({.key = "checkpoint.init_from",
+               .type = T::kString,
+               .default_value = "",
+               .description = "a fresh run starts from these weights (not their optimizer state or step): a .safetensors file, a folder "
+                              "with model.safetensors or model.safetensors.index.json (a Hugging Face model), or a checkpoint file or "
+                              "folder; fsdp's own or Hugging Face GPT-2 names, recognized from the file. Each rank reads only its "
+                              "shards. A run that resumes from its own checkpoint ignores it"});
+  s.push_back({.key = "checkpoint.init_allow_missing",
+               .type = T::kBool,
+               .default_value = false,
+               .description = "checkpoint.init_from may lack parameters (they keep their initialization and are listed); otherwise a "
+                              "missing one is an error"});
+  s.push_back({.key = "checkpoint.export",
+               .type = T::kString,
+               .default_value = "",
+               .description = "after the last step, write the model as safetensors from the live shards (every rank writes its own "
+                              "part): a .safetensors file, or a folder (model.safetensors, and config.json for hf-gpt2); relative "
+                              "to run.out_dir; empty: no export"});
+  s.push_back({.key = "checkpoint.export_names",
+               .type = T::kString,
+               .default_value = "native",
+               .choices = {"native", "hf-gpt2"},
+               .description = "names in the export: the model's own (native) or Hugging Face GPT-2's (transformer only; a folder "
+                              "GPT2LMHeadModel.from_pretrained reads)"});
+  s.push_back({.key = "checkpoint.export_dtype",
+               .type = T::kString,
+               .default_value = "auto",
+               .choices = {"auto", "fp32", "bf16", "fp16"},
+               .description = "floating-point tensors of the export in this type; auto: as trained"});
   // [log]
   s.push_back(
       {.key = "log.every_steps", .type = T::kInt, .default_value = I{10}, .min = 1, .description = "print the loss every this many optimizer steps"});

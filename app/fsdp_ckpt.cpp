@@ -3,18 +3,24 @@
 //   fsdp-ckpt verify PATH           checksums and completeness; exit 0 if good, 1 if not
 //   fsdp-ckpt merge LOCAL_DIR OUT   LOCAL_STATE_DICT folder -> one FULL_STATE_DICT file
 //   fsdp-ckpt diff A B              max abs / rel difference per tensor; exit 0 if within --atol/--rtol
-//   fsdp-ckpt export CKPT OUT       the model's tensors as a safetensors file (--dtype fp32|bf16|fp16)
+//   fsdp-ckpt export CKPT OUT       the model's tensors as a safetensors file (--dtype fp32|bf16|fp16,
+//                                   --names native|hf-gpt2: a Hugging Face GPT-2 folder with config.json)
 // PATH may be a checkpoint file, a LOCAL folder, or a checkpoint folder holding `latest` (diff takes
 // files: merge a LOCAL folder first).
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <filesystem>
 #include <string>
 
+#include "deck.hpp"
 #include "fsdp/io/checkpoint_tools.hpp"
 #include "fsdp/io/safetensors_export.hpp"
 #include "fsdp/version.hpp"
+#include "gpt2_names.hpp"
+#include "run_config.hpp"
 
 namespace fs = std::filesystem;
 
@@ -29,6 +35,28 @@ std::string resolve(const std::string& path) {
   }
   if (!fs::exists(path)) throw fsdp::CheckpointError("'" + path + "' does not exist");
   return path;
+}
+
+/// The GPT a checkpoint holds, from the deck it stores (hf-gpt2 exports need its heads, vocabulary and
+/// activation, which the tensors alone do not tell).
+fsdp::app::GptConfig model_of_checkpoint(const std::string& checkpoint) {
+  std::string file = checkpoint;
+  if (fs::is_directory(checkpoint)) {  // LOCAL: every rank file stores the deck
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(checkpoint))
+      if (e.path().extension() == ".h5") files.push_back(e.path().string());
+    if (files.empty()) throw fsdp::CheckpointError("'" + checkpoint + "' holds no checkpoint files");
+    std::sort(files.begin(), files.end());
+    file = files.front();
+  }
+  std::string deck_text;
+  for (const auto& [k, v] : fsdp::ckpt::inspect_file(file).attributes)
+    if (k == "deck") deck_text = v;
+  if (deck_text.empty()) throw fsdp::CheckpointError("checkpoint '" + file + "' stores no deck: it does not say which GPT it holds");
+  const auto model = fsdp::app::resolve_model_section(fsdp::app::Deck::parse(deck_text, file + " (its deck)"));
+  if (model.kind != "transformer")
+    throw fsdp::CheckpointError("checkpoint '" + file + "' holds a " + model.kind + " model; --names hf-gpt2 exports a transformer");
+  return fsdp::app::gpt_config(model);
 }
 
 std::string human_bytes(std::int64_t b) {
@@ -94,12 +122,17 @@ int main(int argc, char** argv) {
   diff->add_option("--atol,--tolerance", atol, "absolute tolerance (default 0: identical)")->check(CLI::NonNegativeNumber);
   diff->add_option("--rtol", rtol, "relative tolerance, against the tensor's max |B| (default 0)")->check(CLI::NonNegativeNumber);
 
-  std::string export_dtype;
+  std::string export_dtype, export_names = "native";
   auto* exporter = app.add_subcommand("export", "the model's parameters and buffers as a safetensors file (PyTorch, Hugging Face)");
   exporter->add_option("CKPT", path, "SHARDED or FULL checkpoint file, LOCAL folder, or folder with `latest`")->required();
-  exporter->add_option("OUT", out, "the .safetensors file to write")->required();
+  exporter->add_option("OUT", out, "the .safetensors file to write, or a folder (model.safetensors in it)")->required();
   exporter->add_option("--dtype", export_dtype, "floating-point tensors as fp32, bf16 or fp16 (default: as stored)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  exporter
+      ->add_option("--names", export_names,
+                   "native (the model's own names) or hf-gpt2 (a GPT as Hugging Face GPT-2: its names and Conv1D layouts, no vocabulary "
+                   "padding, and config.json beside the weights)")
+      ->check(CLI::IsMember({"native", "hf-gpt2"}));
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -133,9 +166,18 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*exporter) {
-      const auto result = fsdp::ckpt::export_safetensors(resolve(path), out, {.dtype = export_dtype});
-      std::printf("exported %lld tensors of %s to %s (%s)\n", static_cast<long long>(result.tensors), resolve(path).c_str(), result.path.c_str(),
-                  human_bytes(result.bytes).c_str());
+      const std::string source = resolve(path);
+      const auto file = fsdp::app::export_file(out);
+      std::optional<fsdp::app::GptConfig> gpt;
+      std::optional<fsdp::TensorNaming> naming;
+      if (export_names == fsdp::app::kHfGpt2Scheme) {
+        gpt = model_of_checkpoint(source);
+        naming = fsdp::app::hf_gpt2_naming(*gpt);
+      }
+      const auto result = fsdp::ckpt::export_safetensors(source, file.string(), {.dtype = export_dtype, .naming = naming ? &*naming : nullptr});
+      if (gpt) fsdp::app::write_hf_gpt2_config(file.parent_path(), *gpt, export_dtype);
+      std::printf("exported %lld tensors of %s to %s (%s names, %s)\n", static_cast<long long>(result.tensors), source.c_str(), result.path.c_str(),
+                  export_names.c_str(), human_bytes(result.bytes).c_str());
       return 0;
     }
     if (*diff) {

@@ -358,6 +358,10 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       }
     }
     if (save_final) save();
+    {
+      Timed t(phases.checkpoint, "export");
+      checkpointer.export_model(quiet);
+    }
 
     // 6. Summary.
     RunTotals totals;

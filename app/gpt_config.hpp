@@ -1,5 +1,5 @@
 // The GPT model's size and options (app layer, std only): models.hpp builds it with LibTorch, the memory
-// planner (app/plan/) describes it in closed form.
+// planner (app/plan/) describes it in closed form, the Hugging Face GPT-2 names (gpt2_names.hpp) map it.
 #pragma once
 
 #include <cstdint>
@@ -8,9 +8,16 @@ namespace fsdp::app {
 
 struct GptConfig {
   std::int64_t vocab_size = 256, context = 64, d_model = 128, n_heads = 4, n_layers = 4, mlp_ratio = 4;
+  /// The embedding and LM head have vocab_size rounded up to this multiple rows (llm.c pads GPT-2's
+  /// 50257 to 50304 for faster matrix shapes); the logits are cut back to vocab_size.
+  std::int64_t vocab_pad_multiple = 1;
   double dropout = 0.1;
+  bool gelu_tanh = false;  ///< GPT-2's tanh approximation of GELU instead of the exact one
   bool tie_embeddings = true;
   bool deferred = false;  ///< fsdp.deferred_init: layers released as built, initialized by init_module()
+
+  /// Rows of the token embedding and the LM head.
+  std::int64_t padded_vocab() const { return (vocab_size + vocab_pad_multiple - 1) / vocab_pad_multiple * vocab_pad_multiple; }
 };
 
 }  // namespace fsdp::app

@@ -104,7 +104,8 @@ TORCH_MODULE(CausalSelfAttention);
 
 /// Pre-norm transformer block; the unit TRANSFORMER_BASED_WRAP wraps ("TransformerBlock").
 struct TransformerBlockImpl : torch::nn::Module {
-  explicit TransformerBlockImpl(const GptConfig& c) : torch::nn::Module("TransformerBlock"), p_(c.dropout) {
+  explicit TransformerBlockImpl(const GptConfig& c)
+      : torch::nn::Module("TransformerBlock"), p_(c.dropout), gelu_(F::GELUFuncOptions().approximate(c.gelu_tanh ? "tanh" : "none")) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
     attn = register_module("attn", CausalSelfAttention(c));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
@@ -113,13 +114,14 @@ struct TransformerBlockImpl : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     x = x + fsdp::forward(attn, fsdp::forward(ln1, x));
-    auto h = fsdp::forward(out, F::gelu(fsdp::forward(fc, fsdp::forward(ln2, x))));
+    auto h = fsdp::forward(out, F::gelu(fsdp::forward(fc, fsdp::forward(ln2, x)), gelu_));
     return x + F::dropout(h, F::DropoutFuncOptions().p(p_).training(is_training()));
   }
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
   torch::nn::Linear fc{nullptr}, out{nullptr};
   double p_;
+  F::GELUFuncOptions gelu_;
 };
 TORCH_MODULE(TransformerBlock);
 
@@ -134,17 +136,18 @@ struct LmHeadImpl : torch::nn::Module {
 TORCH_MODULE(LmHead);
 
 /// GPT-style decoder: token + position embeddings, n_layers blocks, final LayerNorm, LM head (tied to
-/// the token embedding by default). Input: (batch, t) token ids; output: (batch, t, vocab) logits.
+/// the token embedding by default). Input: (batch, t) token ids; output: (batch, t, vocab) logits (the
+/// padded vocabulary's extra rows are cut off, so no loss, evaluation or argmax ever sees them).
 struct GptImpl : AppModel {
   explicit GptImpl(const GptConfig& c) : AppModel("Gpt"), config(c) {
     if (c.d_model % c.n_heads != 0)
       throw ConfigError("model.d_model (" + std::to_string(c.d_model) + ") must be divisible by model.n_heads (" + std::to_string(c.n_heads) + ")");
     const bool d = c.deferred;
-    tok = register_module("tok", deferred_if(d, torch::nn::Embedding(c.vocab_size, c.d_model)));
+    tok = register_module("tok", deferred_if(d, torch::nn::Embedding(c.padded_vocab(), c.d_model)));
     pos = register_module("pos", deferred_if(d, torch::nn::Embedding(c.context, c.d_model)));
     for (std::int64_t i = 0; i < c.n_layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), deferred_if(d, TransformerBlock(c))));
     ln_f = register_module("ln_f", deferred_if(d, torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}))));
-    head = register_module("head", deferred_if(d, LmHead(c.d_model, c.vocab_size, c.tie_embeddings ? tok->weight : torch::Tensor())));
+    head = register_module("head", deferred_if(d, LmHead(c.d_model, c.padded_vocab(), c.tie_embeddings ? tok->weight : torch::Tensor())));
     if (d) return;  // init_module() initializes it, unit by unit, inside the engine
     // GPT-2 initialization: N(0, 0.02) for weights and embeddings, zero biases.
     torch::NoGradGuard no_grad;
@@ -163,7 +166,8 @@ struct GptImpl : AppModel {
     auto x = fsdp::forward(tok, idx) + fsdp::forward(pos, positions).unsqueeze(0);
     x = F::dropout(x, F::DropoutFuncOptions().p(config.dropout).training(is_training()));
     for (auto& b : blocks) x = fsdp::forward(b, x);
-    return fsdp::forward(head, fsdp::forward(ln_f, x));
+    auto logits = fsdp::forward(head, fsdp::forward(ln_f, x));
+    return config.padded_vocab() == config.vocab_size ? logits : logits.narrow(-1, 0, config.vocab_size);
   }
   GptConfig config;
   torch::nn::Embedding tok{nullptr}, pos{nullptr};

@@ -1,6 +1,8 @@
 // The deck resolved once into typed structs (app layer): see run_config.hpp.
 #include "run_config.hpp"
 
+#include <filesystem>
+
 #include <algorithm>
 #include <sstream>
 
@@ -74,7 +76,24 @@ ModelSection resolve_model_section(const Deck& deck) {
   model.n_layers = deck.get_int("model.n_layers");
   model.mlp_ratio = deck.get_int("model.mlp_ratio");
   model.tie_embeddings = deck.get_bool("model.tie_embeddings");
+  model.vocab_pad_multiple = deck.get_int("model.vocab_pad_multiple");
+  model.activation = deck.get_string("model.activation");
   return model;
+}
+
+GptConfig gpt_config(const ModelSection& model) {
+  GptConfig c;
+  c.vocab_size = model.vocab_size;
+  c.context = model.context;
+  c.d_model = model.d_model;
+  c.n_heads = model.n_heads;
+  c.n_layers = model.n_layers;
+  c.mlp_ratio = model.mlp_ratio;
+  c.vocab_pad_multiple = model.vocab_pad_multiple;
+  c.dropout = model.dropout.value_or(0.1);
+  c.gelu_tanh = model.activation == "gelu_tanh";
+  c.tie_embeddings = model.tie_embeddings;
+  return c;
 }
 
 namespace {
@@ -170,6 +189,17 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   ckpt.save_final = deck.get_bool("checkpoint.save_final");
   ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
   ckpt.collective_timeout_s = c.comm.timeout_s;
+  ckpt.init_from = deck.get_string("checkpoint.init_from");
+  ckpt.init_allow_missing = deck.get_bool("checkpoint.init_allow_missing");
+  ckpt.export_names = deck.get_string("checkpoint.export_names");
+  if (const auto dtype = deck.get_string("checkpoint.export_dtype"); dtype != "auto") ckpt.export_dtype = dtype;
+  if (const auto path = deck.get_string("checkpoint.export"); !path.empty()) {
+    // Relative to the run's folder, like log.metrics_file: each run of a sweep exports its own model.
+    ckpt.export_path = std::filesystem::path(path).is_absolute() ? path : (std::filesystem::path(c.run.out_dir) / path).string();
+    if (path.back() == '/') ckpt.export_path += '/';
+  }
+  if (ckpt.export_names == "hf-gpt2" && c.model.kind != "transformer")
+    throw DeckError(blame(deck, "checkpoint.export_names") + "hf-gpt2 names a GPT-2; model.kind is \"" + c.model.kind + "\"");
 
   auto& log = c.log;
   log.every_steps = deck.get_int("log.every_steps");

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "deck.hpp"
+#include "gpt_config.hpp"
 #include "fsdp/core/strategy.hpp"
 
 namespace fsdp::app {
@@ -49,7 +50,12 @@ struct ModelSection {
   std::vector<std::int64_t> hidden_sizes;
   std::int64_t vocab_size = 256, context = 64, d_model = 128, n_heads = 4, n_layers = 4, mlp_ratio = 4;
   bool tie_embeddings = true;
+  std::int64_t vocab_pad_multiple = 1;
+  std::string activation = "gelu";  ///< transformer: gelu or gelu_tanh
 };
+
+/// The transformer of the [model] section (fsdp-train builds it, fsdp-plan describes it).
+GptConfig gpt_config(const ModelSection& model);
 
 struct DataSection {
   std::string kind;  ///< fashion-mnist, mnist, tokens, text
@@ -113,6 +119,11 @@ struct CheckpointSection {
   bool save_final = true;
   bool rank0_only = false;
   double collective_timeout_s = 600;  ///< comm.timeout_s
+  std::string init_from;  ///< a fresh run's weights: a safetensors file or folder, or a checkpoint; empty: none
+  bool init_allow_missing = false;
+  std::string export_path;   ///< checkpoint.export: safetensors written at the end of training; empty: none
+  std::string export_names;  ///< native or hf-gpt2
+  std::string export_dtype;  ///< fp32, bf16 or fp16; empty: as trained
 };
 
 struct LogSection {

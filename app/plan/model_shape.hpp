@@ -34,14 +34,7 @@ inline ModelShape model_shape(const ModelSection& m) {
   s.kind = m.kind;
   s.dropout = m.dropout;
   s.hidden_sizes = m.hidden_sizes;
-  s.gpt.vocab_size = m.vocab_size;
-  s.gpt.context = m.context;
-  s.gpt.d_model = m.d_model;
-  s.gpt.n_heads = m.n_heads;
-  s.gpt.n_layers = m.n_layers;
-  s.gpt.mlp_ratio = m.mlp_ratio;
-  s.gpt.dropout = s.dropout.value_or(0.1);
-  s.gpt.tie_embeddings = m.tie_embeddings;
+  s.gpt = gpt_config(m);
   return s;
 }
 
@@ -87,7 +80,7 @@ inline ModelDesc describe_model(const ModelShape& s) {
     const auto& c = s.gpt;
     const int root = d.add(-1, "", "Gpt", "Gpt");
     const int tok = d.add(root, "tok", "Embedding", "torch::nn::Embedding");
-    d.param(tok, "weight", {c.vocab_size, c.d_model});
+    d.param(tok, "weight", {c.padded_vocab(), c.d_model});
     const int pos = d.add(root, "pos", "Embedding", "torch::nn::Embedding");
     d.param(pos, "weight", {c.context, c.d_model});
     for (std::int64_t i = 0; i < c.n_layers; ++i) {
@@ -103,7 +96,7 @@ inline ModelDesc describe_model(const ModelShape& s) {
     }
     detail::layer_norm(d, root, "ln_f", c.d_model);
     const int head = d.add(root, "head", "LmHead", "LmHead");
-    d.param(head, "weight", {c.vocab_size, c.d_model}, c.tie_embeddings ? "tok.weight" : "");
+    d.param(head, "weight", {c.padded_vocab(), c.d_model}, c.tie_embeddings ? "tok.weight" : "");
   } else {
     throw ConfigError("plan: unknown model.kind '" + s.kind + "'", "fsdp.plan");
   }
@@ -123,7 +116,8 @@ inline constexpr std::int64_t kCnnNumParams = (32 * 9 + 32) + (64 * 32 * 9 + 64)
 inline std::int64_t gpt_num_params(const GptConfig& c) {
   const std::int64_t d = c.d_model, r = c.mlp_ratio;
   const std::int64_t block = (4 + 2 * r) * d * d + (9 + r) * d;
-  return c.vocab_size * d + c.context * d + c.n_layers * block + 2 * d + (c.tie_embeddings ? 0 : c.vocab_size * d);
+  const std::int64_t v = c.padded_vocab();
+  return v * d + c.context * d + c.n_layers * block + 2 * d + (c.tie_embeddings ? 0 : v * d);
 }
 inline std::int64_t closed_form_num_params(const ModelShape& s) {
   if (s.kind == "cnn") return kCnnNumParams;

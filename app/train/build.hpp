@@ -28,15 +28,7 @@ inline std::shared_ptr<AppModel> build_model(const RunConfig& cfg) {
   const bool deferred = cfg.fsdp.deferred_init;
   if (kind == "cnn") return std::make_shared<TutorialCnnImpl>(dropout, deferred);
   if (kind == "mlp") return std::make_shared<MlpImpl>(cfg.model.hidden_sizes, dropout, deferred);
-  GptConfig c;
-  c.vocab_size = cfg.model.vocab_size;
-  c.context = cfg.model.context;
-  c.d_model = cfg.model.d_model;
-  c.n_heads = cfg.model.n_heads;
-  c.n_layers = cfg.model.n_layers;
-  c.mlp_ratio = cfg.model.mlp_ratio;
-  c.dropout = dropout.value_or(0.1);
-  c.tie_embeddings = cfg.model.tie_embeddings;
+  GptConfig c = gpt_config(cfg.model);
   c.deferred = deferred;
   return std::make_shared<GptImpl>(c);
 }

@@ -5,6 +5,7 @@
 
 #include <fsdp/fsdp.hpp>
 #include <fsdp/io/run_lock.hpp>
+#include <fsdp/io/safetensors.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "deck.hpp"
+#include "gpt2_names.hpp"
 #include "run_config.hpp"
 #include "train/ranks.hpp"
 #include "train/timing.hpp"
@@ -73,6 +75,7 @@ class Checkpointer {
         for (const auto& why : r.skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
         if (!r.path.empty()) std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
       }
+      if (r.path.empty()) initialize_from_pretrained();
       return state;
     }
     if (resume != "none") {
@@ -100,7 +103,32 @@ class Checkpointer {
     if (root_ && !moved.empty())
       std::printf("warning: moved %zu checkpoint(s) of another run from %s to %s/ (%s ... %s)\n", moved.size(), dir_.c_str(),
                   fsdp::ckpt::kSetAsideName, moved.back().c_str(), moved.front().c_str());
+    if (resume == "none") initialize_from_pretrained();
     return state;
+  }
+
+  /// checkpoint.export: the model as safetensors, written by every rank from its shards (and
+  /// config.json for hf-gpt2). Collective.
+  void export_model(bool quiet) {
+    const auto& c = cfg_.checkpoint;
+    if (c.export_path.empty()) return;
+    const bool hf = c.export_names == kHfGpt2Scheme;
+    const GptConfig gpt = gpt_config(cfg_.model);
+    std::optional<TensorNaming> naming;
+    if (hf) naming = hf_gpt2_naming(gpt);
+    fsdp::SafetensorsSaveOptions options;
+    if (!c.export_dtype.empty()) options.dtype = c.export_dtype == "bf16" ? torch::kBFloat16 : c.export_dtype == "fp16" ? torch::kHalf : torch::kFloat;
+    options.naming = naming ? &*naming : nullptr;
+    options.collective_timeout_s = c.collective_timeout_s;
+    const auto file = export_file(c.export_path);
+    fsdp::SafetensorsSaveResult r;
+    on_all_ranks(world_, [&] { r = fsdp::save_safetensors(model_, file.string(), options); });
+    on_all_ranks(world_, [&] {
+      if (root_ && hf) write_hf_gpt2_config(file.parent_path(), gpt, c.export_dtype);
+    });
+    if (root_ && !quiet)
+      std::printf("exported %lld tensors (%s names) to %s (%.1f MiB, %.2f s)\n", static_cast<long long>(r.tensors), c.export_names.c_str(),
+                  file.c_str(), r.bytes / 1048576.0, r.seconds);
   }
 
   /// Saves `state` (the deck is added); the time goes to `seconds`. A failed save fails on every rank
@@ -133,6 +161,50 @@ class Checkpointer {
   const std::filesystem::path& dir() const noexcept { return dir_; }
 
  private:
+  /// checkpoint.init_from for a run that starts fresh: the weights only (the optimizer, step, data
+  /// position and RNG stay those of a fresh run). Each rank reads only its shards. Collective.
+  void initialize_from_pretrained() {
+    const std::string& path = cfg_.checkpoint.init_from;
+    if (path.empty()) return;
+    namespace fs = std::filesystem;
+    const fs::path p(path);
+    const bool checkpoint = p.extension() == ".h5" || (fs::is_directory(p) && !fs::exists(p / "model.safetensors") &&
+                                                       !fs::exists(p / "model.safetensors.index.json"));
+    std::string names = "native";
+    fsdp::SafetensorsLoadResult r;
+    if (checkpoint) {
+      std::string file = path;
+      if (fs::is_directory(p) && fs::exists(p / fsdp::ckpt::kLatestName))
+        if (const auto name = fsdp::ckpt::read_latest(path)) file = (p / *name).string();  // a checkpoint folder: its latest
+      auto options = options_;
+      options.rank0_only = false;  // every rank reads its own part: no rank holds the whole model
+      options.load_rng_state = false;
+      on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, nullptr, file, nullptr, options); });
+    } else {
+      std::optional<TensorNaming> naming;
+      on_all_ranks(world_, [&] {
+        if (!has_hf_gpt2_names(fsdp::safetensors::open_source(path).names())) return;
+        if (cfg_.model.kind != "transformer")
+          throw DeckError("checkpoint.init_from: '" + path + "' holds a Hugging Face GPT-2; model.kind is \"" + cfg_.model.kind + "\"");
+        naming = hf_gpt2_naming(gpt_config(cfg_.model));
+        names = kHfGpt2Scheme;
+      });
+      fsdp::SafetensorsLoadOptions options;
+      options.allow_missing = cfg_.checkpoint.init_allow_missing;
+      options.naming = naming ? &*naming : nullptr;
+      options.collective_timeout_s = cfg_.checkpoint.collective_timeout_s;
+      on_all_ranks(world_, [&] { r = fsdp::load_safetensors(model_, path, options); });
+    }
+    if (!root_) return;
+    std::printf("initialized the model from %s (%s names)\n", path.c_str(), names.c_str());
+    if (!r.missing.empty()) {
+      std::string list;
+      for (const auto& m : r.missing) list += (list.empty() ? "" : ", ") + m;
+      std::printf("warning: checkpoint.init_from lacks %zu parameter(s), which keep their initialization: %s\n", r.missing.size(), list.c_str());
+    }
+  }
+
+
   const RunConfig& cfg_;
   std::string deck_text_;
   MpiComm& world_;

@@ -270,7 +270,7 @@ Staged read_local_file(Engine& engine, const torch::optim::Optimizer* opt, const
 /// Moves staged values into the model and optimizer. Local; cannot fail half way except on
 /// programming errors (checked before: optimizer kind, group count).
 template <class Engine>
-void apply_staged(Engine& engine, torch::optim::Optimizer* opt, Staged& s, TrainState* state) {
+void apply_staged(Engine& engine, torch::optim::Optimizer* opt, Staged& s, TrainState* state, bool load_rng_state) {
   torch::NoGradGuard no_grad;
   const auto& units = engine.sharded_units();
   for (std::size_t i = 0; i < units.size(); ++i) {
@@ -286,10 +286,10 @@ void apply_staged(Engine& engine, torch::optim::Optimizer* opt, Staged& s, Train
   }
   const auto buffers = live_buffers_of(engine);
   for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(s.buffers[i]);  // converts to a mixed-precision buffer_dtype
-  if (s.meta.rng.defined()) set_cpu_rng_state(s.meta.rng);
+  if (s.meta.rng.defined() && load_rng_state) set_cpu_rng_state(s.meta.rng);
   if (state) {
     *state = s.meta.train;
-    state->rng_restored = s.meta.rng.defined();
+    state->rng_restored = s.meta.rng.defined() && load_rng_state;
   }
 }
 
@@ -357,7 +357,7 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
     }
   });
   detail::agree(world, error);
-  detail::apply_staged(engine, optimizer, staged, state);
+  detail::apply_staged(engine, optimizer, staged, state, options.load_rng_state);
 }
 
 /// Loads the newest usable checkpoint in `dir`: the one `latest` names, else (or if that one is

@@ -61,6 +61,8 @@ struct CheckpointOptions {
   bool rank0_only = true;
   /// Store and restore each rank's CPU RNG state.
   bool save_rng_state = true;
+  /// Loading restores the stored RNG state (off for a start from another run's weights only).
+  bool load_rng_state = true;
   /// Save and load first wait at most this long for every rank to arrive; a call made on some ranks
   /// only then fails with CommError (fsdp.comm.deadline) instead of hanging. <= 0 waits forever.
   double collective_timeout_s = 600;

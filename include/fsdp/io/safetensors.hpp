@@ -23,6 +23,7 @@
 
 #include "fsdp/io/checkpoint_state.hpp"
 #include "fsdp/io/safetensors_format.hpp"
+#include "fsdp/io/tensor_naming.hpp"
 
 namespace fsdp {
 
@@ -63,6 +64,8 @@ struct SafetensorsSaveOptions {
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
   /// Include the model's buffers (e.g. BatchNorm statistics) as tensors.
   bool buffers = true;
+  /// Names and layouts of another program (e.g. Hugging Face GPT-2's); null: the model's own.
+  const TensorNaming* naming = nullptr;
   /// Deadline for the ranks to arrive together (comm.timeout_s in fsdp-train).
   double collective_timeout_s = 600;
 };
@@ -82,6 +85,8 @@ struct SafetensorsLoadOptions {
   bool allow_unexpected = false;
   /// Load buffers found in the file (by name); buffers the file lacks keep their values.
   bool buffers = true;
+  /// Names and layouts of the program that wrote the file; null: the model's own.
+  const TensorNaming* naming = nullptr;
   double collective_timeout_s = 600;
 };
 
@@ -104,23 +109,73 @@ inline void mpi_io_check(int rc, const std::string& what) {
   throw CheckpointError(what + ": " + std::string(text, static_cast<std::size_t>(len)));
 }
 
-/// The tensors a save writes, in file order: every unit's parameters, then the buffers.
+/// A model tensor's external form, checked against its shape.
+inline std::optional<ExternalTensor> checked_external(const TensorNaming* naming, const std::string& name, const std::vector<std::int64_t>& shape) {
+  auto e = external_tensor(naming, name, shape);
+  if (!e) return e;
+  if (e->transposed && shape.size() != 2)
+    throw CheckpointError("naming '" + naming->scheme + "' transposes '" + name + "', which has " + std::to_string(shape.size()) + " dimensions");
+  if (e->rows > (shape.empty() ? 0 : shape[0]))
+    throw CheckpointError("naming '" + naming->scheme + "' keeps " + std::to_string(e->rows) + " rows of '" + name + "' " + shape_text(shape));
+  return e;
+}
+
+/// What a save writes, in file order: every unit's parameters, then the buffers.
+struct SafetensorsSavePlan {
+  std::vector<safetensors::TensorEntry> entries;
+  std::vector<ExternalTensor> external;                   ///< per entry
+  std::vector<std::vector<std::int64_t>> entry_of_param;  ///< per unit, per parameter: entry index or -1
+  std::vector<std::pair<std::string, torch::Tensor>> buffers;
+  std::vector<std::int64_t> entry_of_buffer;
+};
+
 template <class Engine>
-std::vector<safetensors::TensorEntry> safetensors_entries(Engine& engine, const SafetensorsSaveOptions& options) {
-  std::vector<safetensors::TensorEntry> out;
+SafetensorsSavePlan plan_safetensors_save(Engine& engine, const SafetensorsSaveOptions& options) {
+  SafetensorsSavePlan plan;
   auto out_dtype = [&](c10::ScalarType t) { return options.dtype && c10::isFloatingType(t) ? *options.dtype : t; };
-  for (const auto& u : engine.sharded_units())
-    for (std::size_t i = 0; i < u.param_names.size(); ++i) out.push_back({u.param_names[i], safetensors_dtype(out_dtype(u.dtype)), u.shapes[i]});
+  auto add = [&](const std::string& name, const std::vector<std::int64_t>& shape, c10::ScalarType dtype) -> std::int64_t {
+    const auto e = checked_external(options.naming, name, shape);
+    if (!e) return -1;
+    plan.entries.push_back({e->name, safetensors_dtype(out_dtype(dtype)), external_shape(shape, *e)});
+    plan.external.push_back(*e);
+    return static_cast<std::int64_t>(plan.entries.size()) - 1;
+  };
+  for (const auto& u : engine.sharded_units()) {
+    plan.entry_of_param.emplace_back();
+    for (std::size_t i = 0; i < u.param_names.size(); ++i) plan.entry_of_param.back().push_back(add(u.param_names[i], u.shapes[i], u.dtype));
+  }
   if (options.buffers)
-    for (const auto& [name, b] : named_buffers_of(engine)) out.push_back({name, safetensors_dtype(out_dtype(b.scalar_type())), b.sizes().vec()});
-  return out;
+    for (const auto& [name, b] : named_buffers_of(engine)) {
+      plan.buffers.emplace_back(name, b);
+      plan.entry_of_buffer.push_back(add(name, b.sizes().vec(), b.scalar_type()));
+    }
+  return plan;
+}
+
+/// `value` (a model tensor of `shape`, any layout) as the file stores it, flat.
+inline torch::Tensor to_external_layout(const torch::Tensor& value, const std::vector<std::int64_t>& shape, const ExternalTensor& e) {
+  auto t = value.reshape(shape);
+  if (e.rows >= 0) t = t.narrow(0, 0, e.rows);
+  if (e.transposed) t = t.t();
+  return t.contiguous().view({-1});
+}
+
+/// A tensor read from a file (flat, external layout of a model tensor of `shape`) in the model's
+/// element order: the first external_numel() flat elements of the model tensor.
+inline torch::Tensor to_model_layout(const torch::Tensor& stored, const std::vector<std::int64_t>& shape, const ExternalTensor& e) {
+  if (!e.transposed) return stored;
+  const auto s = external_shape(shape, e);
+  return stored.view({s[0], s[1]}).t().contiguous().view({-1});
 }
 
 }  // namespace detail
 
 /// Writes the model's parameters (and buffers) to the safetensors file `path`. Each tensor once, under
-/// its canonical name (tied parameters once, as safetensors has no aliases). Collective over the
-/// engine's world; on any rank's failure every rank throws CheckpointError and `path` is untouched.
+/// its canonical name or `options.naming`'s (tied parameters once, as safetensors has no aliases).
+/// Collective over the engine's world; on any rank's failure every rank throws CheckpointError and
+/// `path` is untouched. Tensors stored as they are go from each shard straight to the file; a unit
+/// with a tensor the naming transposes is gathered (one unit at a time) and each such tensor is
+/// written whole by one rank of the shard group.
 template <class Engine>
 SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, const SafetensorsSaveOptions& options = {}) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -129,12 +184,15 @@ SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, 
   const std::filesystem::path target(path);
   const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
   const std::filesystem::path tmp = dir / ckpt::temporary_name(target.filename().string());
-  auto entries = detail::safetensors_entries(engine, options);
+  std::optional<detail::SafetensorsSavePlan> planned;
+  std::optional<std::string> error = detail::capture_error([&] { planned = detail::plan_safetensors_save(engine, options); });
+  detail::agree(world, error);
+  auto& plan = *planned;
   safetensors::Header layout;
-  const std::string header = safetensors::encode_header(entries, options.metadata, &layout);
+  const std::string header = safetensors::encode_header(plan.entries, options.metadata, &layout);
   const std::int64_t total = layout.data_start + layout.data_bytes;
 
-  std::optional<std::string> error = detail::capture_error([&] {
+  error = detail::capture_error([&] {
     if (world.rank() != 0) return;
     std::filesystem::create_directories(dir);
     ckpt::reserve_space(tmp, total, path);
@@ -169,25 +227,54 @@ SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, 
   };
   // One copy of each shard is written: the first replica's.
   const bool writer = engine.replica_comm().rank() == 0;
-  std::int64_t index = 0;
+  const auto units = engine.sharded_units();
   error = detail::capture_error([&] {
     torch::NoGradGuard no_grad;
-    for (const auto& u : engine.sharded_units()) {
-      const auto first = index;
-      index += static_cast<std::int64_t>(u.param_names.size());
-      if (!writer || u.empty()) continue;
+    for (std::size_t k = 0; k < units.size(); ++k) {
+      const auto& u = units[k];
+      if (u.empty()) continue;
+      const auto& entry_of = plan.entry_of_param[k];
+      bool transposes = false;
+      for (const auto idx : entry_of) transposes = transposes || (idx >= 0 && plan.external[static_cast<std::size_t>(idx)].transposed);
+      // Every rank of every shard group calls gather_flat for the same units (the naming decides).
+      const torch::Tensor full = transposes ? engine.gather_flat(static_cast<int>(k), u.shard).to(torch::kCPU) : torch::Tensor();
+      if (!writer) continue;
       const auto shard = u.shard.detach().to(torch::kCPU).contiguous();
       for (const auto& slice : u.layout.slices(u.shard_rank)) {
-        const auto& e = layout.tensors[static_cast<std::size_t>(first + slice.param_index)];
-        const auto dtype = *torch_dtype_of_safetensors(e.dtype);
-        const auto piece = shard.narrow(0, slice.shard_offset, slice.numel).to(dtype).contiguous();
+        const auto idx = entry_of[static_cast<std::size_t>(slice.param_index)];
+        if (idx < 0) continue;
+        const auto& ext = plan.external[static_cast<std::size_t>(idx)];
+        if (ext.transposed) continue;
+        // Stored as is, or cut to its first rows: a prefix of the flat tensor.
+        const auto kept = external_numel(u.shapes[static_cast<std::size_t>(slice.param_index)], ext);
+        const auto n = std::min(slice.numel, kept - slice.param_offset);
+        if (n <= 0) continue;
+        const auto& e = layout.tensors[static_cast<std::size_t>(idx)];
+        const auto piece = shard.narrow(0, slice.shard_offset, n).to(*torch_dtype_of_safetensors(e.dtype)).contiguous();
         write_at(layout.data_start + e.begin + slice.param_offset * static_cast<std::int64_t>(piece.element_size()), piece, e.name);
       }
+      if (!transposes) continue;
+      for (std::int64_t i = 0; i < u.layout.num_params(); ++i) {
+        const auto idx = entry_of[static_cast<std::size_t>(i)];
+        if (idx < 0 || !plan.external[static_cast<std::size_t>(idx)].transposed || i % u.layout.group_size() != u.shard_rank) continue;
+        const auto& e = layout.tensors[static_cast<std::size_t>(idx)];
+        const auto value = full.narrow(0, u.layout.param_offset(i), u.layout.param_numel(i));
+        write_at(layout.data_start + e.begin,
+                 detail::to_external_layout(value, u.shapes[static_cast<std::size_t>(i)], plan.external[static_cast<std::size_t>(idx)])
+                     .to(*torch_dtype_of_safetensors(e.dtype)),
+                 e.name);
+      }
     }
-    if (world.rank() == 0 && options.buffers) {
-      for (const auto& [name, b] : detail::named_buffers_of(engine)) {
-        const auto& e = layout.tensors[static_cast<std::size_t>(index++)];
-        write_at(layout.data_start + e.begin, b.detach().to(torch::kCPU, *torch_dtype_of_safetensors(e.dtype)).contiguous(), name);
+    if (world.rank() == 0) {
+      for (std::size_t b = 0; b < plan.buffers.size(); ++b) {
+        const auto idx = plan.entry_of_buffer[b];
+        if (idx < 0) continue;
+        const auto& e = layout.tensors[static_cast<std::size_t>(idx)];
+        const auto& value = plan.buffers[b].second;
+        write_at(layout.data_start + e.begin,
+                 detail::to_external_layout(value.detach().to(torch::kCPU), value.sizes().vec(), plan.external[static_cast<std::size_t>(idx)])
+                     .to(*torch_dtype_of_safetensors(e.dtype)),
+                 e.name);
       }
     }
   });
@@ -240,64 +327,99 @@ inline torch::Tensor read_bytes(std::ifstream& in, const std::string& path, std:
   return t;
 }
 
+/// A model tensor's place in a safetensors source.
+struct SourceTensor {
+  safetensors::Source::Found found;
+  ExternalTensor external;
+};
+
 }  // namespace detail
 
-/// Loads parameters (and buffers) from the safetensors file `path` into the model: each rank reads
-/// only the bytes of its own shard slices. Every parameter must be in the file with its shape (a
-/// tied parameter under any of its names), in a dtype it can be cast from; problems are listed in one
-/// CheckpointError on every rank, and nothing changes. Optimizer state is not touched. Collective.
+/// Loads parameters (and buffers) from safetensors into the model: `path` is a file, a
+/// model.safetensors.index.json, or a folder with either (safetensors::open_source). Each rank reads
+/// only the bytes of its own shard slices (a tensor the naming transposes is read whole, one at a
+/// time). Every parameter must be in the file with its shape (a tied parameter under any of its
+/// names), in a dtype it can be cast from; problems are listed in one CheckpointError on every rank,
+/// and nothing changes. Rows a naming does not store (vocabulary padding) keep their values.
+/// Optimizer state is not touched. Collective.
 template <class Engine>
 SafetensorsLoadResult load_safetensors(Engine& engine, const std::string& path, const SafetensorsLoadOptions& options = {}) {
   auto& world = engine.comm();
   detail::arrive_together(world, CheckpointOptions{.collective_timeout_s = options.collective_timeout_s}, "load_safetensors");
   SafetensorsLoadResult result;
   std::vector<torch::Tensor> staged_shards;
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> staged_buffers;  // live, new value
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> staged_buffers;  // live, new value (model layout, flat)
   const auto units = engine.sharded_units();
   const auto error = detail::capture_error([&] {
-    const auto header = safetensors::read_header(path);
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw CheckpointError("cannot open safetensors file '" + path + "'");
+    const auto source = safetensors::open_source(path);
+    std::map<std::string, std::ifstream> streams;
+    auto read = [&](const detail::SourceTensor& t, std::int64_t offset, std::int64_t n, c10::ScalarType dtype) {
+      auto& in = streams[t.found.file->path];
+      if (!in.is_open()) {
+        in.open(t.found.file->path, std::ios::binary);
+        if (!in) throw CheckpointError("cannot open safetensors file '" + t.found.file->path + "'");
+      }
+      result.bytes_read += n;
+      return detail::read_bytes(in, t.found.file->path, t.found.file->header.data_start + t.found.entry->begin + offset, n, dtype,
+                                t.found.entry->name);
+    };
     std::set<std::string> claimed;
     std::vector<std::string> problems;
-    // The file's entry for `name` (a tied parameter under any of its names), checked against the model.
-    auto entry_of = [&](const std::string& name, const std::vector<std::int64_t>& shape, c10::ScalarType into) -> const safetensors::TensorEntry* {
-      const safetensors::TensorEntry* e = header.find(name);
-      if (const auto aliases = engine.tied_parameter_aliases().find(name); !e && aliases != engine.tied_parameter_aliases().end())
-        for (const auto& a : aliases->second)
-          if ((e = header.find(a))) break;
-      if (!e) {
-        if (!options.allow_missing) problems.push_back("parameter '" + name + "' is missing");
-        result.missing.push_back(name);
-        return nullptr;
+    // The file's tensor for model tensor `name` (a tied parameter under any of its names), checked.
+    auto entry_of = [&](const std::string& name, const std::vector<std::int64_t>& shape, c10::ScalarType into,
+                        bool parameter) -> std::optional<detail::SourceTensor> {
+      std::vector<std::string> names{name};
+      if (const auto aliases = engine.tied_parameter_aliases().find(name); aliases != engine.tied_parameter_aliases().end())
+        names.insert(names.end(), aliases->second.begin(), aliases->second.end());
+      std::optional<detail::SourceTensor> hit;
+      std::string wanted;
+      for (const auto& n : names) {
+        const auto e = detail::checked_external(options.naming, n, shape);
+        if (!e) continue;
+        if (wanted.empty()) wanted = e->name;
+        std::vector<std::string> candidates{e->name};
+        candidates.insert(candidates.end(), e->aliases.begin(), e->aliases.end());
+        for (const auto& c : candidates)
+          if (const auto f = source.find(c); f && !hit) hit = detail::SourceTensor{*f, *e};
+        if (hit) break;
       }
+      if (!hit) {
+        if (parameter) {
+          if (!options.allow_missing)
+            problems.push_back("parameter '" + name + "' is missing" + (wanted.empty() || wanted == name ? "" : " (as '" + wanted + "')"));
+          result.missing.push_back(name);
+        }
+        return std::nullopt;
+      }
+      const auto* e = hit->found.entry;
       claimed.insert(e->name);
       const auto dtype = torch_dtype_of_safetensors(e->dtype);
-      if (e->shape != shape) {
-        problems.push_back("tensor '" + e->name + "': shape " + detail::shape_text(e->shape) + " in the file, " + detail::shape_text(shape) +
-                           " in the model");
-        return nullptr;
+      if (const auto expected = external_shape(shape, hit->external); e->shape != expected) {
+        problems.push_back("tensor '" + e->name + "': shape " + detail::shape_text(e->shape) + " in the file, " + detail::shape_text(expected) +
+                           " expected for '" + name + "' " + detail::shape_text(shape));
+        return std::nullopt;
       }
       if (!dtype || c10::isFloatingType(*dtype) != c10::isFloatingType(into)) {
         problems.push_back("tensor '" + e->name + "': dtype " + e->dtype + " cannot be loaded into " + c10::toString(into));
-        return nullptr;
+        return std::nullopt;
       }
-      return e;
+      return hit;
     };
-    std::vector<std::vector<const safetensors::TensorEntry*>> found(units.size());
+    std::vector<std::vector<std::optional<detail::SourceTensor>>> found(units.size());
     for (std::size_t k = 0; k < units.size(); ++k)
       for (std::size_t i = 0; i < units[k].param_names.size(); ++i)
-        found[k].push_back(entry_of(units[k].param_names[i], units[k].shapes[i], units[k].dtype));
-    std::vector<std::pair<torch::Tensor, const safetensors::TensorEntry*>> buffer_entries;
+        found[k].push_back(entry_of(units[k].param_names[i], units[k].shapes[i], units[k].dtype, true));
+    std::vector<std::pair<torch::Tensor, detail::SourceTensor>> buffer_entries;
     if (options.buffers)
       for (const auto& b : engine.module()->named_buffers(/*recurse=*/true))
-        if (b.value().defined() && header.find(b.key()))
-          if (const auto* e = entry_of(b.key(), b.value().sizes().vec(), b.value().scalar_type())) buffer_entries.emplace_back(b.value(), e);
-    for (const auto& t : header.tensors)
-      if (!claimed.count(t.name)) result.unexpected.push_back(t.name);
+        if (b.value().defined())
+          if (auto e = entry_of(b.key(), b.value().sizes().vec(), b.value().scalar_type(), false)) buffer_entries.emplace_back(b.value(), *e);
+    for (const auto& name : source.names())
+      if (!claimed.count(name) && !(options.naming && options.naming->ignorable && options.naming->ignorable(name)))
+        result.unexpected.push_back(name);
     if (!options.allow_unexpected)
       for (const auto& name : result.unexpected) problems.push_back("unexpected tensor '" + name + "' (no parameter or buffer of the model)");
-    if (!problems.empty()) throw CheckpointError(detail::mismatch_message(path, problems), detail::kMismatchId);
+    if (!problems.empty()) throw CheckpointError(detail::mismatch_message(source.description, problems), detail::kMismatchId);
 
     torch::NoGradGuard no_grad;
     for (std::size_t k = 0; k < units.size(); ++k) {
@@ -308,29 +430,32 @@ SafetensorsLoadResult load_safetensors(Engine& engine, const std::string& path, 
       }
       auto staged = u.shard.detach().to(torch::kCPU).clone();
       for (const auto& slice : u.layout.slices(u.shard_rank)) {
-        const auto* e = found[k][static_cast<std::size_t>(slice.param_index)];
-        if (!e) continue;  // allowed missing: keeps its value
-        const auto dtype = *torch_dtype_of_safetensors(e->dtype);
+        const auto& t = found[k][static_cast<std::size_t>(slice.param_index)];
+        if (!t) continue;  // allowed missing: keeps its value
+        const auto& shape = u.shapes[static_cast<std::size_t>(slice.param_index)];
+        const auto n = std::min(slice.numel, external_numel(shape, t->external) - slice.param_offset);
+        if (n <= 0) continue;  // rows the file does not store keep their values
+        const auto dtype = *torch_dtype_of_safetensors(t->found.entry->dtype);
         const auto esize = static_cast<std::int64_t>(c10::elementSize(dtype));
-        const auto piece =
-            detail::read_bytes(in, path, header.data_start + e->begin + slice.param_offset * esize, slice.numel * esize, dtype, e->name);
-        staged.narrow(0, slice.shard_offset, slice.numel).copy_(piece);
-        result.bytes_read += slice.numel * esize;
+        const auto piece = t->external.transposed
+                               ? detail::to_model_layout(read(*t, 0, t->found.entry->end - t->found.entry->begin, dtype), shape, t->external)
+                                     .narrow(0, slice.param_offset, n)
+                               : read(*t, slice.param_offset * esize, n * esize, dtype);
+        staged.narrow(0, slice.shard_offset, n).copy_(piece);
       }
       staged_shards.push_back(staged);
     }
-    for (const auto& [live, e] : buffer_entries) {
-      const auto dtype = *torch_dtype_of_safetensors(e->dtype);
-      staged_buffers.emplace_back(live,
-                                  detail::read_bytes(in, path, header.data_start + e->begin, e->end - e->begin, dtype, e->name).view(live.sizes()));
-      result.bytes_read += e->end - e->begin;
+    for (const auto& [live, t] : buffer_entries) {
+      const auto dtype = *torch_dtype_of_safetensors(t.found.entry->dtype);
+      staged_buffers.emplace_back(
+          live, detail::to_model_layout(read(t, 0, t.found.entry->end - t.found.entry->begin, dtype), live.sizes().vec(), t.external));
     }
   });
   detail::agree(world, error);
   torch::NoGradGuard no_grad;
   for (std::size_t k = 0; k < units.size(); ++k)
     if (!units[k].empty()) units[k].shard.detach().copy_(staged_shards[k]);  // bumps the version: gathered copies are refreshed
-  for (auto& [live, value] : staged_buffers) live.copy_(value);
+  for (auto& [live, value] : staged_buffers) live.view({-1}).narrow(0, 0, value.numel()).copy_(value);
   return result;
 }
 

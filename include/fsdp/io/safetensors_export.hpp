@@ -18,6 +18,7 @@
 #include "fsdp/io/checkpoint_tools.hpp"
 #include "fsdp/io/h5.hpp"
 #include "fsdp/io/safetensors_format.hpp"
+#include "fsdp/io/tensor_naming.hpp"
 
 namespace fsdp::ckpt {
 
@@ -25,6 +26,8 @@ struct ExportOptions {
   /// Floating-point tensors are written as "fp32", "bf16" or "fp16"; empty: as stored.
   std::string dtype;
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  /// Names and layouts of another program (e.g. Hugging Face GPT-2's); null: the model's own.
+  const TensorNaming* naming = nullptr;
 };
 
 struct ExportResult {
@@ -130,6 +133,8 @@ inline ExportResult export_safetensors(const std::string& checkpoint, const std:
   const std::string where = "checkpoint '" + checkpoint + "'";
   struct Source {
     std::string dataset;
+    std::vector<std::int64_t> shape;  ///< in the model
+    ExternalTensor external;
     h5::ElementType stored;
     h5::ElementType written;
   };
@@ -140,8 +145,12 @@ inline ExportResult export_safetensors(const std::string& checkpoint, const std:
     h5::Id ds = h5::open_dataset(file, t.path, checkpoint);
     const auto stored = h5::stored_element_type(ds, where + " " + t.path);
     const auto written = target_type && detail::is_floating(stored) ? *target_type : stored;
-    entries.push_back({t.path.substr(7), detail::safetensors_dtype_of(written), t.shape});
-    sources.push_back({t.path, stored, written});
+    const auto external = external_tensor(options.naming, t.path.substr(7), t.shape);
+    if (!external) continue;  // the naming does not store it
+    if (external->transposed && t.shape.size() != 2)
+      throw CheckpointError(where + ": naming '" + options.naming->scheme + "' transposes " + t.path + ", which is not a matrix");
+    entries.push_back({external->name, detail::safetensors_dtype_of(written), external_shape(t.shape, *external)});
+    sources.push_back({t.path, t.shape, *external, stored, written});
   }
   if (entries.empty()) throw CheckpointError(where + " has no model tensors (/model) to export");
   safetensors::Header layout;
@@ -161,12 +170,29 @@ inline ExportResult export_safetensors(const std::string& checkpoint, const std:
       const auto& e = entries[k];
       const auto& s = sources[k];
       h5::Id ds = h5::open_dataset(file, s.dataset, checkpoint);
-      const std::int64_t n = e.numel();
+      const std::int64_t n = e.numel();  // a prefix of the model tensor's elements (its first rows)
       const std::size_t in_size = h5::element_size(s.stored), out_size = h5::element_size(s.written);
+      if (s.external.transposed) {
+        // A transposed tensor is read whole (one tensor, not the model) and written column by column.
+        const std::int64_t rows = e.shape[1], cols = e.shape[0];  // of the model's [rows, cols] prefix
+        in_buf.resize(static_cast<std::size_t>(n) * in_size);
+        h5::read_flat_range(ds, s.shape, 0, n, s.stored, in_buf.data(), where + " dataset " + s.dataset);
+        out_buf.resize(static_cast<std::size_t>(n) * out_size);
+        for (std::int64_t c = 0; c < cols; ++c)
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const std::int64_t from = r * cols + c, to = c * rows + r;
+            if (s.written == s.stored)
+              std::memcpy(out_buf.data() + to * out_size, in_buf.data() + from * in_size, in_size);
+            else
+              detail::store_from_double(out_buf.data(), to, detail::load_as_double(in_buf.data(), from, s.stored), s.written);
+          }
+        o.write(out_buf.data(), static_cast<std::streamsize>(n * static_cast<std::int64_t>(out_size)));
+        continue;
+      }
       for (std::int64_t begin = 0; begin < n; begin += kChunk) {
         const std::int64_t count = std::min(kChunk, n - begin);
         in_buf.resize(static_cast<std::size_t>(count) * in_size);
-        h5::read_flat_range(ds, e.shape, begin, begin + count, s.stored, in_buf.data(), where + " dataset " + s.dataset);
+        h5::read_flat_range(ds, s.shape, begin, begin + count, s.stored, in_buf.data(), where + " dataset " + s.dataset);
         const char* bytes = in_buf.data();
         if (s.written != s.stored) {
           out_buf.resize(static_cast<std::size_t>(count) * out_size);

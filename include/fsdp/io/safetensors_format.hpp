@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -180,6 +181,88 @@ inline Header read_header(const std::string& path) {
     }
   }
   return parse_header(prefix, size, path);
+}
+
+/// The tensors of one model stored as safetensors: one file, or the files of a Hugging Face
+/// `model.safetensors.index.json` (its "weight_map" names the file of each tensor).
+struct Source {
+  struct File {
+    std::string path;
+    Header header;
+  };
+  struct Found {
+    const File* file = nullptr;
+    const TensorEntry* entry = nullptr;
+  };
+  std::string description;  ///< for messages: the file, or the index and its folder
+  std::vector<File> files;
+
+  /// The tensor `name`, in whichever file holds it.
+  std::optional<Found> find(const std::string& name) const {
+    for (const auto& f : files)
+      if (const auto* e = f.header.find(name)) return Found{&f, e};
+    return std::nullopt;
+  }
+  /// Every tensor name, in file order.
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& f : files)
+      for (const auto& t : f.header.tensors) out.push_back(t.name);
+    return out;
+  }
+};
+
+/// Opens `path`: a .safetensors file, a model.safetensors.index.json, or a folder holding either
+/// (model.safetensors first). Reads only headers. Throws CheckpointError naming what is wrong: a folder
+/// with neither file, an index that does not parse or names a missing file, a tensor the index places
+/// in a file that lacks it, or a tensor held by two files.
+inline Source open_source(const std::string& path) {
+  namespace fs = std::filesystem;
+  fs::path p(path);
+  if (fs::is_directory(p)) {
+    if (fs::exists(p / "model.safetensors"))
+      p /= "model.safetensors";
+    else if (fs::exists(p / "model.safetensors.index.json"))
+      p /= "model.safetensors.index.json";
+    else
+      throw CheckpointError("folder '" + path + "' holds neither model.safetensors nor model.safetensors.index.json");
+  }
+  Source source;
+  const std::string name = p.filename().string();
+  if (name.size() < 11 || name.compare(name.size() - 11, 11, ".index.json") != 0) {
+    source.description = "safetensors file '" + p.string() + "'";
+    source.files.push_back({p.string(), read_header(p.string())});
+    return source;
+  }
+  source.description = "safetensors index '" + p.string() + "'";
+  std::ifstream in(p);
+  if (!in) throw CheckpointError("cannot open safetensors index '" + p.string() + "': " + std::strerror(errno));
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(source.description + " is not JSON: " + e.what());
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    throw CheckpointError(source.description + " has no \"weight_map\" object");
+  std::map<std::string, std::vector<std::string>> tensors_of_file;
+  for (const auto& [tensor, file] : index["weight_map"].items()) {
+    if (!file.is_string()) throw CheckpointError(source.description + ": the file of tensor '" + tensor + "' is not a string");
+    tensors_of_file[file.get<std::string>()].push_back(tensor);
+  }
+  for (const auto& [file, tensors] : tensors_of_file) {
+    const fs::path f = p.parent_path() / file;
+    source.files.push_back({f.string(), read_header(f.string())});
+    for (const auto& t : tensors)
+      if (!source.files.back().header.find(t))
+        throw CheckpointError(source.description + " places tensor '" + t + "' in '" + f.string() + "', which does not hold it");
+  }
+  std::map<std::string, std::string> holder;
+  for (const auto& f : source.files)
+    for (const auto& t : f.header.tensors)
+      if (const auto [it, fresh] = holder.emplace(t.name, f.path); !fresh)
+        throw CheckpointError(source.description + ": tensor '" + t.name + "' is in both '" + it->second + "' and '" + f.path + "'");
+  return source;
 }
 
 }  // namespace fsdp::safetensors
