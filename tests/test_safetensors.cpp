@@ -257,3 +257,119 @@ BOOST_AUTO_TEST_CASE(checkpoints_of_every_type_export_to_the_same_file) {
   }
   BOOST_CHECK_THROW(fsdp::ckpt::export_safetensors(dir + "/nothing.h5", dir + "/x.safetensors"), fsdp::Error);
 }
+
+namespace safetensors_tests {
+
+/// Another program's layout for Net: renamed, fc weights transposed (Conv1D-like), the embedding's
+/// last 3 rows not stored (a padded vocabulary), the BatchNorm's running mean not stored, and a file
+/// tensor "attn.mask" that is fine to ignore.
+fsdp::TensorNaming foreign_naming() {
+  fsdp::TensorNaming n;
+  n.scheme = "foreign";
+  n.external = [](const std::string& name, const std::vector<std::int64_t>&) -> std::optional<fsdp::ExternalTensor> {
+    if (name == "bn.running_mean") return std::nullopt;
+    if (name == "emb.weight" || name == "head.weight") return fsdp::ExternalTensor{"model.wte", 10, false, {"wte"}};
+    if (name == "fc1.weight" || name == "fc2.weight") return fsdp::ExternalTensor{"model." + name.substr(0, 3) + ".w", -1, true, {}};
+    return fsdp::ExternalTensor{"model." + name, -1, false, {}};
+  };
+  n.ignorable = [](const std::string& name) { return name == "attn.mask"; };
+  return n;
+}
+
+/// Writes `tensors` as a safetensors file (rank 0; the test's own writer, through the format layer).
+void write_file(const std::string& path, const std::map<std::string, torch::Tensor>& tensors) {
+  std::vector<fsdp::safetensors::TensorEntry> entries;
+  for (const auto& [name, t] : tensors) entries.push_back({name, fsdp::safetensors_dtype(t.scalar_type()), t.sizes().vec()});
+  fsdp::safetensors::Header layout;
+  const auto header = fsdp::safetensors::encode_header(entries, {}, &layout);
+  std::ofstream out(path, std::ios::binary);
+  out.write(header.data(), static_cast<std::streamsize>(header.size()));
+  for (const auto& e : layout.tensors) {
+    const auto t = tensors.at(e.name).contiguous();
+    out.write(static_cast<const char*>(t.data_ptr()), e.end - e.begin);
+  }
+}
+
+}  // namespace safetensors_tests
+
+BOOST_AUTO_TEST_CASE(a_naming_renames_cuts_rows_and_transposes_and_reads_back) {
+  const auto dir = shared_dir("naming");
+  const auto naming = foreign_naming();
+  auto saved = make_engine(3, ShardingStrategy::FULL_SHARD);
+  const auto path = dir + "/model.safetensors";
+  fsdp::save_safetensors(*saved, path, {.naming = &naming});
+  const auto want = full_state(saved);
+  const auto got = read_all(path);
+  BOOST_TEST(got.size() == want.size() - 1);  // no running mean (want, like the file, has the tied tensor once)
+  BOOST_TEST(torch::equal(got.at("model.wte"), want.at("emb.weight").narrow(0, 0, 10)));
+  BOOST_TEST(torch::equal(got.at("model.fc1.w"), want.at("fc1.weight").t()));
+  BOOST_TEST(torch::equal(got.at("model.fc2.w"), want.at("fc2.weight").t()));
+  BOOST_TEST(torch::equal(got.at("model.fc1.bias"), want.at("fc1.bias")));
+  BOOST_TEST(torch::equal(got.at("model.bn.num_batches_tracked"), want.at("bn.num_batches_tracked")));
+  BOOST_TEST(got.count("model.bn.running_mean") == 0u);
+
+  // Loads at every strategy; the rows the file lacks keep the loading model's values. A tensor the
+  // naming ignores is no error.
+  std::map<std::string, torch::Tensor> with_mask = got;
+  with_mask["attn.mask"] = torch::ones({2, 2});
+  if (MpiComm::world().rank() == 0) write_file(dir + "/with_mask.safetensors", with_mask);
+  MpiComm::world().barrier();
+  for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
+    BOOST_TEST_CONTEXT("strategy " << fsdp::to_string(strategy)) {
+      auto loaded = make_engine(99, strategy);
+      const auto before = full_state(loaded);
+      const auto result = fsdp::load_safetensors(*loaded, dir + "/with_mask.safetensors", {.naming = &naming});
+      BOOST_TEST(result.unexpected.empty());
+      const auto after = full_state(loaded);
+      BOOST_TEST(torch::equal(after.at("emb.weight").narrow(0, 0, 10), want.at("emb.weight").narrow(0, 0, 10)));
+      BOOST_TEST(torch::equal(after.at("emb.weight").narrow(0, 10, 3), before.at("emb.weight").narrow(0, 10, 3)));
+      for (const auto* name : {"fc1.weight", "fc2.weight", "fc1.bias", "scale", "bn.running_var"})
+        BOOST_TEST(torch::equal(after.at(name), want.at(name)), name);
+      BOOST_TEST(torch::equal(after.at("bn.running_mean"), before.at("bn.running_mean")));
+    }
+  }
+  // The file under the model's own names is all unexpected tensors and missing parameters.
+  auto other = make_engine(98, ShardingStrategy::FULL_SHARD);
+  expect_error([&] { fsdp::load_safetensors(*other, path); }, "parameter 'fc1.weight' is missing");
+  // A mis-shaped tensor is named with the shape the naming expects.
+  std::map<std::string, torch::Tensor> bad = got;
+  bad["model.fc1.w"] = torch::zeros({11, 7});
+  if (MpiComm::world().rank() == 0) write_file(dir + "/bad.safetensors", bad);
+  MpiComm::world().barrier();
+  expect_error([&] { fsdp::load_safetensors(*other, dir + "/bad.safetensors", {.naming = &naming}); },
+               "tensor 'model.fc1.w': shape [11, 7] in the file, [7, 11] expected for 'fc1.weight' [11, 7]");
+}
+
+BOOST_AUTO_TEST_CASE(an_index_folder_loads_tensors_from_several_files) {
+  const auto dir = shared_dir("index");
+  auto saved = make_engine(4, ShardingStrategy::FULL_SHARD);
+  fsdp::save_safetensors(*saved, dir + "/whole.safetensors");
+  const auto want = full_state(saved);
+  const auto all = read_all(dir + "/whole.safetensors");
+  // Split as Hugging Face does: model-0000k-of-00002.safetensors and an index naming each tensor's file.
+  fs::create_directories(dir + "/split");
+  if (MpiComm::world().rank() == 0) {
+    std::map<std::string, torch::Tensor> first, second;
+    nlohmann::json weight_map;
+    for (const auto& [name, t] : all) {
+      const bool in_first = name.rfind("fc", 0) == 0;
+      (in_first ? first : second)[name] = t;
+      weight_map[name] = in_first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+    }
+    write_file(dir + "/split/model-00001-of-00002.safetensors", first);
+    write_file(dir + "/split/model-00002-of-00002.safetensors", second);
+    std::ofstream(dir + "/split/model.safetensors.index.json") << nlohmann::json{{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}}.dump();
+    // An index that places a tensor in a file without it.
+    fs::create_directories(dir + "/wrong");
+    fs::copy(dir + "/split/model-00001-of-00002.safetensors", dir + "/wrong/model-00001-of-00002.safetensors");
+    fs::copy(dir + "/split/model-00002-of-00002.safetensors", dir + "/wrong/model-00002-of-00002.safetensors");
+    weight_map["fc1.bias"] = "model-00002-of-00002.safetensors";
+    std::ofstream(dir + "/wrong/model.safetensors.index.json") << nlohmann::json{{"weight_map", weight_map}}.dump();
+  }
+  MpiComm::world().barrier();
+  auto loaded = make_engine(97, ShardingStrategy::FULL_SHARD);
+  fsdp::load_safetensors(*loaded, dir + "/split");
+  check_equal(full_state(loaded), want);
+  expect_error([&] { fsdp::load_safetensors(*loaded, dir + "/wrong"); }, "places tensor 'fc1.bias' in '");
+  expect_error([&] { fsdp::load_safetensors(*loaded, dir); }, "holds neither model.safetensors nor model.safetensors.index.json");
+}
