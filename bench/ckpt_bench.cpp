@@ -1,5 +1,6 @@
 // Checkpoint throughput benchmark (bench): times save_checkpoint / load_checkpoint for SHARDED, FULL
-// and LOCAL state dicts of a stack of Linear layers (FULL_SHARD, one unit per Linear, Adam with state
+// and LOCAL state dicts, save_safetensors / load_safetensors of the weights (against a load in which
+// rank 0 reads the whole file and broadcasts each tensor, with each rank's peak memory growth) of a stack of Linear layers (FULL_SHARD, one unit per Linear, Adam with state
 // after one step, so a checkpoint is parameters + exp_avg + exp_avg_sq), against raw POSIX
 // write()+fsync / read() of the same number of bytes, and serial HDF5 writes of the same tensors
 // with and without the Fletcher32 filter, and through fsdp::h5::write_flat_range as FULL writes them
@@ -14,13 +15,17 @@
 // report says whether that worked). Rank 0 prints markdown tables.
 #include <CLI/CLI.hpp>
 #include <fcntl.h>
+#include <malloc.h>
 #include <fsdp/fsdp.hpp>
+#include <fsdp/io/safetensors.hpp>
 #include <mpi.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <thread>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -127,6 +132,89 @@ void print_table(const std::vector<Row>& rows) {
   }
 }
 
+// ---- peak memory of a load ---------------------------------------------------------------------
+
+/// A field of /proc/self/status in KiB (VmRSS, VmHWM).
+std::int64_t status_kib(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
+  return -1;
+}
+
+/// This process's peak RSS while `f` runs, sampled every millisecond from /proc/self/statm (the
+/// kernel's own high-water mark cannot be reset everywhere), in KiB.
+template <class F>
+std::int64_t peak_rss_kib_during(F&& f) {
+  std::atomic<bool> done{false};
+  std::atomic<std::int64_t> peak{0};
+  const std::int64_t page_kib = ::sysconf(_SC_PAGESIZE) / 1024;
+  auto sample = [&] {
+    std::ifstream in("/proc/self/statm");
+    std::int64_t size = 0, resident = 0;
+    in >> size >> resident;
+    peak = std::max<std::int64_t>(peak.load(), resident * page_kib);
+  };
+  std::thread sampler([&] {
+    while (!done) {
+      sample();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  try {
+    f();
+  } catch (...) {
+    done = true;
+    sampler.join();
+    throw;
+  }
+  sample();
+  done = true;
+  sampler.join();
+  return peak;
+}
+
+/// The load Accelerate's cpu_ram_efficient_loading and FSDP's sync_module_states amount to: rank 0
+/// reads the whole file into memory, then broadcasts each tensor; every rank keeps its own slices.
+template <class Engine>
+void load_on_rank0_and_broadcast(Engine& engine, const std::string& path) {
+  auto& world = engine.comm();
+  const auto header = fsdp::safetensors::read_header(path);
+  std::vector<char> file;
+  if (world.rank() == 0) {
+    file.resize(static_cast<std::size_t>(header.data_start + header.data_bytes));
+    read_file(path, file.data(), static_cast<std::int64_t>(file.size()));
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& u : engine.sharded_units()) {
+    if (u.empty()) continue;
+    auto shard = u.shard.detach();
+    for (std::size_t i = 0; i < u.param_names.size(); ++i) {
+      const auto* e = header.find(u.param_names[i]);
+      if (!e) throw std::runtime_error("no tensor " + u.param_names[i] + " in " + path);
+      auto full = torch::empty({(e->end - e->begin) / 4}, torch::kFloat);
+      if (world.rank() == 0) std::memcpy(full.data_ptr(), file.data() + header.data_start + e->begin, static_cast<std::size_t>(e->end - e->begin));
+      world.broadcast(full.data_ptr(), full.numel(), fsdp::DType::kFloat32, 0);
+      for (const auto& slice : u.layout.slices(u.shard_rank))
+        if (slice.param_index == static_cast<std::int64_t>(i))
+          shard.narrow(0, slice.shard_offset, slice.numel).copy_(full.narrow(0, slice.param_offset, slice.numel));
+    }
+  }
+}
+
+const std::map<std::string, std::string> kLoadMethods = {
+    {"ranges", "fsdp safetensors, weights only (each rank its byte ranges)"},
+    {"rank0", "safetensors weights, rank 0 reads the file and broadcasts (Accelerate's way)"}};
+
+template <class Engine>
+void load_weights(const std::string& how, Engine& engine, const std::string& path) {
+  if (how == "ranges")
+    fsdp::load_safetensors(engine, path, {.buffers = false});
+  else
+    load_on_rank0_and_broadcast(engine, path);
+}
+
 // ---- serial HDF5 breakdown: the tensors a FULL save writes, from rank 0 alone ---------------------
 
 enum class H5Layout { kContiguous, kChunked, kChunkedFletcher32, kLibraryFlatRange };
@@ -192,7 +280,7 @@ int main(int argc, char** argv) {
   std::int64_t width = 2048;
   int layers = 16, reps = 3;
   std::string dir;
-  bool no_drop = false, no_h5 = false;
+  bool no_drop = false, no_h5 = false, with_safetensors = true;
   std::string types_text = "SHARDED,FULL,LOCAL";
   CLI::App cli{"fsdp checkpoint throughput benchmark", "fsdp_ckpt_bench"};
   cli.add_option("--width", width, "features of each Linear(width, width)")->check(CLI::PositiveNumber);
@@ -202,6 +290,12 @@ int main(int argc, char** argv) {
   cli.add_option("--types", types_text, "state dict types to time, comma separated");
   cli.add_flag("--no-drop-caches", no_drop, "do not drop the page cache before each timed operation");
   cli.add_flag("--no-h5-breakdown", no_h5, "skip the serial HDF5 rows");
+  cli.add_flag("!--no-safetensors", with_safetensors, "skip the safetensors rows");
+  std::string rss_probe;
+  cli.add_option("--rss-probe", rss_probe,
+                 "only load the weights once this way (ranges: each rank its byte ranges; rank0: rank 0 reads all and broadcasts) and print "
+                 "each rank's peak RSS growth as a table row")
+      ->check(CLI::IsMember({"ranges", "rank0"}));
   CLI11_PARSE(cli, argc, argv);
   try {
     fsdp::MpiEnvironment env(&argc, &argv);
@@ -293,6 +387,40 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
 
+    auto verify_weights = [&](const std::string& how) {
+      std::int64_t bad = 0;
+      const auto params = model->parameters();
+      for (std::size_t i = 0; i < params.size(); ++i) bad += torch::equal(params[i].detach(), ref_params[i]) ? 0 : 1;
+      world.all_reduce(&bad, &bad, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kSum);
+      if (bad) throw std::runtime_error("safetensors load (" + how + "): " + std::to_string(bad) + " tensors differ from the saved ones");
+    };
+    if (!rss_probe.empty()) {
+      // One load in a fresh process: the peak RSS growth it causes on each rank. Large blocks are
+      // mapped and unmapped (not kept in the heap), so that RSS follows the bytes live.
+      mallopt(M_MMAP_THRESHOLD, 1 << 20);
+      const auto st_path = (std::filesystem::path(dir) / "probe.safetensors").string();
+      fsdp::save_safetensors(*model, st_path, {.buffers = false});
+      scramble();
+      malloc_trim(0);
+      world.barrier();
+      const double before = static_cast<double>(status_kib("VmRSS"));
+      const double peak = static_cast<double>(peak_rss_kib_during([&] { load_weights(rss_probe, *model, st_path); }));
+      verify_weights(rss_probe);
+      double growth = (peak - before) / 1024.0;
+      std::vector<double> all(static_cast<std::size_t>(np));
+      world.all_gather(&growth, all.data(), 1, fsdp::DType::kFloat64);
+      remove_on_rank0(st_path);
+      if (rank == 0) {
+        double others = 0;
+        for (std::size_t i = 1; i < all.size(); ++i) others = std::max(others, all[i]);
+        std::printf("| %s | %d | %.1f | %.1f | %s |\n", kLoadMethods.at(rss_probe).c_str(), np, 4.0 * numel / 1048576.0, all[0],
+                    np > 1 ? fmt("%.1f", others).c_str() : "-");
+        if (made_dir) std::filesystem::remove_all(dir);
+      }
+      world.barrier();
+      return 0;
+    }
+
     std::vector<Row> rows;
     std::map<std::string, std::vector<std::array<double, 3>>> stages;  // type -> per rep: writing, written, committed
     const std::string types_list = types_text + ",";
@@ -338,6 +466,28 @@ int main(int argc, char** argv) {
                     static_cast<long long>(row.bytes));
         std::fflush(stdout);
       }
+    }
+
+    // ---- safetensors: the weights, every rank its own byte ranges, against rank 0 reading all --------
+    if (with_safetensors) {
+      const auto st_path = (std::filesystem::path(dir) / "model.safetensors").string();
+      Row mine{kLoadMethods.at("ranges"), "all " + std::to_string(np), 0, {}, {}};
+      Row rank0{kLoadMethods.at("rank0"), "rank 0", 0, {}, {}};
+      for (int r = 0; r < reps; ++r) {
+        remove_on_rank0(st_path);
+        fsdp::SafetensorsSaveResult saved;
+        mine.save.s.push_back(timed([&] { saved = fsdp::save_safetensors(*model, st_path, {.buffers = false}); }));
+        mine.bytes = rank0.bytes = saved.bytes;
+        scramble();
+        mine.load.s.push_back(timed([&] { load_weights("ranges", *model, st_path); }));
+        verify_weights("ranges");
+        scramble();
+        rank0.load.s.push_back(timed([&] { load_weights("rank0", *model, st_path); }));
+        verify_weights("rank0");
+      }
+      remove_on_rank0(st_path);
+      rows.push_back(mine);
+      rows.push_back(rank0);
     }
 
     // ---- raw POSIX baselines --------------------------------------------------------------------

@@ -297,7 +297,20 @@ def parse_ckpt_output(text):
             r[f"{op}_gbps"] = r["bytes"] / 1e9 / t if t else None
             rt = ref and ref[f"{op}_best_s"]
             r[f"{op}_of_raw"] = (r[f"{op}_gbps"] / (ref["bytes"] / 1e9 / rt)) if (rt and t) else None
-    return {"rows": list(by_method.values()), "page_cache": page_cache}
+    # --rss-probe rows: | method | ranks | weights MiB | rank 0 growth | others max |; medians of the repetitions.
+    probes = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or len(cells) != 5 or not cells[1].isdigit():
+            continue
+        probes.setdefault((cells[0], int(cells[1]), float(cells[2])), []).append(
+            (float(cells[3]), float(cells[4]) if cells[4] != "-" else None))
+    rss = []
+    for (method, ranks, weights), v in probes.items():
+        others = [o for _, o in v if o is not None]
+        rss.append({"method": method, "ranks": ranks, "weights_mib": weights, "reps": len(v),
+                    "rank0_mib": statistics.median(r for r, _ in v), "others_mib": statistics.median(others) if others else None})
+    return {"rows": list(by_method.values()), "page_cache": page_cache, "rss": rss}
 
 
 def run_ckpt(np_):
@@ -520,6 +533,13 @@ def write_report(results):
             md.append(f"| {r['method']} | {r['writers']} | {r['bytes'] / 1e6:.1f} | {fmt(r['save_best_s'], '{:.3f}')} | {fmt(r['save_gbps'], '{:.2f}')} | "
                       f"{fmt(r['save_of_raw'], '{:.0%}')} | {fmt(r['load_best_s'], '{:.3f}')} | {fmt(r['load_gbps'], '{:.2f}')} | {fmt(r['load_of_raw'], '{:.0%}')} |")
         md.append("")
+        if ck.get("rss"):
+            md.append("Peak RSS growth of one weights load (fsdp_ckpt_bench --rss-probe, a fresh process each, median of the repetitions):\n")
+            md.append("| weights load | ranks | weights MiB | rank 0 MiB | other ranks, max MiB | reps |")
+            md.append("|---|---:|---:|---:|---:|---:|")
+            for r in ck["rss"]:
+                md.append(f"| {r['method']} | {r['ranks']} | {r['weights_mib']:.1f} | {r['rank0_mib']:.1f} | {fmt(r['others_mib'], '{:.1f}')} | {r['reps']} |")
+            md.append("")
 
     md.append("## PyTorch FSDP on CPU\n")
     md.append(results["torch_fsdp_status"] + "\n")

@@ -12,4 +12,11 @@ for np in ${@:-2 1}; do
   echo "## np=$np  $(date -u +%FT%TZ)  load average: $(cut -d' ' -f1-3 /proc/loadavg)"
   $MPIRUN -np "$np" build/bin/fsdp_ckpt_bench $ARGS
   $MPIRUN -np "$np" /usr/bin/python3 bench/ckpt_peer.py $ARGS
+  # Peak RSS of a weights load, each in a fresh process, interleaved, 3 times each.
+  echo "| weights load | ranks | weights MiB | rank 0 peak RSS growth MiB | other ranks, max MiB |"
+  for rep in 1 2 3; do
+    for how in ranges rank0; do
+      $MPIRUN -np "$np" build/bin/fsdp_ckpt_bench $ARGS --rss-probe "$how" | grep '^| '
+    done
+  done
 done
