@@ -34,6 +34,13 @@ foreach(name transformer.wte.weight\":{\"dtype\":\"F32\",\"shape\":\\[97,32\\] t
   expect_in("${head}" "${name}")
 endforeach()
 run(0 ${CKPT_TOOL} export ${WORK_DIR}/a/checkpoints ${WORK_DIR}/a/native.safetensors)
+# FULL and LOCAL checkpoints of the same training export to the same tensors.
+foreach(type FULL LOCAL)
+  run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=6 --set data.batch_size=4 --set run.out_dir=${WORK_DIR}/a_${type}
+      --set checkpoint.state_dict_type=${type}_STATE_DICT)
+  run(0 ${CKPT_TOOL} export ${WORK_DIR}/a_${type}/checkpoints ${WORK_DIR}/a_${type}/hf --names hf-gpt2)
+  run(0 ${st_diff} ${WORK_DIR}/a/hf/model.safetensors ${WORK_DIR}/a_${type}/hf/model.safetensors)
+endforeach()
 
 # 2. Pretrained starts: from the Hugging Face folder at np 3, the native file at np 2 and the checkpoint
 #    file at np 1 (the same weights), 6 more steps with one global batch of 6: the same training (SGD

@@ -117,6 +117,7 @@ inline ExportResult export_safetensors(const std::string& checkpoint, const std:
     // LOCAL: merge the rank files into one FULL file next to the output, export it, remove it.
     const std::filesystem::path merged =
         std::filesystem::path(out).parent_path() / ("." + std::filesystem::path(out).filename().string() + ".merged.h5");
+    if (merged.has_parent_path()) std::filesystem::create_directories(merged.parent_path());
     merge_local(checkpoint, merged.string());
     try {
       auto result = export_safetensors(merged.string(), out, options);
