@@ -91,6 +91,38 @@ BOOST_AUTO_TEST_CASE(latest_pointer_and_keep_last) {
   world.barrier();
 }
 
+BOOST_AUTO_TEST_CASE(keep_last_never_prunes_the_newest_checkpoint_that_verifies) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  fsdp::CheckpointOptions o;
+  o.keep_last = 1;
+  fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 1}, o);
+  fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 2}, o);
+  // Step 3 is damaged after it was written (a disk that returns other bytes): keep_last must leave
+  // step 2, the newest checkpoint that still verifies, instead of pruning it.
+  o.on_stage = [&](const std::string& stage, std::int64_t step) {
+    if (stage != "written" || step != 3 || world.rank() != 0) return;
+    for (const auto& e : fs::directory_iterator(dir.path))
+      if (e.path().filename().string().find("step_00000003.h5") != std::string::npos) flip_byte_in_dataset(e.path().string(), "/model/fc2.weight");
+  };
+  const auto r = fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 3}, o);
+  world.barrier();
+  BOOST_TEST(r.pruned.empty());
+  BOOST_TEST(fs::exists(dir / "step_00000002.h5"));
+  BOOST_TEST(!fsdp::ckpt::verify(dir / "step_00000003.h5").ok());
+  // A resume falls back to it (and sets the damaged step 3 aside).
+  fsdp::TrainState state;
+  fsdp::resume_from_latest(*model, nullptr, dir.path, &state);
+  BOOST_TEST(state.step == 2);
+  // Once a good checkpoint is newer, the old one goes as keep_last says.
+  o.on_stage = nullptr;
+  const auto r3 = fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 3}, o);
+  world.barrier();
+  if (world.rank() == 0) BOOST_TEST((r3.pruned == std::vector<std::string>{"step_00000002.h5"}));
+  BOOST_TEST(fsdp::ckpt::verify(dir / "step_00000003.h5").ok());
+}
+
 BOOST_AUTO_TEST_CASE(h5dump_reads_the_schema) {
   auto world = MpiComm::world();
   TempDir dir(world);

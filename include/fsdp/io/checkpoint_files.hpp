@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -272,14 +273,24 @@ inline std::vector<std::string> set_aside_checkpoints_after(const std::filesyste
 }
 
 /// Deletes all but the newest `keep_last` checkpoints of the run (see run_checkpoints), never the one
-/// `latest` names. keep_last <= 0 keeps everything. Returns the names removed. Rank 0 only.
-inline std::vector<std::string> prune(const std::filesystem::path& dir, int keep_last) {
+/// `latest` names, and never the newest checkpoint that `verifies` (a read of its checksums): when
+/// the kept ones all fail it, the newest older one that passes stays too, so that a damaged newest
+/// checkpoint never leaves the run without a good one. `verifies` runs only when something would be
+/// deleted, newest first, until one passes. keep_last <= 0 keeps everything. Returns the names
+/// removed. Rank 0 only.
+inline std::vector<std::string> prune(const std::filesystem::path& dir, int keep_last,
+                                      const std::function<bool(const std::filesystem::path&)>& verifies = {}) {
   std::vector<std::string> removed;
   if (keep_last <= 0) return removed;
   const auto latest = inspect_latest(dir);
   const auto all = run_checkpoints(dir);
+  if (all.size() <= static_cast<std::size_t>(keep_last)) return removed;
+  std::optional<std::size_t> newest_good;
+  if (verifies)
+    for (std::size_t i = 0; i < all.size() && !newest_good; ++i)
+      if (verifies(dir / all[i].second)) newest_good = i;
   for (std::size_t i = static_cast<std::size_t>(keep_last); i < all.size(); ++i) {
-    if (all[i].second == latest.name) continue;
+    if (all[i].second == latest.name || newest_good == i) continue;
     std::error_code ec;
     std::filesystem::remove_all(dir / all[i].second, ec);
     if (ec) throw CheckpointError("cannot remove old checkpoint '" + (dir / all[i].second).string() + "': " + ec.message());

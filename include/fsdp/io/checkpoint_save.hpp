@@ -4,6 +4,7 @@
 #pragma once
 
 #include "fsdp/io/checkpoint_state.hpp"
+#include "fsdp/io/checkpoint_tools.hpp"
 
 namespace fsdp {
 
@@ -351,7 +352,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
     if (!error) {
       // The checkpoint is committed: a failure to delete old ones is a warning, not a failed save.
       try {
-        result.pruned = ckpt::prune(folder, options.keep_last);
+        result.pruned = ckpt::prune(folder, options.keep_last, [](const std::filesystem::path& p) { return ckpt::verify(p.string()).ok(); });
       } catch (const std::exception& e) {
         result.warnings.push_back(detail::message_of(e));
       }
