@@ -131,7 +131,16 @@ std::vector<KeySpec> make_schema() {
                .type = T::kInt,
                .default_value = I{64},
                .min = 1,
-               .description = "training samples per rank and step (the global batch is batch_size x ranks)"});
+               .description = "training samples per rank and micro-batch (the global batch is batch_size x ranks x "
+                              "optim.grad_accum_steps); with data.global_batch_size, the largest micro-batch per rank"});
+  s.push_back({.key = "data.global_batch_size",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "samples per optimizer step over all ranks, whatever the world size (torchtitan's name): each rank "
+                              "takes micro-batches of at most data.batch_size and accumulates as many as needed, so a run resumed "
+                              "on fewer or more ranks continues the same training; 0: data.batch_size x ranks x "
+                              "optim.grad_accum_steps"});
   s.push_back(
       {.key = "data.test_batch_size", .type = T::kInt, .default_value = I{1000}, .min = 1, .description = "evaluation samples per rank and batch"});
   s.push_back({.key = "data.shuffle",

@@ -159,8 +159,10 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                   units.size(), static_cast<long long>(model->num_params()));
       std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
                   static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
-      std::printf("  data %s: %lld train, %lld test samples; out_dir %s\n\n", cfg.data.kind.c_str(), static_cast<long long>(data.train_size()),
-                  static_cast<long long>(data.test_size()), out_dir.c_str());
+      std::printf("  data %s: %lld train, %lld test samples; global batch %lld = %lld per rank x %d ranks x %lld micro-batches; out_dir %s\n\n",
+                  cfg.data.kind.c_str(), static_cast<long long>(data.train_size()), static_cast<long long>(data.test_size()),
+                  static_cast<long long>(cfg.data.batch_size * world.size() * cfg.optim.grad_accum_steps), static_cast<long long>(cfg.data.batch_size),
+                  world.size(), static_cast<long long>(cfg.optim.grad_accum_steps), out_dir.c_str());
       std::fflush(stdout);
     }
     check_same_job(world, deck, model->plan_hash());
@@ -196,6 +198,13 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     const std::int64_t steps_per_epoch = micro_per_epoch / accum;
     if (steps_per_epoch == 0)
       throw RankError("data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(sampler.num_samples()) + ")", true);
+    const std::int64_t global_batch = batch * accum * world.size();
+    if (state.sample_index % global_batch != 0)
+      throw RankError("the checkpoint resumed from stopped " + std::to_string(state.sample_index) + " samples into epoch " +
+                          std::to_string(state.epoch + 1) + ", not a whole number of this run's global batches of " + std::to_string(global_batch) +
+                          " (data.batch_size " + std::to_string(batch) + " x " + std::to_string(world.size()) + " ranks x optim.grad_accum_steps " +
+                          std::to_string(accum) + "): set data.global_batch_size to the global batch it was trained with",
+                      true);
     const std::int64_t total_steps = max_steps > 0 ? std::min(max_steps, steps_per_epoch * epochs) : steps_per_epoch * epochs;
     if (state.step > 0 && state.step >= total_steps) {
       // A rerun of a finished job: nothing to do, and its results stay as they are.

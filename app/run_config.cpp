@@ -81,6 +81,14 @@ ModelSection resolve_model_section(const Deck& deck) {
   return model;
 }
 
+std::optional<BatchSplit> split_global_batch(std::int64_t global, int world_size, std::int64_t max_micro) {
+  if (global <= 0 || world_size <= 0 || max_micro <= 0 || global % world_size != 0) return std::nullopt;
+  const std::int64_t per_rank = global / world_size;
+  for (std::int64_t accum = (per_rank + max_micro - 1) / max_micro; accum <= per_rank; ++accum)
+    if (per_rank % accum == 0) return BatchSplit{per_rank / accum, accum};
+  return std::nullopt;
+}
+
 GptConfig gpt_config(const ModelSection& model) {
   GptConfig c;
   c.vocab_size = model.vocab_size;
@@ -141,6 +149,18 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   optim.warmup_steps = deck.get_int("optim.warmup_steps");
   optim.clip_grad_norm = deck.get_float("optim.clip_grad_norm");
   optim.grad_accum_steps = deck.get_int("optim.grad_accum_steps");
+  if (const auto global = deck.get_int("data.global_batch_size"); global > 0) {
+    if (deck.entry("optim.grad_accum_steps").source != Source::kDefault)
+      throw DeckError(blame(deck, "optim.grad_accum_steps") + "is derived from data.global_batch_size (" + deck.entry("data.global_batch_size").where +
+                      "); set one or the other");
+    const auto split = split_global_batch(global, placement.world_size, data.batch_size);
+    if (!split)
+      throw DeckError(blame(deck, "data.global_batch_size") + std::to_string(global) + " samples do not divide over " +
+                      std::to_string(placement.world_size) + " ranks (a multiple of the world size is needed)");
+    data.global_batch_size = global;
+    data.batch_size = split->micro;
+    optim.grad_accum_steps = split->accum;
+  }
   if (optim.kind != "sgd" && optim.betas.size() != 2)
     throw DeckError(blame(deck, "optim.betas") + "must have 2 values, got " + std::to_string(optim.betas.size()));
 

@@ -60,7 +60,8 @@ GptConfig gpt_config(const ModelSection& model);
 struct DataSection {
   std::string kind;  ///< fashion-mnist, mnist, tokens, text
   std::string path;
-  std::int64_t batch_size = 64, test_batch_size = 1000;
+  std::int64_t batch_size = 64, test_batch_size = 1000;  ///< batch_size: resolved per-rank micro-batch
+  std::int64_t global_batch_size = 0;                     ///< data.global_batch_size; 0: not fixed
   bool shuffle = true;
   int num_workers = 0;
   std::int64_t train_samples = 0, test_samples = 0, num_samples = 0;
@@ -145,6 +146,14 @@ struct RunConfig {
   CheckpointSection checkpoint;
   LogSection log;
 };
+
+/// data.global_batch_size over `world_size` ranks: the fewest micro-batches per step (`accum`) of at
+/// most `max_micro` samples per rank such that every rank's micro-batch is a whole number of samples.
+struct BatchSplit {
+  std::int64_t micro = 0, accum = 0;
+};
+/// nullopt when the global batch does not divide over the ranks.
+std::optional<BatchSplit> split_global_batch(std::int64_t global, int world_size, std::int64_t max_micro);
 
 /// Resolves `deck` for `placement`; the checks between keys and the placement (a shard group that does
 /// not divide the world size) are DeckErrors naming the key and where it was set.

@@ -607,3 +607,25 @@ BOOST_AUTO_TEST_CASE(layer_classes_as_a_toml_array) {
     }
   }
 }
+
+BOOST_AUTO_TEST_CASE(a_global_batch_splits_into_micro_batches_for_each_world_size) {
+  // The fewest micro-batches of at most max_micro samples that divide a rank's share.
+  auto split = [](std::int64_t global, int world, std::int64_t micro) {
+    const auto s = split_global_batch(global, world, micro);
+    return s ? std::to_string(s->micro) + "x" + std::to_string(s->accum) : std::string("none");
+  };
+  BOOST_TEST(split(12, 4, 2) == "1x3");
+  BOOST_TEST(split(12, 3, 2) == "2x2");
+  BOOST_TEST(split(12, 2, 2) == "2x3");
+  BOOST_TEST(split(64, 4, 16) == "16x1");
+  BOOST_TEST(split(64, 2, 16) == "16x2");
+  BOOST_TEST(split(14, 2, 3) == "1x7");  // 7 samples per rank: no micro-batch of 2 or 3 divides them
+  BOOST_TEST(split(12, 5, 2) == "none");
+  BOOST_TEST(split(0, 1, 2) == "none");
+  // Resolved into data.batch_size and optim.grad_accum_steps.
+  const auto deck = Deck::parse("[data]\nbatch_size = 2\nglobal_batch_size = 12\n", "inputs/a.toml", {});
+  const auto cfg = resolve_run_config(deck, placement_of(3, 3));
+  BOOST_TEST(cfg.data.batch_size == 2);
+  BOOST_TEST(cfg.optim.grad_accum_steps == 2);
+  BOOST_TEST(cfg.data.global_batch_size == 12);
+}

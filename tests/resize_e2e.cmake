@@ -1,0 +1,41 @@
+# Continuing a run on fewer or more ranks (docs/reliability.md): with data.global_batch_size fixed, a run
+# stopped at 4 ranks and resumed at 2 (and 2 -> 3, 3 -> 4) ends with the weights of the uninterrupted run
+# within 1e-5; without it, a resume whose global batch differs stops with exit 2 naming the key.
+# Variables: MPIEXEC (list), TRAIN, CKPT_TOOL, DECK (inputs/gpt_tokens.toml), WORK_DIR.
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+include(${CMAKE_CURRENT_LIST_DIR}/e2e_common.cmake)
+
+# A small GPT, dropout 0; SGD with momentum and a constant rate so that every tensor can be held to 1e-5
+# (Adam's g/sqrt(v) amplifies the summation-order rounding of near-zero gradients). 240 samples: every
+# step's global batch of 12 is full at any world size. Micro-batches of at most 2 samples: 4 ranks take
+# 3 micro-batches of 1, 3 ranks 2 of 2, 2 ranks 3 of 2.
+set(common --set model.vocab_size=64 --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set model.dropout=0
+           --set data.num_samples=240 --set data.batch_size=2 --set data.global_batch_size=12 --set optim.kind=sgd --set optim.lr=0.05
+           --set optim.momentum=0.9 --set optim.weight_decay=0 --set optim.schedule=constant --set optim.warmup_steps=0
+           --set checkpoint.every_steps=4 --set log.progress=plain --set run.threads=1)
+
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${common} --set run.max_steps=8 --set run.out_dir=${WORK_DIR}/whole)
+expect_in("${last_output}" "global batch 12 = 2 per rank x 2 ranks x 3 micro-batches")
+
+foreach(pair "4;2" "2;3" "3;4")
+  list(GET pair 0 before)
+  list(GET pair 1 after)
+  set(dir ${WORK_DIR}/from${before}to${after})
+  run(0 ${MPIEXEC} -np ${before} ${TRAIN} ${DECK} ${common} --set run.max_steps=4 --set run.out_dir=${dir})
+  run(0 ${MPIEXEC} -np ${after} ${TRAIN} ${DECK} ${common} --set run.max_steps=8 --set run.out_dir=${dir})
+  expect_in("${last_output}" "resumed from [^\n]*step_00000004.h5 at step 4")
+  run(0 ${CKPT_TOOL} diff ${dir}/checkpoints ${WORK_DIR}/whole/checkpoints --rtol 1e-5)
+endforeach()
+
+# Without a fixed global batch, 2 ranks x 6 become 3 ranks x 6 = 18, and step 2 (24 samples) is not a step boundary of 18: the resume stops, naming the key.
+set(plain --set model.vocab_size=64 --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set model.dropout=0
+          --set data.num_samples=240 --set data.batch_size=6 --set log.progress=plain --set run.threads=1 --set checkpoint.every_steps=2)
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${plain} --set run.max_steps=2 --set run.out_dir=${WORK_DIR}/changed)
+run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${plain} --set run.max_steps=6 --set run.out_dir=${WORK_DIR}/changed)
+expect_in("${last_output}" "not a whole number of this run's global batches of 18 .*set data.global_batch_size")
+# A global batch that does not divide over the ranks, or with grad_accum_steps set too, is a deck error.
+run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${plain} --set data.global_batch_size=8 --set run.out_dir=${WORK_DIR}/bad1 --dry-run)
+expect_in("${last_output}" "data.global_batch_size: 8 samples do not divide over 3 ranks")
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${plain} --set data.global_batch_size=8 --set optim.grad_accum_steps=2 --set run.out_dir=${WORK_DIR}/bad2 --dry-run)
+expect_in("${last_output}" "optim.grad_accum_steps: is derived from data.global_batch_size")
