@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The Slurm scripts against a real Slurm on localhost (../shared/tools/slurm-local.sh: munge, slurmctld
 # and two emulated nodes): a 2-node x 2-task hybrid run, a 3-point sweep array with its summary table,
-# and a preempted job (SIGUSR1) that checkpoints, requeues, resumes and ends with the weights of an
-# uninterrupted run. Every wait is bounded; the cluster is torn down on exit, also on failure.
+# a preempted job (SIGUSR1) that checkpoints, requeues, resumes and ends with the weights of an
+# uninterrupted run, and a run continued on fewer nodes (--nodes=min-max, data.global_batch_size).
+# Every wait is bounded; the cluster is torn down on exit, also on failure.
 #   tests/slurm_e2e.sh SOURCE_DIR BUILD_BIN WORK_DIR
 set -uo pipefail
 SRC=$1 BIN=$2 WORK=$3
@@ -100,4 +101,38 @@ wait_state "$ref" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 300 || fail "r
 "$BIN/fsdp-ckpt" diff "$WORK/preempted/checkpoints" "$WORK/straight/checkpoints" >"$WORK/preempt.diff" ||
   { cat "$WORK/preempt.diff"; fail "the preempted and requeued run ended with other weights"; }
 echo "ok: preempted, checkpointed, requeued, resumed: final weights equal the uninterrupted run's"
+
+# 4. Fewer nodes: a job on 2 nodes x 2 tasks stops at step 4; with node c2 drained (a failed node), the
+#    same deck resubmitted with --nodes=1-2 runs on the node that remains (2 ranks instead of 4) and,
+#    with data.global_batch_size fixed, ends with the weights of an uninterrupted run (within 1e-5;
+#    SGD with momentum, see tests/resize_e2e.cmake).
+elastic=(--set data.batch_size=16 --set data.global_batch_size=64 --set optim.kind=sgd --set optim.lr=0.05 --set optim.momentum=0.9
+         --set checkpoint.every_steps=4 --set checkpoint.keep_last=0)
+OMPI_MCA_mpi_yield_when_idle=1 mpirun --oversubscribe --allow-run-as-root -np 2 "$BIN/fsdp-train" "$DECK" "${elastic[@]}" \
+  --set run.max_steps=8 --set run.out_dir="$WORK/elastic_ref" >"$WORK/elastic_ref.out" 2>&1 || { cat "$WORK/elastic_ref.out"; fail "reference run"; }
+for ((i = 0; i < 60; i++)); do
+  [[ -z $(sinfo -h -o '%T' | grep -v idle) ]] && break
+  sleep 1
+done
+jid=$(sbatch --parsable --nodes=2 --ntasks-per-node=2 --output="$WORK/%x_%j.out" slurm/train.sbatch "$DECK" "${elastic[@]}" \
+  --set run.max_steps=4 --set run.out_dir="$WORK/elastic") || fail "sbatch on 2 nodes"
+wait_state "$jid" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 180 || fail "job $jid did not end"
+[[ $(final_state "$jid") == JobState=COMPLETED ]] || { cat "$WORK/fsdp_$jid.out"; fail "job $jid: $(final_state "$jid")"; }
+for ((i = 0; i < 60; i++)); do
+  [[ -z $(sinfo -h -o '%T' | grep -v idle) ]] && break
+  sleep 1
+done
+scontrol update NodeName=c2 State=DRAIN Reason="elastic test" || fail "drain c2"
+jid=$(sbatch --parsable --nodes=1-2 --ntasks-per-node=2 --output="$WORK/%x_%j.out" slurm/train.sbatch "$DECK" "${elastic[@]}" \
+  --set run.max_steps=8 --set run.out_dir="$WORK/elastic") || fail "sbatch --nodes=1-2"
+wait_state "$jid" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 180 || fail "job $jid did not end"
+scontrol update NodeName=c2 State=RESUME >/dev/null 2>&1 || true
+[[ $(final_state "$jid") == JobState=COMPLETED ]] || { cat "$WORK/fsdp_$jid.out"; fail "job $jid: $(final_state "$jid")"; }
+out=$(cat "$WORK/fsdp_$jid.out")
+for want in "world size 2 on 1 node" "global batch 64 = 16 per rank x 2 ranks x 2 micro-batches" "resumed from .*/step_00000004.h5 at step 4"; do
+  grep -Eq "$want" <<<"$out" || { echo "$out"; fail "the job on the remaining node lacks '$want'"; }
+done
+"$BIN/fsdp-ckpt" diff "$WORK/elastic/checkpoints" "$WORK/elastic_ref/checkpoints" --rtol 1e-5 >"$WORK/elastic.diff" ||
+  { cat "$WORK/elastic.diff"; fail "the run continued on fewer nodes ended with other weights"; }
+echo "ok: 4 ranks on 2 nodes, then 2 ranks on the node that remained (--nodes=1-2): weights of the uninterrupted run"
 echo "all slurm cases passed"
