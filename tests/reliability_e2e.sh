@@ -154,15 +154,20 @@ run "$WORK/skipsave.log" "${MPI[@]}" -np 2 -x FSDP_TEST_SKIP_SAVE_ON_RANK=1 "$TR
 grep -Eq "save_checkpoint: not all 2 ranks arrived within 5 s" "$WORK/skipsave.log" || { cat "$WORK/skipsave.log"; fail "no deadline message"; }
 (( $(cat "$WORK/skipsave.log.secs") < 30 )) || fail "the save entered by one rank only took $(cat "$WORK/skipsave.log.secs") s to end (comm.timeout_s = 5)"
 echo "ok: a save one rank never entered ended the job after $(cat "$WORK/skipsave.log.secs") s (comm.timeout_s = 5)"
-# 8. Two runs on one run directory: the second stops at once with exit 2 naming the first; the first is
-#    not disturbed. A lock left by a run that is gone (killed: its pid no longer exists) is taken over.
-( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice" "${long[@]}" --set run.max_steps=600 >"$WORK/twice.1.log" 2>&1
+# 8. Two runs on one run directory (or one checkpoint.dir): the second stops at once with exit 2 naming the
+#    first; the first is not disturbed. A lock left by a run that is gone (killed: its pid no longer exists) is taken over.
+( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice" --set checkpoint.dir="$WORK/shared_ckpt" "${long[@]}" \
+    --set run.max_steps=600 >"$WORK/twice.1.log" 2>&1
   echo $? >"$WORK/twice.1.log.rc" ) &
 first=$!
 for _ in $(seq 1000); do grep -q "step 10/" "$WORK/twice.1.log" 2>/dev/null && break; sleep 0.05; done
 run "$WORK/twice.2.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice"
 expect 2 "run directory '.*twice' is in use by another run \(host .*, pid [0-9]+" "$WORK/twice.2.log"
 quick "$WORK/twice.2.log"
+# A checkpoint.dir outside run.out_dir is guarded as well: another run directory, the same checkpoints.
+run "$WORK/twice.4.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice_other" --set checkpoint.dir="$WORK/shared_ckpt"
+expect 2 "checkpoint folder '.*shared_ckpt' is in use by another run \(host .*, pid [0-9]+.*Use another checkpoint.dir" "$WORK/twice.4.log"
+quick "$WORK/twice.4.log"
 wait $first
 [[ $(cat "$WORK/twice.1.log.rc") == 0 ]] || { cat "$WORK/twice.1.log"; fail "the first run was disturbed by the second"; }
 [[ ! -e "$WORK/twice/.fsdp-run.lock" ]] || fail "the lock outlived its run"

@@ -50,7 +50,12 @@ class Checkpointer {
   /// resolved deck there. Collective.
   void take_run_directory() {
     on_all_ranks(world_, [&] {
-      if (root_) lock_.emplace(fsdp::RunLock::acquire(out_dir_));
+      if (!root_) return;
+      lock_.emplace(fsdp::RunLock::acquire(out_dir_));
+      // A checkpoint folder outside the run's folder is guarded too: two runs must not mix checkpoints.
+      const auto inside = std::filesystem::weakly_canonical(dir_).lexically_relative(std::filesystem::weakly_canonical(out_dir_));
+      if (inside.empty() || *inside.begin() == "..")
+        checkpoint_lock_.emplace(fsdp::RunLock::acquire(dir_, fsdp::RunLock::this_process(), "checkpoint folder", "checkpoint.dir"));
     });
     on_all_ranks(world_, [&] {
       if (!root_) return;
@@ -215,7 +220,8 @@ class Checkpointer {
   fsdp::CheckpointOptions options_;
   bool skip_save_ = false;
   std::filesystem::path loaded_from_;  // checkpoint.resume = <path>: the checkpoint loaded
-  std::optional<fsdp::RunLock> lock_;  // held until the run ends
+  std::optional<fsdp::RunLock> lock_;             // held until the run ends
+  std::optional<fsdp::RunLock> checkpoint_lock_;  // checkpoint.dir outside run.out_dir
 };
 
 }  // namespace fsdp::app

@@ -73,19 +73,24 @@ class RunLock {
 
   /// Takes `dir`'s lock for `me` (creating `dir`), taking over a stale one. Throws RunLockError naming
   /// the holder when another live run has it, ConfigError when the lock file cannot be written.
-  static RunLock acquire(const std::filesystem::path& dir, const RunLockHolder& me = this_process()) {
+  /// `role` and `key` name the folder in messages ("run directory", "run.out_dir").
+  static RunLock acquire(const std::filesystem::path& dir, const RunLockHolder& me = this_process(), const std::string& role = "run directory",
+                         const std::string& key = "run.out_dir") {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
+    if (ec) throw ConfigError("cannot create " + role + " '" + dir.string() + "': " + ec.message(), "fsdp.run.lock");
     const auto path = dir / kFileName;
     for (int attempt = 0; attempt < 2; ++attempt) {
       const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
       if (fd >= 0) return RunLock(path, fd, me);
-      if (errno != EEXIST) throw ConfigError("cannot create the run lock '" + path.string() + "': " + std::strerror(errno), "fsdp.run.lock");
+      if (errno != EEXIST)
+        throw ConfigError("cannot create the lock of " + role + " '" + dir.string() + "' (" + path.filename().string() + "): " + std::strerror(errno),
+                          "fsdp.run.lock");
       const auto holder = read_holder(path);
       if (!holder || !is_stale(path, *holder, me)) {
         const RunLockHolder shown = holder.value_or(RunLockHolder{"(unreadable lock file)", 0, "", "", "", false});
-        throw RunLockError("run directory '" + dir.string() + "' is in use by another run (" + shown.describe() +
-                               "). Use another run.out_dir, or wait for that run to end; if it is certainly gone, delete " + path.string(),
+        throw RunLockError(role + " '" + dir.string() + "' is in use by another run (" + shown.describe() + "). Use another " + key +
+                               ", or wait for that run to end; if it is certainly gone, delete " + path.string(),
                            shown);
       }
       // Stale: removed only if it still names that holder (another run may have taken it over meanwhile).
