@@ -1,6 +1,11 @@
 // The data layer of fsdp-train (see data.hpp): IDX reading through zlib, sampling, token data.
 #include "data.hpp"
 
+#include <fcntl.h>
+#include <glob.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -385,6 +390,168 @@ TextCorpus load_text(const std::string& path, std::int64_t context, int max_voca
   corpus.train = make_windows(ids, 0, train_bytes, context, vocab);
   corpus.test = make_windows(ids, train_bytes, size, context, vocab);
   return corpus;
+}
+
+// ---- token shards -------------------------------------------------------------------------------
+
+TokenFormat parse_token_format(const std::string& name) {
+  if (name == "llmc") return TokenFormat::kLlmc;
+  if (name == "uint16") return TokenFormat::kUint16;
+  if (name == "uint32") return TokenFormat::kUint32;
+  throw DataError("token format must be llmc, uint16 or uint32, got '" + name + "'");
+}
+
+namespace {
+
+std::int32_t le_int32(const unsigned char* p) {
+  return static_cast<std::int32_t>(static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 |
+                                   static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24);
+}
+
+}  // namespace
+
+TokenStream TokenStream::open(const std::string& pattern, TokenFormat format) {
+  glob_t g{};
+  const int rc = ::glob(pattern.c_str(), GLOB_ERR, nullptr, &g);
+  std::vector<std::string> paths;
+  for (std::size_t i = 0; rc == 0 && i < g.gl_pathc; ++i) paths.emplace_back(g.gl_pathv[i]);
+  ::globfree(&g);
+  if (rc == GLOB_NOMATCH || paths.empty()) throw DataError("no token files match '" + pattern + "'");
+  if (rc != 0) throw DataError("cannot list the token files of '" + pattern + "': " + std::strerror(errno));
+  std::sort(paths.begin(), paths.end());
+  TokenStream stream;
+  for (const auto& path : paths) {
+    File f;
+    f.path = path;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw DataError("cannot open token file '" + path + "': " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw DataError("token file '" + path + "' is not a regular file");
+    }
+    f.map_bytes = static_cast<std::size_t>(st.st_size);
+    if (f.map_bytes == 0) {
+      ::close(fd);
+      throw DataError("token file '" + path + "' is empty");
+    }
+    void* m = ::mmap(nullptr, f.map_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    ::close(fd);
+    if (m == MAP_FAILED) throw DataError("cannot map token file '" + path + "': " + std::strerror(errno));
+    f.map = static_cast<const unsigned char*>(m);
+    stream.files_.push_back(f);  // owned from here: the destructor unmaps it if a check below throws
+    File& file = stream.files_.back();
+    const auto bytes = static_cast<std::int64_t>(file.map_bytes);
+    if (format == TokenFormat::kLlmc) {
+      if (bytes < kLlmcHeaderBytes)
+        throw DataError("token file '" + path + "' has " + std::to_string(bytes) + " bytes, less than llm.c's header of " +
+                        std::to_string(kLlmcHeaderBytes) + " (data.token_format = \"llmc\"; headerless files are \"uint16\" or \"uint32\")");
+      const std::int32_t magic = le_int32(file.map), version = le_int32(file.map + 4), count = le_int32(file.map + 8);
+      if (magic == kLlmcMagicUint16) {
+        file.token_bytes = 2;
+        if (version != kLlmcVersionUint16)
+          throw DataError("token file '" + path + "': version " + std::to_string(version) + " at byte offset 4; llm.c's uint16 shards (magic " +
+                          std::to_string(kLlmcMagicUint16) + ") have version " + std::to_string(kLlmcVersionUint16));
+      } else if (magic == kLlmcMagicUint32) {
+        file.token_bytes = 4;
+        if (version != kLlmcVersionUint32)
+          throw DataError("token file '" + path + "': version " + std::to_string(version) + " at byte offset 4; llm.c's uint32 shards (magic " +
+                          std::to_string(kLlmcMagicUint32) + ") have version " + std::to_string(kLlmcVersionUint32));
+      } else {
+        throw DataError("token file '" + path + "': magic " + std::to_string(magic) + " at byte offset 0 is not llm.c's (" +
+                        std::to_string(kLlmcMagicUint16) + " or " + std::to_string(kLlmcMagicUint32) +
+                        "); headerless files are data.token_format = \"uint16\" or \"uint32\"");
+      }
+      if (count < 0) throw DataError("token file '" + path + "': token count " + std::to_string(count) + " at byte offset 8");
+      file.data_offset = kLlmcHeaderBytes;
+      file.tokens = count;
+      const std::int64_t expected = kLlmcHeaderBytes + static_cast<std::int64_t>(count) * file.token_bytes;
+      if (bytes != expected)
+        throw DataError("token file '" + path + "' has " + std::to_string(bytes) + " bytes; its header (byte offset 8) counts " +
+                        std::to_string(count) + " tokens of " + std::to_string(file.token_bytes) + " bytes, " + std::to_string(expected) +
+                        " bytes with the header");
+    } else {
+      file.token_bytes = format == TokenFormat::kUint16 ? 2 : 4;
+      if (bytes % file.token_bytes != 0)
+        throw DataError("token file '" + path + "' has " + std::to_string(bytes) + " bytes, not a whole number of " +
+                        std::to_string(file.token_bytes) + "-byte tokens");
+      file.tokens = bytes / file.token_bytes;
+    }
+    if (file.tokens == 0) throw DataError("token file '" + path + "' holds no tokens");
+    file.first = stream.total_;
+    stream.total_ += file.tokens;
+  }
+  return stream;
+}
+
+TokenStream::TokenStream(TokenStream&& other) noexcept : files_(std::move(other.files_)), total_(std::exchange(other.total_, 0)) {
+  other.files_.clear();
+}
+
+TokenStream& TokenStream::operator=(TokenStream&& other) noexcept {
+  if (this != &other) {
+    for (const auto& f : files_) ::munmap(const_cast<unsigned char*>(f.map), f.map_bytes);
+    files_ = std::move(other.files_);
+    other.files_.clear();
+    total_ = std::exchange(other.total_, 0);
+  }
+  return *this;
+}
+
+TokenStream::~TokenStream() {
+  for (const auto& f : files_) ::munmap(const_cast<unsigned char*>(f.map), f.map_bytes);
+}
+
+std::size_t TokenStream::file_of(std::int64_t i) const {
+  if (i < 0 || i >= total_) throw DataError("token " + std::to_string(i) + " is outside the stream of " + std::to_string(total_) + " tokens");
+  const auto it = std::upper_bound(files_.begin(), files_.end(), i, [](std::int64_t v, const File& f) { return v < f.first; });
+  return static_cast<std::size_t>(std::distance(files_.begin(), it) - 1);
+}
+
+std::uint32_t TokenStream::at(std::int64_t i) const {
+  const File& f = files_[file_of(i)];
+  const unsigned char* p = f.map + f.data_offset + (i - f.first) * f.token_bytes;
+  return f.token_bytes == 2 ? static_cast<std::uint32_t>(p[0] | p[1] << 8) : static_cast<std::uint32_t>(le_int32(p));
+}
+
+void TokenStream::read(std::int64_t first, std::int64_t n, std::int64_t* out) const {
+  if (n <= 0) return;
+  std::size_t k = file_of(first);
+  for (std::int64_t done = 0; done < n;) {
+    const File& f = files_.at(k);
+    const std::int64_t begin = first + done - f.first;
+    const std::int64_t take = std::min(n - done, f.tokens - begin);
+    const unsigned char* p = f.map + f.data_offset + begin * f.token_bytes;
+    if (f.token_bytes == 2)
+      for (std::int64_t t = 0; t < take; ++t) out[done + t] = p[2 * t] | p[2 * t + 1] << 8;
+    else
+      for (std::int64_t t = 0; t < take; ++t) out[done + t] = static_cast<std::uint32_t>(le_int32(p + 4 * t));
+    done += take;
+    ++k;
+  }
+}
+
+std::string TokenStream::where(std::int64_t i) const {
+  const File& f = files_[file_of(i)];
+  return "file '" + f.path + "' at byte offset " + std::to_string(f.data_offset + (i - f.first) * f.token_bytes);
+}
+
+void TokenStream::check_vocab(std::int64_t first, std::int64_t last, std::int64_t vocab) const {
+  first = std::max<std::int64_t>(first, 0);
+  last = std::min(last, total_);
+  if (first >= last) return;
+  const auto limit = static_cast<std::uint32_t>(std::min<std::int64_t>(vocab, std::numeric_limits<std::uint32_t>::max()));
+  for (std::size_t k = file_of(first); k < files_.size() && files_[k].first < last; ++k) {
+    const File& f = files_[k];
+    const std::int64_t begin = std::max(first, f.first) - f.first, end = std::min(last, f.first + f.tokens) - f.first;
+    const unsigned char* p = f.map + f.data_offset;
+    for (std::int64_t t = begin; t < end; ++t) {
+      const std::uint32_t v = f.token_bytes == 2 ? static_cast<std::uint32_t>(p[2 * t] | p[2 * t + 1] << 8)
+                                                 : static_cast<std::uint32_t>(le_int32(p + 4 * t));
+      if (v >= limit)
+        throw DataError("token " + std::to_string(v) + " in " + where(f.first + t) + " is not below model.vocab_size " + std::to_string(vocab));
+    }
+  }
 }
 
 }  // namespace fsdp::app

@@ -141,6 +141,73 @@ struct TextCorpus {
 /// short to give both splits a window (it needs at least 10 * context + 1 bytes).
 TextCorpus load_text(const std::string& path, std::int64_t context, int max_vocab);
 
+// ---- token shards (llm.c, nanoGPT) ----------------------------------------------------------------
+
+/// How token files store their tokens: llm.c shards (a 256 x int32 header: magic 20240520 version 1
+/// with uint16 tokens, or magic 20240801 version 7 with uint32 tokens; header[2] = token count), or
+/// headerless little-endian uint16 / uint32 (nanoGPT's train.bin / val.bin).
+enum class TokenFormat { kLlmc, kUint16, kUint32 };
+
+/// TokenFormat of "llmc", "uint16", "uint32"; DataError otherwise.
+TokenFormat parse_token_format(const std::string& name);
+
+inline constexpr std::int32_t kLlmcMagicUint16 = 20240520, kLlmcVersionUint16 = 1;
+inline constexpr std::int32_t kLlmcMagicUint32 = 20240801, kLlmcVersionUint32 = 7;
+inline constexpr std::int64_t kLlmcHeaderBytes = 256 * 4;
+
+/// The files matched by a glob pattern (glob(3)), sorted by name, memory-mapped and read as one
+/// stream of tokens. Nothing is copied into memory: a read touches only the pages of its tokens.
+/// Not copyable (it owns the mappings); movable.
+class TokenStream {
+ public:
+  /// Opens every file `pattern` matches. DataError naming the pattern when nothing matches, and
+  /// naming the file (and the byte offset of a header field) for a wrong magic or version, a size
+  /// that does not match the header's token count, a size that is not a whole number of tokens, an
+  /// empty file.
+  static TokenStream open(const std::string& pattern, TokenFormat format);
+
+  TokenStream() = default;
+  TokenStream(TokenStream&& other) noexcept;
+  TokenStream& operator=(TokenStream&& other) noexcept;
+  TokenStream(const TokenStream&) = delete;
+  TokenStream& operator=(const TokenStream&) = delete;
+  ~TokenStream();
+
+  /// Tokens in all files.
+  std::int64_t size() const noexcept { return total_; }
+  std::size_t num_files() const noexcept { return files_.size(); }
+  const std::string& file_path(std::size_t i) const { return files_.at(i).path; }
+  /// Token `i` of the stream (0 <= i < size()).
+  std::uint32_t at(std::int64_t i) const;
+  /// Tokens [first, first + n) into `out` (possibly across files).
+  void read(std::int64_t first, std::int64_t n, std::int64_t* out) const;
+  /// "file 'x' at byte offset N": where token `i` is stored, for messages.
+  std::string where(std::int64_t i) const;
+  /// Checks tokens [first, last) against `vocab`: DataError naming the file and byte offset of the
+  /// first token >= vocab.
+  void check_vocab(std::int64_t first, std::int64_t last, std::int64_t vocab) const;
+
+ private:
+  struct File {
+    std::string path;
+    const unsigned char* map = nullptr;  // the whole file
+    std::size_t map_bytes = 0;
+    std::int64_t data_offset = 0;  // bytes before the first token
+    int token_bytes = 2;
+    std::int64_t tokens = 0;
+    std::int64_t first = 0;  // index of its first token in the stream
+  };
+  std::size_t file_of(std::int64_t i) const;
+  std::vector<File> files_;
+  std::int64_t total_ = 0;
+};
+
+/// Next-token samples over a token stream: sample i is tokens [i*T, i*T + T] (T + 1 tokens: inputs
+/// the first T, targets the last T); floor((size - 1) / T) samples.
+inline std::int64_t token_stream_samples(const TokenStream& s, std::int64_t context) {
+  return s.size() > 1 ? (s.size() - 1) / context : 0;
+}
+
 // ---- background loading -------------------------------------------------------------------------
 
 /// Ordered background loading: `num_workers` threads call make(0), make(1), ... make(num_batches - 1)

@@ -285,12 +285,12 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
   const Entry& data = deck.entry("data.kind");
   const bool transformer = deck.get_string("model.kind") == "transformer";
   const std::string& dk = deck.get_string("data.kind");
-  const bool token_data = dk == "tokens" || dk == "text";
+  const bool token_data = is_token_data(dk);
   if (transformer != token_data) {
     const bool blame_model = explicit_(model) && (!explicit_(data) || (model.source == Source::kSet && data.source != Source::kSet));
     if (blame_model) {
       problems.push_back(where(model) + ": model.kind: " + format_value(model.value) + " needs data.kind " +
-                         (transformer ? "\"tokens\" or \"text\"" : "\"fashion-mnist\" or \"mnist\"") + " (data.kind is " + format_value(data.value) +
+                         (transformer ? "\"tokens\", \"text\" or \"token-shards\"" : "\"fashion-mnist\" or \"mnist\"") + " (data.kind is " + format_value(data.value) +
                          ")");
     } else {
       problems.push_back(where(data) + ": data.kind: " + format_value(data.value) + " needs model.kind " +

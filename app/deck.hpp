@@ -133,6 +133,9 @@ class Deck {
   std::vector<std::string> overrides_;
 };
 
+/// Whether data.kind `kind` is token sequences (for model.kind = "transformer") rather than images.
+inline bool is_token_data(const std::string& kind) { return kind == "tokens" || kind == "text" || kind == "token-shards"; }
+
 /// A value as TOML writes it: 1, 0.5, true, "text", [1, 2]; "(unset)" for monostate.
 std::string format_value(const Value& v);
 /// The full content of docs/deck_reference.md, generated from deck_schema().

@@ -121,12 +121,14 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "data.kind",
                .type = T::kString,
                .default_value = "fashion-mnist",
-               .choices = {"fashion-mnist", "mnist", "tokens", "text"},
-               .description = "fashion-mnist or mnist (IDX files in data.path), tokens (synthetic sequences), text (a file, one token per byte)"});
+               .choices = {"fashion-mnist", "mnist", "tokens", "text", "token-shards"},
+               .description = "fashion-mnist or mnist (IDX files in data.path), tokens (synthetic sequences), text (a file, one token per "
+                              "byte), token-shards (llm.c or nanoGPT token files matched by the glob data.path, read memory-mapped)"});
   s.push_back({.key = "data.path",
                .type = T::kString,
                .default_value = "/usr/share/datasets/fashion-mnist",
-               .description = "folder of the IDX files (fashion-mnist, mnist) or the text file (text); unused for tokens"});
+               .description = "folder of the IDX files (fashion-mnist, mnist), the text file (text), or a glob of token files "
+                              "(token-shards: sorted by name and read as one stream); unused for tokens"});
   s.push_back({.key = "data.batch_size",
                .type = T::kInt,
                .default_value = I{64},
@@ -164,6 +166,16 @@ std::vector<KeySpec> make_schema() {
                .description = "use only the first this many test samples; 0: all"});
   s.push_back(
       {.key = "data.num_samples", .type = T::kInt, .default_value = I{4096}, .min = 1, .description = "tokens: number of synthetic sequences"});
+  s.push_back({.key = "data.val_path",
+               .type = T::kString,
+               .default_value = "",
+               .description = "token-shards: a glob of the validation files (the evaluation split); empty: no evaluation"});
+  s.push_back({.key = "data.token_format",
+               .type = T::kString,
+               .default_value = "llmc",
+               .choices = {"llmc", "uint16", "uint32"},
+               .description = "token-shards: llmc (llm.c's shards: a 256 x int32 header, magic 20240520 with uint16 or 20240801 with uint32 "
+                              "tokens), or headerless little-endian uint16 or uint32 tokens (nanoGPT's train.bin and val.bin)"});
   // [optim]
   s.push_back({.key = "optim.kind",
                .type = T::kString,

@@ -120,7 +120,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     using Comm = typename decltype(comm_type)::type;
     using Engine = EngineOver<Comm>;
     Dataset data;
-    on_all_ranks(world, [&] { data = load_dataset(cfg); });
+    on_all_ranks(world, [&] { data = load_dataset(cfg, world.rank(), world.size()); });
     std::shared_ptr<Engine> model;
     std::unique_ptr<torch::optim::Optimizer> optimizer;
     on_all_ranks(world, [&] {
@@ -381,7 +381,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     totals.resumed_from_step = state.step;
     totals.skipped_steps = skipped_steps;
     totals.samples_trained = samples_trained;
-    totals.tokens_per_sample = data.tokens ? data.train_tokens.length - 1 : 0;
+    totals.tokens_per_sample = data.tokens ? data.sequence_length() - 1 : 0;
     totals.last_loss = last_loss;
     if (evaluated) totals.eval = last_eval;
     totals.wall_s = seconds_since(wall_start);

@@ -130,6 +130,8 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   auto& data = c.data;
   data.kind = deck.get_string("data.kind");
   data.path = deck.get_string("data.path");
+  data.val_path = deck.get_string("data.val_path");
+  data.token_format = deck.get_string("data.token_format");
   data.batch_size = deck.get_int("data.batch_size");
   data.test_batch_size = deck.get_int("data.test_batch_size");
   data.shuffle = deck.get_bool("data.shuffle");

@@ -58,8 +58,10 @@ struct ModelSection {
 GptConfig gpt_config(const ModelSection& model);
 
 struct DataSection {
-  std::string kind;  ///< fashion-mnist, mnist, tokens, text
+  std::string kind;  ///< fashion-mnist, mnist, tokens, text, token-shards
   std::string path;
+  std::string val_path;      ///< token-shards: validation files (glob)
+  std::string token_format;  ///< token-shards: llmc, uint16, uint32
   std::int64_t batch_size = 64, test_batch_size = 1000;  ///< batch_size: resolved per-rank micro-batch
   std::int64_t global_batch_size = 0;                     ///< data.global_batch_size; 0: not fixed
   bool shuffle = true;

@@ -2,7 +2,8 @@
 # The Slurm scripts against a real Slurm on localhost (../shared/tools/slurm-local.sh: munge, slurmctld
 # and two emulated nodes): a 2-node x 2-task hybrid run, a 3-point sweep array with its summary table,
 # a preempted job (SIGUSR1) that checkpoints, requeues, resumes and ends with the weights of an
-# uninterrupted run, and a run continued on fewer nodes (--nodes=min-max, data.global_batch_size).
+# uninterrupted run, a run continued on fewer nodes (--nodes=min-max, data.global_batch_size), and two
+# jobs on one run directory (the second refused).
 # Every wait is bounded; the cluster is torn down on exit, also on failure.
 #   tests/slurm_e2e.sh SOURCE_DIR BUILD_BIN WORK_DIR
 set -uo pipefail
@@ -135,4 +136,29 @@ done
 "$BIN/fsdp-ckpt" diff "$WORK/elastic/checkpoints" "$WORK/elastic_ref/checkpoints" --rtol 1e-5 >"$WORK/elastic.diff" ||
   { cat "$WORK/elastic.diff"; fail "the run continued on fewer nodes ended with other weights"; }
 echo "ok: 4 ranks on 2 nodes, then 2 ranks on the node that remained (--nodes=1-2): weights of the uninterrupted run"
+
+# 5. Two jobs on one run directory (a sweep point submitted twice): the second job ends at once with
+#    exit code 2 naming the first job; the first is not disturbed (cancelled here to save time).
+for ((i = 0; i < 60; i++)); do
+  [[ -z $(sinfo -h -o '%T' | grep -v idle) ]] && break
+  sleep 1
+done
+first=$(sbatch --parsable --nodes=1 --ntasks-per-node=1 --output="$WORK/%x_%j.out" slurm/train.sbatch "$DECK" "${long[@]}" \
+  --set run.max_steps=100000 --set run.epochs=1000 --set run.out_dir="$WORK/twice") || fail "sbatch first"
+for ((i = 0; i < 1200; i++)); do grep -q "step 10/" "$WORK/fsdp_$first.out" 2>/dev/null && break; sleep 0.1; done
+grep -q "step 10/" "$WORK/fsdp_$first.out" || { cat "$WORK/fsdp_$first.out"; fail "the first job did not start training"; }
+second=$(sbatch --parsable --nodes=1 --ntasks-per-node=1 --output="$WORK/%x_%j.out" slurm/train.sbatch "$DECK" \
+  --set run.out_dir="$WORK/twice") || fail "sbatch second"
+wait_state "$second" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 120 || fail "job $second did not end"
+[[ $(final_state "$second") == JobState=FAILED ]] || { cat "$WORK/fsdp_$second.out"; fail "the second job: $(final_state "$second")"; }
+grep -Eq "ExitCode=2:" <(scontrol show job "$second") || { scontrol show job "$second"; fail "the second job's exit code is not 2"; }
+grep -Eq "run directory '.*twice' is in use by another run \(host .*, pid [0-9]+, Slurm job $first" "$WORK/fsdp_$second.out" ||
+  { cat "$WORK/fsdp_$second.out"; fail "the second job does not name the first"; }
+[[ $(final_state "$first") == JobState=RUNNING ]] || { cat "$WORK/fsdp_$first.out"; fail "the first job was disturbed: $(final_state "$first")"; }
+# SIGKILL, not scancel's SIGTERM: that would checkpoint, exit 3 and requeue (train.sbatch's preemption path).
+scancel --full --signal=KILL "$first"
+wait_state "$first" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT|PENDING)" 120 || fail "job $first did not end after SIGKILL"
+scancel "$first" >/dev/null 2>&1 || true
+wait_state "$first" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 60 || fail "job $first did not end after scancel"
+echo "ok: a second job on a held run directory failed with exit code 2 naming the first job"
 echo "all slurm cases passed"

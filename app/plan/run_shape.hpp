@@ -99,6 +99,9 @@ inline DataFootprint data_footprint(const RunConfig& cfg) {
     f.train_samples = n;
     f.test_samples = test;
     f.note = "synthetic int32 token sequences";
+  } else if (kind == "token-shards") {
+    // Memory-mapped: the pages read are the kernel's file cache (reclaimable), not the process's heap.
+    f.note = "token files memory-mapped (read pages are file cache); samples not counted without opening the files";
   } else {  // text
     const std::string& path = cfg.data.path;
     std::error_code ec;

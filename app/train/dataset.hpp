@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <memory>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -17,22 +18,50 @@ namespace fsdp::app {
 
 // ---- data ---------------------------------------------------------------------------------------
 
-/// The training data of one run: images (classification) or token sequences (language modelling).
-struct Dataset {
-  bool tokens = false;
-  ImageSplit train_images, test_images;
-  TokenSplit train_tokens, test_tokens;
-  bool has_test = true;
-  double mean = 0, stddev = 1;  // image normalization
-  std::int64_t train_size() const { return tokens ? train_tokens.n : train_images.n; }
-  std::int64_t test_size() const { return tokens ? test_tokens.n : test_images.n; }
+/// Token sequences read from a memory-mapped stream (token-shards): sample i is tokens [i*T, i*T + T].
+struct StreamSplit {
+  std::shared_ptr<const TokenStream> stream;
+  std::int64_t n = 0, length = 0;  ///< samples, tokens per sample (T + 1)
 };
 
-inline Dataset load_dataset(const RunConfig& cfg) {
+/// The training data of one run: images (classification) or token sequences (language modelling),
+/// held in memory or (token-shards) read from memory-mapped files.
+struct Dataset {
+  bool tokens = false;
+  bool streamed = false;  ///< token-shards: train_stream / test_stream instead of *_tokens
+  ImageSplit train_images, test_images;
+  TokenSplit train_tokens, test_tokens;
+  StreamSplit train_stream, test_stream;
+  bool has_test = true;
+  double mean = 0, stddev = 1;  // image normalization
+  std::int64_t train_size() const { return streamed ? train_stream.n : tokens ? train_tokens.n : train_images.n; }
+  std::int64_t test_size() const { return streamed ? test_stream.n : tokens ? test_tokens.n : test_images.n; }
+  /// Tokens per sample (inputs and targets together) of a language model's data.
+  std::int64_t sequence_length() const { return streamed ? train_stream.length : train_tokens.length; }
+};
+
+/// token-shards: the files of `pattern` as samples of model.context + 1 tokens. Every token is checked
+/// against model.vocab_size, each rank its 1/world of the stream (the failure is agreed by the caller).
+inline StreamSplit open_token_split(const RunConfig& cfg, const std::string& pattern, int rank, int world) {
+  StreamSplit split;
+  auto stream = std::make_shared<TokenStream>(TokenStream::open(pattern, parse_token_format(cfg.data.token_format)));
+  const std::int64_t total = stream->size();
+  stream->check_vocab(total * rank / world, total * (rank + 1) / world, cfg.model.vocab_size);
+  split.n = token_stream_samples(*stream, cfg.model.context);
+  split.length = cfg.model.context + 1;
+  if (split.n == 0)
+    throw DataError("the token files of '" + pattern + "' hold " + std::to_string(total) + " tokens, fewer than one sample of model.context + 1 = " +
+                    std::to_string(split.length));
+  split.stream = std::move(stream);
+  return split;
+}
+
+/// Loads the run's data; `rank` of `world` scans its share of token files for ids past the vocabulary.
+inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
   Dataset d;
   const std::string kind = cfg.data.kind;
   const std::string model = cfg.model.kind;
-  const bool lm = kind == "tokens" || kind == "text";
+  const bool lm = is_token_data(kind);
   if (lm != (model == "transformer"))
     throw DeckError("data.kind = \"" + kind + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" + model +
                     "\")");
@@ -53,6 +82,11 @@ inline Dataset load_dataset(const RunConfig& cfg) {
     const auto seed = cfg.run.seed;
     d.train_tokens = make_synthetic_tokens(n, context, vocab, seed);
     d.test_tokens = make_synthetic_tokens(std::max<std::int64_t>(n / 10, 1), context, vocab, seed + 1000003);
+  } else if (kind == "token-shards") {
+    d.tokens = d.streamed = true;
+    d.train_stream = open_token_split(cfg, cfg.data.path, rank, world);
+    d.has_test = !cfg.data.val_path.empty();
+    if (d.has_test) d.test_stream = open_token_split(cfg, cfg.data.val_path, rank, world);
   } else {
     d.tokens = true;
     auto corpus = load_text(cfg.data.path, cfg.model.context, static_cast<int>(cfg.model.vocab_size));
@@ -76,6 +110,8 @@ inline Dataset load_dataset(const RunConfig& cfg) {
   cut_images(d.test_images, limit_test);
   cut_tokens(d.train_tokens, limit_train);
   cut_tokens(d.test_tokens, limit_test);
+  if (limit_train > 0) d.train_stream.n = std::min(d.train_stream.n, limit_train);
+  if (limit_test > 0) d.test_stream.n = std::min(d.test_stream.n, limit_test);
   return d;
 }
 
@@ -109,6 +145,14 @@ inline Batch make_batch(const Dataset& d, bool train, const std::vector<std::int
     }
     b.x = x;
     b.y = y;
+  } else if (d.streamed) {
+    const StreamSplit& s = train ? d.train_stream : d.test_stream;
+    auto all = torch::empty({n, s.length}, torch::kLong);
+    std::int64_t* p = all.data_ptr<std::int64_t>();
+    const std::int64_t stride = s.length - 1;  // consecutive samples share one token
+    for (std::int64_t i = 0; i < n; ++i) s.stream->read(idx[begin + static_cast<std::size_t>(i)] * stride, s.length, p + i * s.length);
+    b.x = all.narrow(1, 0, s.length - 1).contiguous();
+    b.y = all.narrow(1, 1, s.length - 1).contiguous();
   } else {
     const TokenSplit& s = train ? d.train_tokens : d.test_tokens;
     auto all = torch::empty({n, s.length}, torch::kLong);
