@@ -206,8 +206,28 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "optim.schedule",
                .type = T::kString,
                .default_value = "step",
-               .choices = {"constant", "step", "cosine"},
-               .description = "learning-rate schedule: constant; step (times optim.gamma after every epoch); cosine (down to 0 at the last step)"});
+               .choices = {"constant", "step", "cosine", "wsd"},
+               .description = "learning-rate schedule after the warmup: constant; step (times optim.gamma after every epoch, not below "
+                              "optim.lr_min); cosine (down to optim.lr_min at the last step); wsd (warmup-stable-decay: optim.lr, then "
+                              "over the last optim.decay_fraction of the steps linearly down to optim.lr_min)"});
+  s.push_back({.key = "optim.lr_min",
+               .type = T::kFloat,
+               .default_value = 0.0,
+               .min = 0,
+               .description = "the learning rate the step, cosine and wsd schedules end at (a floor); below optim.lr"});
+  s.push_back({.key = "optim.decay_fraction",
+               .type = T::kFloat,
+               .default_value = 0.2,
+               .min = 0,
+               .max = 1,
+               .description = "wsd: the last fraction of the steps, in which the learning rate decays",
+               .min_exclusive = true});
+  s.push_back({.key = "optim.no_decay",
+               .type = T::kString,
+               .default_value = "",
+               .description = "adamw: parameters without weight decay, any of bias, norm (LayerNorm and BatchNorm weights), embedding "
+                              "(embedding tables and what they are tied to); nanoGPT and llm.c: [\"bias\", \"norm\"]",
+               .names_list = true});
   s.push_back({.key = "optim.gamma",
                .type = T::kFloat,
                .default_value = 0.7,
@@ -387,6 +407,17 @@ std::vector<KeySpec> make_schema() {
                .default_value = "auto",
                .choices = {"auto", "fp32", "bf16", "fp16"},
                .description = "floating-point tensors of the export in this type; auto: as trained"});
+  // [eval]
+  s.push_back({.key = "eval.every_steps",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "evaluate every this many optimizer steps and after the last; 0: after every epoch"});
+  s.push_back({.key = "eval.max_batches",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .description = "evaluate on at most this many batches (data.test_batch_size per rank) of the evaluation split; 0: all"});
   // [log]
   s.push_back(
       {.key = "log.every_steps", .type = T::kInt, .default_value = I{10}, .min = 1, .description = "print the loss every this many optimizer steps"});

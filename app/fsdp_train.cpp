@@ -45,6 +45,7 @@
 #include "train/metrics_log.hpp"
 #include "train/ranks.hpp"
 #include "train/timing.hpp"
+#include "train/weight_decay.hpp"
 
 namespace fs = std::filesystem;
 using fsdp::MpiComm;
@@ -123,6 +124,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     on_all_ranks(world, [&] { data = load_dataset(cfg, world.rank(), world.size()); });
     std::shared_ptr<Engine> model;
     std::unique_ptr<torch::optim::Optimizer> optimizer;
+    std::optional<WeightDecayMask> decay_mask;  // optim.no_decay
     on_all_ranks(world, [&] {
       auto net = build_model(cfg);
       check_layer_classes(cfg, *net);
@@ -139,6 +141,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         model = std::make_shared<Engine>(net, comm, options);
       }
       optimizer = build_optimizer(cfg, *model);
+      if (!cfg.optim.no_decay.empty()) decay_mask.emplace(*model, cfg.optim.no_decay);
     });
 
     // 3. Echo: the resolved deck and what follows from it.
@@ -262,6 +265,27 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     // of SIGXFSZ killing the rank in the middle of a checkpoint.
     std::signal(SIGXFSZ, SIG_IGN);
     const bool skip_nonfinite = cfg.run.skip_nonfinite;
+    const std::int64_t eval_every = cfg.eval.every_steps;
+    std::int64_t eval_step = 0;
+    // One evaluation (eval.max_batches bounds it), reported on the progress stream.
+    auto run_evaluation = [&](std::int64_t epoch, std::int64_t at_step) {
+      if (live && root && !quiet) std::printf("\n");
+      Timed t(phases.eval, "eval");
+      last_eval = evaluate(*model, data, cfg.data.test_batch_size, world, cfg.eval.max_batches);
+      evaluated = true;
+      eval_step = at_step;
+      if (root && !quiet) {
+        if (data.tokens)
+          std::printf("epoch %lld step %lld: eval loss %.4f, perplexity %.2f, accuracy %.2f%% (%lld tokens)\n", static_cast<long long>(epoch + 1),
+                      static_cast<long long>(at_step), last_eval.loss, std::exp(last_eval.loss), 100 * last_eval.accuracy,
+                      static_cast<long long>(last_eval.samples));
+        else
+          std::printf("epoch %lld step %lld: test loss %.4f, accuracy %.2f%% (%lld samples)\n", static_cast<long long>(epoch + 1),
+                      static_cast<long long>(at_step), last_eval.loss, 100 * last_eval.accuracy, static_cast<long long>(last_eval.samples));
+        std::fflush(stdout);
+      }
+      return last_eval;
+    };
     std::int64_t skipped_steps = 0;
 
     bool done = step >= total_steps;
@@ -285,7 +309,9 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         fsdp::CollectiveWatchdog::instance().set_step(step + 1);
         const double lr = lr_at(cfg, step, epoch, total_steps);
         for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
-        const StepOutcome outcome = train_step(*model, *optimizer, data, loader, accum, clip, g_stop_signal, world, phases);
+        std::function<void()> decay;
+        if (decay_mask) decay = [&, lr] { decay_mask->apply(lr, cfg.optim.weight_decay); };
+        const StepOutcome outcome = train_step(*model, *optimizer, data, loader, accum, clip, g_stop_signal, world, phases, decay);
         samples_trained += outcome.samples;
         if (outcome.nonfinite && !skip_nonfinite)
           throw RankError("non-finite loss or gradient norm at step " + std::to_string(step + 1) + " (epoch " + std::to_string(epoch + 1) +
@@ -311,6 +337,15 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
           next_sample_index = (micro + accum) * batch * world.size();
         }
         done = step >= total_steps;
+        // An evaluation after this step (eval.every_steps and the last step; by default the epoch's last
+        // step), before the log line that reports it; its time is not training time.
+        std::optional<EvalResult> step_eval;
+        const bool epoch_ends = micro + accum >= micro_end;
+        if (data.has_test && (eval_every > 0 ? step % eval_every == 0 : epoch_ends) || (data.has_test && done)) {
+          const auto pause_start = Clock::now();
+          step_eval = run_evaluation(epoch, step);
+          window_pause += seconds_since(pause_start);
+        }
         if (step % log_every == 0 || done) {
           double stats[2] = {window_loss / static_cast<double>(window_steps), static_cast<double>(window_samples)};
           world.all_reduce(stats, stats, 2, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
@@ -320,22 +355,24 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
           if (root) {
             const double elapsed = seconds_since(train_start);
             const double eta = elapsed / static_cast<double>(step - state.step) * static_cast<double>(total_steps - step);
-            const char* unit = data.tokens ? "seq/s" : "samples/s";
+            // Language models count tokens (model.context per sequence), as llm.c and nanoGPT report.
+            const char* unit = data.tokens ? "tokens/s" : "samples/s";
+            const double shown_rate = data.tokens ? rate * static_cast<double>(data.sequence_length() - 1) : rate;
             if (!quiet) {
               std::printf("%sepoch %lld step %lld/%lld  loss %.4f  lr %.3g  %.0f %s  ETA %s%s", live ? "\r" : "", static_cast<long long>(epoch + 1),
-                          static_cast<long long>(step), static_cast<long long>(total_steps), loss_avg, lr, rate, unit, format_duration(eta).c_str(),
-                          live ? "   " : "\n");
+                          static_cast<long long>(step), static_cast<long long>(total_steps), loss_avg, lr, shown_rate, unit,
+                          format_duration(eta).c_str(), live ? "   " : "\n");
               std::fflush(stdout);
             }
-            if (write_metrics) {
-              metrics.row(step, epoch + 1, loss_avg, lr, rate, step_ms.back(), elapsed);
-            }
+            if (write_metrics) metrics.row(step, epoch + 1, loss_avg, lr, rate, step_ms.back(), elapsed, step_eval, data.tokens);
           }
           window_loss = 0;
           window_steps = 0;
           window_samples = 0;
           window_start = Clock::now();
           window_pause = 0;
+        } else if (step_eval && root && write_metrics) {
+          metrics.eval_row(step, epoch + 1, *step_eval, data.tokens);
         }
         if (flags[0]) {
           save();
@@ -355,16 +392,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         }
       }
       if (live && root && !quiet) std::printf("\n");
-      if (data.has_test) {
-        const auto pause_start = Clock::now();
-        Timed t(phases.eval, "eval");
-        last_eval = evaluate(*model, data, cfg.data.test_batch_size, world);
-        evaluated = true;
-        if (root && !quiet)
-          std::printf("epoch %lld: test loss %.4f, accuracy %.2f%% (%lld %s)\n", static_cast<long long>(epoch + 1), last_eval.loss,
-                      100 * last_eval.accuracy, static_cast<long long>(last_eval.samples), data.tokens ? "tokens" : "samples");
-        window_pause += seconds_since(pause_start);
-      }
+
     }
     if (save_final) save();
     {
@@ -382,8 +410,12 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     totals.skipped_steps = skipped_steps;
     totals.samples_trained = samples_trained;
     totals.tokens_per_sample = data.tokens ? data.sequence_length() - 1 : 0;
+    if (cfg.model.kind == "transformer") totals.flops_per_token = gpt_config(cfg.model).flops_per_token(model->num_params());
     totals.last_loss = last_loss;
-    if (evaluated) totals.eval = last_eval;
+    if (evaluated) {
+      totals.eval = last_eval;
+      totals.eval_step = eval_step;
+    }
     totals.wall_s = seconds_since(wall_start);
     totals.train_elapsed_s = seconds_since(train_start);
     totals.phases = phases;

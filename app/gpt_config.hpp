@@ -18,6 +18,12 @@ struct GptConfig {
 
   /// Rows of the token embedding and the LM head.
   std::int64_t padded_vocab() const { return (vocab_size + vocab_pad_multiple - 1) / vocab_pad_multiple * vocab_pad_multiple; }
+
+  /// Training FLOPs per token, nanoGPT's and llm.c's estimate: 6 per parameter (forward and backward)
+  /// plus attention's 12 n_layers d_model context; `num_params` counts every parameter once.
+  double flops_per_token(std::int64_t num_params) const {
+    return 6.0 * static_cast<double>(num_params) + 12.0 * static_cast<double>(n_layers * d_model * context);
+  }
 };
 
 }  // namespace fsdp::app

@@ -30,7 +30,7 @@ int resolve_threads(const Deck& deck, const Placement& p) {
 
 }  // namespace
 
-std::vector<std::string> split_layer_classes(const std::string& names) {
+std::vector<std::string> split_name_list(const std::string& names) {
   std::vector<std::string> out;
   std::stringstream ss(names);
   for (std::string n; std::getline(ss, n, ',');) {
@@ -151,6 +151,16 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   optim.warmup_steps = deck.get_int("optim.warmup_steps");
   optim.clip_grad_norm = deck.get_float("optim.clip_grad_norm");
   optim.grad_accum_steps = deck.get_int("optim.grad_accum_steps");
+  optim.lr_min = deck.get_float("optim.lr_min");
+  optim.decay_fraction = deck.get_float("optim.decay_fraction");
+  optim.no_decay = split_name_list(deck.get_string("optim.no_decay"));
+  for (const auto& kind : optim.no_decay)
+    if (kind != "bias" && kind != "norm" && kind != "embedding")
+      throw DeckError(blame(deck, "optim.no_decay") + "'" + kind + "' is not one of bias, norm, embedding");
+  if (!optim.no_decay.empty() && optim.kind != "adamw")
+    throw DeckError(blame(deck, "optim.no_decay") + "takes parameters out of adamw's decoupled weight decay; optim.kind is \"" + optim.kind + "\"");
+  if (optim.lr_min >= optim.lr && optim.schedule != "constant")
+    throw DeckError(blame(deck, "optim.lr_min") + std::to_string(optim.lr_min) + " must be below optim.lr " + std::to_string(optim.lr));
   if (const auto global = deck.get_int("data.global_batch_size"); global > 0) {
     if (deck.entry("optim.grad_accum_steps").source != Source::kDefault)
       throw DeckError(blame(deck, "optim.grad_accum_steps") + "is derived from data.global_batch_size (" + deck.entry("data.global_batch_size").where +
@@ -170,7 +180,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.sharding_strategy = parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
   f.auto_wrap_policy = deck.get_string("fsdp.auto_wrap_policy");
   f.min_num_params = deck.get_int("fsdp.min_num_params");
-  f.transformer_layer_cls_to_wrap = split_layer_classes(deck.get_string("fsdp.transformer_layer_cls_to_wrap"));
+  f.transformer_layer_cls_to_wrap = split_name_list(deck.get_string("fsdp.transformer_layer_cls_to_wrap"));
   f.transformer_layer_cls_where = deck.entry("fsdp.transformer_layer_cls_to_wrap").where;
   f.backward_prefetch_name = deck.get_string("fsdp.backward_prefetch");
   f.backward_prefetch = parse_backward_prefetch(f.backward_prefetch_name);
@@ -222,6 +232,9 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   }
   if (ckpt.export_names == "hf-gpt2" && c.model.kind != "transformer")
     throw DeckError(blame(deck, "checkpoint.export_names") + "hf-gpt2 names a GPT-2; model.kind is \"" + c.model.kind + "\"");
+
+  c.eval.every_steps = deck.get_int("eval.every_steps");
+  c.eval.max_batches = deck.get_int("eval.max_batches");
 
   auto& log = c.log;
   log.every_steps = deck.get_int("log.every_steps");

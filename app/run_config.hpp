@@ -73,7 +73,9 @@ struct OptimSection {
   std::string kind;  ///< sgd, adam, adamw, adadelta
   double lr = 1.0, weight_decay = 0, momentum = 0;
   std::vector<double> betas;
-  std::string schedule;  ///< constant, step, cosine
+  std::string schedule;  ///< constant, step, cosine, wsd
+  double lr_min = 0, decay_fraction = 0.2;
+  std::vector<std::string> no_decay;  ///< bias, norm, embedding
   double gamma = 0.7;
   std::int64_t warmup_steps = 0;
   double clip_grad_norm = 0;
@@ -129,6 +131,11 @@ struct CheckpointSection {
   std::string export_dtype;  ///< fp32, bf16 or fp16; empty: as trained
 };
 
+struct EvalSection {
+  std::int64_t every_steps = 0;  ///< 0: after every epoch
+  std::int64_t max_batches = 0;  ///< 0: the whole split
+};
+
 struct LogSection {
   std::int64_t every_steps = 10;
   std::string progress;      ///< auto, live, plain, none
@@ -146,6 +153,7 @@ struct RunConfig {
   FsdpSection fsdp;
   CommSection comm;
   CheckpointSection checkpoint;
+  EvalSection eval;
   LogSection log;
 };
 
@@ -172,7 +180,8 @@ ModelSection resolve_model_section(const Deck& deck);
 /// A DeckError naming where the key was set and the model's types otherwise (fsdp-train and fsdp-plan alike).
 void check_wrap_classes(const FsdpSection& fsdp, const std::set<std::string>& types, const std::set<std::string>& also_accepted = {});
 
-/// The class names of fsdp.transformer_layer_cls_to_wrap ("A, B" split at commas, blanks dropped).
-std::vector<std::string> split_layer_classes(const std::string& names);
+/// The names of a names-list key (fsdp.transformer_layer_cls_to_wrap, optim.no_decay): "A, B" split at
+/// commas, blanks dropped.
+std::vector<std::string> split_name_list(const std::string& names);
 
 }  // namespace fsdp::app

@@ -40,6 +40,15 @@ run(0 ${train1} ${DECK} ${common} --set data.batch_size=64 --set run.out_dir=${W
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/np2/checkpoints ${WORK_DIR}/np1/checkpoints --rtol 1e-5)
 expect_in("${last_output}" "/model/fc1.weight")
 
+# 2b. Evaluation of the image models every 8 steps on at most 1 batch (of 256 per rank): on the
+#    progress and in metrics.csv, no perplexity; the weights equal those of the run without it.
+run(0 ${train2} ${DECK} ${common} --set data.batch_size=32 --set run.out_dir=${WORK_DIR}/np2_eval --set eval.every_steps=8
+    --set eval.max_batches=1)
+expect_in("${last_output}" "epoch 1 step 8: test loss [0-9.]+, accuracy [0-9.]+% \\(512 samples\\)")
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/np2_eval/checkpoints ${WORK_DIR}/np2/checkpoints)
+file(STRINGS ${WORK_DIR}/np2_eval/metrics.csv rows)
+expect_in("${rows}" ";8,1,[0-9.]+,[^;]*,[0-9.]+,;")
+
 # 3. Resume: 12 steps, then a second run continues to 24; bit-identical to the smoke run's step 24.
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/resume --set run.max_steps=12)
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/resume)

@@ -61,7 +61,7 @@ BOOST_AUTO_TEST_CASE(schema_is_consistent) {
       }
     }
   }
-  const std::vector<std::string> sections{"run", "model", "data", "optim", "fsdp", "comm", "checkpoint", "log"};
+  const std::vector<std::string> sections{"run", "model", "data", "optim", "fsdp", "comm", "checkpoint", "eval", "log"};
   BOOST_TEST(deck_sections() == sections, boost::test_tools::per_element());
   BOOST_TEST(find_key("optim.nope") == nullptr);
 }
@@ -163,7 +163,7 @@ BOOST_AUTO_TEST_CASE(unknown_section) {
   BOOST_TEST(problem_of("[run]\nseed = 2\n\n[optimizer]\nlr = 1\n") == "inputs/a.toml:4: optimizer: unknown section (did you mean optim?)");
   BOOST_TEST(problem_of("[checkpoints]\n") == "inputs/a.toml:1: checkpoints: unknown section (did you mean checkpoint?)");
   BOOST_TEST(problem_of("[training]\n") ==
-             "inputs/a.toml:1: training: unknown section (the sections are run, model, data, optim, fsdp, comm, checkpoint, log)");
+             "inputs/a.toml:1: training: unknown section (the sections are run, model, data, optim, fsdp, comm, checkpoint, eval, log)");
   BOOST_TEST(starts_with(problem_of("[[run]]\nseed = 1\n"), "inputs/a.toml:1: run: expected a table [run], got an array of tables"));
   BOOST_TEST(problem_of("run = 3\n") == "inputs/a.toml:1: run: expected a table [run], got an integer (3)");
 }
@@ -628,4 +628,43 @@ BOOST_AUTO_TEST_CASE(a_global_batch_splits_into_micro_batches_for_each_world_siz
   BOOST_TEST(cfg.data.batch_size == 2);
   BOOST_TEST(cfg.optim.grad_accum_steps == 2);
   BOOST_TEST(cfg.data.global_batch_size == 12);
+}
+
+#include "train/schedule.hpp"
+
+BOOST_AUTO_TEST_CASE(learning_rate_schedules_with_warmup_and_floor) {
+  auto cfg_of = [](const std::string& text) { return resolve_run_config(Deck::parse(text, "inputs/a.toml", {}), placement_of(1, 1)); };
+  // Warmup 2 then cosine from 1.0 to the floor 0.1 over steps 2..11 (the last step reaches the floor).
+  const auto cosine = cfg_of("[optim]\nkind = \"adamw\"\nlr = 1.0\nlr_min = 0.1\nschedule = \"cosine\"\nwarmup_steps = 2\n");
+  BOOST_TEST(lr_at(cosine, 0, 0, 12) == 0.5);
+  BOOST_TEST(lr_at(cosine, 1, 0, 12) == 1.0);
+  BOOST_TEST(lr_at(cosine, 2, 0, 12) == 1.0);
+  BOOST_TEST(std::abs(lr_at(cosine, 11, 0, 12) - 0.1) < 1e-12);
+  BOOST_TEST(std::abs(lr_at(cosine, 6, 0, 12) - (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * 4.0 / 9.0)))) < 1e-12);
+  // wsd: stable at 1.0, then the last 20% (2 of 10 steps) linearly down to 0.1.
+  const auto wsd = cfg_of("[optim]\nkind = \"adamw\"\nlr = 1.0\nlr_min = 0.1\nschedule = \"wsd\"\nwarmup_steps = 1\ndecay_fraction = 0.2\n");
+  BOOST_TEST(lr_at(wsd, 0, 0, 10) == 1.0);  // warmup of one step: 1.0 x 1/1
+  BOOST_TEST(lr_at(wsd, 7, 0, 10) == 1.0);
+  BOOST_TEST(std::abs(lr_at(wsd, 8, 0, 10) - 0.55) < 1e-12);
+  BOOST_TEST(std::abs(lr_at(wsd, 9, 0, 10) - 0.1) < 1e-12);
+  // step: gamma per epoch, not below the floor.
+  const auto step = cfg_of("[optim]\nlr = 1.0\nlr_min = 0.4\nschedule = \"step\"\ngamma = 0.5\n");
+  BOOST_TEST(lr_at(step, 0, 1, 100) == 0.5);
+  BOOST_TEST(lr_at(step, 0, 2, 100) == 0.4);
+  // Checks between the keys (made when the deck is resolved).
+  auto resolve_error = [&](const std::string& text) {
+    try {
+      cfg_of(text);
+    } catch (const DeckError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(resolved)");
+  };
+  BOOST_TEST(resolve_error("[optim]\nlr = 0.1\nlr_min = 0.1\nschedule = \"cosine\"\n").find("optim.lr_min: 0.100000 must be below optim.lr") !=
+             std::string::npos);
+  BOOST_TEST(resolve_error("[optim]\nkind = \"adam\"\nno_decay = [\"bias\"]\n").find("optim.no_decay: takes parameters out of adamw") !=
+             std::string::npos);
+  BOOST_TEST(resolve_error("[optim]\nkind = \"adamw\"\nno_decay = [\"bias\", \"gain\"]\n").find("'gain' is not one of bias, norm, embedding") !=
+             std::string::npos);
+  BOOST_TEST((cfg_of("[optim]\nkind = \"adamw\"\nno_decay = [\"bias\", \"norm\"]\n").optim.no_decay == std::vector<std::string>{"bias", "norm"}));
 }

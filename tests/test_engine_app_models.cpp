@@ -73,3 +73,82 @@ BOOST_AUTO_TEST_CASE(the_engines_units_equal_fsdp_plans_for_the_app_models) {
     }
   }
 }
+
+#include "train/weight_decay.hpp"
+
+// optim.no_decay: the engine's AdamW without decay plus WeightDecayMask equals single-process AdamW with
+// two real parameter groups (decay on the Linear weights only; none on biases, LayerNorms, embeddings
+// and the tied head), within 1e-5 over the whole model (see compare()).
+BOOST_AUTO_TEST_CASE(no_decay_equals_adamw_parameter_groups) {
+  auto world = MpiComm::world();
+  const int n = world.size(), r = world.rank();
+  fsdp::app::GptConfig c;
+  c.vocab_size = 61;
+  c.vocab_pad_multiple = 8;  // 64 rows: padding in the embedding
+  c.context = 8;
+  c.d_model = 16;
+  c.n_heads = 2;
+  c.n_layers = 2;
+  c.dropout = 0;
+  c.gelu_tanh = true;
+  const double lr = 1e-2, wd = 0.1;
+  constexpr std::int64_t kRows = 3;
+  auto make = [&] {
+    torch::manual_seed(7);
+    return std::make_shared<fsdp::app::GptImpl>(c);
+  };
+  auto batch = [&](int step) {
+    torch::manual_seed(100 + step);
+    return torch::randint(0, c.vocab_size, {kRows * n, c.context + 1}, torch::kLong);
+  };
+  auto lm_loss = [&](const torch::Tensor& logits, const torch::Tensor& y) {
+    return torch::nll_loss(torch::log_softmax(logits.reshape({-1, logits.size(-1)}), 1), y.reshape({-1}));
+  };
+  auto is_decayed = [](const std::string& name) {  // the Linear weights of the blocks
+    for (const char* suffix : {".attn.qkv.weight", ".attn.proj.weight", ".fc.weight", ".out.weight"})
+      if (name.size() > std::strlen(suffix) && name.compare(name.size() - std::strlen(suffix), std::strlen(suffix), suffix) == 0) return true;
+    return false;
+  };
+
+  auto ref = make();
+  std::vector<torch::Tensor> decay, keep;
+  std::int64_t decayed_numel = 0;
+  for (const auto& p : ref->named_parameters()) {
+    if (p.key() == "head.weight") continue;  // tied to tok.weight: listed once
+    (is_decayed(p.key()) ? decay : keep).push_back(p.value());
+    if (is_decayed(p.key())) decayed_numel += p.value().numel();
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr).weight_decay(wd)));
+  groups.emplace_back(keep, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr).weight_decay(0)));
+  torch::optim::AdamW ref_opt(std::move(groups), torch::optim::AdamWOptions(lr));
+
+  FsdpOptions options;
+  options.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types({"TransformerBlock"});
+  auto net = make();
+  auto model = fsdp::make_fsdp(net, world, options);
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0));
+  fsdp::app::WeightDecayMask mask(*model, {"bias", "norm", "embedding"});
+  std::int64_t decaying = mask.decaying_elements();
+  world.all_reduce(&decaying, &decaying, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kSum);
+  BOOST_TEST(decaying == decayed_numel);  // every decayed element once, at every world size, padding excluded
+
+  for (int step = 0; step < 4; ++step) {
+    const auto tokens = batch(step);
+    ref_opt.zero_grad();
+    lm_loss(ref->forward(tokens.narrow(1, 0, c.context)), tokens.narrow(1, 1, c.context)).backward();
+    ref_opt.step();
+    const auto local = tokens.narrow(0, r * kRows, kRows);
+    opt.zero_grad();
+    lm_loss(model->forward(local.narrow(1, 0, c.context)), local.narrow(1, 1, c.context)).backward();
+    mask.apply(lr, wd);
+    opt.step();
+  }
+  std::map<std::string, torch::Tensor> ref_params;
+  for (const auto& p : ref->named_parameters()) ref_params[p.key()] = p.value().detach().clone();
+  std::map<std::string, torch::Tensor> got;
+  for (auto& [name, t] : model->full_parameters()) got[name] = t;
+  compare(got, ref_params);
+  // Without the mask the same run decays everything: the exemption matters.
+  BOOST_TEST(decaying < model->num_params());
+}

@@ -47,7 +47,26 @@ run(0 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=24 --set data
 expect_in("${last_output}" "resumed from [^\n]*step_00000021.h5 at step 21")
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/resume3/checkpoints ${WORK_DIR}/np1/checkpoints --rtol 1e-5)
 
-# 4. Bad files: every rank exits 2, the message names the file (and the byte offset).
+# 4. Evaluation every 5 steps on 2 batches of the validation shard: loss and perplexity in metrics.csv,
+#    the progress and summary.json; the trained weights are those of the run without it, bit for bit.
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=24 --set data.batch_size=3 --set run.out_dir=${WORK_DIR}/eval
+    --set eval.every_steps=5 --set eval.max_batches=2 --set log.every_steps=4 --set data.test_batch_size=4)
+expect_in("${last_output}" "epoch 1 step 5: eval loss [0-9.]+, perplexity [0-9.]+, accuracy [0-9.]+% \\(256 tokens\\)")
+expect_in("${last_output}" "epoch 1 step 24: eval loss")
+expect_in("${last_output}" "tokens/s")
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/eval/checkpoints ${WORK_DIR}/np2/checkpoints)
+file(STRINGS ${WORK_DIR}/eval/metrics.csv rows)
+list(GET rows 0 header)
+expect_in("${header}" "^step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl$")
+expect_in("${rows}" ";5,1,,,,,,[0-9.]+,[0-9.]+;")     # an evaluation after a step without a log row
+expect_in("${rows}" ";20,1,[0-9.]+,[^;]*,[0-9.]+,[0-9.]+;")  # a logged step with its evaluation
+expect_in("${rows}" ";8,1,[0-9.]+,[^;]*,,;")             # a logged step without one
+file(READ ${WORK_DIR}/eval/summary.json summary)
+foreach(key "eval_step.: 24," "eval_perplexity.: [0-9]" "test_loss.: [0-9]" "tokens_per_s.: [0-9]" "model_flops_per_s.: [0-9]")
+  expect_in("${summary}" "${key}")
+endforeach()
+
+# 5. Bad files: every rank exits 2, the message names the file (and the byte offset).
 run(0 ${make} ${d}/magic --tokens 500 --bad-magic)
 run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set data.path=${d}/magic_*.bin --set run.out_dir=${WORK_DIR}/bad_magic)
 expect_in("${last_output}" "magic_000000.bin': magic 12345 at byte offset 0")

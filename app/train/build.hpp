@@ -17,6 +17,7 @@
 #include "plan/model_check.hpp"
 #include "run_config.hpp"
 #include "train/ranks.hpp"
+#include "train/schedule.hpp"
 
 namespace fsdp::app {
 
@@ -94,10 +95,12 @@ inline Placement::Gpu probe_gpu() {
   return gpu;
 }
 
+/// The optimizer of the deck. With optim.no_decay, adamw runs without decay of its own: the
+/// WeightDecayMask (weight_decay.hpp) applies it, element by element, before each step.
 template <class Engine>
 inline std::unique_ptr<torch::optim::Optimizer> build_optimizer(const RunConfig& cfg, Engine& model) {
   const std::string kind = cfg.optim.kind;
-  const double lr = cfg.optim.lr, wd = cfg.optim.weight_decay;
+  const double lr = cfg.optim.lr, wd = cfg.optim.no_decay.empty() ? cfg.optim.weight_decay : 0.0;
   const auto params = model.parameters();
   if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(cfg.optim.momentum).weight_decay(wd));
   const auto& betas = cfg.optim.betas;
@@ -105,23 +108,6 @@ inline std::unique_ptr<torch::optim::Optimizer> build_optimizer(const RunConfig&
   if (kind == "adamw")
     return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
   return std::make_unique<fsdp::optim::Adadelta>(params, fsdp::optim::AdadeltaOptions(lr).weight_decay(wd));
-}
-
-/// The learning rate at optimizer step `step` (0-based) in `epoch`: a linear warmup from 0 to
-/// optim.lr over optim.warmup_steps, then the schedule (cosine: from optim.lr down to 0 at the last
-/// step; step: optim.lr x gamma^epoch; constant).
-inline double lr_at(const RunConfig& cfg, std::int64_t step, std::int64_t epoch, std::int64_t total_steps) {
-  const double base = cfg.optim.lr;
-  const auto warmup = cfg.optim.warmup_steps;
-  if (step < warmup) return base * static_cast<double>(step + 1) / static_cast<double>(warmup);
-  const std::string schedule = cfg.optim.schedule;
-  if (schedule == "step") return base * std::pow(cfg.optim.gamma, static_cast<double>(epoch));  // StepLR(step_size=1) per epoch
-  if (schedule == "cosine") {
-    const double span = static_cast<double>(std::max<std::int64_t>(1, total_steps - warmup - 1));
-    const double progress = std::min(1.0, static_cast<double>(step - warmup) / span);
-    return base * 0.5 * (1 + std::cos(M_PI * progress));
-  }
-  return base;
 }
 
 /// --check-plan: fsdp-plan's closed-form model (app/plan/) against the model LibTorch builds: module

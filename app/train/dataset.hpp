@@ -179,9 +179,10 @@ struct EvalResult {
   std::int64_t samples = 0;
 };
 
-/// The tutorial's test(): loss summed and correct predictions counted on each rank, reduced.
+/// The tutorial's test(): loss summed and correct predictions counted on each rank, reduced; at most
+/// `max_batches` batches per rank (0: the whole split). For a language model the loss is per token.
 template <class Engine>
-inline EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, MpiComm& world) {
+inline EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, MpiComm& world, std::int64_t max_batches = 0) {
   model.eval();
   torch::NoGradGuard no_grad;
   // Rank r takes samples r, r+N, ...: every sample exactly once (no padding).
@@ -190,6 +191,7 @@ inline EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, 
   // Every rank runs the same number of (collective) forwards, the last ones possibly empty.
   std::int64_t batches = (static_cast<std::int64_t>(idx.size()) + batch - 1) / batch;
   world.all_reduce(&batches, &batches, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+  if (max_batches > 0) batches = std::min(batches, max_batches);
   double sums[3] = {0, 0, 0};  // loss, correct, count
   for (std::int64_t k = 0; k < batches; ++k) {
     const auto begin = std::min(static_cast<std::size_t>(k * batch), idx.size());

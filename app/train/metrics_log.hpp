@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cctype>
+#include <cmath>
+#include <optional>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -9,9 +11,13 @@
 #include <string>
 #include <vector>
 
+#include "train/dataset.hpp"
+
 namespace fsdp::app {
 
-/// metrics.csv: step, epoch, loss, lr, samples per second, step ms and elapsed seconds per logged step.
+/// metrics.csv: step, epoch, loss, lr, samples per second, step ms and elapsed seconds per logged step,
+/// and the evaluation's loss (and perplexity for language models) on the row of the step it followed
+/// (a row of its own, train columns empty, when that step logged nothing).
 class MetricsLog {
  public:
   /// Starts the file at `path`; resuming at `resumed_step` > 0 keeps the rows up to that step (a crashed
@@ -26,16 +32,32 @@ class MetricsLog {
     }
     out_.open(path, std::ios::trunc);
     if (!out_) throw std::runtime_error("cannot write '" + path.string() + "'");
-    out_ << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s\n";
+    out_ << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl\n";
     for (const auto& l : kept) out_ << l << "\n";
     out_.flush();
   }
-  void row(std::int64_t step, std::int64_t epoch, double loss, double lr, double rate, double step_ms, double elapsed_s) {
-    out_ << step << "," << epoch << "," << loss << "," << lr << "," << rate << "," << step_ms << "," << elapsed_s << "\n";
-    out_.flush();
+  void row(std::int64_t step, std::int64_t epoch, double loss, double lr, double rate, double step_ms, double elapsed_s,
+           const std::optional<EvalResult>& eval = std::nullopt, bool language_model = false) {
+    out_ << step << "," << epoch << "," << loss << "," << lr << "," << rate << "," << step_ms << "," << elapsed_s << ",";
+    eval_cells(eval, language_model);
+  }
+  /// An evaluation after a step that logged no row.
+  void eval_row(std::int64_t step, std::int64_t epoch, const EvalResult& eval, bool language_model) {
+    out_ << step << "," << epoch << ",,,,,,";
+    eval_cells(eval, language_model);
   }
 
  private:
+  void eval_cells(const std::optional<EvalResult>& eval, bool language_model) {
+    if (eval) {
+      out_ << eval->loss << ",";
+      if (language_model) out_ << std::exp(eval->loss);
+    } else {
+      out_ << ",";
+    }
+    out_ << "\n";
+    out_.flush();
+  }
   std::ofstream out_;
 };
 

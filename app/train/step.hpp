@@ -9,6 +9,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 
@@ -27,11 +28,13 @@ struct StepOutcome {
 };
 
 /// Runs `accum` micro-batches from `loader` and the optimizer step (the learning rate is set by the
-/// caller). `stop_signal` is this rank's pending signal (set by a handler), read after the micro-batches
-/// and shared with the others. Collective.
+/// caller); `before_update`, if set, runs right before the optimizer's step (optim.no_decay's decay).
+/// `stop_signal` is this rank's pending signal (set by a handler), read after the micro-batches and
+/// shared with the others. Collective.
 template <class Engine, class Loader>
 StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const Dataset& data, Loader& loader, std::int64_t accum, double clip,
-                       const volatile std::sig_atomic_t& stop_signal, MpiComm& world, Phases& phases) {
+                       const volatile std::sig_atomic_t& stop_signal, MpiComm& world, Phases& phases,
+                       const std::function<void()>& before_update = {}) {
   StepOutcome out;
   optimizer.zero_grad();
   for (std::int64_t a = 0; a < accum; ++a) {
@@ -61,7 +64,10 @@ StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const 
   world.all_reduce(flags, flags, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
   out.stop_signal = flags[0];
   out.nonfinite = flags[1] != 0;
-  if (!out.nonfinite) optimizer.step();
+  if (!out.nonfinite) {
+    if (before_update) before_update();
+    optimizer.step();
+  }
   return out;
 }
 

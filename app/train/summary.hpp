@@ -29,8 +29,10 @@ struct RunTotals {
   std::filesystem::path metrics_path;  ///< "" when metrics.csv was not written
   std::int64_t steps = 0, resumed_from_step = 0, skipped_steps = 0, samples_trained = 0;
   std::int64_t tokens_per_sample = 0;  ///< language models: tokens predicted per sequence; 0 otherwise
+  double flops_per_token = 0;          ///< language models: training FLOPs per token (6 N + 12 L d T); 0 otherwise
   double last_loss = std::nan("");
   std::optional<EvalResult> eval;  ///< the last evaluation, if any ran
+  std::int64_t eval_step = 0;      ///< the step it followed
   double wall_s = 0;               ///< since the program started
   double train_elapsed_s = 0;      ///< since training started (checkpoints and evaluation included)
   Phases phases;
@@ -86,11 +88,19 @@ void write_summary(MpiComm& world, const MpiComm::Placement& placement, const Ru
     if (t.eval) {
       js["test_loss"] = t.eval->loss;
       js["test_accuracy"] = t.eval->accuracy;
+      js["eval_step"] = t.eval_step;
+      if (t.tokens_per_sample > 0) js["eval_perplexity"] = std::exp(t.eval->loss);
     }
     js["wall_s"] = wall;
     js["train_s"] = train_s;
     js["step_ms_median"] = median_ms;
     js[t.tokens_per_sample > 0 ? "tokens_per_s" : "samples_per_s"] = t.tokens_per_sample > 0 ? rate * static_cast<double>(t.tokens_per_sample) : rate;
+    if (t.flops_per_token > 0) {
+      // Achieved model FLOP/s: nanoGPT's and llm.c's estimate (forward and backward of every parameter,
+      // plus attention), from the training throughput; hardware-independent, no recomputation counted.
+      js["model_flops_per_token"] = t.flops_per_token;
+      js["model_flops_per_s"] = t.flops_per_token * rate * static_cast<double>(t.tokens_per_sample);
+    }
     js["peak_rss_mb"] = rss;
     auto& phases_js = js["phases"] = nlohmann::ordered_json::object();
     for (const auto& [n, st] : phase_stats) phases_js[n] = min_avg_max(st);
