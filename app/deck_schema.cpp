@@ -62,6 +62,13 @@ std::vector<KeySpec> make_schema() {
                               "when freed (glibc's M_MMAP_THRESHOLD, fixed); peak RSS then follows the bytes live, at the cost of "
                               "page faults on every large allocation. 0: glibc's default, a threshold that rises to 32 MiB and "
                               "keeps freed memory in the heap (docs/performance.md)"});
+  s.push_back({.key = "run.memory_check",
+               .type = T::kString,
+               .default_value = "refuse",
+               .choices = {"refuse", "warn", "off"},
+               .description = "before anything is built, fsdp-plan's predicted peak per rank x the ranks on the node is compared with "
+                              "the node's tightest limit (cgroup, Slurm --mem or --mem-per-cpu, MemAvailable): refuse (exit 2 with "
+                              "what would fit), warn, or off"});
   s.push_back({.key = "run.on_nonfinite",
                .type = T::kString,
                .default_value = "stop",

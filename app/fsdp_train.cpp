@@ -37,6 +37,7 @@
 #include "deck.hpp"
 #include "models.hpp"
 #include "run_config.hpp"
+#include "plan/fit_check.hpp"
 #include "train/build.hpp"
 #include "train/checkpointer.hpp"
 #include "train/step.hpp"
@@ -92,6 +93,15 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     resolved = resolve_run_config(deck, here);
   });
   const RunConfig& cfg = *resolved;
+  // The run's predicted memory against this node's limits, before anything is built (run.memory_check).
+  std::optional<FitVerdict> fit;
+  on_all_ranks(world, [&] {
+    if (cfg.run.memory_check == "off") return;
+    fit = check_memory_fit(deck, cfg, memory_limits());
+    if (!fit->fits && cfg.run.memory_check == "refuse") throw DeckError(fit_refusal(*fit, cfg.placement.ranks_per_node));
+  });
+  if (fit && !fit->fits && placement.local_rank == 0)
+    std::fprintf(stderr, "fsdp-train: warning: %s\n", fit_refusal(*fit, cfg.placement.ranks_per_node).c_str());
 
   const std::string name = cfg.run.name;
   const fs::path out_dir = cfg.run.out_dir;
@@ -158,6 +168,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                   threads);
       std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", backend.c_str(), cfg.fsdp.backend.c_str(),
                   model->compute_device().str().c_str(), cfg.fsdp.offload_params ? ", parameter shards offloaded to host memory" : "");
+      if (fit) std::printf("  memory: %s\n", fit_summary(*fit, cfg.placement.ranks_per_node).c_str());
       std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model->sharding_strategy()), model->shard_group_size(),
                   units.size(), static_cast<long long>(model->num_params()));
       std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",

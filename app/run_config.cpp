@@ -61,6 +61,7 @@ RunSection resolve_run_section(const Deck& deck, const Placement& placement) {
   run.threads = resolve_threads(deck, placement);
   run.malloc_mmap_threshold_mib = deck.get_int("run.malloc_mmap_threshold_mib");
   run.skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
+  run.memory_check = deck.get_string("run.memory_check");
   return run;
 }
 

@@ -42,6 +42,7 @@ struct RunSection {
   int threads = 1;             ///< resolved: run.threads, or the node's cores over its ranks
   std::int64_t malloc_mmap_threshold_mib = 0;
   bool skip_nonfinite = false;  ///< run.on_nonfinite = "skip"
+  std::string memory_check;     ///< refuse, warn, off
 };
 
 struct ModelSection {

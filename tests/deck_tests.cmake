@@ -128,7 +128,8 @@ endif()
 # ---- configure mode: the tests -----------------------------------------------------------------
 if(TARGET fsdp_deck)
   add_executable(test_deck test_deck.cpp)
-  target_link_libraries(test_deck PRIVATE fsdp_deck)
+  find_package(ZLIB REQUIRED)  # the memory planner reads IDX headers (gzip) for the fit check
+  target_link_libraries(test_deck PRIVATE fsdp_deck ZLIB::ZLIB)
   target_compile_definitions(test_deck PRIVATE FSDP_DOCS_DIR="${PROJECT_SOURCE_DIR}/docs")
   fsdp_boost_test(test_deck)
   add_test(NAME test_deck COMMAND test_deck --color_output=false --report_level=short)

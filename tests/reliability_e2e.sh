@@ -197,4 +197,22 @@ expect 0 "warning: moved 2 checkpoint\(s\) of another run" "$WORK/fresh.log"
 "$CKPT" verify "$WORK/latest/checkpoints/abandoned/step_00000008.h5" >/dev/null || fail "the kept checkpoint does not verify"
 [[ $(cat "$WORK/latest/checkpoints/latest") == step_00000008.h5 ]] || fail "latest does not name the new run's checkpoint"
 echo "ok: a fresh start kept the old run's checkpoints in abandoned/"
+
+# 11. A run that will not fit: a GPT of about 3 GiB per rank on a node whose Slurm allocation
+#     (--mem=2000, as SLURM_MEM_PER_NODE) is smaller: every rank exits 2 within seconds, before building
+#     anything, with the prediction, the limit, its source and what would fit; "warn" goes on.
+big=(--set model.kind=transformer --set data.kind=tokens --set model.d_model=1024 --set model.n_layers=12 --set model.context=64)
+run "$WORK/fit.log" "${MPI[@]}" -np 2 -x SLURM_MEM_PER_NODE=2000 "$TRAIN" "$DECK" "${big[@]}" --set run.out_dir="$WORK/fit"
+expect 2 "the run will not fit in memory: predicted peak [0-9]+ MiB per rank \(.*\) x 2 rank\(s\) = [0-9]+ MiB on this node; limit 2000 MiB \(Slurm --mem \(SLURM_MEM_PER_NODE=2000 MiB\)\)" "$WORK/fit.log"
+quick "$WORK/fit.log"
+(( $(cat "$WORK/fit.log.secs") < 15 )) || fail "the refusal took $(cat "$WORK/fit.log.secs") s"
+[[ ! -e "$WORK/fit/checkpoints" ]] || fail "a refused run wrote checkpoints"
+run "$WORK/fit_hint.log" "${MPI[@]}" -np 2 -x SLURM_MEM_PER_NODE=8500 "$TRAIN" "$DECK" "${big[@]}" --set run.out_dir="$WORK/fit_hint" \
+  --set fsdp.sharding_strategy=NO_SHARD
+expect 2 "What would fit: fsdp.sharding_strategy = \"FULL_SHARD\"" "$WORK/fit_hint.log"
+run "$WORK/fit_warn.log" "${MPI[@]}" -np 2 -x SLURM_MEM_PER_NODE=2000 "$TRAIN" "$DECK" "${big[@]}" --set run.out_dir="$WORK/fit_warn" \
+  --set run.memory_check=warn --dry-run
+expect 0 "warning: the run will not fit in memory" "$WORK/fit_warn.log"
+grep -q "memory: predicted peak .* limit 2000 MiB" "$WORK/fit_warn.log" || { cat "$WORK/fit_warn.log"; fail "the echo lacks the memory line"; }
+echo "ok: a run that would not fit was refused before it started, with what would fit"
 echo "all reliability cases passed"

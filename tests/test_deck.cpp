@@ -668,3 +668,71 @@ BOOST_AUTO_TEST_CASE(learning_rate_schedules_with_warmup_and_floor) {
              std::string::npos);
   BOOST_TEST((cfg_of("[optim]\nkind = \"adamw\"\nno_decay = [\"bias\", \"norm\"]\n").optim.no_decay == std::vector<std::string>{"bias", "norm"}));
 }
+
+#include "plan/fit_check.hpp"
+
+namespace {
+/// A fake /proc and /sys/fs/cgroup under `root`.
+void write_file(const fs::path& p, const std::string& text) {
+  fs::create_directories(p.parent_path());
+  std::ofstream(p) << text;
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(memory_limits_from_cgroups_slurm_and_meminfo) {
+  const fs::path root = fs::temp_directory_path() / ("fsdp_memlimit_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  std::map<std::string, std::string> env;
+  fsdp::app::MemoryProbe probe{root / "proc", root / "cgroup", [&](const char* k) { return env.count(k) ? env[k].c_str() : nullptr; }};
+  // cgroup v2: the job's cgroup is limited, its step's is not ("max"); the smaller of the path counts.
+  write_file(root / "proc/self/cgroup", "0::/job_7/step_0\n");
+  write_file(root / "cgroup/job_7/memory.max", "8589934592\n");
+  write_file(root / "cgroup/job_7/step_0/memory.max", "max\n");
+  write_file(root / "proc/meminfo", "MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n");
+  auto limits = fsdp::app::memory_limits(probe);
+  BOOST_REQUIRE(limits.size() == 2u);
+  BOOST_TEST(limits[0].bytes == 8589934592LL);
+  BOOST_TEST(limits[0].source.find("cgroup v2 limit") == 0u, limits[0].source);
+  BOOST_TEST(limits[0].source.find("job_7/memory.max") != std::string::npos, limits[0].source);
+  BOOST_TEST(limits[1].bytes == 20000000LL * 1024);
+  // Slurm: --mem per node, --mem-per-cpu times the node's CPUs; the tightest wins.
+  env = {{"SLURM_MEM_PER_NODE", "4096"}};
+  BOOST_TEST(fsdp::app::tightest(fsdp::app::memory_limits(probe))->source == "Slurm --mem (SLURM_MEM_PER_NODE=4096 MiB)");
+  env = {{"SLURM_MEM_PER_CPU", "1000"}, {"SLURM_CPUS_ON_NODE", "3"}};
+  const auto per_cpu = fsdp::app::tightest(fsdp::app::memory_limits(probe));
+  BOOST_TEST(per_cpu->bytes == 3000LL << 20);
+  BOOST_TEST(per_cpu->source.find("SLURM_MEM_PER_CPU=1000 MiB x 3 CPUs") != std::string::npos, per_cpu->source);
+  env = {{"SLURM_MEM_PER_NODE", "lots"}};  // not a number: ignored
+  BOOST_TEST(fsdp::app::memory_limits(probe).size() == 2u);
+  // cgroup v1 (the memory controller among others), with the unlimited sentinel at the top.
+  write_file(root / "proc/self/cgroup", "5:cpuacct,memory:/slurm/uid_0/job_9\n2:cpu:/\n");
+  write_file(root / "cgroup/memory/slurm/uid_0/job_9/memory.limit_in_bytes", "1073741824\n");
+  write_file(root / "cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  env.clear();
+  limits = fsdp::app::memory_limits(probe);
+  BOOST_TEST(limits[0].bytes == 1073741824LL);
+  BOOST_TEST(limits[0].source.find("cgroup v1 limit") == 0u, limits[0].source);
+  fs::remove_all(root);
+}
+
+BOOST_AUTO_TEST_CASE(a_run_that_does_not_fit_is_told_what_would) {
+  const auto deck = Deck::parse("[model]\nkind = \"transformer\"\nd_model = 512\nn_layers = 8\n[data]\nkind = \"tokens\"\nbatch_size = 32\n"
+                                "[fsdp]\nsharding_strategy = \"NO_SHARD\"\n",
+                                "inputs/a.toml", {});
+  const auto cfg = resolve_run_config(deck, placement_of(2, 2));
+  const auto roomy = fsdp::app::check_memory_fit(deck, cfg, {{std::int64_t{64} << 30, "test"}});
+  BOOST_TEST(roomy.fits);
+  BOOST_TEST(roomy.per_node == 2 * roomy.per_rank);
+  BOOST_TEST(fsdp::app::check_memory_fit(deck, cfg, {}).fits);  // no limit known: no refusal
+  // A budget just below the prediction: refused, with suggestions that the model says fit.
+  const fsdp::app::MemoryLimit tight{roomy.per_node - (std::int64_t{8} << 20), "test budget"};
+  const auto v = fsdp::app::check_memory_fit(deck, cfg, {tight});
+  BOOST_TEST(!v.fits);
+  BOOST_TEST(!v.suggestions.empty());
+  const auto text = fsdp::app::fit_refusal(v, 2);
+  BOOST_TEST(text.find("the run will not fit in memory: predicted peak") == 0u, text);
+  BOOST_TEST(text.find("limit ") != std::string::npos, text);
+  BOOST_TEST(text.find("(test budget)") != std::string::npos, text);
+  BOOST_TEST(text.find("fsdp.sharding_strategy = \"FULL_SHARD\"") != std::string::npos, text);  // sharding the state saves its copies
+  BOOST_TEST(text.find("data.batch_size = ") != std::string::npos, text);
+}
