@@ -26,6 +26,8 @@ std::vector<Case> cases() {
   gpt.gpt.n_layers = 3;
   fsdp::app::ModelShape untied = gpt;
   untied.gpt.tie_embeddings = false;
+  fsdp::app::ModelShape padded = untied;  // 61 tokens in 64 rows
+  padded.gpt.vocab_pad_multiple = 16;
   const fsdp::app::WrapDesc none{};
   const fsdp::app::WrapDesc blocks{.policy = "TRANSFORMER_BASED_WRAP", .types = {"TransformerBlock"}};
   auto size = [](std::int64_t n) { return fsdp::app::WrapDesc{.policy = "SIZE_BASED_WRAP", .min_num_params = n}; };
@@ -37,6 +39,7 @@ std::vector<Case> cases() {
           {"gpt blocks", gpt, blocks},
           {"gpt size", gpt, size(1000)},
           {"untied gpt blocks", untied, blocks},
+          {"padded untied gpt size", padded, size(1000)},
           {"gpt linears", gpt, {.policy = "TRANSFORMER_BASED_WRAP", .types = {"Linear", "LayerNorm"}}}};
 }
 
