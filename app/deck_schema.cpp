@@ -349,6 +349,13 @@ std::vector<KeySpec> make_schema() {
                .description = "communication: mpi (CPU tensors), nccl (GPU tensors: needs a CUDA LibTorch, a visible GPU and an "
                               "fsdp-train built with NCCL; a clear error otherwise), auto (nccl when all that holds, else mpi)"});
   // [comm]
+  s.push_back({.key = "comm.flight_recorder_entries",
+               .type = T::kInt,
+               .default_value = I{2000},
+               .min = 0,
+               .description = "each rank keeps its last this many collectives and dumps them to <run.out_dir>/flight_rank<R>.json "
+                              "when a collective deadline fires, a fatal signal arrives or the job ends on an error; the deadline's "
+                              "message names the first collective at which the ranks parted (docs/reliability.md); 0: off"});
   s.push_back({.key = "comm.timeout_s",
                .type = T::kFloat,
                .default_value = 600.0,

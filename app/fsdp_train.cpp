@@ -58,6 +58,23 @@ namespace {
 volatile std::sig_atomic_t g_stop_signal = 0;
 extern "C" void request_stop(int signo) { g_stop_signal = signo; }
 
+/// A fatal signal: this rank's flight recorder goes to disk (best effort: not async-signal-safe, as
+/// c10d's), then the signal does what it would have done.
+extern "C" void dump_flight_and_die(int signo) {
+  fsdp::FlightRecorder::instance().dump();
+  std::signal(signo, SIG_DFL);
+  std::raise(signo);
+}
+
+/// A test hook "RANK:STEP" in environment variable `name` that names this rank and step.
+bool test_hook_at(const char* name, int rank, std::int64_t step) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return false;
+  int r = -1;
+  long long s = -1;
+  return std::sscanf(v, "%d:%lld", &r, &s) == 2 && r == rank && s == step;
+}
+
 /// The engine over communicator `Comm`: MpiComm (CPU tensors) or, built with NCCL, NcclComm (GPUs).
 template <class Comm>
 using EngineOver = fsdp::FullyShardedDataParallel<AppModel, Comm>;
@@ -105,7 +122,10 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
 
   const std::string name = cfg.run.name;
   const fs::path out_dir = cfg.run.out_dir;
+  fsdp::FlightRecorder::instance().configure(static_cast<std::size_t>(cfg.comm.flight_recorder_entries), out_dir.string(), world.rank(),
+                                             world.size());
   fsdp::CollectiveWatchdog::instance().configure(cfg.comm.timeout_s, world.rank());
+  for (int sig : {SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL}) std::signal(sig, dump_flight_and_die);
   // log.trace: every rank records its timeline and writes it when the run ends, however it ends.
   fsdp::Tracer::instance().enable(cfg.log.trace && !dry_run);
   const TraceWriter trace_writer{out_dir, world.rank()};
@@ -359,7 +379,13 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         }
         if (step % log_every == 0 || done) {
           double stats[2] = {window_loss / static_cast<double>(window_steps), static_cast<double>(window_samples)};
-          world.all_reduce(stats, stats, 2, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+          // Test hooks (docs/reliability.md): one rank skips this collective, or issues another one.
+          if (test_hook_at("FSDP_TEST_SKIP_COLLECTIVE", world.rank(), step)) {
+          } else if (test_hook_at("FSDP_TEST_OTHER_COLLECTIVE", world.rank(), step)) {
+            world.barrier();
+          } else {
+            world.all_reduce(stats, stats, 2, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+          }
           const double loss_avg = stats[0] / world.size();
           const double rate = stats[1] / std::max(1e-9, seconds_since(window_start) - window_pause);
           last_loss = loss_avg;
@@ -490,6 +516,7 @@ int main(int argc, char** argv) {
     return e.code ? e.code : e.bad_input ? kExitBadInput : kExitFailure;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fsdp-train: error on rank %d: %s\n", world.rank(), e.what());
+    if (const auto path = fsdp::FlightRecorder::instance().dump()) std::fprintf(stderr, "fsdp-train: rank %d's last collectives: %s\n", world.rank(), path->c_str());
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, kExitFailure);  // other ranks may be waiting in a collective
     return kExitFailure;

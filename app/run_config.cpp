@@ -212,6 +212,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.backend_resolved = resolve_backend(f.backend, f.backend_where, placement.gpu);
 
   c.comm.timeout_s = deck.get_float("comm.timeout_s");
+  c.comm.flight_recorder_entries = deck.get_int("comm.flight_recorder_entries");
 
   auto& ckpt = c.checkpoint;
   ckpt.dir = deck.checkpoint_dir();

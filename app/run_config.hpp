@@ -114,6 +114,7 @@ struct FsdpSection {
 
 struct CommSection {
   double timeout_s = 600;  ///< every collective deadline: the watchdog, NCCL, the checkpoint barriers
+  std::int64_t flight_recorder_entries = 2000;
 };
 
 struct CheckpointSection {

@@ -215,4 +215,24 @@ run "$WORK/fit_warn.log" "${MPI[@]}" -np 2 -x SLURM_MEM_PER_NODE=2000 "$TRAIN" "
 expect 0 "warning: the run will not fit in memory" "$WORK/fit_warn.log"
 grep -q "memory: predicted peak .* limit 2000 MiB" "$WORK/fit_warn.log" || { cat "$WORK/fit_warn.log"; fail "the echo lacks the memory line"; }
 echo "ok: a run that would not fit was refused before it started, with what would fit"
+
+# 12. The flight recorder (test hooks FSDP_TEST_SKIP_COLLECTIVE / FSDP_TEST_OTHER_COLLECTIVE = RANK:STEP):
+#     rank 1 skips the loss all-reduce of step 4, or issues a barrier instead. With comm.timeout_s = 3
+#     every rank ends within seconds, each leaves flight_rank<R>.json, and the message names the first
+#     collective at which the ranks parted.
+for hook in SKIP OTHER; do
+  run "$WORK/flight_$hook.log" "${MPI[@]}" -np 3 -x FSDP_TEST_${hook}_COLLECTIVE=1:4 "$TRAIN" "$DECK" --set run.out_dir="$WORK/flight_$hook" \
+    --set comm.timeout_s=3
+  [[ $(cat "$WORK/flight_$hook.log.rc") != 0 ]] || { cat "$WORK/flight_$hook.log"; fail "a job whose ranks parted succeeded"; }
+  (( $(cat "$WORK/flight_$hook.log.secs") < 30 )) || fail "the job whose ranks parted took $(cat "$WORK/flight_$hook.log.secs") s to end"
+  for r in 0 1 2; do
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['rank']==$r and d['collectives'], d" "$WORK/flight_$hook/flight_rank$r.json" ||
+      fail "flight_rank$r.json missing or unreadable"
+  done
+done
+grep -Eq "flight recorder: collective #[0-9]+ of communicator world\{0,1,2\}: rank\(s\) 0,2 issued all_reduce \(16 bytes, step 4, not finished\); rank\(s\) 1 never did" \
+  "$WORK/flight_SKIP.log" || { cat "$WORK/flight_SKIP.log"; fail "the skipped collective is not named"; }
+grep -Eq "flight recorder: collective #[0-9]+ of communicator world\{0,1,2\}: rank\(s\) 0,2 issued all_reduce of 16 bytes while rank\(s\) 1 issued barrier" \
+  "$WORK/flight_OTHER.log" || { cat "$WORK/flight_OTHER.log"; fail "the different collective is not named"; }
+echo "ok: the flight recorder named the collective a rank skipped, and the one a rank issued instead"
 echo "all reliability cases passed"

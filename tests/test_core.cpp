@@ -408,3 +408,70 @@ BOOST_AUTO_TEST_CASE(run_lock_takes_over_a_stale_lock) {
   }
   std::filesystem::remove_all(dir);
 }
+
+#include "fsdp/comm/flight_recorder.hpp"
+
+BOOST_AUTO_TEST_CASE(flight_recorder_keeps_the_last_collectives_per_communicator) {
+  auto& fr = fsdp::FlightRecorder::instance();
+  const auto dir = std::filesystem::temp_directory_path() / ("fsdp_flight_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  fr.configure(3, dir.string(), 0, 1);
+  const int world = fr.register_comm("world", {0, 1});
+  BOOST_TEST(fr.register_comm("world", {0, 1}) == world);  // the same communicator, wrapped again
+  const std::string child = fr.child_name("world", "split");
+  BOOST_TEST(child == "world/split#0");
+  BOOST_TEST(fr.child_name("world", "split") == "world/split#1");
+  const int shard = fr.register_comm(child, {0});
+  for (int i = 0; i < 3; ++i) fsdp::FlightRecorder::Scope s(world, "all_reduce", 8, -1, i);
+  { fsdp::FlightRecorder::Scope s(shard, "all_gather", 64, 2, 3); }
+  const auto open = fr.begin(world, "barrier", 0, -1, 4);  // still running at the dump
+  const auto recs = fr.records();
+  BOOST_REQUIRE(recs.size() == 3u);  // a ring of 3: the oldest two went
+  BOOST_TEST(recs[0].seq == 3u);
+  BOOST_TEST(std::string(recs[1].kind) == "all_gather");
+  BOOST_TEST(recs[1].seq == 1u);  // numbered per communicator
+  BOOST_TEST(recs[2].seq == 4u);
+  BOOST_TEST(recs[2].end_s < 0);
+  const auto path = fr.dump();
+  BOOST_REQUIRE(path.has_value());
+  std::ifstream in(*path);
+  const auto dump = fsdp::parse_flight_dump(nlohmann::json::parse(in));
+  BOOST_TEST(dump.collectives.size() == 3u);
+  BOOST_TEST(dump.collectives[2].comm == "world{0,1}");
+  BOOST_TEST(!dump.collectives[2].finished);
+  fr.end(open);
+  fr.configure(0, "", 0, 1);
+  std::filesystem::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(flight_recorder_names_where_the_ranks_part) {
+  auto entry = [](std::uint64_t seq, const char* kind, std::int64_t bytes, bool finished) {
+    return fsdp::FlightDump::Entry{seq, "world{0,1,2}", kind, bytes, 7, -1, finished};
+  };
+  const std::vector<fsdp::FlightComm> comms{{"world", {0, 1, 2}}};
+  // Rank 1 skipped #5; ranks 0 and 2 wait in it.
+  std::vector<fsdp::FlightDump> skipped = {
+      {0, comms, {entry(4, "all_reduce", 16, true), entry(5, "all_reduce", 16, false)}},
+      {1, comms, {entry(4, "all_reduce", 16, true)}},
+      {2, comms, {entry(4, "all_reduce", 16, true), entry(5, "all_reduce", 16, false)}},
+  };
+  const auto a = fsdp::first_disagreement(skipped);
+  BOOST_TEST(a.find("collective #5 of communicator world{0,1,2}: rank(s) 0,2 issued all_reduce (16 bytes, step 7, not finished); rank(s) 1 never did") ==
+                 std::string("flight recorder: ").size(),
+             a);
+  BOOST_TEST(a.find("rank 1's last there: #4 all_reduce") != std::string::npos, a);
+  // Rank 2 issued a barrier where the others issued an all-gather.
+  std::vector<fsdp::FlightDump> other = {
+      {0, comms, {entry(4, "all_reduce", 16, true), entry(5, "all_gather", 1024, false)}},
+      {1, comms, {entry(4, "all_reduce", 16, true), entry(5, "all_gather", 1024, false)}},
+      {2, comms, {entry(4, "all_reduce", 16, true), entry(5, "barrier", 0, false)}},
+  };
+  const auto b = fsdp::first_disagreement(other);
+  BOOST_TEST(b.find("#5") != std::string::npos, b);
+  BOOST_TEST(b.find("rank(s) 0,1 issued all_gather of 1024 bytes while rank(s) 2 issued barrier of 0 bytes") != std::string::npos, b);
+  // Agreeing dumps, and a ring whose oldest entries differ between ranks (only the overlap counts).
+  std::vector<fsdp::FlightDump> agree = {{0, comms, {entry(3, "x", 1, true), entry(4, "all_reduce", 16, true)}},
+                                         {1, comms, {entry(4, "all_reduce", 16, true)}},
+                                         {2, comms, {entry(4, "all_reduce", 16, true)}}};
+  BOOST_TEST(fsdp::first_disagreement(agree).empty());
+}

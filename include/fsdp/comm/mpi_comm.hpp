@@ -183,7 +183,7 @@ class Stopwatch {
 class MpiComm {
  public:
   /// The world communicator (MPI must be initialized, e.g. by MpiEnvironment).
-  static MpiComm world() { return MpiComm(MPI_COMM_WORLD, /*owned=*/false); }
+  static MpiComm world() { return MpiComm(MPI_COMM_WORLD, /*owned=*/false, "world"); }
 
   /// FSDP_COMM_SKEW_PROBE=1 (a measurement aid, read once): every blocking all-gather, reduce-scatter and
   /// all-reduce first waits in a timed barrier, so that the collective's seconds measure the transfer
@@ -224,7 +224,7 @@ class MpiComm {
   MpiComm split_node() const {
     MPI_Comm node = MPI_COMM_NULL;
     FSDP_MPI_CHECK(MPI_Comm_split_type(state_->comm, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL, &node));
-    return MpiComm(node, /*owned=*/true);
+    return MpiComm(node, /*owned=*/true, FlightRecorder::instance().child_name(state_->name, "node"));
   }
   /// Where this rank sits: rank and size of this communicator, its index among the ranks of its node
   /// (MPI_COMM_TYPE_SHARED), how many ranks share the node, and how many nodes there are. Collective.
@@ -248,7 +248,7 @@ class MpiComm {
   MpiComm split(int color, int key) const {
     MPI_Comm sub = MPI_COMM_NULL;
     FSDP_MPI_CHECK(MPI_Comm_split(state_->comm, color, key, &sub));
-    return MpiComm(sub, /*owned=*/true);
+    return MpiComm(sub, /*owned=*/true, FlightRecorder::instance().child_name(state_->name, "split"));
   }
 
   /// recv (n * size elements) = concatenation over ranks of send (n elements). Collective.
@@ -257,6 +257,7 @@ class MpiComm {
     probe_skew();
     const Stopwatch timed(state_->counters.all_gather_seconds, "all_gather", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
     const CollectiveWatchdog::Scope watched("all_gather");
+    const auto flown = flight("all_gather", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const int c = detail::checked_count(n, "all_gather");
     if (size() == 1) return copy_if_distinct(send, recv, n, t);
     if (state_->yield_cpu) {
@@ -274,6 +275,7 @@ class MpiComm {
     probe_skew();
     const Stopwatch timed(state_->counters.reduce_scatter_seconds, "reduce_scatter", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
     const CollectiveWatchdog::Scope watched("reduce_scatter");
+    const auto flown = flight("reduce_scatter", n * size() * static_cast<std::int64_t>(dtype_bytes(t)));
     ring_reduce_scatter(send, recv, n, t);
     if (op == ReduceOp::kAvg) detail::scale_buffer(recv, n, t, 1.0 / size());
   }
@@ -284,6 +286,7 @@ class MpiComm {
     probe_skew();
     const Stopwatch timed(state_->counters.all_reduce_seconds, "all_reduce", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const CollectiveWatchdog::Scope watched("all_reduce");
+    const auto flown = flight("all_reduce", n * static_cast<std::int64_t>(dtype_bytes(t)));
     if (!detail::mpi_can_reduce(t) && op == ReduceOp::kMax) throw CommError("all_reduce max of " + std::string(dtype_name(t)) + " is not supported");
     const int c = detail::checked_count(n, "all_reduce");
     if (size() == 1) {
@@ -309,6 +312,7 @@ class MpiComm {
     count(state_->counters.broadcast_bytes, n, t);
     const Stopwatch timed(state_->counters.broadcast_seconds, "broadcast", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const CollectiveWatchdog::Scope watched("broadcast");
+    const auto flown = flight("broadcast", n * static_cast<std::int64_t>(dtype_bytes(t)));
     if (size() == 1) return;
     if (state_->yield_cpu) {
       MPI_Request r = MPI_REQUEST_NULL;
@@ -320,6 +324,7 @@ class MpiComm {
 
   void barrier() {
     const CollectiveWatchdog::Scope watched("barrier");
+    const auto flown = flight("barrier", 0);
     FSDP_MPI_CHECK(MPI_Barrier(state_->comm));
   }
 
@@ -357,6 +362,7 @@ class MpiComm {
 
   MpiRequest iall_gather(const void* send, void* recv, std::int64_t n, DType t) {
     count(state_->counters.all_gather_bytes, n, t);
+    flight("all_gather (non-blocking, issued)", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const int c = detail::checked_count(n, "iall_gather");
     if (size() == 1) {
       copy_if_distinct(send, recv, n, t);
@@ -374,6 +380,7 @@ class MpiComm {
       return {};
     }
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
+    flight("reduce_scatter (non-blocking, issued)", n * size() * static_cast<std::int64_t>(dtype_bytes(t)));
     MPI_Request r = MPI_REQUEST_NULL;
     FSDP_MPI_CHECK(
         MPI_Ireduce_scatter_block(send, recv, detail::checked_count(n, "ireduce_scatter"), detail::mpi_datatype(t), MPI_SUM, state_->comm, &r));
@@ -389,6 +396,7 @@ class MpiComm {
       return {};
     }
     count(state_->counters.all_reduce_bytes, n, t);
+    flight("all_reduce (non-blocking, issued)", n * static_cast<std::int64_t>(dtype_bytes(t)));
     MPI_Request r = MPI_REQUEST_NULL;
     FSDP_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, detail::checked_count(n, "iall_reduce"), detail::mpi_datatype(t),
                                   detail::mpi_op(op), state_->comm, &r));
@@ -401,6 +409,7 @@ class MpiComm {
   MpiRequest ibroadcast(void* buf, std::int64_t n, DType t, int root) {
     count(state_->counters.broadcast_bytes, n, t);
     if (size() == 1) return {};
+    flight("broadcast (non-blocking, issued)", n * static_cast<std::int64_t>(dtype_bytes(t)));
     MPI_Request r = MPI_REQUEST_NULL;
     FSDP_MPI_CHECK(MPI_Ibcast(buf, detail::checked_count(n, "ibroadcast"), detail::mpi_datatype(t), root, state_->comm, &r));
     return {r, nullptr};
@@ -415,6 +424,8 @@ class MpiComm {
     CommCounters counters;
     bool yield_cpu = false;          // set_waiting_yields_cpu
     std::vector<std::byte> scratch;  // ring buffers, reused across calls
+    std::string name;                // lineage for the flight recorder: "world", "world/split#0"
+    int flight_id = -1;              // the flight recorder's index of this communicator
     ~State() {
       int finalized = 0;
       MPI_Finalized(&finalized);
@@ -422,12 +433,28 @@ class MpiComm {
     }
   };
 
-  MpiComm(MPI_Comm comm, bool owned) : state_(std::make_shared<State>()) {
+  MpiComm(MPI_Comm comm, bool owned, std::string name) : state_(std::make_shared<State>()) {
     state_->comm = comm;
     state_->owned = owned;
+    state_->name = std::move(name);
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     FSDP_MPI_CHECK(MPI_Comm_rank(comm, &state_->rank));
     FSDP_MPI_CHECK(MPI_Comm_size(comm, &state_->size));
+    // The members by world rank: with the name, what identifies this communicator on every rank.
+    MPI_Group group = MPI_GROUP_NULL, world_group = MPI_GROUP_NULL;
+    std::vector<int> mine(static_cast<std::size_t>(state_->size)), world_ranks(mine.size());
+    for (int i = 0; i < state_->size; ++i) mine[static_cast<std::size_t>(i)] = i;
+    if (MPI_Comm_group(comm, &group) == MPI_SUCCESS && MPI_Comm_group(MPI_COMM_WORLD, &world_group) == MPI_SUCCESS &&
+        MPI_Group_translate_ranks(group, state_->size, mine.data(), world_group, world_ranks.data()) == MPI_SUCCESS)
+      state_->flight_id = FlightRecorder::instance().register_comm(state_->name, world_ranks);
+    if (group != MPI_GROUP_NULL) MPI_Group_free(&group);
+    if (world_group != MPI_GROUP_NULL) MPI_Group_free(&world_group);
+  }
+
+  /// Records a collective for the flight recorder (a no-op when it is off).
+  FlightRecorder::Scope flight(const char* kind, std::int64_t bytes) const {
+    auto& w = CollectiveWatchdog::instance();
+    return FlightRecorder::Scope(state_->flight_id, kind, bytes, w.unit(), w.step());
   }
 
   void count(std::uint64_t& field, std::int64_t n, DType t) noexcept {

@@ -8,12 +8,15 @@
 // has its own slot, so a collective on one thread cannot hide a stuck one on another.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
+
+#include "fsdp/comm/flight_recorder.hpp"
 
 namespace fsdp {
 
@@ -125,6 +128,12 @@ class CollectiveWatchdog {
                    rank_, static_cast<double>(waited) / 1e9, op, static_cast<long long>(step), where, static_cast<double>(timeout) / 1e9,
                    kWatchdogExitCode);
       std::fflush(stderr);
+      // The other ranks are stuck too, or about to be: give their dumps a moment, then say where the
+      // ranks parted. Bounded, so that the job still ends soon after the deadline.
+      if (const auto text = FlightRecorder::instance().dump_and_compare(std::min(10.0, static_cast<double>(timeout) / 1e9)); !text.empty()) {
+        std::fprintf(stderr, "[fsdp.comm.deadline] rank %d: %s\n", rank_, text.c_str());
+        std::fflush(stderr);
+      }
       std::_Exit(kWatchdogExitCode);  // the launcher ends the other ranks
     }
   }
