@@ -53,15 +53,16 @@ std::vector<KeySpec> make_schema() {
                .default_value = I{0},
                .min = 0,
                .description = "intra-op threads per rank; 0: the node's cores divided by the ranks on the node"});
-  s.push_back({.key = "run.malloc_mmap_threshold_mib",
-               .type = T::kInt,
-               .default_value = I{0},
-               .min = 0,
-               .max = I{32},
-               .description = "memory: allocations of at least this many MiB get their own mapping and go back to the system "
-                              "when freed (glibc's M_MMAP_THRESHOLD, fixed); peak RSS then follows the bytes live, at the cost of "
-                              "page faults on every large allocation. 0: glibc's default, a threshold that rises to 32 MiB and "
-                              "keeps freed memory in the heap (docs/performance.md)"});
+  s.push_back({.key = "run.malloc",
+               .type = T::kString,
+               .default_value = "reuse",
+               .choices = {"reuse", "return", "glibc"},
+               .description = "what glibc malloc does with freed memory. reuse: keeps it in the heap for the next step (no mmap per "
+                              "block, no trimming), so a step touches no new page once the first steps are done; peak RSS is the "
+                              "heap's high-water mark. return: blocks of 1 MiB or more get their own mapping and go back to the "
+                              "system when freed; peak RSS follows the bytes live, but every large allocation page-faults (costly "
+                              "under virtualization). glibc: its defaults (a threshold that rises to 32 MiB, trimming). "
+                              "docs/performance.md"});
   s.push_back({.key = "run.memory_check",
                .type = T::kString,
                .default_value = "refuse",

@@ -113,13 +113,13 @@ void print_prediction(const RunConfig& cfg, const ModelShape& shape, const RunSh
               mib(p.step_peak), run.evaluate ? mib(p.eval_peak) : 0.0);
   std::printf("predicted peak RSS per rank: %.1f MiB (during the %s)\n", mib(p.total_bytes), p.peak_phase.c_str());
   // glibc's retained heap is the one cost a deck key removes: say what it would give.
-  if (run.mmap_threshold_bytes == 0 && p.retained_at_peak > p.total_bytes / 10) {
+  if (run.mmap_threshold_bytes != kReturnThresholdBytes && p.retained_at_peak > p.total_bytes / 10) {
     RunShape fixed = run;
-    fixed.mmap_threshold_bytes = std::int64_t{1} << 20;
+    fixed.mmap_threshold_bytes = kReturnThresholdBytes;
     const Prediction q = predict(shape, fixed);
     std::printf(
-        "  with --set run.malloc_mmap_threshold_mib=1 (freed blocks of 1 MiB or more go back to the system; page faults on every "
-        "large allocation): %.1f MiB\n",
+        "  with --set run.malloc=return (freed blocks of 1 MiB or more go back to the system; page faults on every "
+        "large allocation, slower): %.1f MiB\n",
         mib(q.total_bytes));
   }
 }
@@ -168,7 +168,7 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
 
   RunShape run = run_shape(cfg, strategy, data);
   run.baseline_mib = baseline_mib;
-  run.heap_factor = heap_factor;
+  if (heap_factor > 0) run.heap_factor = heap_factor;
   const Prediction p = predict(shape, run);
   print_prediction(cfg, shape, run, p, list_units);
 
@@ -184,7 +184,7 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
     try {
       r.run = run_shape(cfg, s, data);
       r.run->baseline_mib = baseline_mib;
-      r.run->heap_factor = heap_factor;
+      if (heap_factor > 0) r.run->heap_factor = heap_factor;
     } catch (const std::exception& e) {
       r.why = e.what();
     }
@@ -279,7 +279,7 @@ int main(int argc, char** argv) {
   std::string deck_path;
   std::vector<std::string> overrides;
   int np = 1, ranks_per_node = 0;
-  double memory_gib = 0, baseline_mib = kDefaultBaselineMib, heap_factor = kDefaultHeapFactor;
+  double memory_gib = 0, baseline_mib = kDefaultBaselineMib, heap_factor = 0;
   bool list_units = false;
   cli.add_option("DECK", deck_path, "the input deck (TOML)")->required();
   cli.add_option("--np", np, "number of ranks (mpirun -np)")->required()->check(CLI::Range(1, 1 << 24));
@@ -289,7 +289,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1 << 24));
   cli.add_option("--baseline-mib", baseline_mib, "resident MiB of a rank before data and model (LibTorch + MPI); default measured here")
       ->check(CLI::Range(0.0, 1e9));
-  cli.add_option("--heap-factor", heap_factor, "resident heap per byte of its live high-water mark (glibc fragmentation); default measured here")
+  cli.add_option("--heap-factor", heap_factor, "resident heap per byte of its live high-water mark (glibc fragmentation); default measured here for run.malloc's policy")
       ->check(CLI::Range(1.0, 100.0));
   cli.add_flag("--units", list_units, "list the FSDP units");
   try {

@@ -12,12 +12,16 @@
 #endif
 #include <malloc.h>
 #include <sched.h>
+#include <semaphore.h>
 #include <sys/resource.h>
 
 #include <csignal>
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -38,6 +42,7 @@
 #include "models.hpp"
 #include "run_config.hpp"
 #include "plan/fit_check.hpp"
+#include "plan/measured.hpp"
 #include "train/build.hpp"
 #include "train/checkpointer.hpp"
 #include "train/step.hpp"
@@ -56,7 +61,49 @@ namespace {
 
 /// The signal that asked for a graceful stop (SIGTERM, SIGUSR1), 0 if none.
 volatile std::sig_atomic_t g_stop_signal = 0;
-extern "C" void request_stop(int signo) { g_stop_signal = signo; }
+/// Posted by the SIGTERM handler (sem_post is async-signal-safe) for TerminateDumper's thread.
+sem_t g_terminate_posted;
+extern "C" void request_stop(int signo) {
+  g_stop_signal = signo;
+  if (signo == SIGTERM) sem_post(&g_terminate_posted);
+}
+
+/// Dumps the flight recorder when SIGTERM arrives: mpirun and srun send it to the surviving ranks when a
+/// rank died (Open MPI's SIGKILL follows a second later), so this is the record of where they were. A
+/// thread does it, since the handler may neither lock nor write; the graceful stop goes on as before.
+class TerminateDumper {
+ public:
+  TerminateDumper() {
+    sem_init(&g_terminate_posted, 0, 0);
+    thread_ = std::thread([this] { watch(); });
+  }
+  ~TerminateDumper() {
+    quitting_ = true;
+    sem_post(&g_terminate_posted);
+    thread_.join();
+  }
+  TerminateDumper(const TerminateDumper&) = delete;
+  TerminateDumper& operator=(const TerminateDumper&) = delete;
+
+ private:
+  void watch() {
+    auto& recorder = fsdp::FlightRecorder::instance();
+    for (;;) {
+      while (sem_wait(&g_terminate_posted) != 0 && errno == EINTR) {
+      }
+      if (quitting_) return;
+      const auto waiting = recorder.oldest_unfinished();
+      const auto path = recorder.dump();
+      if (path && waiting)  // a rank inside a collective at SIGTERM: the likely sign that a peer is gone
+        std::fprintf(stderr, "fsdp-train: rank %d: SIGTERM while in collective #%llu %s of %s (%lld bytes, step %lld) for %.1f s; last collectives in %s\n",
+                     recorder.rank(), static_cast<unsigned long long>(waiting->first.seq), waiting->first.kind, waiting->second.c_str(),
+                     static_cast<long long>(waiting->first.bytes), static_cast<long long>(waiting->first.step), recorder.now() - waiting->first.start_s,
+                     path->c_str());
+    }
+  }
+  std::atomic<bool> quitting_{false};
+  std::thread thread_;
+};
 
 /// A fatal signal: this rank's flight recorder goes to disk (best effort: not async-signal-safe, as
 /// c10d's), then the signal does what it would have done.
@@ -64,6 +111,15 @@ extern "C" void dump_flight_and_die(int signo) {
   fsdp::FlightRecorder::instance().dump();
   std::signal(signo, SIG_DFL);
   std::raise(signo);
+}
+
+/// run.malloc. "reuse": no block gets its own mapping (M_MMAP_MAX = 0) and the heap is never trimmed, so
+/// what a step frees serves the next step without a page fault; "return": blocks of 1 MiB or more are
+/// mapped and unmapped (peak RSS follows the live bytes); "glibc": untouched. False if glibc refused.
+bool apply_malloc_policy(const std::string& policy) {
+  if (policy == "reuse") return mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
+  if (policy == "return") return mallopt(M_MMAP_THRESHOLD, static_cast<int>(fsdp::app::kReturnThresholdBytes)) == 1;
+  return true;
 }
 
 /// A test hook "RANK:STEP" in environment variable `name` that names this rank and step.
@@ -126,17 +182,15 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                                              world.size());
   fsdp::CollectiveWatchdog::instance().configure(cfg.comm.timeout_s, world.rank());
   for (int sig : {SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL}) std::signal(sig, dump_flight_and_die);
+  const TerminateDumper terminate_dumper;
   // log.trace: every rank records its timeline and writes it when the run ends, however it ends.
   fsdp::Tracer::instance().enable(cfg.log.trace && !dry_run);
   const TraceWriter trace_writer{out_dir, world.rank()};
   const int threads = cfg.run.threads;
   torch::set_num_threads(threads);
-  if (const auto mib = cfg.run.malloc_mmap_threshold_mib; mib > 0) {
-    // Before the model exists: its shards, gathered units and gradients are allocated from here on.
-    if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(mib << 20)) != 1)
-      throw DeckError(deck.entry("run.malloc_mmap_threshold_mib").where + ": run.malloc_mmap_threshold_mib: glibc refused " + std::to_string(mib) +
-                      " MiB");
-  }
+  // Before the model exists: its shards, gathered units and gradients are allocated from here on.
+  if (!apply_malloc_policy(cfg.run.malloc))
+    throw DeckError(deck.entry("run.malloc").where + ": run.malloc = \"" + cfg.run.malloc + "\": glibc's mallopt refused it");
   // Every rank must decide the same (the engine splits communicators for the worker): any rank
   // without a spare core turns the overlap off for all.
   double no_overlap = cfg.fsdp.overlap_grad_reduce ? 0.0 : 1.0;
@@ -297,12 +351,14 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     std::signal(SIGXFSZ, SIG_IGN);
     const bool skip_nonfinite = cfg.run.skip_nonfinite;
     const std::int64_t eval_every = cfg.eval.every_steps;
+    // A language model evaluates its batch in chunks whose logits stay small (GptConfig::eval_chunk).
+    const std::int64_t eval_chunk = data.tokens && cfg.model.kind == "transformer" ? gpt_config(cfg.model).eval_chunk(cfg.data.test_batch_size) : 0;
     std::int64_t eval_step = 0;
     // One evaluation (eval.max_batches bounds it), reported on the progress stream.
     auto run_evaluation = [&](std::int64_t epoch, std::int64_t at_step) {
       if (live && root && !quiet) std::printf("\n");
       Timed t(phases.eval, "eval");
-      last_eval = evaluate(*model, data, cfg.data.test_batch_size, world, cfg.eval.max_batches);
+      last_eval = evaluate(*model, data, cfg.data.test_batch_size, world, cfg.eval.max_batches, eval_chunk);
       evaluated = true;
       eval_step = at_step;
       if (root && !quiet) {
@@ -342,7 +398,18 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         for (auto& g : optimizer->param_groups()) g.options().set_lr(lr);
         std::function<void()> decay;
         if (decay_mask) decay = [&, lr] { decay_mask->apply(lr, cfg.optim.weight_decay); };
+        const Phases phases_before = phases;
+        const auto comm_before = model->comm_counters();
+        const long faults_before = minor_page_faults();
         const StepOutcome outcome = train_step(*model, *optimizer, data, loader, accum, clip, g_stop_signal, world, phases, decay);
+        const auto comm_after = model->comm_counters();
+        const StepBreakdown breakdown{1000 * (phases.forward - phases_before.forward),
+                                      1000 * (phases.backward - phases_before.backward),
+                                      1000 * (phases.optimizer - phases_before.optimizer),
+                                      1000 * (comm_after.all_gather_seconds - comm_before.all_gather_seconds),
+                                      1000 * (comm_after.reduce_scatter_seconds - comm_before.reduce_scatter_seconds),
+                                      1000 * (comm_after.all_reduce_seconds - comm_before.all_reduce_seconds),
+                                      minor_page_faults() - faults_before};
         samples_trained += outcome.samples;
         if (outcome.nonfinite && !skip_nonfinite)
           throw RankError("non-finite loss or gradient norm at step " + std::to_string(step + 1) + " (epoch " + std::to_string(epoch + 1) +
@@ -401,7 +468,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                           format_duration(eta).c_str(), live ? "   " : "\n");
               std::fflush(stdout);
             }
-            if (write_metrics) metrics.row(step, epoch + 1, loss_avg, lr, rate, step_ms.back(), elapsed, step_eval, data.tokens);
+            if (write_metrics) metrics.row(step, epoch + 1, loss_avg, lr, rate, step_ms.back(), elapsed, breakdown, step_eval, data.tokens);
           }
           window_loss = 0;
           window_steps = 0;

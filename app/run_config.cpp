@@ -59,7 +59,7 @@ RunSection resolve_run_section(const Deck& deck, const Placement& placement) {
   run.max_steps = deck.get_int("run.max_steps");
   run.out_dir = deck.out_dir();
   run.threads = resolve_threads(deck, placement);
-  run.malloc_mmap_threshold_mib = deck.get_int("run.malloc_mmap_threshold_mib");
+  run.malloc = deck.get_string("run.malloc");
   run.skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
   run.memory_check = deck.get_string("run.memory_check");
   return run;

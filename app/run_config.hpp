@@ -40,7 +40,7 @@ struct RunSection {
   std::int64_t max_steps = 0;  ///< 0: every epoch
   std::string out_dir;         ///< resolved: run.out_dir or runs/<run.name>
   int threads = 1;             ///< resolved: run.threads, or the node's cores over its ranks
-  std::int64_t malloc_mmap_threshold_mib = 0;
+  std::string malloc;           ///< reuse, return, glibc: what malloc does with freed memory
   bool skip_nonfinite = false;  ///< run.on_nonfinite = "skip"
   std::string memory_check;     ///< refuse, warn, off
 };

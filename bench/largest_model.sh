@@ -13,7 +13,7 @@ STEPS=${LARGEST_STEPS:-3}
 mkdir -p "$OUT"
 export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_NUM_THREADS=1
 
-# name strategy d_model n_layers [run.malloc_mmap_threshold_mib]
+# name strategy d_model n_layers [run.malloc]
 CONFIGS=(
   "gpt201m_no_shard NO_SHARD 1024 16"
   "gpt252m_no_shard NO_SHARD 1024 20"
@@ -21,13 +21,13 @@ CONFIGS=(
   "gpt252m_full_shard FULL_SHARD 1024 20"
   "gpt302m_full_shard FULL_SHARD 1024 24"
   "gpt1007m_full_shard FULL_SHARD 2048 20"
-  "gpt252m_no_shard_mmap1 NO_SHARD 1024 20 1"
-  "gpt252m_full_shard_mmap1 FULL_SHARD 1024 20 1"
+  "gpt252m_no_shard_return NO_SHARD 1024 20 return"
+  "gpt252m_full_shard_return FULL_SHARD 1024 20 return"
 )
 wanted=${LARGEST_CONFIGS:-}
 printf '| run | strategy | parameters | ranks | peak RSS MiB per rank | median step s | wall s | exit |\n|---|---|---:|---:|---|---:|---:|---:|\n' >"$OUT/results.md"
 for c in "${CONFIGS[@]}"; do
-  read -r name strategy d_model n_layers mmap_mib <<<"$c"
+  read -r name strategy d_model n_layers malloc <<<"$c"
   [[ -z $wanted || " $wanted " == *" $name "* ]] || continue
   dir=$OUT/$name
   rm -rf "$dir"
@@ -38,8 +38,8 @@ for c in "${CONFIGS[@]}"; do
        --set optim.kind=adam --set optim.clip_grad_norm=0 --set optim.warmup_steps=0 --set optim.schedule=constant
        --set fsdp.sharding_strategy="$strategy" --set fsdp.deferred_init=true
        --set checkpoint.every_steps=0 --set checkpoint.save_final=false --set checkpoint.resume=none)
-  # A fifth field: run.malloc_mmap_threshold_mib (freed large blocks go back to the system).
-  [[ -n ${mmap_mib:-} ]] && cmd+=(--set run.malloc_mmap_threshold_mib="$mmap_mib")
+  # A fifth field: run.malloc (return: freed large blocks go back to the system).
+  [[ -n ${malloc:-} ]] && cmd+=(--set run.malloc="$malloc")
   echo "\$ ${cmd[*]}" | tee "$OUT/$name.log"
   start=$SECONDS
   set +e

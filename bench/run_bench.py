@@ -10,9 +10,9 @@ Writes build/bench/results.json and build/bench/results.md (runs and logs under 
 build/bench/logs). Environment knobs (defaults in brackets; BENCH_QUICK=1 changes them as noted):
   BENCH_REPS [3; quick 1]       repetitions; each runs every configuration once, in a shuffled order
   BENCH_WARMUP [3; quick 2]     warm-up steps per run, excluded from every median on both sides
-  BENCH_STEPS [cnn 20, gpt 15; quick 4]   measured steps per run
+  BENCH_STEPS [cnn 20, gpt 15, gpt6m 8, gpt30m 6, gpt125m 4; quick 4]   measured steps per run
   BENCH_NP [1,2,4]              world sizes
-  BENCH_MODELS [cnn,gpt]        models (decks bench/decks/<model>.toml)
+  BENCH_MODELS [cnn,gpt,gpt6m,gpt30m,gpt125m; quick cnn,gpt,gpt6m]   models (decks bench/decks/<model>.toml)
   BENCH_TORCH_FSDP [1]          0: skip the PyTorch FSDP peer
   BENCH_CKPT [1]                0: skip the checkpoint benchmark
   BENCH_CKPT_ARGS ["--width 2048 --layers 8 --reps 3"; quick "--width 1024 --layers 4 --reps 1"]
@@ -60,7 +60,7 @@ def env_list(name, default):
 REPS = env_int("BENCH_REPS", 1 if QUICK else 3)
 WARMUP = env_int("BENCH_WARMUP", 2 if QUICK else 3)
 NPS = [int(x) for x in env_list("BENCH_NP", ["1", "2", "4"])]
-MODEL_NAMES = env_list("BENCH_MODELS", ["cnn", "gpt"])
+MODEL_NAMES = env_list("BENCH_MODELS", ["cnn", "gpt", "gpt6m"] if QUICK else ["cnn", "gpt", "gpt6m", "gpt30m", "gpt125m"])
 TORCH_FSDP = env_int("BENCH_TORCH_FSDP", 1) != 0
 CKPT = env_int("BENCH_CKPT", 1) != 0
 CKPT_ARGS = os.environ.get("BENCH_CKPT_ARGS", "--width 1024 --layers 4 --reps 1" if QUICK else "--width 2048 --layers 8 --reps 3")
@@ -72,6 +72,15 @@ MODELS = {
             "title": "Tutorial CNN (model.kind = \"cnn\"), Fashion-MNIST, Adam, SIZE_BASED_WRAP 20000"},
     "gpt": {"deck": "bench/decks/gpt.toml", "global_batch": 16, "steps": 15,
             "title": "GPT-style decoder (model.kind = \"transformer\"), synthetic tokens, AdamW + clipping, TRANSFORMER_BASED_WRAP"},
+    # GPTs of the sizes users train (issue: models that matter): fewer configurations, a breakdown per phase.
+    "gpt6m": {"deck": "bench/decks/gpt6m.toml", "global_batch": 16, "steps": 8, "sized": True,
+              "title": "GPT of 5.8M parameters (d_model 256, 6 blocks, context 128, vocabulary 4096), AdamW + clipping"},
+    "gpt30m": {"deck": "bench/decks/gpt30m.toml", "global_batch": 8, "steps": 6, "sized": True,
+               "title": "GPT of 29.5M parameters (d_model 512, 8 blocks, context 128, vocabulary 8192), AdamW + clipping"},
+    # At 4 ranks only FULL_SHARD and DDP: four NO_SHARD replicas of 124M (about 4.3 GiB each) crowd a shared 24 GiB machine.
+    "gpt125m": {"deck": "bench/decks/gpt125m.toml", "global_batch": 4, "steps": 4, "sized": True,
+                "only_at": {4: {"fsdp FULL_SHARD", "PyTorch DDP"}},
+                "title": "GPT-2 small's widths, 124M parameters (d_model 768, 12 blocks, vocabulary 50257), context 64, AdamW + clipping"},
 }
 
 # (label, runner, strategy, minimum world size[, extra fsdp-train --set values])
@@ -89,7 +98,27 @@ CONFIGS = [
     ("fsdp NO_SHARD + overlapped reduction", "fsdp", "NO_SHARD", 2, OVERLAP_REDUCE),  # DDP's bucket overlap
     ("PyTorch DDP", "ddp", "NO_SHARD", 1),
     ("PyTorch FSDP FULL_SHARD", "torch-fsdp", "FULL_SHARD", 1),
+    ("PyTorch, no wrapper", "plain", "NO_SHARD", 1),  # one process only: the yardstick of the engine's cost
+    # One process with np 2's per-rank batch: FULL_SHARD at np 2 against it is the cost of sharding.
+    ("fsdp FULL_SHARD, np 2's per-rank batch", "fsdp", "FULL_SHARD", 1, SYNC),
 ]
+# The configurations of the sized GPTs, and those that run at np 1 only.
+SIZED_CONFIGS = {"fsdp FULL_SHARD", "fsdp FULL_SHARD + prefetch + overlapped reduction", "fsdp NO_SHARD", "PyTorch DDP",
+                 "PyTorch, no wrapper", "fsdp FULL_SHARD, np 2's per-rank batch"}
+NP1_ONLY = {"PyTorch, no wrapper", "fsdp FULL_SHARD, np 2's per-rank batch"}
+# Not run on the original small models (their tables stay as they were).
+SIZED_ONLY = {"PyTorch, no wrapper", "fsdp FULL_SHARD, np 2's per-rank batch"}
+
+
+def runs_config(model, np_, cfg):
+    """Whether configuration `cfg` runs for `model` at `np_` ranks."""
+    if np_ < cfg[3] or (cfg[0] in NP1_ONLY and np_ != 1):
+        return False
+    if MODELS[model].get("sized"):
+        if np_ == 1:  # one process: the engine against plain PyTorch (DDP and NO_SHARD would repeat them)
+            return cfg[0] in {"fsdp FULL_SHARD", "PyTorch, no wrapper", "fsdp FULL_SHARD, np 2's per-rank batch"}
+        return cfg[0] in SIZED_CONFIGS and cfg[0] in MODELS[model].get("only_at", {}).get(np_, {cfg[0]})
+    return cfg[0] not in SIZED_ONLY
 
 
 def base_env(threads):
@@ -172,7 +201,8 @@ def run_training(model, np_, cfg, rep, steps):
     out_dir = os.path.join(OUT, "runs", model, f"np{np_}", slug, f"rep{rep}")
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir, exist_ok=True)
-    sets = [f"run.out_dir={out_dir}", f"data.batch_size={m['global_batch'] // np_}", f"run.threads={threads}",
+    per_rank = m["global_batch"] // (2 if "np 2's per-rank batch" in label else np_)
+    sets = [f"run.out_dir={out_dir}", f"data.batch_size={per_rank}", f"run.threads={threads}",
             f"run.max_steps={WARMUP + steps}", f"fsdp.sharding_strategy={strategy}"] + extra
     set_args = [a for s in sets for a in ("--set", s)]
     deck = os.path.join(ROOT, m["deck"])
@@ -182,6 +212,7 @@ def run_training(model, np_, cfg, rep, steps):
         cmd = MPIRUN + ["-np", str(np_), PY, os.path.join(ROOT, "bench", "train_peer.py"), deck] + set_args + \
               ["--out-dir", out_dir, "--warmup", str(WARMUP), "--wrapper", "ddp" if runner == "ddp" else "fsdp",
                "--init-file", os.path.join(out_dir, "gloo_rendezvous")]
+        cmd[cmd.index("--wrapper") + 1] = {"ddp": "ddp", "plain": "none"}.get(runner, "fsdp")
     log_path = os.path.join(OUT, "logs", f"{model}_np{np_}_{slug}_rep{rep}.log")
     for attempt in range(2):  # one retry when mpirun could not start the processes at all
         t0 = time.time()
@@ -206,19 +237,30 @@ def run_training(model, np_, cfg, rep, steps):
         res["error"] = (err[-1] if err else (lines[-1] if lines else f"exit code {rc}")).strip()[:300]
         return res
     s = json.load(open(summary_path))
+    breakdown = {}  # per step: forward, backward, optimizer, each collective (ms), minor page faults
     if runner == "fsdp":
         step_ms = []
         with open(os.path.join(out_dir, "metrics.csv")) as f:
             header = f.readline().strip().split(",")
             col = header.index("step_ms")
+            parts = [c for c in ("forward_ms", "backward_ms", "optimizer_ms", "all_gather_ms", "reduce_scatter_ms", "all_reduce_ms", "minor_faults")
+                     if c in header]
             for line in f:
-                step_ms.append(float(line.strip().split(",")[col]))
+                cells = line.strip().split(",")
+                if not cells[col]:
+                    continue  # an evaluation row
+                step_ms.append(float(cells[col]))
+                for c in parts:
+                    breakdown.setdefault(c.replace("_ms", ""), []).append(float(cells[header.index(c)]))
         res["fsdp_summary"] = {k: s.get(k) for k in ("step_ms_median", "samples_per_s", "tokens_per_s", "train_s", "wall_s", "steps")}
         res["comm"] = s.get("comm")
         res["phases"] = s.get("phases")
         res["overlap"] = s.get("overlap")
     else:
         step_ms = s["step_ms"]
+        breakdown = dict(s.get("phases_ms") or {})
+        if s.get("minor_faults"):
+            breakdown["minor_faults"] = s["minor_faults"]
         res["unit_numels"] = s.get("unit_numels")
         res["blas"] = s.get("blas")
         res["torch_threads"] = s.get("torch_threads")
@@ -229,6 +271,7 @@ def run_training(model, np_, cfg, rep, steps):
     measured = step_ms[WARMUP:] if len(step_ms) > WARMUP else step_ms
     res["step_ms"] = step_ms
     res["step_ms_median"] = statistics.median(measured)
+    res["breakdown_median"] = {k: statistics.median(v[WARMUP:] if len(v) > WARMUP else v) for k, v in breakdown.items() if v}
     res["samples_per_s"] = m["global_batch"] * len(measured) / (sum(measured) / 1000.0)
     res["peak_rss_mb"] = s.get("peak_rss_mb")
     return res
@@ -357,6 +400,7 @@ def aggregate(runs):
             a["peak_rss_mb_per_rank"] = [med([r["peak_rss_mb"][i] for r in ok]) for i in range(np_)]
             a["params"] = ok[0]["params"]
             a["step_ms_median_per_rep"] = [r["step_ms_median"] for r in ok]
+            a["breakdown"] = {k: med([r.get("breakdown_median", {}).get(k) for r in ok]) for k in ok[0].get("breakdown_median", {})}
             if ok[0].get("overlap"):  # time the computing thread waited for unit all-gathers, per step (avg over ranks)
                 a["exposed_all_gather_ms_per_step"] = med([1000 * r["overlap"]["exposed_all_gather_s"]["avg"] / r["steps"] for r in ok])
                 a["prefetched_per_step"] = med([r["overlap"]["prefetched"] / r["steps"] for r in ok])
@@ -380,6 +424,21 @@ def aggregate(runs):
         ddp = next((b for b in agg if b["model"] == a["model"] and b["np"] == a["np"] and b["config"] == "PyTorch DDP"), None)
         if ddp and a.get("samples_per_s") and ddp.get("samples_per_s"):
             a["throughput_vs_ddp"] = a["samples_per_s"] / ddp["samples_per_s"]
+    # Step-time ratios of the sized GPTs (< 1: fsdp-train faster): against DDP at the same np, against plain
+    # PyTorch at np 1, and FULL_SHARD at np 2 against one process with the same per-rank batch.
+    def find(model, np_, config):
+        return next((b for b in agg if b["model"] == model and b["np"] == np_ and b["config"] == config and b.get("step_ms_median")), None)
+    for a in agg:
+        if not a.get("step_ms_median") or not a["config"].startswith("fsdp"):
+            continue
+        ddp, plain = find(a["model"], a["np"], "PyTorch DDP"), find(a["model"], 1, "PyTorch, no wrapper")
+        if ddp and a["np"] >= 2:
+            a["step_vs_ddp"] = a["step_ms_median"] / ddp["step_ms_median"]
+        if plain and a["np"] == 1 and "per-rank batch" not in a["config"]:
+            a["step_vs_plain"] = a["step_ms_median"] / plain["step_ms_median"]
+        one = find(a["model"], 1, "fsdp FULL_SHARD, np 2's per-rank batch")
+        if one and a["np"] == 2 and a["config"] == "fsdp FULL_SHARD":
+            a["step_vs_one_process"] = a["step_ms_median"] / one["step_ms_median"]
     order = {c[0]: i for i, c in enumerate(CONFIGS)}
     agg.sort(key=lambda a: (MODEL_NAMES.index(a["model"]), a["np"], order[a["config"]]))
     return agg
@@ -442,7 +501,33 @@ def write_report(results):
         md.append(f"## {m['title']}\n")
         md.append(f"Deck `{m['deck']}`; {params} parameters (the peer's count asserted equal: "
                   f"{'yes' if results['params_match'].get(model) else 'NO'}); global batch {m['global_batch']} "
-                  f"({'sequences of ' + str(64) + ' tokens' if model == 'gpt' else 'images'}), split over the ranks.\n")
+                  f"({'sequences' if model.startswith('gpt') else 'images'}), split over the ranks.\n")
+        if m.get("sized"):
+            md.append("Step time ratios (< 1: fsdp-train faster): against PyTorch DDP at the same np; at np 1 against plain PyTorch "
+                      "(no wrapper); FULL_SHARD at np 2 against fsdp-train in one process with the same per-rank batch (the cost of "
+                      "sharding). Breakdown: rank 0's median per step, forward with the loss, backward, optimizer with clipping, the "
+                      "blocking collectives inside them (fsdp-train: metrics.csv; the DDP peer: its gradient all-reduces from launch "
+                      "to completion, overlapped with backward), minor page faults (getrusage).\n")
+            md.append("| np | configuration | median step ms | ratio | forward ms | backward ms | optimizer ms | all-gather ms | "
+                      "reduce-scatter ms | all-reduce ms | minor faults | peak RSS MiB (max rank) |")
+            md.append("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            for a in rows:
+                if "error" in a:
+                    md.append(f"| {a['np']} | {a['config']} | failed: {a['error']} | | | | | | | | | |")
+                    continue
+                ratios = []
+                if a.get("step_vs_ddp") is not None:
+                    ratios.append(f"{a['step_vs_ddp']:.2f} x DDP")
+                if a.get("step_vs_plain") is not None:
+                    ratios.append(f"{a['step_vs_plain']:.2f} x plain")
+                if a.get("step_vs_one_process") is not None:
+                    ratios.append(f"{a['step_vs_one_process']:.2f} x one process")
+                b = a.get("breakdown", {})
+                md.append(f"| {a['np']} | {a['config']} | {fmt(a['step_ms_median'])} | {'; '.join(ratios) or '-'} | {fmt(b.get('forward'))} | "
+                          f"{fmt(b.get('backward'))} | {fmt(b.get('optimizer'))} | {fmt(b.get('all_gather'))} | {fmt(b.get('reduce_scatter'))} | "
+                          f"{fmt(b.get('all_reduce'))} | {fmt(b.get('minor_faults'), '{:.0f}')} | {fmt(a['peak_rss_mb_max'], '{:.0f}')} |")
+            md.append("")
+            continue
         md.append("| np | threads/rank | configuration | median step ms | samples/s | peak RSS MiB (max rank) | throughput / DDP peer |")
         md.append("|---:|---:|---|---:|---:|---:|---:|")
         for a in rows:
@@ -571,7 +656,7 @@ def main():
     facts = machine_facts()
     la_start = loadavg()
     configs = [c for c in CONFIGS if TORCH_FSDP or c[1] != "torch-fsdp"]
-    plan = [(m, n, c) for m in MODEL_NAMES for n in NPS for c in configs if n >= c[3]]
+    plan = [(m, n, c) for m in MODEL_NAMES for n in NPS for c in configs if runs_config(m, n, c)]
     log(f"# make bench{' (BENCH_QUICK=1)' if QUICK else ''}: {len(plan)} configurations x {REPS} repetition(s), {WARMUP} warm-up + "
         f"{', '.join(f'{k} {v}' for k, v in steps.items())} measured steps; load average {la_start}; output {OUT}")
 

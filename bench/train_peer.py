@@ -2,7 +2,7 @@
 """PyTorch peer of fsdp-train for `make bench`: the same model, data, batch, optimizer and threads.
 
     mpirun -np N /usr/bin/python3 bench/train_peer.py DECK.toml [--set section.key=value ...]
-           --out-dir DIR [--warmup 5] [--wrapper ddp|fsdp] [--init-file PATH]
+           --out-dir DIR [--warmup 5] [--wrapper ddp|fsdp|none] [--init-file PATH]
 
 Run with Debian's /usr/bin/python3 (python3-torch 1.13, CPU, the same libtorch_cpu.so.1.13 and system
 BLAS as fsdp-train). Ranks come from Open MPI's environment (OMPI_COMM_WORLD_RANK / _SIZE);
@@ -21,13 +21,17 @@ It reads the same TOML deck as fsdp-train (same --set syntax) and builds, in pla
 the causal mask, is constant; fsdp-train does not re-broadcast buffers either).
 --wrapper fsdp: torch.distributed.fsdp.FullyShardedDataParallel on CPU with in-process patches (see
 fsdp_cpu_patches below); --set fsdp.sharding_strategy picks its strategy.
+--wrapper none: plain PyTorch, one process (no wrapper, no collective): the yardstick at np 1.
 
 Timing matches fsdp-train's: a step is timed from before zero_grad (batch assembly included) to after
 optimizer.step() on rank 0. The first --warmup steps are excluded; step_ms_median is the median of the
 rest and samples_per_s = global batch x measured steps / their summed time. Writes DIR/summary.json
 with the keys of fsdp-train's summary (world_size, threads_per_rank, strategy, params, steps,
 step_ms_median, samples_per_s, tokens_per_s, peak_rss_mb per rank) plus step_ms (every step) and the
-BLAS library mapped into the process.
+BLAS library mapped into the process, and every step's breakdown (phases_ms: forward with the loss,
+backward, optimizer with clipping, all_reduce: DDP's gradient all-reduces from launch to completion,
+timed by a comm hook that does what DDP's default does; minor_faults from getrusage), as fsdp-train's
+metrics.csv columns.
 """
 import argparse
 import gzip
@@ -538,7 +542,7 @@ def main():
     ap.add_argument("--set", action="append", default=[], dest="overrides")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--wrapper", choices=["ddp", "fsdp"], default="ddp")
+    ap.add_argument("--wrapper", choices=["ddp", "fsdp", "none"], default="ddp")
     ap.add_argument("--init-file", default="")
     args = ap.parse_args()
     deck = load_deck(args.deck, args.overrides)
@@ -599,8 +603,24 @@ def main():
     units = fsdp_unit_numels(net, deck)
     assert sum(units) == params, (units, params)
     strategy = "DDP"
-    if args.wrapper == "ddp":
+    allreduce_s = [0.0]
+    if args.wrapper == "none":
+        if size != 1:
+            raise SystemExit("train_peer.py: --wrapper none runs one process (plain PyTorch), not %d" % size)
+        model = net
+        strategy = "plain PyTorch (no wrapper)"
+    elif args.wrapper == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
+        if size > 1:
+            def timed_allreduce(state, bucket):  # DDP's default: the bucket summed over ranks, divided by the world size
+                t0 = time.perf_counter()
+                fut = dist.all_reduce(bucket.buffer().div_(size), async_op=True).get_future()
+
+                def done(f):
+                    allreduce_s[0] += time.perf_counter() - t0
+                    return f.value()[0]
+                return fut.then(done)
+            model.register_comm_hook(None, timed_allreduce)
     else:
         import functools
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
@@ -632,6 +652,8 @@ def main():
 
     model.train()
     step_ms, losses = [], []
+    phases_ms = {k: [] for k in ("forward", "backward", "optimizer", "all_reduce")}
+    minor_faults = []
     step = 0
     train_start = time.perf_counter()
     for epoch in range(deck["run.epochs"]):
@@ -645,11 +667,15 @@ def main():
             lr = lr_at(deck, step, epoch, total_steps)
             for g in optimizer.param_groups:
                 g["lr"] = lr
+            faults0, allreduce0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, allreduce_s[0]
             optimizer.zero_grad()
             x, y = make_batch(idx[k * batch : (k + 1) * batch])
+            t_fwd = time.perf_counter()
             loss = loss_of(model(x), y)
+            t_bwd = time.perf_counter()
             loss.backward()
             losses.append(loss.item())
+            t_opt = time.perf_counter()
             if clip > 0:
                 if args.wrapper == "fsdp":
                     model.clip_grad_norm_(clip)
@@ -657,7 +683,13 @@ def main():
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
             step += 1
-            step_ms.append(1000 * (time.perf_counter() - t0))
+            t_end = time.perf_counter()
+            step_ms.append(1000 * (t_end - t0))
+            phases_ms["forward"].append(1000 * (t_bwd - t_fwd))
+            phases_ms["backward"].append(1000 * (t_opt - t_bwd))
+            phases_ms["optimizer"].append(1000 * (t_end - t_opt))
+            phases_ms["all_reduce"].append(1000 * (allreduce_s[0] - allreduce0))
+            minor_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0)
     train_s = time.perf_counter() - train_start
 
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
@@ -677,7 +709,7 @@ def main():
             "samples_per_s": per_s, "peak_rss_mb": [r.item() for r in all_rss],
             "torch_version": torch.__version__, "python": sys.version.split()[0], "blas": blas_in_process(),
             "torch_threads": torch.get_num_threads(), "patches": patches, "losses": losses,
-            "unit_numels": units, "global_batch": global_batch,
+            "unit_numels": units, "global_batch": global_batch, "phases_ms": phases_ms, "minor_faults": minor_faults,
         }
         if tokens is not None:
             summary["tokens_per_s"] = per_s * deck["model.context"]

@@ -130,18 +130,18 @@ message(STATUS "process baseline measured: ${baseline} MiB (peak RSS ${rss0} / $
 
 # 3. Predicted against measured.
 set(report "")
-# A third field: run.malloc_mmap_threshold_mib (glibc's fixed mmap threshold; fsdp-plan models both).
-foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "mlp;FULL_SHARD;1" "gpt;NO_SHARD;1")
+# A third field: run.malloc (the default reuse keeps every block on the heap; fsdp-plan models each policy).
+foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "mlp;FULL_SHARD;return" "gpt;NO_SHARD;return" "gpt;FULL_SHARD;glibc")
   list(GET case 0 deck)
   list(GET case 1 strategy)
   set(out ${WORK_DIR}/${deck}_${strategy})
   set(sets ${common} --set fsdp.sharding_strategy=${strategy})
   list(LENGTH case fields)
   if(fields GREATER 2)
-    list(GET case 2 mmap_mib)
-    set(out ${out}_mmap${mmap_mib})
-    list(APPEND sets --set run.malloc_mmap_threshold_mib=${mmap_mib})
-    set(strategy "${strategy} (mmap threshold ${mmap_mib} MiB)")
+    list(GET case 2 malloc)
+    set(out ${out}_${malloc})
+    list(APPEND sets --set run.malloc=${malloc})
+    set(strategy "${strategy} (run.malloc = ${malloc})")
   endif()
   list(APPEND sets --set run.out_dir=${out})
   run(0 ${train2} ${WORK_DIR}/${deck}.toml ${sets})

@@ -125,7 +125,8 @@ interrupt() {  # interrupt NAME SIGNAL TARGET_PATTERN
 interrupt usr1 USR1 "^mpirun.*$WORK/usr1"
 interrupt term TERM "^[^ ]*fsdp-train .*$WORK/term"
 
-# 6. A rank killed with SIGKILL: mpirun ends the job at once, naming the lost rank; the last checkpoint
+# 6. A rank killed with SIGKILL: mpirun ends the job at once, naming the lost rank; the survivor, sent
+#    SIGTERM by mpirun, leaves its flight recorder naming the collective it waited in; the last checkpoint
 #    verifies and resuming from it reproduces the straight run's final weights.
 start=$SECONDS
 ( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/kill" "${long[@]}" >"$WORK/kill.log" 2>&1
@@ -139,6 +140,11 @@ wait $job
 grep -Eq "rank 1|exited on signal 9|Killed" "$WORK/kill.log" || { cat "$WORK/kill.log"; fail "no message naming the lost rank"; }
 (( SECONDS - start < 60 )) || fail "the job took $((SECONDS - start)) s to end after a rank was killed"
 echo "ok: killed rank ended the job with exit $(cat "$WORK/kill.log.rc") within $((SECONDS - start)) s"
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); assert d['rank']==0 and d['collectives'], d" "$WORK/kill/flight_rank0.json" ||
+  { cat "$WORK/kill.log"; fail "the surviving rank left no flight recorder dump"; }
+grep -Eq "rank 0: SIGTERM while in collective #[0-9]+ [a-z_]+ of world.*; last collectives in .*flight_rank0.json|rank 0's last collectives: .*flight_rank0.json" "$WORK/kill.log" ||
+  { cat "$WORK/kill.log"; fail "the survivor's dump is not named"; }
+echo "ok: the surviving rank dumped its flight recorder"
 "$CKPT" verify "$WORK/kill/checkpoints" >/dev/null || fail "the last checkpoint after a kill does not verify"
 run "$WORK/kill.2.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/kill" "${long[@]}"
 expect 0 "resumed from" "$WORK/kill.2.log"

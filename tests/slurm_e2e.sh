@@ -2,8 +2,8 @@
 # The Slurm scripts against a real Slurm on localhost (../shared/tools/slurm-local.sh: munge, slurmctld
 # and two emulated nodes): a 2-node x 2-task hybrid run, a 3-point sweep array with its summary table,
 # a preempted job (SIGUSR1) that checkpoints, requeues, resumes and ends with the weights of an
-# uninterrupted run, a run continued on fewer nodes (--nodes=min-max, data.global_batch_size), and two
-# jobs on one run directory (the second refused).
+# uninterrupted run, a run continued on fewer nodes (--nodes=min-max, data.global_batch_size), two
+# jobs on one run directory (the second refused) and runs larger than their --mem / --mem-per-cpu (refused).
 # Every wait is bounded; the cluster is torn down on exit, also on failure.
 #   tests/slurm_e2e.sh SOURCE_DIR BUILD_BIN WORK_DIR
 set -uo pipefail
@@ -161,4 +161,23 @@ wait_state "$first" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT|PENDING)" 120 
 scancel "$first" >/dev/null 2>&1 || true
 wait_state "$first" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 60 || fail "job $first did not end after scancel"
 echo "ok: a second job on a held run directory failed with exit code 2 naming the first job"
+
+# 6. A run that will not fit in its allocation: a GPT predicted at about 1 GiB per rank, 2 ranks, under
+#    --mem=900 (the job's SLURM_MEM_PER_NODE) or --mem-per-cpu=450: every rank exits 2 before building
+#    anything, naming the prediction, the Slurm limit and what would fit; the job fails with exit code 2
+#    (not the OOM killer).
+big=(--set model.kind=transformer --set data.kind=tokens --set model.d_model=256 --set model.n_layers=12 --set model.context=64)
+for mem in --mem=900 --mem-per-cpu=450; do
+  jid=$(sbatch --parsable --nodes=1 --ntasks-per-node=2 "$mem" --output="$WORK/%x_%j.out" slurm/train.sbatch "$DECK" "${big[@]}" \
+    --set run.out_dir="$WORK/fit") || fail "sbatch $mem"
+  wait_state "$jid" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 120 || fail "job $jid ($mem) did not end"
+  [[ $(final_state "$jid") == JobState=FAILED ]] || { cat "$WORK/fsdp_$jid.out"; fail "$mem: $(final_state "$jid")"; }
+  grep -Eq "ExitCode=2:" <(scontrol show job "$jid") || { scontrol show job "$jid"; fail "$mem: the job's exit code is not 2"; }
+  [[ $mem == --mem=900 ]] && limit="limit 900 MiB \(Slurm --mem \(SLURM_MEM_PER_NODE=900 MiB\)\)" ||
+    limit="limit [0-9]+ MiB \(Slurm --mem-per-cpu \(SLURM_MEM_PER_CPU=450 MiB x [0-9]+"
+  pattern="the run will not fit in memory: predicted peak [0-9]+ MiB per rank .* x 2 rank\(s\) = [0-9]+ MiB on this node; $limit"
+  [[ $(grep -Ec "$pattern" "$WORK/fsdp_$jid.out") -ge 1 ]] || { cat "$WORK/fsdp_$jid.out"; fail "$mem: the refusal does not name the prediction and the limit"; }
+  grep -q "What would fit: data.batch_size" "$WORK/fsdp_$jid.out" || { cat "$WORK/fsdp_$jid.out"; fail "$mem: no suggestion of what would fit"; }
+done
+echo "ok: runs larger than their --mem or --mem-per-cpu were refused with exit code 2 before they started"
 echo "all slurm cases passed"

@@ -369,6 +369,33 @@ BOOST_AUTO_TEST_CASE(broadcast_and_barrier) {
   BOOST_TEST(nc.counters().calls == static_cast<std::uint64_t>(std::size(kAllTypes) * 3));  // barriers are not counted
 }
 
+BOOST_AUTO_TEST_CASE(collectives_are_recorded_by_the_flight_recorder) {
+  auto w = MpiComm::world();
+  auto& recorder = fsdp::FlightRecorder::instance();
+  recorder.configure(64, "", w.rank(), w.size());
+  auto nc = NcclComm::from_mpi(w, test_options());
+  auto sub = nc.split(0, w.rank());
+  DeviceBuffer d(sizeof(float) * 3);
+  nc.all_reduce(d.get(), d.get(), 3, DType::kFloat32, ReduceOp::kSum);
+  sub.barrier();
+  nc.iall_reduce(d.get(), d.get(), 3, DType::kFloat32, ReduceOp::kSum).wait();
+  std::vector<std::string> seen;
+  const auto comms = recorder.comms();
+  for (const auto& r : recorder.records())
+    if (comms.at(static_cast<std::size_t>(r.comm)).name.rfind("nccl:", 0) == 0) {
+      seen.push_back(comms.at(static_cast<std::size_t>(r.comm)).name + " " + r.kind);
+      BOOST_TEST(r.end_s >= r.start_s);  // every one of them finished
+    }
+  const std::string world = "nccl:" + w.flight_name();
+  BOOST_TEST_REQUIRE(seen.size() == 3u);
+  BOOST_TEST(seen[0] == world + " all_reduce");
+  BOOST_TEST(seen[1].rfind(world + "/split#", 0) == 0);  // the n-th split of this communicator in this process
+  BOOST_TEST(seen[1].substr(seen[1].size() - 8) == " barrier");
+  BOOST_TEST(seen[2] == world + " iall_reduce");
+  BOOST_TEST(comms.back().world_ranks == w.world_ranks(), boost::test_tools::per_element());
+  recorder.configure(0, "", w.rank(), w.size());
+}
+
 BOOST_AUTO_TEST_CASE(split_groups_for_hybrid_sharding) {
   auto w = MpiComm::world();
   for (fsdp::NcclSplit method : {fsdp::NcclSplit::kAuto, fsdp::NcclSplit::kMpi}) {

@@ -57,10 +57,10 @@ expect_in("${last_output}" "tokens/s")
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/eval/checkpoints ${WORK_DIR}/np2/checkpoints)
 file(STRINGS ${WORK_DIR}/eval/metrics.csv rows)
 list(GET rows 0 header)
-expect_in("${header}" "^step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl$")
-expect_in("${rows}" ";5,1,,,,,,[0-9.]+,[0-9.]+;")     # an evaluation after a step without a log row
-expect_in("${rows}" ";20,1,[0-9.]+,[^;]*,[0-9.]+,[0-9.]+;")  # a logged step with its evaluation
-expect_in("${rows}" ";8,1,[0-9.]+,[^;]*,,;")             # a logged step without one
+expect_in("${header}" "^step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults$")
+expect_in("${rows}" ";5,1,,,,,,[0-9.]+,[0-9.]+,,,,,,,;")     # an evaluation after a step without a log row
+expect_in("${rows}" ";20,1,[0-9.]+,[^;]*,[0-9.]+,[0-9.]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9]+;")  # a logged step with its evaluation
+expect_in("${rows}" ";8,1,[0-9.]+,[^;]*,,,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9]+;")             # a logged step without one
 file(READ ${WORK_DIR}/eval/summary.json summary)
 foreach(key "eval_step.: 24," "eval_perplexity.: [0-9]" "test_loss.: [0-9]" "tokens_per_s.: [0-9]" "model_flops_per_s.: [0-9]")
   expect_in("${summary}" "${key}")

@@ -17,6 +17,9 @@ inline constexpr double kDefaultBaselineMib = 178.0;
 /// always mapped and unmapped; smaller ones may come from the heap, which keeps freed memory.
 inline constexpr std::int64_t kMmapThresholdMaxBytes = std::int64_t{32} << 20;
 inline constexpr std::int64_t kMmapThresholdStartBytes = std::int64_t{128} << 10;
+/// run.malloc = "reuse" (M_MMAP_MAX = 0): no block is ever mapped; "return": blocks of 1 MiB or more are.
+inline constexpr std::int64_t kNeverMapped = INT64_MAX;
+inline constexpr std::int64_t kReturnThresholdBytes = std::int64_t{1} << 20;
 
 /// Resident heap per byte of the heap's live high-water mark. glibc places 64-byte-aligned tensor
 /// blocks (posix_memalign) so that a freed block rarely takes the next request of the same size, and
@@ -24,5 +27,10 @@ inline constexpr std::int64_t kMmapThresholdStartBytes = std::int64_t{128} << 10
 /// malloc/free of fsdp-train (docs/planning.md): 1.47 for a GPT whose blocks all live on the heap, 1.75
 /// for an MLP with 12-16 MiB units. fsdp-plan --heap-factor overrides it.
 inline constexpr double kDefaultHeapFactor = 1.5;
+/// The same under run.malloc = "reuse", where every block, large ones included, lives on the heap and
+/// a step's blocks find their freed predecessors of the same size: peak RSS minus the baseline against
+/// the heap's live high-water mark in tests/plan_e2e.cmake was 1.14-1.20 (MLP, NO_SHARD), 1.22-1.34
+/// (MLP, FULL_SHARD), 1.38-1.43 (GPT, FULL_SHARD) and 1.48 (bench/decks/gpt6m.toml, one process).
+inline constexpr double kReuseHeapFactor = 1.3;
 
 }  // namespace fsdp::app

@@ -151,8 +151,15 @@ struct RunShape {
   WrapDesc wrap;
   double baseline_mib = kDefaultBaselineMib;
   double heap_factor = kDefaultHeapFactor;
-  std::int64_t mmap_threshold_bytes = 0;  ///< run.malloc_mmap_threshold_mib; 0: glibc's dynamic threshold
+  std::int64_t mmap_threshold_bytes = kNeverMapped;  ///< run.malloc: kNeverMapped (reuse), 1 MiB (return), 0: glibc's dynamic threshold
 };
+
+/// The mmap threshold that run.malloc amounts to (0: glibc's dynamic one).
+inline std::int64_t mmap_threshold_of(const std::string& malloc_policy) {
+  if (malloc_policy == "return") return kReturnThresholdBytes;
+  if (malloc_policy == "glibc") return 0;
+  return kNeverMapped;
+}
 
 /// The shape of the deck's run (`cfg`, resolved for the planned placement) under `strategy`: the deck's
 /// strategy or another one for the side-by-side table (the shard group and resharding then follow it).
@@ -179,7 +186,8 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
   r.backward_prefetch = cfg.fsdp.backward_prefetch_name;
   r.forward_prefetch = cfg.fsdp.forward_prefetch;
   r.overlap_grad_reduce = world > 1 && cfg.fsdp.overlap_grad_reduce;  // one rank has no reductions to overlap
-  r.mmap_threshold_bytes = cfg.run.malloc_mmap_threshold_mib << 20;
+  r.mmap_threshold_bytes = mmap_threshold_of(cfg.run.malloc);
+  r.heap_factor = r.mmap_threshold_bytes == kNeverMapped ? kReuseHeapFactor : kDefaultHeapFactor;
   r.batch = cfg.data.batch_size;
   r.data = data;
   const std::int64_t test_per_rank = (data.test_samples + world - 1) / world;

@@ -413,7 +413,8 @@ class RunSimulator {
   }
 
   void evaluate() {
-    const std::int64_t B = run_.test_batch;
+    // fsdp-train evaluates a language model's batch in chunks (GptConfig::eval_chunk): one chunk's forward.
+    const std::int64_t B = shape_.kind == "transformer" ? shape_.gpt.eval_chunk(run_.test_batch) : run_.test_batch;
     int idx = mem_.alloc(Mem::kData, (run_.data.test_samples + run_.world - 1) / run_.world * 8);
     int x = mem_.alloc(Mem::kData, input_bytes(B));
     int y = mem_.alloc(Mem::kData, target_bytes(B));

@@ -181,8 +181,11 @@ struct EvalResult {
 
 /// The tutorial's test(): loss summed and correct predictions counted on each rank, reduced; at most
 /// `max_batches` batches per rank (0: the whole split). For a language model the loss is per token.
+/// Each batch runs as forwards of at most `chunk` samples (0: the whole batch), the same number on
+/// every rank: a language model's logits stay small whatever the batch.
 template <class Engine>
-inline EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, MpiComm& world, std::int64_t max_batches = 0) {
+inline EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, MpiComm& world, std::int64_t max_batches = 0,
+                           std::int64_t chunk = 0) {
   model.eval();
   torch::NoGradGuard no_grad;
   // Rank r takes samples r, r+N, ...: every sample exactly once (no padding).
@@ -192,10 +195,14 @@ inline EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, 
   std::int64_t batches = (static_cast<std::int64_t>(idx.size()) + batch - 1) / batch;
   world.all_reduce(&batches, &batches, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
   if (max_batches > 0) batches = std::min(batches, max_batches);
+  if (chunk <= 0 || chunk > batch) chunk = batch;
+  const std::int64_t pieces = (batch + chunk - 1) / chunk;
   double sums[3] = {0, 0, 0};  // loss, correct, count
-  for (std::int64_t k = 0; k < batches; ++k) {
-    const auto begin = std::min(static_cast<std::size_t>(k * batch), idx.size());
-    const auto end = std::min(begin + static_cast<std::size_t>(batch), idx.size());
+  for (std::int64_t k = 0; k < batches * pieces; ++k) {
+    const auto batch_begin = std::min(static_cast<std::size_t>(k / pieces * batch), idx.size());
+    const auto batch_end = std::min(batch_begin + static_cast<std::size_t>(batch), idx.size());
+    const auto begin = std::min(batch_begin + static_cast<std::size_t>(k % pieces * chunk), batch_end);
+    const auto end = std::min(begin + static_cast<std::size_t>(chunk), batch_end);
     Batch b = make_batch(d, false, idx, begin, end).to(model.compute_device());
     if (b.samples == 0) {  // keep the collectives in step with an empty batch
       b = make_batch(d, false, std::vector<std::int64_t>{0}, 0, 1).to(model.compute_device());

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "train/dataset.hpp"
+#include "train/timing.hpp"
 
 namespace fsdp::app {
 
@@ -32,19 +33,26 @@ class MetricsLog {
     }
     out_.open(path, std::ios::trunc);
     if (!out_) throw std::runtime_error("cannot write '" + path.string() + "'");
-    out_ << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl\n";
+    out_ << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,"
+            "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults\n";
     for (const auto& l : kept) out_ << l << "\n";
     out_.flush();
   }
-  void row(std::int64_t step, std::int64_t epoch, double loss, double lr, double rate, double step_ms, double elapsed_s,
+  /// A logged step: the window's loss and rate, and this step's time and its breakdown on rank 0.
+  void row(std::int64_t step, std::int64_t epoch, double loss, double lr, double rate, double step_ms, double elapsed_s, const StepBreakdown& parts,
            const std::optional<EvalResult>& eval = std::nullopt, bool language_model = false) {
     out_ << step << "," << epoch << "," << loss << "," << lr << "," << rate << "," << step_ms << "," << elapsed_s << ",";
     eval_cells(eval, language_model);
+    out_ << "," << parts.forward_ms << "," << parts.backward_ms << "," << parts.optimizer_ms << "," << parts.all_gather_ms << ","
+         << parts.reduce_scatter_ms << "," << parts.all_reduce_ms << "," << parts.minor_faults << "\n";
+    out_.flush();
   }
   /// An evaluation after a step that logged no row.
   void eval_row(std::int64_t step, std::int64_t epoch, const EvalResult& eval, bool language_model) {
     out_ << step << "," << epoch << ",,,,,,";
     eval_cells(eval, language_model);
+    out_ << ",,,,,,,\n";
+    out_.flush();
   }
 
  private:
@@ -55,8 +63,6 @@ class MetricsLog {
     } else {
       out_ << ",";
     }
-    out_ << "\n";
-    out_.flush();
   }
   std::ofstream out_;
 };

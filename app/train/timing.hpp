@@ -48,6 +48,20 @@ struct Phases {
   double data = 0, forward = 0, backward = 0, optimizer = 0, checkpoint = 0, eval = 0;
 };
 
+/// Minor page faults of this process so far (a page touched for the first time since it was mapped).
+inline long minor_page_faults() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_minflt;
+}
+
+/// Where one step's time went on this rank: metrics.csv's breakdown columns.
+struct StepBreakdown {
+  double forward_ms = 0, backward_ms = 0, optimizer_ms = 0;         ///< forward includes the loss; optimizer includes clipping
+  double all_gather_ms = 0, reduce_scatter_ms = 0, all_reduce_ms = 0;  ///< inside blocking collectives (within the phases above)
+  long minor_faults = 0;
+};
+
 inline double peak_rss_mb() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);

@@ -28,6 +28,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace fsdp {
@@ -139,6 +140,18 @@ class FlightRecorder {
     for (std::int64_t t = first; t < next_; ++t) out.push_back(ring_[static_cast<std::size_t>(t) % ring_.size()]);
     return out;
   }
+  /// The oldest collective that has begun and not ended (still in the ring), with its communicator's key.
+  std::optional<std::pair<FlightRecord, std::string>> oldest_unfinished() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::int64_t first = std::max<std::int64_t>(0, next_ - static_cast<std::int64_t>(ring_.size()));
+    for (std::int64_t t = first; t < next_; ++t) {
+      const auto& r = ring_[static_cast<std::size_t>(t) % ring_.size()];
+      if (r.end_s < 0) return std::make_pair(r, comms_.at(static_cast<std::size_t>(r.comm)).key());
+    }
+    return std::nullopt;
+  }
+  /// Seconds since the recorder started (the clock of start_s and end_s).
+  double now() const { return now_s(); }
   std::vector<FlightComm> comms() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return comms_;

@@ -220,6 +220,11 @@ class MpiComm {
   void set_waiting_yields_cpu(bool yield_cpu) noexcept { state_->yield_cpu = yield_cpu; }
   bool waiting_yields_cpu() const noexcept { return state_->yield_cpu; }
 
+  /// The flight recorder's name of this communicator: its lineage ("world", "world/split#0").
+  const std::string& flight_name() const noexcept { return state_->name; }
+  /// The members by world rank, in this communicator's rank order.
+  const std::vector<int>& world_ranks() const noexcept { return state_->world_ranks; }
+
   /// Ranks on this node (MPI_COMM_TYPE_SHARED), and this rank's index among them. Collective.
   MpiComm split_node() const {
     MPI_Comm node = MPI_COMM_NULL;
@@ -426,6 +431,7 @@ class MpiComm {
     std::vector<std::byte> scratch;  // ring buffers, reused across calls
     std::string name;                // lineage for the flight recorder: "world", "world/split#0"
     int flight_id = -1;              // the flight recorder's index of this communicator
+    std::vector<int> world_ranks;    // the members by world rank (empty if MPI could not tell)
     ~State() {
       int finalized = 0;
       MPI_Finalized(&finalized);
@@ -445,8 +451,10 @@ class MpiComm {
     std::vector<int> mine(static_cast<std::size_t>(state_->size)), world_ranks(mine.size());
     for (int i = 0; i < state_->size; ++i) mine[static_cast<std::size_t>(i)] = i;
     if (MPI_Comm_group(comm, &group) == MPI_SUCCESS && MPI_Comm_group(MPI_COMM_WORLD, &world_group) == MPI_SUCCESS &&
-        MPI_Group_translate_ranks(group, state_->size, mine.data(), world_group, world_ranks.data()) == MPI_SUCCESS)
-      state_->flight_id = FlightRecorder::instance().register_comm(state_->name, world_ranks);
+        MPI_Group_translate_ranks(group, state_->size, mine.data(), world_group, world_ranks.data()) == MPI_SUCCESS) {
+      state_->world_ranks = world_ranks;
+      state_->flight_id = FlightRecorder::instance().register_comm(state_->name, std::move(world_ranks));
+    }
     if (group != MPI_GROUP_NULL) MPI_Group_free(&group);
     if (world_group != MPI_GROUP_NULL) MPI_Group_free(&world_group);
   }

@@ -172,7 +172,9 @@ class NcclComm {
     auto state = std::make_shared<detail::NcclState>(device, options);
     state->mpi = m;
     state->init(message.id, m.size(), m.rank());
-    return NcclComm(std::move(state));
+    NcclComm comm(std::move(state));
+    comm.register_flight("nccl:" + m.flight_name(), m.world_ranks());
+    return comm;
   }
 
   /// Bootstrap without MPI, for Slurm sites without PMIx: rank and size from SLURM_PROCID and
@@ -212,7 +214,11 @@ class NcclComm {
     } cleanup{id_file, r == 0};
     auto state = std::make_shared<detail::NcclState>(device, options);
     state->init(id, n, r);
-    return NcclComm(std::move(state));
+    NcclComm comm(std::move(state));
+    std::vector<int> members(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) members[static_cast<std::size_t>(i)] = i;  // SLURM_PROCID is the world rank
+    comm.register_flight("nccl:world", std::move(members));
+    return comm;
   }
 
   int rank() const noexcept { return state_->rank; }
@@ -294,7 +300,19 @@ class NcclComm {
       throw CommError(state_->who() + ": split: ncclCommSplit needs NCCL >= 2.18");
 #endif
     }
-    return NcclComm(std::move(sub));
+    NcclComm child(std::move(sub));
+    // The members by world rank: from the MPI communicator of the same ranks, else one all-gather.
+    std::vector<int> members;
+    if (child.state_->mpi) {
+      members = child.state_->mpi->world_ranks();
+    } else {
+      const std::int64_t me = detail::process_rank();
+      std::vector<std::int64_t> all(static_cast<std::size_t>(child.size()));
+      child.all_gather(&me, all.data(), 1, DType::kInt64);
+      members.assign(all.begin(), all.end());
+    }
+    child.register_flight(FlightRecorder::instance().child_name(state_->flight_name, "split"), std::move(members));
+    return child;
   }
 
   /// The ranks of this communicator on this node, ordered by rank. Over MPI: MPI_COMM_TYPE_SHARED;
@@ -397,7 +415,7 @@ class NcclComm {
     count(state_->counters.all_gather_bytes, n, t);
     if (c == 0) return {};
     return issue(
-        "iall_gather", [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->comm_stream); },
+        "iall_gather", bytes(n, t) * size(), [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->comm_stream); },
         "ncclAllGather(send, recv, n, type, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -407,7 +425,7 @@ class NcclComm {
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
     if (c == 0) return {};
     return issue(
-        "ireduce_scatter",
+        "ireduce_scatter", bytes(n, t) * size(),
         [&] { return ncclReduceScatter(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
         "ncclReduceScatter(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
@@ -418,7 +436,7 @@ class NcclComm {
     count(state_->counters.all_reduce_bytes, n, t);
     if (c == 0) return {};
     return issue(
-        "iall_reduce", [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
+        "iall_reduce", bytes(n, t), [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
         "ncclAllReduce(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -428,7 +446,7 @@ class NcclComm {
     count(state_->counters.broadcast_bytes, n, t);
     if (c == 0) return {};
     return issue(
-        "ibroadcast", [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->comm_stream); },
+        "ibroadcast", bytes(n, t), [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->comm_stream); },
         "ncclBroadcast(buf, buf, n, type, root, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -504,20 +522,33 @@ class NcclComm {
     ++state_->counters.calls;
   }
 
+  /// Names this communicator for the flight recorder (collectives before this are not recorded).
+  void register_flight(std::string name, std::vector<int> world_ranks) {
+    state_->flight_name = std::move(name);
+    state_->flight_id = FlightRecorder::instance().register_comm(state_->flight_name, std::move(world_ranks));
+  }
+  /// Records a collective for the flight recorder (a no-op when it is off).
+  FlightRecorder::Scope flight(const char* kind, std::int64_t bytes) const {
+    auto& w = CollectiveWatchdog::instance();
+    return FlightRecorder::Scope(state_->flight_id, kind, bytes, w.unit(), w.step());
+  }
+
   /// Enqueues `launch` and waits on the host for its completion (deadline, asynchronous errors).
   /// With `seconds`, its wall time is added there and traced as `op` moving `bytes` (as MpiComm does).
   template <class Launch>
   void blocking(const char* op, double* seconds, std::int64_t bytes, Launch&& launch, const char* call, const char* file, int line) const {
     std::optional<Stopwatch> timed;
     if (seconds != nullptr) timed.emplace(*seconds, op, bytes);
+    const auto flown = flight(op, bytes);  // ends when the host has seen the collective complete
     const detail::CudaDeviceGuard on(state_->device);
     state_->enqueue(op, call, file, line, launch, state_->done);
     state_->wait_event(state_->done, op, detail::Deadline(state_->options.timeout_s));
   }
 
-  /// Enqueues `launch` with its own completion event and returns the request holding it.
+  /// Enqueues `launch` (moving `moved_bytes`) with its own completion event and returns the request holding it.
   template <class Launch>
-  NcclRequest issue(const char* op, Launch&& launch, const char* call, const char* file, int line) {
+  NcclRequest issue(const char* op, std::int64_t moved_bytes, Launch&& launch, const char* call, const char* file, int line) {
+    flight(op, moved_bytes);  // recorded as issued (begun and ended): its completion is the request's wait
     const detail::CudaDeviceGuard on(state_->device);
     cudaEvent_t done = nullptr;
     FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));

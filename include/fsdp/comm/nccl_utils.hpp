@@ -218,6 +218,8 @@ struct NcclState {
   CommCounters counters;
   bool aborted = false;
   std::string abort_reason;
+  std::string flight_name;  // the flight recorder's name: "nccl:" and the lineage ("nccl:world/split#0")
+  int flight_id = -1;       // the flight recorder's index of this communicator
 
   NcclState(int dev, const NcclOptions& opts) : device(dev), options(opts) {
     const CudaDeviceGuard on(device);
