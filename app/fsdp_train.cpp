@@ -63,9 +63,13 @@ namespace {
 volatile std::sig_atomic_t g_stop_signal = 0;
 /// Posted by the SIGTERM handler (sem_post is async-signal-safe) for TerminateDumper's thread.
 sem_t g_terminate_posted;
+volatile std::sig_atomic_t g_terminate_pending = 0;
 extern "C" void request_stop(int signo) {
   g_stop_signal = signo;
-  if (signo == SIGTERM) sem_post(&g_terminate_posted);
+  if (signo == SIGTERM) {
+    g_terminate_pending = 1;
+    sem_post(&g_terminate_posted);
+  }
 }
 
 /// Dumps the flight recorder when SIGTERM arrives: mpirun and srun send it to the surviving ranks when a
@@ -74,10 +78,10 @@ extern "C" void request_stop(int signo) {
 class TerminateDumper {
  public:
   TerminateDumper() {
-    sem_init(&g_terminate_posted, 0, 0);
-    thread_ = std::thread([this] { watch(); });
+    if (sem_init(&g_terminate_posted, 0, 0) == 0) thread_ = std::thread([this] { watch(); });
   }
   ~TerminateDumper() {
+    if (!thread_.joinable()) return;
     quitting_ = true;
     sem_post(&g_terminate_posted);
     thread_.join();
@@ -89,17 +93,26 @@ class TerminateDumper {
   void watch() {
     auto& recorder = fsdp::FlightRecorder::instance();
     for (;;) {
-      while (sem_wait(&g_terminate_posted) != 0 && errno == EINTR) {
+      int rc;
+      while ((rc = sem_wait(&g_terminate_posted)) != 0 && errno == EINTR) {
+      }
+      if (rc != 0) return;
+      // A SIGTERM that came just before the run ended is still dumped.
+      if (g_terminate_pending) {
+        g_terminate_pending = 0;
+        dump(recorder);
       }
       if (quitting_) return;
-      const auto waiting = recorder.oldest_unfinished();
-      const auto path = recorder.dump();
-      if (path && waiting)  // a rank inside a collective at SIGTERM: the likely sign that a peer is gone
-        std::fprintf(stderr, "fsdp-train: rank %d: SIGTERM while in collective #%llu %s of %s (%lld bytes, step %lld) for %.1f s; last collectives in %s\n",
-                     recorder.rank(), static_cast<unsigned long long>(waiting->first.seq), waiting->first.kind, waiting->second.c_str(),
-                     static_cast<long long>(waiting->first.bytes), static_cast<long long>(waiting->first.step), recorder.now() - waiting->first.start_s,
-                     path->c_str());
     }
+  }
+  static void dump(fsdp::FlightRecorder& recorder) {
+    const auto waiting = recorder.oldest_unfinished();
+    const auto path = recorder.dump();
+    if (path && waiting)  // a rank inside a collective at SIGTERM: the likely sign that a peer is gone
+      std::fprintf(stderr, "fsdp-train: rank %d: SIGTERM while in collective #%llu %s of %s (%lld bytes, step %lld) for %.1f s; last collectives in %s\n",
+                   recorder.rank(), static_cast<unsigned long long>(waiting->first.seq), waiting->first.kind, waiting->second.c_str(),
+                   static_cast<long long>(waiting->first.bytes), static_cast<long long>(waiting->first.step), recorder.now() - waiting->first.start_s,
+                   path->c_str());
   }
   std::atomic<bool> quitting_{false};
   std::thread thread_;

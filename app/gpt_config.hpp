@@ -26,12 +26,12 @@ struct GptConfig {
     return 6.0 * static_cast<double>(num_params) + 12.0 * static_cast<double>(n_layers * d_model * context);
   }
 
-  /// Sequences per forward when evaluating a batch of `batch`: the logits of a chunk (context x padded
-  /// vocabulary floats, and their log-softmax of the same size) stay within kEvalLogitsBytes, so the
-  /// evaluation batch never sets the run's peak memory; the loss is the same sum.
+  /// Sequences per forward when evaluating a batch of `batch`: a chunk's logits (context x padded
+  /// vocabulary floats) and their log-softmax together stay within kEvalLogitsBytes, so the evaluation
+  /// batch never sets the run's peak memory; the loss is the same sum.
   static constexpr std::int64_t kEvalLogitsBytes = std::int64_t{32} << 20;
   std::int64_t eval_chunk(std::int64_t batch) const {
-    const std::int64_t per_sequence = context * padded_vocab() * 4;
+    const std::int64_t per_sequence = 2 * context * padded_vocab() * 4;
     return std::clamp<std::int64_t>(kEvalLogitsBytes / std::max<std::int64_t>(1, per_sequence), 1, std::max<std::int64_t>(1, batch));
   }
 };

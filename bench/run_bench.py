@@ -272,7 +272,7 @@ def run_training(model, np_, cfg, rep, steps):
     res["step_ms"] = step_ms
     res["step_ms_median"] = statistics.median(measured)
     res["breakdown_median"] = {k: statistics.median(v[WARMUP:] if len(v) > WARMUP else v) for k, v in breakdown.items() if v}
-    res["samples_per_s"] = m["global_batch"] * len(measured) / (sum(measured) / 1000.0)
+    res["samples_per_s"] = per_rank * np_ * len(measured) / (sum(measured) / 1000.0)
     res["peak_rss_mb"] = s.get("peak_rss_mb")
     return res
 
@@ -506,8 +506,9 @@ def write_report(results):
             md.append("Step time ratios (< 1: fsdp-train faster): against PyTorch DDP at the same np; at np 1 against plain PyTorch "
                       "(no wrapper); FULL_SHARD at np 2 against fsdp-train in one process with the same per-rank batch (the cost of "
                       "sharding). Breakdown: rank 0's median per step, forward with the loss, backward, optimizer with clipping, the "
-                      "blocking collectives inside them (fsdp-train: metrics.csv; the DDP peer: its gradient all-reduces from launch "
-                      "to completion, overlapped with backward), minor page faults (getrusage).\n")
+                      "collectives' seconds (fsdp-train: metrics.csv, blocking collectives inside those phases, and in the prefetch + "
+                      "overlapped reduction rows the worker thread's collectives, which run beside computation; the DDP peer: its "
+                      "gradient all-reduces from the first bucket's launch to the last one's completion, overlapped with backward), minor page faults (getrusage).\n")
             md.append("| np | configuration | median step ms | ratio | forward ms | backward ms | optimizer ms | all-gather ms | "
                       "reduce-scatter ms | all-reduce ms | minor faults | peak RSS MiB (max rank) |")
             md.append("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")

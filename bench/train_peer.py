@@ -29,8 +29,8 @@ rest and samples_per_s = global batch x measured steps / their summed time. Writ
 with the keys of fsdp-train's summary (world_size, threads_per_rank, strategy, params, steps,
 step_ms_median, samples_per_s, tokens_per_s, peak_rss_mb per rank) plus step_ms (every step) and the
 BLAS library mapped into the process, and every step's breakdown (phases_ms: forward with the loss,
-backward, optimizer with clipping, all_reduce: DDP's gradient all-reduces from launch to completion,
-timed by a comm hook that does what DDP's default does; minor_faults from getrusage), as fsdp-train's
+backward, optimizer with clipping, all_reduce: DDP's gradient all-reduces from the first bucket's launch
+to the last one's completion, timed by a comm hook that does what DDP's default does; minor_faults from getrusage), as fsdp-train's
 metrics.csv columns.
 """
 import argparse
@@ -603,7 +603,7 @@ def main():
     units = fsdp_unit_numels(net, deck)
     assert sum(units) == params, (units, params)
     strategy = "DDP"
-    allreduce_s = [0.0]
+    allreduce_span = [None, None]  # this step's first bucket launch and last completion
     if args.wrapper == "none":
         if size != 1:
             raise SystemExit("train_peer.py: --wrapper none runs one process (plain PyTorch), not %d" % size)
@@ -613,11 +613,12 @@ def main():
         model = torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
         if size > 1:
             def timed_allreduce(state, bucket):  # DDP's default: the bucket summed over ranks, divided by the world size
-                t0 = time.perf_counter()
+                if allreduce_span[0] is None:
+                    allreduce_span[0] = time.perf_counter()
                 fut = dist.all_reduce(bucket.buffer().div_(size), async_op=True).get_future()
 
                 def done(f):
-                    allreduce_s[0] += time.perf_counter() - t0
+                    allreduce_span[1] = time.perf_counter()
                     return f.value()[0]
                 return fut.then(done)
             model.register_comm_hook(None, timed_allreduce)
@@ -667,7 +668,8 @@ def main():
             lr = lr_at(deck, step, epoch, total_steps)
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            faults0, allreduce0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, allreduce_s[0]
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            allreduce_span[:] = [None, None]
             optimizer.zero_grad()
             x, y = make_batch(idx[k * batch : (k + 1) * batch])
             t_fwd = time.perf_counter()
@@ -688,7 +690,8 @@ def main():
             phases_ms["forward"].append(1000 * (t_bwd - t_fwd))
             phases_ms["backward"].append(1000 * (t_opt - t_bwd))
             phases_ms["optimizer"].append(1000 * (t_end - t_opt))
-            phases_ms["all_reduce"].append(1000 * (allreduce_s[0] - allreduce0))
+            # The buckets run one after another on gloo's thread: the span from the first launch to the last completion.
+            phases_ms["all_reduce"].append(1000 * (allreduce_span[1] - allreduce_span[0]) if allreduce_span[1] is not None else 0.0)
             minor_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0)
     train_s = time.perf_counter() - train_start
 

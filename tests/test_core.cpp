@@ -7,6 +7,7 @@
 
 #include <numeric>
 #include <random>
+#include <stdexcept>
 
 #include "fsdp/core/layout.hpp"
 #include "fsdp/core/execution_order.hpp"
@@ -439,7 +440,18 @@ BOOST_AUTO_TEST_CASE(flight_recorder_keeps_the_last_collectives_per_communicator
   BOOST_TEST(dump.collectives.size() == 3u);
   BOOST_TEST(dump.collectives[2].comm == "world{0,1}");
   BOOST_TEST(!dump.collectives[2].finished);
+  BOOST_TEST(fr.oldest_unfinished()->first.seq == 4u);
+  BOOST_TEST(fr.oldest_unfinished()->second == "world{0,1}");
   fr.end(open);
+  BOOST_TEST(!fr.oldest_unfinished().has_value());
+  // A collective left by an exception (a deadline) stays unfinished: the record shows where it hung.
+  try {
+    fsdp::FlightRecorder::Scope s(shard, "all_gather", 64, 2, 5);
+    throw std::runtime_error("deadline");
+  } catch (const std::runtime_error&) {
+  }
+  BOOST_TEST(fr.records().back().end_s < 0);
+  BOOST_TEST(fr.oldest_unfinished()->first.step == 5);
   fr.configure(0, "", 0, 1);
   std::filesystem::remove_all(dir);
 }

@@ -30,7 +30,9 @@ inline constexpr double kDefaultHeapFactor = 1.5;
 /// The same under run.malloc = "reuse", where every block, large ones included, lives on the heap and
 /// a step's blocks find their freed predecessors of the same size: peak RSS minus the baseline against
 /// the heap's live high-water mark in tests/plan_e2e.cmake was 1.14-1.20 (MLP, NO_SHARD), 1.22-1.34
-/// (MLP, FULL_SHARD), 1.38-1.43 (GPT, FULL_SHARD) and 1.48 (bench/decks/gpt6m.toml, one process).
+/// (MLP, FULL_SHARD), 1.38-1.43 (GPT, FULL_SHARD) and 1.48 (bench/decks/gpt6m.toml, one process):
+/// a GPT's many mid-sized activations fragment more than an MLP's few large blocks.
+inline constexpr double kReuseHeapFactorGpt = 1.45;
 inline constexpr double kReuseHeapFactor = 1.3;
 
 }  // namespace fsdp::app

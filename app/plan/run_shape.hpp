@@ -161,6 +161,12 @@ inline std::int64_t mmap_threshold_of(const std::string& malloc_policy) {
   return kNeverMapped;
 }
 
+/// The measured heap factor for an allocator policy (mmap_threshold_of) and model.kind.
+inline double default_heap_factor(std::int64_t mmap_threshold_bytes, const std::string& model_kind) {
+  if (mmap_threshold_bytes != kNeverMapped) return kDefaultHeapFactor;
+  return model_kind == "transformer" ? kReuseHeapFactorGpt : kReuseHeapFactor;
+}
+
 /// The shape of the deck's run (`cfg`, resolved for the planned placement) under `strategy`: the deck's
 /// strategy or another one for the side-by-side table (the shard group and resharding then follow it).
 inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const DataFootprint& data) {
@@ -187,7 +193,7 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
   r.forward_prefetch = cfg.fsdp.forward_prefetch;
   r.overlap_grad_reduce = world > 1 && cfg.fsdp.overlap_grad_reduce;  // one rank has no reductions to overlap
   r.mmap_threshold_bytes = mmap_threshold_of(cfg.run.malloc);
-  r.heap_factor = r.mmap_threshold_bytes == kNeverMapped ? kReuseHeapFactor : kDefaultHeapFactor;
+  r.heap_factor = default_heap_factor(r.mmap_threshold_bytes, cfg.model.kind);
   r.batch = cfg.data.batch_size;
   r.data = data;
   const std::int64_t test_per_rank = (data.test_samples + world - 1) / world;

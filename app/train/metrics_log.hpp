@@ -1,6 +1,7 @@
 // fsdp-train (app layer): metrics.csv, one row per logged step (rank 0 writes it).
 #pragma once
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <optional>
@@ -23,6 +24,7 @@ class MetricsLog {
  public:
   /// Starts the file at `path`; resuming at `resumed_step` > 0 keeps the rows up to that step (a crashed
   /// run may have logged past it).
+  static constexpr long kColumns = 16;
   void open(const std::filesystem::path& path, std::int64_t resumed_step) {
     std::filesystem::create_directories(path.parent_path());
     std::vector<std::string> kept;
@@ -35,7 +37,8 @@ class MetricsLog {
     if (!out_) throw std::runtime_error("cannot write '" + path.string() + "'");
     out_ << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,"
             "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults\n";
-    for (const auto& l : kept) out_ << l << "\n";
+    // Rows of a file written before the breakdown columns existed get them empty.
+    for (const auto& l : kept) out_ << l << std::string(static_cast<std::size_t>(std::max<long>(0, kColumns - 1 - std::count(l.begin(), l.end(), ','))), ',') << "\n";
     out_.flush();
   }
   /// A logged step: the window's loss and rate, and this step's time and its breakdown on rank 0.

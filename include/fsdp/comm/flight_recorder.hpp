@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -123,13 +124,18 @@ class FlightRecorder {
   /// RAII: begin() on construction, end() on destruction.
   class Scope {
    public:
-    Scope(int comm, const char* kind, std::int64_t bytes, int unit, std::int64_t step) : ticket_(instance().begin(comm, kind, bytes, unit, step)) {}
-    ~Scope() { instance().end(ticket_); }
+    Scope(int comm, const char* kind, std::int64_t bytes, int unit, std::int64_t step)
+        : ticket_(instance().begin(comm, kind, bytes, unit, step)), exceptions_(std::uncaught_exceptions()) {}
+    /// A collective left by an exception (a deadline, a peer's failure) stays unfinished in the record.
+    ~Scope() {
+      if (std::uncaught_exceptions() <= exceptions_) instance().end(ticket_);
+    }
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;
 
    private:
     std::int64_t ticket_;
+    int exceptions_;
   };
 
   /// The records, oldest first.
@@ -185,7 +191,8 @@ class FlightRecorder {
   std::optional<std::filesystem::path> dump() const {
     if (!enabled_ || dir_.empty()) return std::nullopt;
     const auto path = dump_path(rank_);
-    const auto tmp = path.string() + ".tmp";
+    // A temporary of this thread's own: a SIGTERM dump and a deadline's may run at once; the last rename wins.
+    const auto tmp = path.string() + ".tmp" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
     {
       std::ofstream out(tmp);
       out << to_json().dump(1) << "\n";

@@ -310,6 +310,7 @@ class NcclComm {
       std::vector<std::int64_t> all(static_cast<std::size_t>(child.size()));
       child.all_gather(&me, all.data(), 1, DType::kInt64);
       members.assign(all.begin(), all.end());
+      child.reset_counters();  // the user's collectives only
     }
     child.register_flight(FlightRecorder::instance().child_name(state_->flight_name, "split"), std::move(members));
     return child;
