@@ -5,7 +5,7 @@
 #   make build   deps, configure + build
 #   make test    build, then run every test through CTest
 #   make run     build, then train the default deck inputs/mnist_fsdp.toml on 2 ranks (NP=, DECK=)
-#   make bench   build what it needs, then fsdp-train vs PyTorch DDP/FSDP, MPI and checkpoint bandwidth -> build/bench/results.md (~13 min; BENCH_QUICK=1: ~3 min smoke test)
+#   make bench   build what it needs, then fsdp-train vs PyTorch DDP/FSDP, MPI and checkpoint bandwidth -> build/bench/results.md (~70 min with the 5.8M-124M GPTs; BENCH_MODELS=cnn,gpt: ~15 min; BENCH_QUICK=1: ~5 min smoke test)
 #   make check-gpu  build, then run the GPU tests (ctest -L gpu; skipped without a CUDA device)
 BUILD_DIR ?= build
 BUILD_TYPE ?= Release

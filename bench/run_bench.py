@@ -17,6 +17,7 @@ build/bench/logs). Environment knobs (defaults in brackets; BENCH_QUICK=1 change
   BENCH_CKPT [1]                0: skip the checkpoint benchmark
   BENCH_CKPT_ARGS ["--width 2048 --layers 8 --reps 3"; quick "--width 1024 --layers 4 --reps 1"]
   BENCH_OUT [build/bench]
+  BENCH_REPORT_ONLY [0]         1: run nothing; rebuild results.md/json from the runs and logs an earlier (interrupted) run left in BENCH_OUT
 
 Every run: `mpirun -np N` of build/bin/fsdp-train DECK --set ... or of /usr/bin/python3 bench/train_peer.py
 DECK --set ... with the same --set list (global batch split over the ranks, run.threads, run.max_steps,
@@ -63,6 +64,7 @@ NPS = [int(x) for x in env_list("BENCH_NP", ["1", "2", "4"])]
 MODEL_NAMES = env_list("BENCH_MODELS", ["cnn", "gpt", "gpt6m"] if QUICK else ["cnn", "gpt", "gpt6m", "gpt30m", "gpt125m"])
 TORCH_FSDP = env_int("BENCH_TORCH_FSDP", 1) != 0
 CKPT = env_int("BENCH_CKPT", 1) != 0
+REPORT_ONLY = env_int("BENCH_REPORT_ONLY", 0) != 0
 CKPT_ARGS = os.environ.get("BENCH_CKPT_ARGS", "--width 1024 --layers 4 --reps 1" if QUICK else "--width 2048 --layers 8 --reps 3")
 OUT = os.path.abspath(os.environ.get("BENCH_OUT", os.path.join(ROOT, "build", "bench")))
 RUN_TIMEOUT_S = 600
@@ -79,7 +81,7 @@ MODELS = {
                "title": "GPT of 29.5M parameters (d_model 512, 8 blocks, context 128, vocabulary 8192), AdamW + clipping"},
     # At 4 ranks only FULL_SHARD and DDP: four NO_SHARD replicas of 124M (about 4.3 GiB each) crowd a shared 24 GiB machine.
     "gpt125m": {"deck": "bench/decks/gpt125m.toml", "global_batch": 4, "steps": 4, "sized": True,
-                "only_at": {4: {"fsdp FULL_SHARD", "PyTorch DDP"}},
+                "only_at": {4: ["fsdp FULL_SHARD", "PyTorch DDP"]},
                 "title": "GPT-2 small's widths, 124M parameters (d_model 768, 12 blocks, vocabulary 50257), context 64, AdamW + clipping"},
 }
 
@@ -117,7 +119,7 @@ def runs_config(model, np_, cfg):
     if MODELS[model].get("sized"):
         if np_ == 1:  # one process: the engine against plain PyTorch (DDP and NO_SHARD would repeat them)
             return cfg[0] in {"fsdp FULL_SHARD", "PyTorch, no wrapper", "fsdp FULL_SHARD, np 2's per-rank batch"}
-        return cfg[0] in SIZED_CONFIGS and cfg[0] in MODELS[model].get("only_at", {}).get(np_, {cfg[0]})
+        return cfg[0] in SIZED_CONFIGS and cfg[0] in MODELS[model].get("only_at", {}).get(np_, [cfg[0]])
     return cfg[0] not in SIZED_ONLY
 
 
@@ -199,8 +201,9 @@ def run_training(model, np_, cfg, rep, steps):
     threads = max(1, CORES // np_)
     slug = label.lower().replace(" ", "_")
     out_dir = os.path.join(OUT, "runs", model, f"np{np_}", slug, f"rep{rep}")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.makedirs(out_dir, exist_ok=True)
+    if not REPORT_ONLY:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.makedirs(out_dir, exist_ok=True)
     per_rank = m["global_batch"] // (2 if "np 2's per-rank batch" in label else np_)
     sets = [f"run.out_dir={out_dir}", f"data.batch_size={per_rank}", f"run.threads={threads}",
             f"run.max_steps={WARMUP + steps}", f"fsdp.sharding_strategy={strategy}"] + extra
@@ -214,7 +217,7 @@ def run_training(model, np_, cfg, rep, steps):
                "--init-file", os.path.join(out_dir, "gloo_rendezvous")]
         cmd[cmd.index("--wrapper") + 1] = {"ddp": "ddp", "plain": "none"}.get(runner, "fsdp")
     log_path = os.path.join(OUT, "logs", f"{model}_np{np_}_{slug}_rep{rep}.log")
-    for attempt in range(2):  # one retry when mpirun could not start the processes at all
+    for attempt in range(0 if REPORT_ONLY else 2):  # one retry when mpirun could not start the processes at all
         t0 = time.time()
         try:
             p = subprocess.run(cmd, cwd=ROOT, env=base_env(threads), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -226,8 +229,12 @@ def run_training(model, np_, cfg, rep, steps):
         if rc == 0 or "failed to start" not in text:
             break
         time.sleep(5)
-    with open(log_path, "w") as f:
-        f.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n" + text)
+    if REPORT_ONLY:  # the earlier run's log and output folder
+        text = open(log_path).read() if os.path.exists(log_path) else "[run_bench] no log of this run"
+        rc, wall = (0 if os.path.exists(os.path.join(out_dir, "summary.json")) else 1), 0.0
+    else:
+        with open(log_path, "w") as f:
+            f.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n" + text)
     res = {"model": model, "np": np_, "config": label, "rep": rep, "threads": threads, "rc": rc, "wall_s": wall,
            "command": " ".join(shlex.quote(c) for c in cmd), "log": os.path.relpath(log_path, ROOT)}
     summary_path = os.path.join(out_dir, "summary.json")
@@ -285,7 +292,16 @@ def run_mpi_bandwidth(np_, sizes):
     cmd = MPIRUN + ["-np", str(np_), os.path.join(BIN, "fsdp_mpi_bandwidth"), "--sizes", ",".join(str(s) for s in sizes),
                     "--reps", "5" if QUICK else "30", "--warmup", "2" if QUICK else "5", "--min-seconds", "0.05" if QUICK else "0.3",
                     "--out", out]
-    p = sh(cmd, cwd=ROOT, env=base_env(1), timeout=RUN_TIMEOUT_S)
+    if REPORT_ONLY:
+        if not os.path.exists(out):
+            return {"error": f"no {out} from the earlier run", "command": " ".join(cmd)}
+        data = json.load(open(out))
+        data["command"] = " ".join(shlex.quote(c) for c in cmd)
+        return data
+    try:
+        p = sh(cmd, cwd=ROOT, env=base_env(1), timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {RUN_TIMEOUT_S} s", "command": " ".join(cmd)}
     with open(os.path.join(OUT, "logs", f"mpi_bandwidth_np{np_}.log"), "w") as f:
         f.write("$ " + " ".join(cmd) + "\n" + p.stdout + p.stderr)
     if p.returncode != 0:
@@ -642,15 +658,16 @@ def main():
     for exe in ("fsdp-train", "fsdp_mpi_bandwidth") + (("fsdp_ckpt_bench",) if CKPT else ()):
         if not os.access(os.path.join(BUILD_BIN, exe), os.X_OK):
             sys.exit(f"run_bench.py: {os.path.join(BUILD_BIN, exe)} is missing: run `make build` first (or `make bench`)")
-    shutil.rmtree(os.path.join(OUT, "runs"), ignore_errors=True)
-    shutil.rmtree(os.path.join(OUT, "logs"), ignore_errors=True)
-    os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
     global BIN
     BIN = os.path.join(OUT, "bin")
-    shutil.rmtree(BIN, ignore_errors=True)
-    os.makedirs(BIN)
-    for exe in ("fsdp-train", "fsdp_mpi_bandwidth"):
-        shutil.copy2(os.path.join(BUILD_BIN, exe), os.path.join(BIN, exe))
+    if not REPORT_ONLY:
+        shutil.rmtree(os.path.join(OUT, "runs"), ignore_errors=True)
+        shutil.rmtree(os.path.join(OUT, "logs"), ignore_errors=True)
+        os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
+        shutil.rmtree(BIN, ignore_errors=True)
+        os.makedirs(BIN)
+        for exe in ("fsdp-train", "fsdp_mpi_bandwidth"):
+            shutil.copy2(os.path.join(BUILD_BIN, exe), os.path.join(BIN, exe))
     steps = {m: env_int("BENCH_STEPS", 4 if QUICK else MODELS[m]["steps"]) for m in MODEL_NAMES}
     for m in MODEL_NAMES:
         MODELS[m]["steps"] = steps[m]
