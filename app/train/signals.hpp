@@ -1,0 +1,98 @@
+// fsdp-train (app layer): the process's signals and allocator. SIGTERM / SIGUSR1 ask for a graceful
+// stop; SIGTERM also dumps the flight recorder (a peer died, or the job ends); fatal signals dump it
+// and die; run.malloc decides what glibc does with freed memory.
+#pragma once
+
+#include <fsdp/fsdp.hpp>
+#include <malloc.h>
+#include <semaphore.h>
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <thread>
+
+#include "plan/measured.hpp"
+
+namespace fsdp::app {
+
+/// The signal that asked for a graceful stop (SIGTERM, SIGUSR1), 0 if none.
+inline volatile std::sig_atomic_t g_stop_signal = 0;
+/// Posted by the SIGTERM handler (sem_post is async-signal-safe) for TerminateDumper's thread.
+inline sem_t g_terminate_posted;
+inline volatile std::sig_atomic_t g_terminate_pending = 0;
+extern "C" inline void request_stop(int signo) {
+  g_stop_signal = signo;
+  if (signo == SIGTERM) {
+    g_terminate_pending = 1;
+    sem_post(&g_terminate_posted);
+  }
+}
+
+/// Dumps the flight recorder when SIGTERM arrives: mpirun and srun send it to the surviving ranks when a
+/// rank died (Open MPI's SIGKILL follows a second later), so this is the record of where they were. A
+/// thread does it, since the handler may neither lock nor write; the graceful stop goes on as before.
+class TerminateDumper {
+ public:
+  TerminateDumper() {
+    if (sem_init(&g_terminate_posted, 0, 0) == 0) thread_ = std::thread([this] { watch(); });
+  }
+  ~TerminateDumper() {
+    if (!thread_.joinable()) return;
+    quitting_ = true;
+    sem_post(&g_terminate_posted);
+    thread_.join();
+  }
+  TerminateDumper(const TerminateDumper&) = delete;
+  TerminateDumper& operator=(const TerminateDumper&) = delete;
+
+ private:
+  void watch() {
+    auto& recorder = fsdp::FlightRecorder::instance();
+    for (;;) {
+      int rc;
+      while ((rc = sem_wait(&g_terminate_posted)) != 0 && errno == EINTR) {
+      }
+      if (rc != 0) return;
+      // A SIGTERM that came just before the run ended is still dumped.
+      if (g_terminate_pending) {
+        g_terminate_pending = 0;
+        dump(recorder);
+      }
+      if (quitting_) return;
+    }
+  }
+  static void dump(fsdp::FlightRecorder& recorder) {
+    const auto waiting = recorder.oldest_unfinished();
+    const auto path = recorder.dump();
+    if (path && waiting)  // a rank inside a collective at SIGTERM: the likely sign that a peer is gone
+      std::fprintf(stderr, "fsdp-train: rank %d: SIGTERM while in collective #%llu %s of %s (%lld bytes, step %lld) for %.1f s; last collectives in %s\n",
+                   recorder.rank(), static_cast<unsigned long long>(waiting->first.seq), waiting->first.kind, waiting->second.c_str(),
+                   static_cast<long long>(waiting->first.bytes), static_cast<long long>(waiting->first.step), recorder.now() - waiting->first.start_s,
+                   path->c_str());
+  }
+  std::atomic<bool> quitting_{false};
+  std::thread thread_;
+};
+
+/// A fatal signal: this rank's flight recorder goes to disk (best effort: not async-signal-safe, as
+/// c10d's), then the signal does what it would have done.
+extern "C" inline void dump_flight_and_die(int signo) {
+  fsdp::FlightRecorder::instance().dump();
+  std::signal(signo, SIG_DFL);
+  std::raise(signo);
+}
+
+/// run.malloc. "reuse": no block gets its own mapping (M_MMAP_MAX = 0) and the heap is never trimmed, so
+/// what a step frees serves the next step without a page fault; "return": blocks of 1 MiB or more are
+/// mapped and unmapped (peak RSS follows the live bytes); "glibc": untouched. False if glibc refused.
+inline bool apply_malloc_policy(const std::string& policy) {
+  if (policy == "reuse") return mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
+  if (policy == "return") return mallopt(M_MMAP_THRESHOLD, static_cast<int>(kReturnThresholdBytes)) == 1;
+  return true;
+}
+
+}  // namespace fsdp::app
