@@ -257,6 +257,14 @@ std::vector<KeySpec> make_schema() {
                .default_value = I{1},
                .min = 1,
                .description = "micro-batches accumulated per optimizer step"});
+  s.push_back({.key = "optim.accum_reduce",
+               .type = T::kString,
+               .default_value = "last",
+               .choices = {"last", "every"},
+               .description = "with optim.grad_accum_steps > 1: reduce the gradients once, after the last micro-batch (each unit "
+                              "keeps an unsharded gradient between micro-batches: the least communication), or after every "
+                              "micro-batch (reduce-scattered into the shard as each unit's backward ends: no unsharded gradient "
+                              "outlives its backward, the least memory; one reduction per micro-batch)"});
   // [fsdp]
   s.push_back({.key = "fsdp.sharding_strategy",
                .type = T::kString,
@@ -277,16 +285,19 @@ std::vector<KeySpec> make_schema() {
                .description = "SIZE_BASED_WRAP: wrap a submodule holding at least this many parameters"});
   s.push_back({.key = "fsdp.transformer_layer_cls_to_wrap",
                .type = T::kString,
-               .default_value = "TransformerBlock",
+               .default_value = "auto",
                .description = "TRANSFORMER_BASED_WRAP: module type names to wrap, comma-separated or an array of strings "
-                              "([\"TransformerBlock\", \"Other\"]); each must be a type the model has",
+                              "([\"TransformerBlock\", \"Other\"]); each must be a type the model has. auto: TransformerBlock, "
+                              "and for a GPT with untied embeddings also Embedding and LmHead (each vocabulary-sized matrix its own "
+                              "unit, gathered only while it is used, instead of staying gathered in the root unit all step)",
                .names_list = true});
   s.push_back({.key = "fsdp.backward_prefetch",
                .type = T::kString,
-               .default_value = "NO_PREFETCH",
-               .choices = {"NO_PREFETCH", "BACKWARD_PRE", "BACKWARD_POST"},
+               .default_value = "auto",
+               .choices = {"auto", "NO_PREFETCH", "BACKWARD_PRE", "BACKWARD_POST"},
                .description = "overlap: issue the next unit's all-gather when the current unit's backward begins (BACKWARD_PRE) or "
-                              "when its gradients are ready (BACKWARD_POST), on a collective worker thread"});
+                              "when its gradients are ready (BACKWARD_POST), on a collective worker thread; auto: BACKWARD_PRE when "
+                              "the rank has a core to spare for the worker (the rule of fsdp.overlap_grad_reduce), NO_PREFETCH otherwise"});
   s.push_back({.key = "fsdp.forward_prefetch",
                .type = T::kBool,
                .default_value = false,
@@ -325,9 +336,30 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.mixed_precision",
                .type = T::kString,
                .default_value = "no",
-               .choices = {"no", "bf16", "fp16"},
+               .choices = {"no", "bf16", "fp16", "fp16_reduce"},
                .description = "bf16/fp16: parameters all-gathered and used, gradients reduced, buffers kept in that dtype; the optimizer keeps fp32 "
-                              "master shards (fp16 has no loss scaling yet)"});
+                              "master shards; fp16 needs a GPU (backend nccl: LibTorch's CPU kernels have no fp16 arithmetic). "
+                              "fp16_reduce: fp32 compute, gradients reduced in fp16 (half the reduction bytes). Both fp16 modes "
+                              "scale the loss (fsdp.loss_scale)"});
+  s.push_back({.key = "fsdp.loss_scale",
+               .type = T::kString,
+               .default_value = "dynamic",
+               .choices = {"dynamic", "off"},
+               .description = "fp16 and fp16_reduce: multiply the loss by a scale before backward so small gradients do not underflow, divide the "
+                              "gradients by it before clipping and the step; a step whose gradients overflowed on any rank is skipped "
+                              "(counted in metrics.csv and summary.json) and the scale halved; it doubles after "
+                              "fsdp.loss_scale_growth_interval good steps (PyTorch's ShardedGradScaler). The scale is saved in checkpoints"});
+  s.push_back({.key = "fsdp.loss_scale_init",
+               .type = T::kFloat,
+               .default_value = 65536.0,
+               .min = 0,
+               .description = "fp16's first loss scale",
+               .min_exclusive = true});
+  s.push_back({.key = "fsdp.loss_scale_growth_interval",
+               .type = T::kInt,
+               .default_value = I{2000},
+               .min = 1,
+               .description = "fp16: good steps in a row before the loss scale doubles"});
   s.push_back({.key = "fsdp.activation_checkpointing",
                .type = T::kBool,
                .default_value = false,

@@ -269,6 +269,21 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     const auto comm_start = model->comm_counters();
     model->train();
 
+    // fp16's loss scale, continued from the checkpoint when it has one.
+    std::optional<fsdp::DynamicLossScale> scaler;
+    if (cfg.fsdp.loss_scale) {
+      scaler.emplace(*cfg.fsdp.loss_scale);
+      const auto saved = state.scheduler.find("loss_scale"), good = state.scheduler.find("loss_scale_good_steps");
+      if (saved != state.scheduler.end() && good != state.scheduler.end()) {
+        try {
+          scaler->restore(saved->second, static_cast<std::int64_t>(good->second));
+        } catch (const std::invalid_argument& e) {
+          throw RankError(std::string("the checkpoint resumed from: /train/scheduler: ") + e.what(), true);
+        }
+      }
+    }
+    std::int64_t overflow_steps = 0, window_skipped = 0;
+
     // Where a run restarted from the current state continues: the next epoch and global sample.
     std::int64_t next_epoch = state.epoch, next_sample_index = state.sample_index;
     const bool save_final = cfg.checkpoint.save_final;
@@ -278,6 +293,10 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       s.epoch = next_epoch;
       s.sample_index = next_sample_index;
       s.scheduler = {{"lr", lr_at(cfg, step, next_epoch, total_steps)}, {"total_steps", static_cast<double>(total_steps)}};
+      if (scaler) {  // powers of two and small counts: exact as doubles
+        s.scheduler["loss_scale"] = scaler->scale();
+        s.scheduler["loss_scale_good_steps"] = static_cast<double>(scaler->good_steps());
+      }
       checkpointer.save(s, phases.checkpoint, quiet);
     };
 
@@ -339,7 +358,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         const Phases phases_before = phases;
         const auto comm_before = model->comm_counters();
         const long faults_before = minor_page_faults();
-        const StepOutcome outcome = train_step(*model, *optimizer, data, loader, accum, clip, g_stop_signal, world, phases, decay);
+        const StepOutcome outcome = train_step(*model, *optimizer, data, loader, accum, cfg.optim.reduce_every_micro_batch, clip,
+                                                 scaler ? &*scaler : nullptr, g_stop_signal, world, phases, decay);
         const auto comm_after = model->comm_counters();
         const StepBreakdown breakdown{1000 * (phases.forward - phases_before.forward),
                                       1000 * (phases.backward - phases_before.backward),
@@ -353,7 +373,11 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
           throw RankError("non-finite loss or gradient norm at step " + std::to_string(step + 1) + " (epoch " + std::to_string(epoch + 1) +
                               "); stopped without saving the poisoned state (run.on_nonfinite = \"skip\" skips such steps)",
                           kExitNonFinite);
-        if (outcome.nonfinite) ++skipped_steps;
+        if (outcome.nonfinite || outcome.overflowed) {
+          ++skipped_steps;
+          ++window_skipped;
+        }
+        if (outcome.overflowed) ++overflow_steps;
         const double loss_sum = outcome.loss;
         const std::int64_t samples = outcome.samples;
         const std::int64_t flags[2] = {outcome.stop_signal, outcome.nonfinite ? 1 : 0};
@@ -406,11 +430,13 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                           format_duration(eta).c_str(), live ? "   " : "\n");
               std::fflush(stdout);
             }
-            if (write_metrics) metrics.row(step, epoch + 1, loss_avg, lr, rate, step_ms.back(), elapsed, breakdown, step_eval, data.tokens);
+            if (write_metrics) metrics.row(step, epoch + 1, loss_avg, lr, rate, step_ms.back(), elapsed, breakdown,
+                                          scaler ? std::optional<double>(scaler->scale()) : std::nullopt, window_skipped, step_eval, data.tokens);
           }
           window_loss = 0;
           window_steps = 0;
           window_samples = 0;
+          window_skipped = 0;
           window_start = Clock::now();
           window_pause = 0;
         } else if (step_eval && root && write_metrics) {
@@ -450,6 +476,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     totals.steps = step;
     totals.resumed_from_step = state.step;
     totals.skipped_steps = skipped_steps;
+    totals.overflow_steps = overflow_steps;
+    if (scaler) totals.loss_scale = scaler->scale();
     totals.samples_trained = samples_trained;
     totals.tokens_per_sample = data.tokens ? data.sequence_length() - 1 : 0;
     if (cfg.model.kind == "transformer") totals.flops_per_token = gpt_config(cfg.model).flops_per_token(model->num_params());

@@ -91,7 +91,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     auto shape = [&](const torch::Tensor& y) { return y.view({b, t, heads_, hd}).transpose(1, 2); };
     auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    att = att.masked_fill(named_buffers()["mask"].slice(2, 0, t).slice(3, 0, t) == 0, -std::numeric_limits<float>::infinity());
+    att = att.masked_fill(blocked(t), -std::numeric_limits<float>::infinity());
     att = F::dropout(torch::softmax(att, -1), F::DropoutFuncOptions().p(p_).training(is_training()));
     auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
     return F::dropout(fsdp::forward(proj, y), F::DropoutFuncOptions().p(p_).training(is_training()));
@@ -99,6 +99,22 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
   std::int64_t heads_;
   double p_;
+
+ private:
+  /// Where attention is blocked for a sequence of t tokens, built once rather than every forward. Rebuilt
+  /// if the mask buffer moved or was written (deferred init, a load, a dtype or device change).
+  const torch::Tensor& blocked(std::int64_t t) {
+    const torch::Tensor mask = named_buffers(/*recurse=*/false)["mask"];
+    if (!blocked_.defined() || blocked_.size(-1) != t || blocked_.device() != mask.device() || blocked_source_ != mask.data_ptr() || blocked_version_ != mask._version()) {
+      blocked_ = mask.slice(2, 0, t).slice(3, 0, t) == 0;
+      blocked_source_ = mask.data_ptr();
+      blocked_version_ = mask._version();
+    }
+    return blocked_;
+  }
+  torch::Tensor blocked_;
+  const void* blocked_source_ = nullptr;
+  std::int64_t blocked_version_ = 0;
 };
 TORCH_MODULE(CausalSelfAttention);
 

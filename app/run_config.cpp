@@ -18,9 +18,20 @@ std::string blame(const Deck& deck, const std::string& key) {
 
 /// fsdp.overlap_grad_reduce = auto: the collective worker pays only with a core of its own, i.e. when
 /// the rank may run on more CPUs than its compute threads and the node's ranks leave cores idle.
+bool has_spare_core(int rank_cpus, int threads, int ranks_per_node, int node_cores) {
+  return rank_cpus > threads && ranks_per_node * threads < node_cores;
+}
+
 bool overlap_grad_reduce_resolved(const std::string& value, int rank_cpus, int threads, int ranks_per_node, int node_cores) {
   if (value != "auto") return value == "true";
-  return rank_cpus > threads && ranks_per_node * threads < node_cores;
+  return has_spare_core(rank_cpus, threads, ranks_per_node, node_cores);
+}
+
+/// fsdp.backward_prefetch = auto: prefetched all-gathers run on the same collective worker, so the
+/// same rule: BACKWARD_PRE with a spare core, none without (measured slower on a shared core).
+std::string backward_prefetch_resolved(const std::string& value, int rank_cpus, int threads, int ranks_per_node, int node_cores) {
+  if (value != "auto") return value;
+  return has_spare_core(rank_cpus, threads, ranks_per_node, node_cores) ? "BACKWARD_PRE" : "NO_PREFETCH";
 }
 
 int resolve_threads(const Deck& deck, const Placement& p) {
@@ -39,6 +50,14 @@ std::vector<std::string> split_name_list(const std::string& names) {
     if (!n.empty()) out.push_back(n);
   }
   return out;
+}
+
+std::vector<std::string> transformer_layer_classes(const std::string& value, const ModelSection& model) {
+  if (value != "auto") return split_name_list(value);
+  // An untied vocabulary-sized matrix in the root unit would stay gathered, with its gradient, from the
+  // first forward to the end of backward; as its own unit it is gathered only while it is used.
+  if (model.kind == "transformer" && !model.tie_embeddings) return {"TransformerBlock", "Embedding", "LmHead"};
+  return {"TransformerBlock"};
 }
 
 void check_wrap_classes(const FsdpSection& fsdp, const std::set<std::string>& types, const std::set<std::string>& also_accepted) {
@@ -152,6 +171,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   optim.warmup_steps = deck.get_int("optim.warmup_steps");
   optim.clip_grad_norm = deck.get_float("optim.clip_grad_norm");
   optim.grad_accum_steps = deck.get_int("optim.grad_accum_steps");
+  optim.reduce_every_micro_batch = deck.get_string("optim.accum_reduce") == "every";
   optim.lr_min = deck.get_float("optim.lr_min");
   optim.decay_fraction = deck.get_float("optim.decay_fraction");
   optim.no_decay = split_name_list(deck.get_string("optim.no_decay"));
@@ -181,9 +201,10 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.sharding_strategy = parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
   f.auto_wrap_policy = deck.get_string("fsdp.auto_wrap_policy");
   f.min_num_params = deck.get_int("fsdp.min_num_params");
-  f.transformer_layer_cls_to_wrap = split_name_list(deck.get_string("fsdp.transformer_layer_cls_to_wrap"));
+  f.transformer_layer_cls_to_wrap = transformer_layer_classes(deck.get_string("fsdp.transformer_layer_cls_to_wrap"), c.model);
   f.transformer_layer_cls_where = deck.entry("fsdp.transformer_layer_cls_to_wrap").where;
-  f.backward_prefetch_name = deck.get_string("fsdp.backward_prefetch");
+  f.backward_prefetch_name = backward_prefetch_resolved(deck.get_string("fsdp.backward_prefetch"), placement.rank_cpus, run.threads,
+                                                        placement.ranks_per_node, placement.node_cores);
   f.backward_prefetch = parse_backward_prefetch(f.backward_prefetch_name);
   f.forward_prefetch = deck.get_bool("fsdp.forward_prefetch");
   f.limit_all_gathers = static_cast<int>(deck.get_int("fsdp.limit_all_gathers"));
@@ -210,6 +231,13 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.backend = deck.get_string("fsdp.backend");
   f.backend_where = deck.entry("fsdp.backend").where;
   f.backend_resolved = resolve_backend(f.backend, f.backend_where, placement.gpu);
+  if (f.mixed_precision == "fp16" && f.backend_resolved != "nccl")
+    throw DeckError(blame(deck, "fsdp.mixed_precision") +
+                    "fp16 computes in half precision, which LibTorch's CPU kernels do not implement (matrix products, LayerNorm, "
+                    "softmax); on CPU use bf16, or fp16_reduce (fp32 compute, gradients reduced in fp16)");
+  if ((f.mixed_precision == "fp16" || f.mixed_precision == "fp16_reduce") && deck.get_string("fsdp.loss_scale") == "dynamic")
+    f.loss_scale = fsdp::LossScaleOptions{.init_scale = deck.get_float("fsdp.loss_scale_init"),
+                                          .growth_interval = deck.get_int("fsdp.loss_scale_growth_interval")};
 
   c.comm.timeout_s = deck.get_float("comm.timeout_s");
   c.comm.flight_recorder_entries = deck.get_int("comm.flight_recorder_entries");

@@ -12,6 +12,7 @@
 
 #include "deck.hpp"
 #include "gpt_config.hpp"
+#include "fsdp/core/loss_scale.hpp"
 #include "fsdp/core/strategy.hpp"
 
 namespace fsdp::app {
@@ -81,6 +82,7 @@ struct OptimSection {
   std::int64_t warmup_steps = 0;
   double clip_grad_norm = 0;
   std::int64_t grad_accum_steps = 1;
+  bool reduce_every_micro_batch = false;  ///< optim.accum_reduce = every
   /// Optimizer state tensors per parameter element (for the expected-memory estimate).
   int state_copies() const { return kind == "sgd" ? (momentum > 0 ? 1 : 0) : 2; }
 };
@@ -92,7 +94,7 @@ struct FsdpSection {
   std::vector<std::string> transformer_layer_cls_to_wrap;  ///< the class names, split
   std::string transformer_layer_cls_where;                 ///< where they were set, for messages
   BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
-  std::string backward_prefetch_name;  ///< as the deck says it (summary.json)
+  std::string backward_prefetch_name;  ///< resolved (auto decided), as summary.json reports it
   bool forward_prefetch = false;
   int limit_all_gathers = 0;
   /// resolved for this rank: "auto" overlaps only where the collective worker gets a core of its own.
@@ -103,7 +105,9 @@ struct FsdpSection {
   int shard_group_size = 1;                         ///< resolved for the placement's world size
   int shard_group_size_requested = 0;
   bool offload_params = false;
-  std::string mixed_precision;  ///< none, bf16, fp16
+  std::string mixed_precision;  ///< no, bf16, fp16, fp16_reduce
+  /// fp16 or fp16_reduce with fsdp.loss_scale = dynamic: the scaler's settings; unset otherwise.
+  std::optional<fsdp::LossScaleOptions> loss_scale;
   bool activation_checkpointing = false;
   bool deferred_init = false;
   bool sync_module_states = true;
@@ -176,6 +180,10 @@ RunSection resolve_run_section(const Deck& deck, const Placement& placement = {}
 
 /// The [model] section alone (fsdp-train --check-plan builds the model without placing a run).
 ModelSection resolve_model_section(const Deck& deck);
+
+/// fsdp.transformer_layer_cls_to_wrap resolved: the names given, or for "auto" the model's layer type
+/// (TransformerBlock) and, for a GPT with untied embeddings, Embedding and LmHead too.
+std::vector<std::string> transformer_layer_classes(const std::string& value, const ModelSection& model);
 
 /// Under TRANSFORMER_BASED_WRAP, every name of fsdp.transformer_layer_cls_to_wrap must be a type the
 /// model has: one of `types` (short names, listed in the message) or `also_accepted` (e.g. full names).

@@ -1,6 +1,6 @@
 # Continuing a run on fewer or more ranks (docs/reliability.md): with data.global_batch_size fixed, a run
 # stopped at 4 ranks and resumed at 2 (and 2 -> 3, 3 -> 4) ends with the weights of the uninterrupted run
-# within 1e-5; without it, a resume whose global batch differs stops with exit 2 naming the key.
+# within 1e-5 (and so does optim.accum_reduce = every); without it, a resume whose global batch differs stops with exit 2 naming the key.
 # Variables: MPIEXEC (list), TRAIN, CKPT_TOOL, DECK (inputs/gpt_tokens.toml), WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
@@ -25,6 +25,19 @@ foreach(pair "4;2" "2;3" "3;4")
   run(0 ${MPIEXEC} -np ${before} ${TRAIN} ${DECK} ${common} --set run.max_steps=4 --set run.out_dir=${dir})
   run(0 ${MPIEXEC} -np ${after} ${TRAIN} ${DECK} ${common} --set run.max_steps=8 --set run.out_dir=${dir})
   expect_in("${last_output}" "resumed from [^\n]*step_00000004.h5 at step 4")
+  run(0 ${CKPT_TOOL} diff ${dir}/checkpoints ${WORK_DIR}/whole/checkpoints --rtol 1e-5)
+endforeach()
+
+# optim.accum_reduce = every (a reduction after each micro-batch, summed into the shards) equals the
+# reduction after the last micro-batch within 1e-5, at every world size and for the unsharded and hybrid
+# strategies too: same global batch, only the order of additions differs.
+foreach(case "1;FULL_SHARD;0" "2;FULL_SHARD;0" "3;NO_SHARD;0" "4;HYBRID_SHARD;2")
+  list(GET case 0 np)
+  list(GET case 1 strategy)
+  list(GET case 2 group)
+  set(dir ${WORK_DIR}/every${np}${strategy})
+  run(0 ${MPIEXEC} -np ${np} ${TRAIN} ${DECK} ${common} --set run.max_steps=8 --set optim.accum_reduce=every
+      --set fsdp.sharding_strategy=${strategy} --set fsdp.shard_group_size=${group} --set run.out_dir=${dir})
   run(0 ${CKPT_TOOL} diff ${dir}/checkpoints ${WORK_DIR}/whole/checkpoints --rtol 1e-5)
 endforeach()
 

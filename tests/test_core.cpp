@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "fsdp/core/layout.hpp"
+#include "fsdp/core/loss_scale.hpp"
 #include "fsdp/core/execution_order.hpp"
 #include "fsdp/core/strategy.hpp"
 #include "fsdp/core/unit_plan.hpp"
@@ -486,4 +487,32 @@ BOOST_AUTO_TEST_CASE(flight_recorder_names_where_the_ranks_part) {
                                          {1, comms, {entry(4, "all_reduce", 16, true)}},
                                          {2, comms, {entry(4, "all_reduce", 16, true)}}};
   BOOST_TEST(fsdp::first_disagreement(agree).empty());
+}
+
+BOOST_AUTO_TEST_CASE(dynamic_loss_scale_backs_off_and_grows_like_pytorchs_grad_scaler) {
+  fsdp::DynamicLossScale scale(fsdp::LossScaleOptions{.init_scale = 1024, .growth_interval = 3});
+  BOOST_TEST(scale.scale() == 1024.0);
+  BOOST_TEST(!scale.update(true));  // an overflow: skipped, halved
+  BOOST_TEST(scale.scale() == 512.0);
+  BOOST_TEST(scale.update(false));
+  BOOST_TEST(scale.update(false));
+  BOOST_TEST(scale.good_steps() == 2);
+  BOOST_TEST(!scale.update(true));  // the run of good steps starts again
+  BOOST_TEST(scale.scale() == 256.0);
+  BOOST_TEST(scale.good_steps() == 0);
+  for (int i = 0; i < 3; ++i) BOOST_TEST(scale.update(false));
+  BOOST_TEST(scale.scale() == 512.0);  // grown after 3 good steps in a row
+  BOOST_TEST(scale.good_steps() == 0);
+  // A scale that would overflow a double stays where it is.
+  fsdp::DynamicLossScale huge(fsdp::LossScaleOptions{.init_scale = 1e308, .growth_interval = 1});
+  BOOST_TEST(huge.update(false));
+  BOOST_TEST(huge.scale() == 1e308);
+  // Restore takes a checkpoint's state and refuses what no run could have saved.
+  scale.restore(64, 2);
+  BOOST_TEST(scale.scale() == 64.0);
+  BOOST_TEST(scale.update(false));
+  BOOST_TEST(scale.scale() == 128.0);
+  BOOST_CHECK_THROW(scale.restore(0, 0), std::invalid_argument);
+  BOOST_CHECK_THROW(scale.restore(8, 3), std::invalid_argument);
+  BOOST_CHECK_THROW(fsdp::DynamicLossScale(fsdp::LossScaleOptions{.backoff_factor = 1.5}), std::invalid_argument);
 }

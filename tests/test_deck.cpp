@@ -555,6 +555,25 @@ BOOST_AUTO_TEST_CASE(resolved_config_decides_the_autos) {
   const auto spare = resolve_run_config(Deck::parse("[run]\nthreads = 2\n", "inputs/a.toml", {}), placement_of(2, 2, 8, 8));
   BOOST_TEST(spare.fsdp.overlap_grad_reduce);
   BOOST_TEST(spare.fsdp.shard_group_size == 2);
+  // backward_prefetch = auto follows the same rule (its all-gathers run on the same worker); a value
+  // given is kept.
+  BOOST_TEST(cfg.fsdp.backward_prefetch_name == "NO_PREFETCH");
+  BOOST_TEST(spare.fsdp.backward_prefetch_name == "BACKWARD_PRE");
+  const auto asked = resolve_run_config(Deck::parse("[fsdp]\nbackward_prefetch = \"BACKWARD_POST\"\n", "inputs/a.toml", {}), placement_of(4, 2, 8, 8));
+  BOOST_TEST(asked.fsdp.backward_prefetch_name == "BACKWARD_POST");
+}
+
+BOOST_AUTO_TEST_CASE(auto_layer_classes_give_untied_embeddings_units_of_their_own) {
+  const auto classes = [](const std::string& deck_text) {
+    const std::string data = deck_text.find("transformer") != std::string::npos ? "[data]\nkind = \"tokens\"\n" : "";
+    return resolve_run_config(Deck::parse(data + deck_text, "inputs/a.toml", {}), placement_of(1, 1)).fsdp.transformer_layer_cls_to_wrap;
+  };
+  using Names = std::vector<std::string>;
+  BOOST_TEST((classes("[model]\nkind = \"transformer\"\n") == Names{"TransformerBlock"}));  // tied: one matrix, in the root
+  BOOST_TEST((classes("[model]\nkind = \"transformer\"\ntie_embeddings = false\n") == Names{"TransformerBlock", "Embedding", "LmHead"}));
+  BOOST_TEST((classes("[model]\nkind = \"mlp\"\n") == Names{"TransformerBlock"}));
+  BOOST_TEST((classes("[model]\nkind = \"transformer\"\ntie_embeddings = false\n[fsdp]\ntransformer_layer_cls_to_wrap = \"TransformerBlock\"\n") ==
+              Names{"TransformerBlock"}));
 }
 
 BOOST_AUTO_TEST_CASE(resolved_config_names_a_shard_group_that_does_not_divide_the_world) {

@@ -275,3 +275,96 @@ BOOST_AUTO_TEST_CASE(activation_checkpointing_replays_dropout_and_matches) {
     }
   }
 }
+
+namespace one_parameter_units {
+
+/// A parameter added to an activation of its own shape: autograd hands the same gradient tensor to the
+/// parameter and to the activation's producer.
+struct OffsetImpl : torch::nn::Module {
+  OffsetImpl() : torch::nn::Module("Offset") { shift = register_parameter("shift", torch::linspace(-0.5, 0.5, 12)); }
+  torch::Tensor forward(const torch::Tensor& x) { return x + shift; }
+  torch::Tensor shift;
+};
+TORCH_MODULE(Offset);
+
+/// Units of one parameter each whose sizes divide by 1-4 ranks (no padding): their gradients are
+/// reduce-scattered where autograd left them (FlatUnit::grad_as_flat) instead of packed into a copy.
+struct NetImpl : torch::nn::Module {
+  NetImpl() : torch::nn::Module("OneParameterNet") {
+    emb = register_module("emb", torch::nn::Embedding(24, 6));
+    proj = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(6, 12).bias(false)));
+    offset = register_module("offset", Offset());
+    out = register_module("out", torch::nn::Linear(torch::nn::LinearOptions(12, 24).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& idx) {
+    auto h = torch::tanh(fsdp::forward(proj, fsdp::forward(emb, idx)));  // (b, 12)
+    return fsdp::forward(out, fsdp::forward(offset, h));
+  }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear proj{nullptr}, out{nullptr};
+  Offset offset{nullptr};
+};
+TORCH_MODULE(Net);
+
+struct Batch {
+  torch::Tensor x, y;
+};
+inline Batch batch_of(int step, std::int64_t rows) {
+  auto g = torch::make_generator<at::CPUGeneratorImpl>(100 + step);
+  return {torch::randint(24, {rows}, g, torch::kLong), torch::randint(24, {rows}, g, torch::kLong)};
+}
+
+inline std::map<std::string, torch::Tensor> train(const std::optional<FsdpOptions>& options, int accum) {
+  auto world = MpiComm::world();
+  const int n = options ? world.size() : 1, r = options ? world.rank() : 0;
+  const std::int64_t rows = 3;
+  torch::manual_seed(11);
+  Net net;
+  std::shared_ptr<fsdp::FullyShardedDataParallel<NetImpl, MpiComm>> model;
+  if (options) model = fsdp::make_fsdp(net.ptr(), world, *options);
+  auto params = model ? model->parameters() : net->parameters();
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1).momentum(0.9));  // not Adam: it would hide a scaled gradient
+  for (int step = 0; step < 3; ++step) {
+    const auto b = batch_of(step, rows * world.size() * accum);
+    opt.zero_grad();
+    if (!model) {  // the single process takes the whole global batch at once
+      torch::nn::functional::cross_entropy(net->forward(b.x), b.y).backward();
+    } else {
+      for (int micro = 0; micro < accum; ++micro) {
+        const auto x = b.x.narrow(0, (micro * n + r) * rows, rows), y = b.y.narrow(0, (micro * n + r) * rows, rows);
+        auto loss = torch::nn::functional::cross_entropy(model->forward(x), y) / accum;
+        std::optional<decltype(model->no_sync())> scope;
+        if (micro + 1 < accum) scope.emplace(model->no_sync());
+        loss.backward();
+      }
+    }
+    opt.step();
+  }
+  std::map<std::string, torch::Tensor> out;
+  if (model)
+    for (auto& [name, t] : model->full_parameters()) out[name] = t;
+  else
+    for (const auto& p : net->named_parameters()) out[p.key()] = p.value().detach().clone();
+  return out;
+}
+
+}  // namespace one_parameter_units
+
+BOOST_AUTO_TEST_CASE(one_parameter_units_reduce_autograds_gradient_and_match) {
+  using namespace one_parameter_units;
+  const int world = MpiComm::world().size();
+  for (int accum : {1, 2}) {
+    const auto ref = train(std::nullopt, accum);
+    for (bool overlap : {false, true}) {
+      for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+        BOOST_TEST_CONTEXT("np=" << world << " accum=" << accum << " overlap=" << overlap << " strategy=" << fsdp::to_string(strategy)) {
+          FsdpOptions options;
+          options.sharding_strategy = strategy;
+          options.auto_wrap_policy = AutoWrapPolicy::module_types({"Embedding", "Linear", "Offset"});
+          options.overlap_grad_reduce = overlap;
+          BOOST_TEST(compare(train(options, accum), ref) <= 1e-5);
+        }
+      }
+    }
+  }
+}

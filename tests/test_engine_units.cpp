@@ -153,3 +153,33 @@ BOOST_AUTO_TEST_CASE(compute_device_must_suit_the_communicator) {
   auto model = fsdp::make_fsdp(std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp)), world, options);
   BOOST_TEST(model->compute_device() == torch::Device(torch::kCPU));
 }
+
+BOOST_AUTO_TEST_CASE(unscale_grads_divides_every_shard_and_every_rank_sees_one_ranks_overflow) {
+  auto world = MpiComm::world();
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
+    BOOST_TEST_CONTEXT("np=" << world.size() << " strategy=" << fsdp::to_string(strategy)) {
+      FsdpOptions options;
+      options.sharding_strategy = strategy;
+      options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+      options.mixed_precision = fsdp::MixedPrecision::fp16_reduce();
+      BOOST_TEST(options.mixed_precision.fp16_gradients());
+      auto model = fsdp::make_fsdp(std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp)), world, options);
+      const auto batch = global_batch(ModelKind::kMlp, 0, kLocalRows);
+      auto backward = [&] {
+        for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+        (loss_of(ModelKind::kMlp, model->forward(batch.x), batch.y) * 1024).backward();
+      };
+      backward();
+      std::vector<torch::Tensor> scaled;
+      for (auto& p : model->parameters()) scaled.push_back(p.grad().clone());
+      BOOST_TEST(!model->unscale_grads(1024));
+      const auto params = model->parameters();
+      for (std::size_t i = 0; i < params.size(); ++i) BOOST_TEST(torch::equal(params[i].grad(), scaled[i] / 1024));  // a power of two: exact
+      // One rank's gradient overflows: every rank learns it from the same call.
+      backward();
+      if (world.rank() == world.size() - 1) model->parameters().front().mutable_grad()[0] = std::numeric_limits<float>::infinity();
+      BOOST_TEST(model->unscale_grads(1024));
+      BOOST_CHECK_THROW(model->unscale_grads(0), fsdp::ConfigError);
+    }
+  }
+}

@@ -139,6 +139,7 @@ struct RunShape {
   bool momentum = false;
   bool clip = false;
   std::int64_t grad_accum = 1;
+  bool reduce_every_micro_batch = false;  ///< optim.accum_reduce = every: no unsharded gradient kept between micro-batches
   bool activation_checkpointing = false;
   bool deferred_init = false;                     ///< fsdp.deferred_init: the model is built and initialized unit by unit
   std::string backward_prefetch = "NO_PREFETCH";  ///< fsdp.backward_prefetch
@@ -180,13 +181,15 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
                 : shard_group_size(strategy, world, is_hybrid(strategy) ? cfg.fsdp.shard_group_size_requested : 0, cfg.placement.ranks_per_node);
   r.replicas = world / r.group;
   r.reshard_after_forward = cfg.fsdp.reshard_after_forward_asked.value_or(reshard_after_forward_default(strategy));
-  r.param_bytes = r.reduce_bytes = cfg.fsdp.mixed_precision == "no" ? 4 : 2;
+  r.param_bytes = cfg.fsdp.mixed_precision == "no" || cfg.fsdp.mixed_precision == "fp16_reduce" ? 4 : 2;
+  r.reduce_bytes = cfg.fsdp.mixed_precision == "no" ? 4 : 2;
   r.optimizer = cfg.optim.kind;
   r.optimizer_copies = cfg.optim.state_copies();
   r.weight_decay = cfg.optim.weight_decay > 0;
   r.momentum = cfg.optim.momentum > 0;
   r.clip = cfg.optim.clip_grad_norm > 0;
   r.grad_accum = cfg.optim.grad_accum_steps;
+  r.reduce_every_micro_batch = cfg.optim.reduce_every_micro_batch;
   r.activation_checkpointing = cfg.fsdp.activation_checkpointing;
   r.deferred_init = cfg.fsdp.deferred_init;
   r.backward_prefetch = cfg.fsdp.backward_prefetch_name;

@@ -48,7 +48,7 @@ class RunSimulator {
     mem_.phase("training step");
     const std::int64_t micro = std::min<std::int64_t>(run_.grad_accum, 2);
     for (int step = 0; step < 2; ++step) {
-      for (std::int64_t a = 0; a < micro; ++a) micro_batch(a + 1 < micro);
+      for (std::int64_t a = 0; a < micro; ++a) micro_batch(a + 1 < micro && !run_.reduce_every_micro_batch);
       optimizer_step(step == 0);
     }
     if (run_.evaluate) {
@@ -229,11 +229,27 @@ class RunSimulator {
     list.clear();
   }
 
+  // FlatUnit::grad_as_flat: a sharded unit of one unpadded fp32 parameter reduce-scatters autograd's
+  // gradient itself (no packed copy); that gradient then lives as long as the flat buffer would.
+  int take_gradient_as_flat(int ui, bool no_sync) {
+    const auto& u = units_[static_cast<std::size_t>(ui)];
+    auto& list = pending_[static_cast<std::size_t>(ui)];
+    if (u.params.size() != 1 || u.padded != u.numel || run_.group <= 1 || no_sync || run_.param_bytes != 4 || list.size() != 1 ||
+        unsynced_[static_cast<std::size_t>(ui)] >= 0)
+      return -1;
+    auto& handle = pending_handle_[static_cast<std::size_t>(list.front())];
+    const int flat = handle;
+    handle = -1;
+    list.clear();
+    return flat;
+  }
+
   // UnitGather::backward: pack, (reduce-scatter, all-reduce), hand the shard gradient to autograd.
   void reduce(int ui, bool no_sync) {
     const auto& u = units_[static_cast<std::size_t>(ui)];
     if (u.numel == 0) return;
-    int flat = mem_.alloc(Mem::kGradFlight, u.padded * 4);
+    int flat = take_gradient_as_flat(ui, no_sync);
+    if (flat < 0) flat = mem_.alloc(Mem::kGradFlight, u.padded * 4);
     auto& unsynced = unsynced_[static_cast<std::size_t>(ui)];
     if (no_sync) {
       free_pending(ui);

@@ -57,6 +57,8 @@ inline fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
     o.mixed_precision = fsdp::MixedPrecision::bf16();
   else if (mp == "fp16")
     o.mixed_precision = fsdp::MixedPrecision::fp16();
+  else if (mp == "fp16_reduce")
+    o.mixed_precision = fsdp::MixedPrecision::fp16_reduce();
   o.activation_checkpointing = cfg.fsdp.activation_checkpointing;
   o.offload_params = cfg.fsdp.offload_params;
   o.backward_prefetch = cfg.fsdp.backward_prefetch;

@@ -18,13 +18,14 @@
 namespace fsdp::app {
 
 /// metrics.csv: step, epoch, loss, lr, samples per second, step ms and elapsed seconds per logged step,
-/// and the evaluation's loss (and perplexity for language models) on the row of the step it followed
+/// the step's breakdown, fp16's loss scale after the step (empty without loss scaling) and the steps
+/// skipped since the previous row (non-finite or, under loss scaling, overflowed gradients); the evaluation's loss (and perplexity for language models) on the row of the step it followed
 /// (a row of its own, train columns empty, when that step logged nothing).
 class MetricsLog {
  public:
   /// Starts the file at `path`; resuming at `resumed_step` > 0 keeps the rows up to that step (a crashed
   /// run may have logged past it).
-  static constexpr long kColumns = 16;
+  static constexpr long kColumns = 18;
   void open(const std::filesystem::path& path, std::int64_t resumed_step) {
     std::filesystem::create_directories(path.parent_path());
     std::vector<std::string> kept;
@@ -36,25 +37,27 @@ class MetricsLog {
     out_.open(path, std::ios::trunc);
     if (!out_) throw std::runtime_error("cannot write '" + path.string() + "'");
     out_ << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,"
-            "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults\n";
-    // Rows of a file written before the breakdown columns existed get them empty.
+            "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults,loss_scale,skipped_steps\n";
+    // Rows of a file written before the later columns existed get them empty.
     for (const auto& l : kept) out_ << l << std::string(static_cast<std::size_t>(std::max<long>(0, kColumns - 1 - std::count(l.begin(), l.end(), ','))), ',') << "\n";
     out_.flush();
   }
   /// A logged step: the window's loss and rate, and this step's time and its breakdown on rank 0.
   void row(std::int64_t step, std::int64_t epoch, double loss, double lr, double rate, double step_ms, double elapsed_s, const StepBreakdown& parts,
-           const std::optional<EvalResult>& eval = std::nullopt, bool language_model = false) {
+           std::optional<double> loss_scale, std::int64_t skipped, const std::optional<EvalResult>& eval = std::nullopt, bool language_model = false) {
     out_ << step << "," << epoch << "," << loss << "," << lr << "," << rate << "," << step_ms << "," << elapsed_s << ",";
     eval_cells(eval, language_model);
     out_ << "," << parts.forward_ms << "," << parts.backward_ms << "," << parts.optimizer_ms << "," << parts.all_gather_ms << ","
-         << parts.reduce_scatter_ms << "," << parts.all_reduce_ms << "," << parts.minor_faults << "\n";
+         << parts.reduce_scatter_ms << "," << parts.all_reduce_ms << "," << parts.minor_faults << ",";
+    if (loss_scale) out_ << *loss_scale;
+    out_ << "," << skipped << "\n";
     out_.flush();
   }
   /// An evaluation after a step that logged no row.
   void eval_row(std::int64_t step, std::int64_t epoch, const EvalResult& eval, bool language_model) {
     out_ << step << "," << epoch << ",,,,,,";
     eval_cells(eval, language_model);
-    out_ << ",,,,,,,\n";
+    out_ << ",,,,,,,,,\n";
     out_.flush();
   }
 

@@ -24,16 +24,19 @@ struct StepOutcome {
   double loss = 0;               ///< this rank's loss summed over the micro-batches (each divided by their count)
   std::int64_t samples = 0;      ///< this rank's samples
   bool nonfinite = false;        ///< some rank saw a non-finite loss or gradient norm: the step was not taken
+  bool overflowed = false;       ///< fp16 loss scaling: some rank's gradients overflowed; the step was skipped, the scale backed off
   std::int64_t stop_signal = 0;  ///< the largest stop signal any rank received (0: none)
 };
 
 /// Runs `accum` micro-batches from `loader` and the optimizer step (the learning rate is set by the
-/// caller); `before_update`, if set, runs right before the optimizer's step (optim.no_decay's decay).
+/// caller), reducing gradients after the last micro-batch or, with `reduce_every`, after each; with a
+/// `scaler` (fp16) the loss is scaled before backward and the gradients unscaled before clipping;
+/// `before_update`, if set, runs right before the optimizer's step (optim.no_decay's decay).
 /// `stop_signal` is this rank's pending signal (set by a handler), read after the micro-batches and
 /// shared with the others. Collective.
 template <class Engine, class Loader>
-StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const Dataset& data, Loader& loader, std::int64_t accum, double clip,
-                       const volatile std::sig_atomic_t& stop_signal, MpiComm& world, Phases& phases,
+StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const Dataset& data, Loader& loader, std::int64_t accum, bool reduce_every, double clip,
+                       fsdp::DynamicLossScale* scaler, const volatile std::sig_atomic_t& stop_signal, MpiComm& world, Phases& phases,
                        const std::function<void()>& before_update = {}) {
   StepOutcome out;
   optimizer.zero_grad();
@@ -45,7 +48,7 @@ StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const 
     }
     if (!b) throw std::runtime_error("data loader ended early");
     std::optional<typename Engine::NoSyncScope> no_sync;
-    if (a + 1 < accum) no_sync.emplace(model.no_sync());  // reduce the gradients once, on the last micro-batch
+    if (a + 1 < accum && !reduce_every) no_sync.emplace(model.no_sync());  // reduce the gradients once, on the last micro-batch
     torch::Tensor loss;
     {
       Timed t(phases.forward, "forward + loss");
@@ -53,18 +56,22 @@ StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const 
     }
     {
       Timed t(phases.backward, "backward");
-      loss.backward();
+      (scaler ? loss * scaler->scale() : loss).backward();
     }
     out.loss += loss.template item<double>();
     out.samples += b->samples;
   }
   Timed t(phases.optimizer, "optimizer");
-  const double norm = clip > 0 ? model.clip_grad_norm(clip) : 0.0;
+  const bool overflowed = scaler && model.unscale_grads(scaler->scale());  // agreed by every rank
+  const double norm = clip > 0 && !overflowed ? model.clip_grad_norm(clip) : 0.0;
   std::int64_t flags[2] = {stop_signal, std::isfinite(out.loss) && std::isfinite(norm) ? 0 : 1};
   world.all_reduce(flags, flags, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
   out.stop_signal = flags[0];
   out.nonfinite = flags[1] != 0;
-  if (!out.nonfinite) {
+  // An overflow is what loss scaling expects now and then: skip and back off. A non-finite loss is not.
+  out.overflowed = overflowed && !out.nonfinite;
+  if (scaler && !out.nonfinite) scaler->update(overflowed);
+  if (!out.nonfinite && !out.overflowed) {
     if (before_update) before_update();
     optimizer.step();
   }

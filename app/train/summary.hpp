@@ -28,6 +28,8 @@ struct RunTotals {
   std::filesystem::path out_dir;
   std::filesystem::path metrics_path;  ///< "" when metrics.csv was not written
   std::int64_t steps = 0, resumed_from_step = 0, skipped_steps = 0, samples_trained = 0;
+  std::int64_t overflow_steps = 0;        ///< of skipped_steps: fp16 gradients overflowed (the loss scale backed off)
+  std::optional<double> loss_scale;       ///< fp16's loss scale at the end; unset without loss scaling
   std::int64_t tokens_per_sample = 0;  ///< language models: tokens predicted per sequence; 0 otherwise
   double flops_per_token = 0;          ///< language models: training FLOPs per token (6 N + 12 L d T); 0 otherwise
   double last_loss = std::nan("");
@@ -84,6 +86,10 @@ void write_summary(MpiComm& world, const MpiComm::Placement& placement, const Ru
     js["steps"] = t.steps;
     js["resumed_from_step"] = t.resumed_from_step;
     js["skipped_steps"] = t.skipped_steps;
+    if (t.loss_scale) {
+      js["overflow_steps"] = t.overflow_steps;
+      js["loss_scale"] = *t.loss_scale;
+    }
     js["final_train_loss"] = std::isnan(t.last_loss) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(t.last_loss);
     if (t.eval) {
       js["test_loss"] = t.eval->loss;

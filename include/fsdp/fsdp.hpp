@@ -8,6 +8,7 @@
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/mpi_comm.hpp"
 #include "fsdp/core/layout.hpp"
+#include "fsdp/core/loss_scale.hpp"
 #include "fsdp/core/strategy.hpp"
 #include "fsdp/core/unit_plan.hpp"
 #include "fsdp/errors.hpp"

@@ -82,6 +82,15 @@ struct FlatUnit {
     }
     return flat;
   }
+  /// A unit of one parameter without padding whose gradient arrives contiguous, in the shard's dtype
+  /// and on `device` is already its flat gradient: that tensor, to be only read (autograd may have handed
+  /// the same tensor to another node); undefined otherwise, and then pack_grads() copies.
+  torch::Tensor grad_as_flat(const std::vector<torch::Tensor>& grads, const torch::Device& device) const {
+    if (params.size() != 1 || grads.size() != 1 || layout.padding() > 0 || !grads[0].defined()) return {};
+    const auto& g = grads[0];
+    if (!g.is_contiguous() || g.scalar_type() != shard.scalar_type() || g.device() != device || g.numel() != layout.padded_numel()) return {};
+    return g.view({-1});
+  }
   /// The unit's name in traces: its module path, "(root)" for unit 0.
   std::string trace_name() const { return info.module_path.empty() ? std::string("(root)") : info.module_path; }
   /// `full` has storage of its own that gather() fills and reshard() frees.

@@ -229,6 +229,24 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     return total;
   }
 
+  /// fp16 loss scaling (fsdp::DynamicLossScale, PyTorch's ShardedGradScaler.unscale_): divides every
+  /// shard gradient by `scale` and returns whether any rank's gradients hold an inf or NaN, in which
+  /// case the caller skips the optimizer step. Call after backward, before clip_grad_norm. Collective
+  /// over all ranks, which all get the same answer.
+  bool unscale_grads(double scale) {
+    if (!(scale > 0) || !std::isfinite(scale)) throw ConfigError("unscale_grads: the loss scale must be positive and finite, got " + std::to_string(scale));
+    torch::NoGradGuard no_grad;
+    std::int32_t found = 0;
+    for (auto& u : units_) {
+      if (!u->shard.defined() || !u->shard.grad().defined()) continue;
+      auto& g = u->shard.mutable_grad();
+      if (found == 0 && !torch::isfinite(g).all().template item<bool>()) found = 1;
+      g.mul_(1.0 / scale);
+    }
+    world_.all_reduce(&found, &found, 1, DType::kInt32, ReduceOp::kMax);
+    return found != 0;
+  }
+
   /// RAII scope for gradient accumulation without communication: backward passes inside it keep the
   /// unit gradients locally (unsharded, like PyTorch's no_sync); the first backward after it reduces
   /// them together with its own. Local.

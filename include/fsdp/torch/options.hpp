@@ -42,8 +42,14 @@ struct MixedPrecision {
   bool enabled() const noexcept { return param_dtype || reduce_dtype || buffer_dtype; }
   /// bf16 everywhere: the common choice on hardware with bf16 arithmetic.
   static MixedPrecision bf16() { return {c10::ScalarType::BFloat16, c10::ScalarType::BFloat16, c10::ScalarType::BFloat16, true}; }
-  /// fp16 everywhere (no loss scaling yet: mind the fp16 range).
+  /// fp16 everywhere; scale the loss (fsdp::DynamicLossScale with unscale_grads()) to keep small
+  /// gradients from underflowing. LibTorch's CPU kernels have no fp16 matmul or LayerNorm: GPU only.
   static MixedPrecision fp16() { return {c10::ScalarType::Half, c10::ScalarType::Half, c10::ScalarType::Half, true}; }
+  /// fp32 compute, gradients reduced in fp16 (half the reduce-scatter bytes; runs on CPU too). The
+  /// reduction's fp16 range applies: scale the loss as for fp16().
+  static MixedPrecision fp16_reduce() { return {std::nullopt, c10::ScalarType::Half, std::nullopt, true}; }
+  /// Whether gradients pass through fp16 somewhere (then loss scaling is due).
+  bool fp16_gradients() const noexcept { return param_dtype == c10::ScalarType::Half || reduce_dtype == c10::ScalarType::Half; }
 };
 
 struct FsdpOptions {

@@ -346,7 +346,10 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     const bool overlap = reductions_ && !torch::GradMode::is_enabled();
     if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(order_.next_backward(unit), /*for_backward=*/true);
     torch::NoGradGuard no_grad;
-    auto flat = u.pack_grads(grads, compute_device_);
+    const bool sharded = u.layout.group_size() > 1;
+    // A reduce-scatter only reads its input: a single parameter's gradient is reduced where it lies.
+    torch::Tensor flat = sharded && !no_sync_ && !u.unsynced_grad.defined() ? u.grad_as_flat(grads, compute_device_) : torch::Tensor();
+    if (!flat.defined()) flat = u.pack_grads(grads, compute_device_);
     if (no_sync_) {
       if (u.unsynced_grad.defined())
         u.unsynced_grad.add_(flat);
@@ -363,7 +366,6 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     const auto reduce_dtype = mp.reduce_dtype ? *mp.reduce_dtype : (mp.param_dtype ? *mp.param_dtype : u.dtype);
     if (reduce_dtype != flat.scalar_type()) flat = flat.to(reduce_dtype);  // the collectives move these bytes
     const DType dt = to_comm_dtype(flat.scalar_type());
-    const bool sharded = u.layout.group_size() > 1;
     torch::Tensor shard_grad = sharded ? torch::empty({u.layout.shard_numel()}, flat.options()) : flat;
     if (overlap) {
       // The worker reduces while backward goes on; the shard's grad is set in end_of_backward, so
