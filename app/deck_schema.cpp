@@ -288,8 +288,9 @@ std::vector<KeySpec> make_schema() {
                .default_value = "auto",
                .description = "TRANSFORMER_BASED_WRAP: module type names to wrap, comma-separated or an array of strings "
                               "([\"TransformerBlock\", \"Other\"]); each must be a type the model has. auto: TransformerBlock, "
-                              "and for a GPT with untied embeddings also Embedding and LmHead (each vocabulary-sized matrix its own "
-                              "unit, gathered only while it is used, instead of staying gathered in the root unit all step)",
+                              "and for a GPT with untied embeddings also Embedding (token and position) and LmHead (each vocabulary-sized "
+                              "matrix its own unit, gathered only while it is used, instead of staying gathered in the root unit all "
+                              "step; a LOCAL_STATE_DICT checkpoint of the former layout does not load into the new one)",
                .names_list = true});
   s.push_back({.key = "fsdp.backward_prefetch",
                .type = T::kString,
@@ -297,7 +298,8 @@ std::vector<KeySpec> make_schema() {
                .choices = {"auto", "NO_PREFETCH", "BACKWARD_PRE", "BACKWARD_POST"},
                .description = "overlap: issue the next unit's all-gather when the current unit's backward begins (BACKWARD_PRE) or "
                               "when its gradients are ready (BACKWARD_POST), on a collective worker thread; auto: BACKWARD_PRE when "
-                              "the rank has a core to spare for the worker (the rule of fsdp.overlap_grad_reduce), NO_PREFETCH otherwise"});
+                              "every rank has a core to spare for the worker (the rule of fsdp.overlap_grad_reduce, agreed by all ranks), "
+                              "NO_PREFETCH otherwise"});
   s.push_back({.key = "fsdp.forward_prefetch",
                .type = T::kBool,
                .default_value = false,

@@ -103,6 +103,18 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     here.gpu = probe_gpu();
     resolved = resolve_run_config(deck, here);
   });
+  // The autos decided from this rank's cores must agree on every rank (the engine splits communicators
+  // for the worker): any rank without a spare core turns the overlap off for all.
+  {
+    auto& f = resolved->fsdp;
+    double no_spare[2] = {f.overlap_grad_reduce ? 0.0 : 1.0, f.backward_prefetch_auto && f.backward_prefetch == fsdp::BackwardPrefetch::NO_PREFETCH ? 1.0 : 0.0};
+    world.all_reduce(no_spare, no_spare, 2, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
+    f.overlap_grad_reduce = no_spare[0] == 0.0;
+    if (f.backward_prefetch_auto && no_spare[1] != 0.0) {
+      f.backward_prefetch = fsdp::BackwardPrefetch::NO_PREFETCH;
+      f.backward_prefetch_name = "NO_PREFETCH";
+    }
+  }
   const RunConfig& cfg = *resolved;
   // The run's predicted memory against this node's limits, before anything is built (run.memory_check).
   std::optional<FitVerdict> fit;
@@ -129,11 +141,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
   // Before the model exists: its shards, gathered units and gradients are allocated from here on.
   if (!apply_malloc_policy(cfg.run.malloc))
     throw DeckError(deck.entry("run.malloc").where + ": run.malloc = \"" + cfg.run.malloc + "\": glibc's mallopt refused it");
-  // Every rank must decide the same (the engine splits communicators for the worker): any rank
-  // without a spare core turns the overlap off for all.
-  double no_overlap = cfg.fsdp.overlap_grad_reduce ? 0.0 : 1.0;
-  world.all_reduce(&no_overlap, &no_overlap, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
-  const bool overlap_grad_reduce = no_overlap == 0.0;
+  const bool overlap_grad_reduce = cfg.fsdp.overlap_grad_reduce;
   torch::manual_seed(cfg.run.seed);
 
   // 2. The communicator, data (each rank reads the files itself) and the model.

@@ -102,7 +102,8 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
 
  private:
   /// Where attention is blocked for a sequence of t tokens, built once rather than every forward. Rebuilt
-  /// if the mask buffer moved or was written (deferred init, a load, a dtype or device change).
+  /// if the mask buffer moved or its version changed (deferred init, a dtype or device change); writes
+  /// that bypass the version counter (collectives into its memory) rewrite the same constant mask.
   const torch::Tensor& blocked(std::int64_t t) {
     const torch::Tensor mask = named_buffers(/*recurse=*/false)["mask"];
     if (!blocked_.defined() || blocked_.size(-1) != t || blocked_.device() != mask.device() || blocked_source_ != mask.data_ptr() || blocked_version_ != mask._version()) {

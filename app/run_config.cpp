@@ -1,6 +1,7 @@
 // The deck resolved once into typed structs (app layer): see run_config.hpp.
 #include "run_config.hpp"
 
+#include <cmath>
 #include <filesystem>
 
 #include <algorithm>
@@ -203,6 +204,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.min_num_params = deck.get_int("fsdp.min_num_params");
   f.transformer_layer_cls_to_wrap = transformer_layer_classes(deck.get_string("fsdp.transformer_layer_cls_to_wrap"), c.model);
   f.transformer_layer_cls_where = deck.entry("fsdp.transformer_layer_cls_to_wrap").where;
+  f.backward_prefetch_auto = deck.get_string("fsdp.backward_prefetch") == "auto";
   f.backward_prefetch_name = backward_prefetch_resolved(deck.get_string("fsdp.backward_prefetch"), placement.rank_cpus, run.threads,
                                                         placement.ranks_per_node, placement.node_cores);
   f.backward_prefetch = parse_backward_prefetch(f.backward_prefetch_name);
@@ -231,13 +233,17 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.backend = deck.get_string("fsdp.backend");
   f.backend_where = deck.entry("fsdp.backend").where;
   f.backend_resolved = resolve_backend(f.backend, f.backend_where, placement.gpu);
-  if (f.mixed_precision == "fp16" && f.backend_resolved != "nccl")
+  // fsdp-plan probes no GPU (it may plan a GPU job on a login node): only a probed rank can refuse.
+  if (f.mixed_precision == "fp16" && placement.gpu && f.backend_resolved != "nccl")
     throw DeckError(blame(deck, "fsdp.mixed_precision") +
                     "fp16 computes in half precision, which LibTorch's CPU kernels do not implement (matrix products, LayerNorm, "
                     "softmax); on CPU use bf16, or fp16_reduce (fp32 compute, gradients reduced in fp16)");
   if ((f.mixed_precision == "fp16" || f.mixed_precision == "fp16_reduce") && deck.get_string("fsdp.loss_scale") == "dynamic")
-    f.loss_scale = fsdp::LossScaleOptions{.init_scale = deck.get_float("fsdp.loss_scale_init"),
-                                          .growth_interval = deck.get_int("fsdp.loss_scale_growth_interval")};
+  {
+    const double init = deck.get_float("fsdp.loss_scale_init");
+    if (!std::isfinite(init)) throw DeckError(blame(deck, "fsdp.loss_scale_init") + "must be finite");
+    f.loss_scale = fsdp::LossScaleOptions{.init_scale = init, .growth_interval = deck.get_int("fsdp.loss_scale_growth_interval")};
+  }
 
   c.comm.timeout_s = deck.get_float("comm.timeout_s");
   c.comm.flight_recorder_entries = deck.get_int("comm.flight_recorder_entries");

@@ -95,6 +95,7 @@ struct FsdpSection {
   std::string transformer_layer_cls_where;                 ///< where they were set, for messages
   BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
   std::string backward_prefetch_name;  ///< resolved (auto decided), as summary.json reports it
+  bool backward_prefetch_auto = false;  ///< the deck said auto (fsdp-train makes the ranks agree)
   bool forward_prefetch = false;
   int limit_all_gathers = 0;
   /// resolved for this rank: "auto" overlaps only where the collective worker gets a core of its own.

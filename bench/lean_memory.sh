@@ -36,13 +36,13 @@ for strategy in ${LEAN_STRATEGIES:-FULL_SHARD NO_SHARD}; do
   set -e
   predicted=$("$PLAN" "$deck" --np 4 "${args[@]}" | sed -n 's/^predicted peak RSS per rank: \([0-9.]*\) MiB.*/\1/p')
   if [[ -f $dir/summary.json ]]; then
-    read -r ranks top < <(/usr/bin/python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['peak_rss_mb']; print(', '.join(f'{x:.0f}' for x in r), f'{max(r):.0f}')" "$dir/summary.json")
+    IFS='|' read -r ranks top < <(/usr/bin/python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['peak_rss_mb']; print(', '.join(f'{x:.0f}' for x in r) + '|' + f'{max(r):.0f}')" "$dir/summary.json")
     peak[$strategy]=$top
   else
     ranks="failed: $(grep -m1 -iE 'error|killed|abort' "$OUT/$strategy.log" | cut -c1-100)"
     top="?"
   fi
-  echo "| $strategy | ${ranks%,} | $top | $predicted | $rc |" | tee -a "$OUT/results.md"
+  echo "| $strategy | $ranks | $top | $predicted | $rc |" | tee -a "$OUT/results.md"
 done
 if [[ -n ${peak[FULL_SHARD]:-} && -n ${peak[NO_SHARD]:-} ]]; then
   ratio=$(/usr/bin/python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "${peak[FULL_SHARD]}" "${peak[NO_SHARD]}")

@@ -40,6 +40,15 @@ foreach(case "1;FULL_SHARD;0" "2;FULL_SHARD;0" "3;NO_SHARD;0" "4;HYBRID_SHARD;2"
       --set fsdp.sharding_strategy=${strategy} --set fsdp.shard_group_size=${group} --set run.out_dir=${dir})
   run(0 ${CKPT_TOOL} diff ${dir}/checkpoints ${WORK_DIR}/whole/checkpoints --rtol 1e-5)
 endforeach()
+# At 2 ranks both runs take 3 micro-batches per step: `every` reduce-scatters 3 times the bytes.
+file(READ ${WORK_DIR}/whole/summary.json whole_summary)
+file(READ ${WORK_DIR}/every2FULL_SHARD/summary.json every_summary)
+string(JSON last_bytes GET "${whole_summary}" comm reduce_scatter bytes)
+string(JSON every_bytes GET "${every_summary}" comm reduce_scatter bytes)
+math(EXPR expected_bytes "3 * ${last_bytes}")
+if(NOT every_bytes EQUAL expected_bytes OR last_bytes EQUAL 0)
+  message(FATAL_ERROR "optim.accum_reduce = every reduce-scattered ${every_bytes} bytes, last ${last_bytes}: expected 3 times as many")
+endif()
 
 # Without a fixed global batch, 2 ranks x 6 become 3 ranks x 6 = 18, and step 2 (24 samples) is not a step boundary of 18: the resume stops, naming the key.
 set(plain --set model.vocab_size=64 --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set model.dropout=0

@@ -278,10 +278,10 @@ BOOST_AUTO_TEST_CASE(activation_checkpointing_replays_dropout_and_matches) {
 
 namespace one_parameter_units {
 
-/// A parameter added to an activation of its own shape: autograd hands the same gradient tensor to the
-/// parameter and to the activation's producer.
+/// A parameter added to an activation of its own shape (a rank's micro-batch of 3 rows): autograd hands
+/// the same gradient tensor to the parameter and to the activation's producer.
 struct OffsetImpl : torch::nn::Module {
-  OffsetImpl() : torch::nn::Module("Offset") { shift = register_parameter("shift", torch::linspace(-0.5, 0.5, 12)); }
+  OffsetImpl() : torch::nn::Module("Offset") { shift = register_parameter("shift", torch::linspace(-0.5, 0.5, 36).view({3, 12})); }
   torch::Tensor forward(const torch::Tensor& x) { return x + shift; }
   torch::Tensor shift;
 };
@@ -314,7 +314,12 @@ inline Batch batch_of(int step, std::int64_t rows) {
   return {torch::randint(24, {rows}, g, torch::kLong), torch::randint(24, {rows}, g, torch::kLong)};
 }
 
-inline std::map<std::string, torch::Tensor> train(const std::optional<FsdpOptions>& options, int accum) {
+struct Trained {
+  std::map<std::string, torch::Tensor> params;
+  std::int64_t reduced_in_place = 0;
+};
+
+inline Trained train(const std::optional<FsdpOptions>& options, int accum) {
   auto world = MpiComm::world();
   const int n = options ? world.size() : 1, r = options ? world.rank() : 0;
   const std::int64_t rows = 3;
@@ -327,8 +332,10 @@ inline std::map<std::string, torch::Tensor> train(const std::optional<FsdpOption
   for (int step = 0; step < 3; ++step) {
     const auto b = batch_of(step, rows * world.size() * accum);
     opt.zero_grad();
-    if (!model) {  // the single process takes the whole global batch at once
-      torch::nn::functional::cross_entropy(net->forward(b.x), b.y).backward();
+    if (!model) {  // the single process takes the global batch as the same chunks of 3 rows (Offset's shape)
+      const std::int64_t chunks = world.size() * accum;
+      for (std::int64_t c = 0; c < chunks; ++c)
+        (torch::nn::functional::cross_entropy(net->forward(b.x.narrow(0, c * rows, rows)), b.y.narrow(0, c * rows, rows)) / chunks).backward();
     } else {
       for (int micro = 0; micro < accum; ++micro) {
         const auto x = b.x.narrow(0, (micro * n + r) * rows, rows), y = b.y.narrow(0, (micro * n + r) * rows, rows);
@@ -340,11 +347,13 @@ inline std::map<std::string, torch::Tensor> train(const std::optional<FsdpOption
     }
     opt.step();
   }
-  std::map<std::string, torch::Tensor> out;
-  if (model)
-    for (auto& [name, t] : model->full_parameters()) out[name] = t;
-  else
-    for (const auto& p : net->named_parameters()) out[p.key()] = p.value().detach().clone();
+  Trained out;
+  if (model) {
+    for (auto& [name, t] : model->full_parameters()) out.params[name] = t;
+    out.reduced_in_place = model->overlap_stats().reduced_in_place;
+  } else {
+    for (const auto& p : net->named_parameters()) out.params[p.key()] = p.value().detach().clone();
+  }
   return out;
 }
 
@@ -362,7 +371,12 @@ BOOST_AUTO_TEST_CASE(one_parameter_units_reduce_autograds_gradient_and_match) {
           options.sharding_strategy = strategy;
           options.auto_wrap_policy = AutoWrapPolicy::module_types({"Embedding", "Linear", "Offset"});
           options.overlap_grad_reduce = overlap;
-          BOOST_TEST(compare(train(options, accum), ref) <= 1e-5);
+          const auto got = train(options, accum);
+          BOOST_TEST(compare(got.params, ref.params) <= 1e-5);
+          // Every unit here has one parameter and no padding: reduced in place when the group has more
+          // than one rank and nothing was accumulated under no_sync (which packs a copy to add into).
+          const bool in_place = world > 1 && strategy != ShardingStrategy::NO_SHARD && accum == 1;
+          BOOST_TEST((got.reduced_in_place > 0) == in_place);
         }
       }
     }

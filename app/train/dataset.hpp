@@ -191,12 +191,15 @@ inline EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, 
   // Rank r takes samples r, r+N, ...: every sample exactly once (no padding).
   std::vector<std::int64_t> idx;
   for (std::int64_t i = world.rank(); i < d.test_size(); i += world.size()) idx.push_back(i);
-  // Every rank runs the same number of (collective) forwards, the last ones possibly empty.
-  std::int64_t batches = (static_cast<std::int64_t>(idx.size()) + batch - 1) / batch;
-  world.all_reduce(&batches, &batches, 1, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+  // Every rank runs the same number of (collective) forwards, the last ones possibly empty: as many
+  // pieces per batch as the fullest rank's batch needs (not data.test_batch_size's, which may be far
+  // larger than a rank's share of the test set).
+  std::int64_t most[2] = {(static_cast<std::int64_t>(idx.size()) + batch - 1) / batch, std::min<std::int64_t>(batch, static_cast<std::int64_t>(idx.size()))};
+  world.all_reduce(most, most, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+  std::int64_t batches = most[0];
   if (max_batches > 0) batches = std::min(batches, max_batches);
   if (chunk <= 0 || chunk > batch) chunk = batch;
-  const std::int64_t pieces = (batch + chunk - 1) / chunk;
+  const std::int64_t pieces = std::max<std::int64_t>(1, (most[1] + chunk - 1) / chunk);
   double sums[3] = {0, 0, 0};  // loss, correct, count
   for (std::int64_t k = 0; k < batches * pieces; ++k) {
     const auto batch_begin = std::min(static_cast<std::size_t>(k / pieces * batch), idx.size());

@@ -37,7 +37,7 @@ class MetricsLog {
     out_.open(path, std::ios::trunc);
     if (!out_) throw std::runtime_error("cannot write '" + path.string() + "'");
     out_ << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,"
-            "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults,loss_scale,skipped_steps\n";
+            "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults,loss_scale,skipped_in_window\n";
     // Rows of a file written before the later columns existed get them empty.
     for (const auto& l : kept) out_ << l << std::string(static_cast<std::size_t>(std::max<long>(0, kColumns - 1 - std::count(l.begin(), l.end(), ','))), ',') << "\n";
     out_.flush();

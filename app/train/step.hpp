@@ -68,7 +68,10 @@ StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const 
   world.all_reduce(flags, flags, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
   out.stop_signal = flags[0];
   out.nonfinite = flags[1] != 0;
-  // An overflow is what loss scaling expects now and then: skip and back off. A non-finite loss is not.
+  // An overflow is what loss scaling expects now and then: skip and back off. A non-finite loss is not,
+  // nor an overflow at the floor of the scale (gradients that are inf or NaN at any scale): both go to
+  // run.on_nonfinite.
+  if (overflowed && scaler->at_floor()) out.nonfinite = true;
   out.overflowed = overflowed && !out.nonfinite;
   if (scaler && !out.nonfinite) scaler->update(overflowed);
   if (!out.nonfinite && !out.overflowed) {

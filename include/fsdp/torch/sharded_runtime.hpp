@@ -349,7 +349,10 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     const bool sharded = u.layout.group_size() > 1;
     // A reduce-scatter only reads its input: a single parameter's gradient is reduced where it lies.
     torch::Tensor flat = sharded && !no_sync_ && !u.unsynced_grad.defined() ? u.grad_as_flat(grads, compute_device_) : torch::Tensor();
-    if (!flat.defined()) flat = u.pack_grads(grads, compute_device_);
+    if (flat.defined())
+      ++overlap_.reduced_in_place;
+    else
+      flat = u.pack_grads(grads, compute_device_);
     if (no_sync_) {
       if (u.unsynced_grad.defined())
         u.unsynced_grad.add_(flat);
