@@ -113,6 +113,23 @@ if whole['loss_scale'] != resumed['loss_scale']: sys.exit('loss scale %r after t
 if whole['loss_scale'] == 2.0 ** 16: sys.exit('the scale never moved: the resume check proves nothing')
 ")
 
+# 4b. Evaluation in chunks runs as many forwards as the rank's share of the test set needs, whatever
+#    data.test_batch_size says: a vocabulary of 300000 makes each chunk one sequence (its logits exceed
+#    a third of the 32 MiB budget); 8 test sequences over 2 ranks take 4 chunked forwards per rank with
+#    a test batch of 1000 as with one of 4, so both runs all-gather the same bytes.
+set(wide --set data.kind=tokens --set data.num_samples=64 --set data.batch_size=2 --set data.test_samples=8 --set model.vocab_size=300000
+         --set model.d_model=8 --set model.n_heads=2 --set model.n_layers=1 --set model.context=16 --set model.dropout=0 --set run.max_steps=1
+         --set log.progress=plain --set run.threads=1 --set checkpoint.every_steps=0 --set checkpoint.save_final=false)
+foreach(test_batch 4 1000)
+  run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${wide} --set data.test_batch_size=${test_batch} --set run.out_dir=${WORK_DIR}/chunks${test_batch})
+  expect_in("${last_output}" "eval loss [0-9.]+")
+  file(READ ${WORK_DIR}/chunks${test_batch}/summary.json chunk_summary)
+  string(JSON gathered${test_batch} GET "${chunk_summary}" comm all_gather bytes)
+endforeach()
+if(NOT gathered4 EQUAL gathered1000)
+  message(FATAL_ERROR "evaluation with data.test_batch_size 1000 all-gathered ${gathered1000} bytes, with 4 ${gathered4}: empty chunks were run")
+endif()
+
 # 5. Bad files: every rank exits 2, the message names the file (and the byte offset).
 run(0 ${make} ${d}/magic --tokens 500 --bad-magic)
 run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set data.path=${d}/magic_*.bin --set run.out_dir=${WORK_DIR}/bad_magic)
