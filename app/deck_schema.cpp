@@ -354,9 +354,9 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.loss_scale_init",
                .type = T::kFloat,
                .default_value = 65536.0,
-               .min = 0,
-               .description = "fp16's first loss scale",
-               .min_exclusive = true});
+               .min = 1,
+               .description = "the first loss scale of the fp16 modes (at least 1, the scale's floor; a power of two keeps the "
+                              "unscaling exact)"});
   s.push_back({.key = "fsdp.loss_scale_growth_interval",
                .type = T::kInt,
                .default_value = I{2000},
