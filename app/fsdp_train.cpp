@@ -285,7 +285,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       if (saved != state.scheduler.end() && good != state.scheduler.end()) {
         try {
           scaler->restore(saved->second, static_cast<std::int64_t>(good->second));
-        } catch (const std::invalid_argument& e) {
+        } catch (const fsdp::ConfigError& e) {
           throw RankError(std::string("the checkpoint resumed from: /train/scheduler: ") + e.what(), true);
         }
       }

@@ -512,10 +512,10 @@ BOOST_AUTO_TEST_CASE(dynamic_loss_scale_backs_off_and_grows_like_pytorchs_grad_s
   BOOST_TEST(scale.scale() == 64.0);
   BOOST_TEST(scale.update(false));
   BOOST_TEST(scale.scale() == 128.0);
-  BOOST_CHECK_THROW(scale.restore(0, 0), std::invalid_argument);
+  BOOST_CHECK_THROW(scale.restore(0, 0), fsdp::ConfigError);
   scale.restore(8, 3);  // saved under a longer growth interval: counting starts again
   BOOST_TEST(scale.good_steps() == 0);
-  BOOST_CHECK_THROW(scale.restore(8, -1), std::invalid_argument);
+  BOOST_CHECK_THROW(scale.restore(8, -1), fsdp::ConfigError);
   // The floor: the scale never backs off below min_scale, and there it says so.
   fsdp::DynamicLossScale floored(fsdp::LossScaleOptions{.init_scale = 4, .min_scale = 2});
   BOOST_TEST(!floored.at_floor());
@@ -523,6 +523,6 @@ BOOST_AUTO_TEST_CASE(dynamic_loss_scale_backs_off_and_grows_like_pytorchs_grad_s
   BOOST_TEST(floored.at_floor());
   floored.update(true);
   BOOST_TEST(floored.scale() == 2.0);
-  BOOST_CHECK_THROW(fsdp::DynamicLossScale(fsdp::LossScaleOptions{.init_scale = 1, .min_scale = 2}), std::invalid_argument);
-  BOOST_CHECK_THROW(fsdp::DynamicLossScale(fsdp::LossScaleOptions{.backoff_factor = 1.5}), std::invalid_argument);
+  BOOST_CHECK_THROW(fsdp::DynamicLossScale(fsdp::LossScaleOptions{.init_scale = 1, .min_scale = 2}), fsdp::ConfigError);
+  BOOST_CHECK_THROW(fsdp::DynamicLossScale(fsdp::LossScaleOptions{.backoff_factor = 1.5}), fsdp::ConfigError);
 }

@@ -8,8 +8,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <stdexcept>
 #include <string>
+
+#include "fsdp/errors.hpp"
 
 namespace fsdp {
 
@@ -27,12 +28,12 @@ class DynamicLossScale {
  public:
   explicit DynamicLossScale(const LossScaleOptions& options = {}) : options_(options), scale_(options.init_scale) {
     if (!(options.init_scale > 0) || !std::isfinite(options.init_scale))
-      throw std::invalid_argument("loss scale: init_scale must be positive and finite, got " + std::to_string(options.init_scale));
-    if (!(options.growth_factor > 1)) throw std::invalid_argument("loss scale: growth_factor must exceed 1");
-    if (!(options.backoff_factor > 0 && options.backoff_factor < 1)) throw std::invalid_argument("loss scale: backoff_factor must lie in (0, 1)");
-    if (options.growth_interval < 1) throw std::invalid_argument("loss scale: growth_interval must be at least 1");
+      throw ConfigError("loss scale: init_scale must be positive and finite, got " + std::to_string(options.init_scale));
+    if (!(options.growth_factor > 1)) throw ConfigError("loss scale: growth_factor must exceed 1");
+    if (!(options.backoff_factor > 0 && options.backoff_factor < 1)) throw ConfigError("loss scale: backoff_factor must lie in (0, 1)");
+    if (options.growth_interval < 1) throw ConfigError("loss scale: growth_interval must be at least 1");
     if (!(options.min_scale > 0) || options.min_scale > options.init_scale)
-      throw std::invalid_argument("loss scale: min_scale must be positive and at most init_scale");
+      throw ConfigError("loss scale: min_scale must be positive and at most init_scale");
   }
 
   double scale() const noexcept { return scale_; }
@@ -59,8 +60,8 @@ class DynamicLossScale {
   /// The state a checkpoint kept. A run resumed with a shorter growth interval than the saved count
   /// starts counting again.
   void restore(double scale, std::int64_t good_steps) {
-    if (!(scale > 0) || !std::isfinite(scale)) throw std::invalid_argument("loss scale: a saved scale must be positive and finite, got " + std::to_string(scale));
-    if (good_steps < 0) throw std::invalid_argument("loss scale: saved good steps " + std::to_string(good_steps) + " is negative");
+    if (!(scale > 0) || !std::isfinite(scale)) throw ConfigError("loss scale: a saved scale must be positive and finite, got " + std::to_string(scale));
+    if (good_steps < 0) throw ConfigError("loss scale: saved good steps " + std::to_string(good_steps) + " is negative");
     scale_ = std::max(scale, options_.min_scale);
     good_steps_ = good_steps < options_.growth_interval ? good_steps : 0;
   }

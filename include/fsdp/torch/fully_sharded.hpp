@@ -236,13 +236,14 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   bool unscale_grads(double scale) {
     if (!(scale > 0) || !std::isfinite(scale)) throw ConfigError("unscale_grads: the loss scale must be positive and finite, got " + std::to_string(scale));
     torch::NoGradGuard no_grad;
-    std::int32_t found = 0;
+    std::vector<torch::Tensor> finite;  // per unit, read once at the end: one host sync, not one per unit
     for (auto& u : units_) {
       if (!u->shard.defined() || !u->shard.grad().defined()) continue;
       auto& g = u->shard.mutable_grad();
-      if (found == 0 && !torch::isfinite(g).all().template item<bool>()) found = 1;
+      finite.push_back(torch::isfinite(g).all());
       g.mul_(1.0 / scale);
     }
+    std::int32_t found = finite.empty() || torch::stack(finite).all().template item<bool>() ? 0 : 1;
     world_.all_reduce(&found, &found, 1, DType::kInt32, ReduceOp::kMax);
     return found != 0;
   }
