@@ -93,10 +93,12 @@ void check_value(const KeySpec& spec, Value& v, std::vector<Issue>& issues, int 
     size(fa->size());
     for (std::size_t k = 0; k < fa->size(); ++k) range((*fa)[k], spec.key + "[" + std::to_string(k) + "]");
   } else if (auto* s = std::get_if<std::string>(&v)) {
-    if (!spec.choices.empty()) {
+    const bool count = spec.count_choice && !s->empty() && s->size() < 10 && std::all_of(s->begin(), s->end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (count && std::stoll(*s) < 2) issues.push_back({spec.key + ": " + *s + " is below the minimum group size 2", line});
+    if (!spec.choices.empty() && !count) {
       const auto it = std::find_if(spec.choices.begin(), spec.choices.end(), [&](const std::string& c) { return lower(c) == lower(*s); });
       if (it == spec.choices.end()) {
-        std::string msg = spec.key + ": " + toml_string(*s) + " is not one of " + join(spec.choices, ", ");
+        std::string msg = spec.key + ": " + toml_string(*s) + " is not one of " + join(spec.choices, ", ") + (spec.count_choice ? " or a group size" : "");
         if (auto near = closest_of(*s, spec.choices); !near.empty()) msg += " (did you mean " + near + "?)";
         issues.push_back({msg, line});
       } else {
@@ -140,6 +142,7 @@ std::optional<Value> from_node(const KeySpec& spec, const toml::node& n, std::ve
       }
       const bool bool_choices = std::find(spec.choices.begin(), spec.choices.end(), "true") != spec.choices.end();
       if (auto* b = n.as_boolean(); b && bool_choices) return Value{std::string(b->get() ? "true" : "false")};
+      if (auto* i = n.as_integer(); i && spec.count_choice) return Value{std::to_string(i->get())};
       return wrong(spec.key, n, expected(spec.type));
     }
     case KeyType::kIntArray:

@@ -46,6 +46,7 @@ struct KeySpec {
   bool max_exclusive = false;          ///< the value must be < max (e.g. a dropout probability)
   std::size_t array_size = 0;          ///< arrays: non-zero = exactly this many elements
   bool names_list = false;             ///< strings: a TOML array of strings is accepted too, stored comma-joined
+  bool count_choice = false;           ///< strings with choices: a whole number >= 2 is accepted too, stored as its digits
 
   std::string section() const { return key.substr(0, key.find('.')); }
   std::string name() const { return key.substr(key.find('.') + 1); }

@@ -321,9 +321,13 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.reshard_after_forward",
                .type = T::kString,
                .default_value = "auto",
-               .choices = {"auto", "true", "false"},
+               .choices = {"auto", "true", "false", "node"},
                .description = "free a unit's gathered parameters after its forward; auto: the strategy decides "
-                              "(true for FULL_SHARD and HYBRID_SHARD); a TOML boolean is accepted too"});
+                              "(true for FULL_SHARD and HYBRID_SHARD); a TOML boolean is accepted too. A group size N "
+                              "(or node: the ranks of a node) keeps them sharded over groups of N consecutive ranks instead, "
+                              "so that backward all-gathers inside the group (FSDP2's integer reshard_after_forward); N "
+                              "divides the shard group size and is smaller",
+               .count_choice = true});
   s.push_back({.key = "fsdp.shard_group_size",
                .type = T::kInt,
                .default_value = I{0},
@@ -423,6 +427,12 @@ std::vector<KeySpec> make_schema() {
                               "is an error; a finished run trains nothing); none: start fresh; anything else: a checkpoint file, LOCAL "
                               "folder, or checkpoint folder (its latest) to load"});
   s.push_back({.key = "checkpoint.save_final", .type = T::kBool, .default_value = true, .description = "save a checkpoint after the last step"});
+  s.push_back({.key = "checkpoint.async",
+               .type = T::kBool,
+               .default_value = false,
+               .description = "copy the state to host memory and write the checkpoint on an I/O thread while training goes on "
+                              "(one save in flight; `latest` moves once it is on disk; host memory: one more copy of the rank's "
+                              "shards and optimizer state)"});
   s.push_back({.key = "checkpoint.rank0_only",
                .type = T::kBool,
                .default_value = true,

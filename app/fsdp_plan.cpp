@@ -93,6 +93,7 @@ void print_prediction(const RunConfig& cfg, const ModelShape& shape, const RunSh
       "original parameters, flat copies",
       "replicated on every rank",
       "",
+      "host copy of shards and optimizer state, from the first save",
   };
   for (int k = 0; k < kMemKinds; ++k) {
     const auto kind = static_cast<Mem>(k);

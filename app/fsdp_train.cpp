@@ -264,7 +264,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     });
 
     Phases phases;
-    std::vector<double> step_ms;
+    std::vector<double> step_ms, step_ms_while_writing;  // the latter: steps begun while a checkpoint was written in the background
     double last_loss = std::nan(""), window_loss = 0;
     std::int64_t window_steps = 0, window_samples = 0;
     auto window_start = Clock::now();
@@ -275,6 +275,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     EvalResult last_eval;
     bool evaluated = false;
     const auto comm_start = model->comm_counters();
+    StepAllGather step_all_gather;  // training steps' all-gathers (evaluation's not counted)
     model->train();
 
     // fp16's loss scale, continued from the checkpoint when it has one.
@@ -365,10 +366,14 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         if (decay_mask) decay = [&, lr] { decay_mask->apply(lr, cfg.optim.weight_decay); };
         const Phases phases_before = phases;
         const auto comm_before = model->comm_counters();
+        const auto group_before = model->forward_group_counters();
         const long faults_before = minor_page_faults();
+        const bool writing_checkpoint = checkpointer.writing();
         const StepOutcome outcome = train_step(*model, *optimizer, data, loader, accum, cfg.optim.reduce_every_micro_batch, clip,
                                                  scaler ? &*scaler : nullptr, g_stop_signal, world, phases, decay);
         const auto comm_after = model->comm_counters();
+        step_all_gather.total += comm_after.all_gather_bytes - comm_before.all_gather_bytes;
+        step_all_gather.inside_reshard_group += model->forward_group_counters().all_gather_bytes - group_before.all_gather_bytes;
         const StepBreakdown breakdown{1000 * (phases.forward - phases_before.forward),
                                       1000 * (phases.backward - phases_before.backward),
                                       1000 * (phases.optimizer - phases_before.optimizer),
@@ -392,6 +397,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         if (flags[1] && root) std::printf("warning: non-finite loss or gradient norm at step %lld: step skipped\n", static_cast<long long>(step + 1));
         ++step;
         step_ms.push_back(1000 * seconds_since(step_start));
+        if (writing_checkpoint) step_ms_while_writing.push_back(step_ms.back());
         if (auto& tracer = fsdp::Tracer::instance(); tracer.enabled())
           tracer.complete("step " + std::to_string(step), "step", tracer.to_us(step_start), tracer.now_us(), {{"step", static_cast<double>(step)}});
         window_loss += loss_sum;
@@ -450,8 +456,11 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         } else if (step_eval && root && write_metrics) {
           metrics.eval_row(step, epoch + 1, *step_eval, data.tokens);
         }
+        checkpointer.poll_background(quiet);  // a failed background write stops every rank here
+        checkpointer.reserve_staging(phases.checkpoint);
         if (flags[0]) {
           save();
+          checkpointer.wait_background(quiet);
           throw RankError(std::string("stopped by signal ") +
                               (flags[0] == SIGTERM   ? "SIGTERM"
                                : flags[0] == SIGUSR1 ? "SIGUSR1"
@@ -471,6 +480,10 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
 
     }
     if (save_final) save();
+    {
+      Timed t(phases.checkpoint, "checkpoint");
+      checkpointer.wait_background(quiet);
+    }
     {
       Timed t(phases.checkpoint, "export");
       checkpointer.export_model(quiet);
@@ -498,7 +511,10 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
     totals.train_elapsed_s = seconds_since(train_start);
     totals.phases = phases;
     totals.step_ms = std::move(step_ms);
+    totals.checkpoints = {checkpointer.asynchronous(), checkpointer.reserve_seconds(), checkpointer.held_seconds(), checkpointer.write_seconds(),
+                          std::move(step_ms_while_writing)};
     totals.comm_start = comm_start;
+    totals.step_all_gather = step_all_gather;
     totals.overlap_grad_reduce = overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>();  // NCCL reduces on its own stream
     write_summary(world, placement, cfg, *model, totals);
     return 0;

@@ -213,7 +213,8 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.overlap_grad_reduce = overlap_grad_reduce_resolved(deck.get_string("fsdp.overlap_grad_reduce"), placement.rank_cpus, run.threads,
                                                        placement.ranks_per_node, placement.node_cores);
   const std::string reshard = deck.get_string("fsdp.reshard_after_forward");
-  if (reshard != "auto") f.reshard_after_forward_asked = reshard == "true";
+  const bool keep_group = reshard == "node" || std::isdigit(static_cast<unsigned char>(reshard[0]));
+  if (reshard != "auto") f.reshard_after_forward_asked = reshard != "false";
   f.reshard_after_forward = f.reshard_after_forward_asked.value_or(reshard_after_forward_default(f.sharding_strategy));
   f.shard_group_size_requested = static_cast<int>(deck.get_int("fsdp.shard_group_size"));
   const int group = f.shard_group_size_requested;
@@ -224,6 +225,11 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
     f.shard_group_size = shard_group_size(f.sharding_strategy, placement.world_size, group, placement.ranks_per_node);
   } catch (const ConfigError& e) {
     throw DeckError(blame(deck, "fsdp.shard_group_size") + e.what());
+  }
+  if (keep_group) {
+    f.reshard_after_forward_group = reshard == "node" ? placement.ranks_per_node : std::stoi(reshard);
+    if (const auto why = reshard_group_problem(f.shard_group_size, f.reshard_after_forward_group); !why.empty())
+      throw DeckError(blame(deck, "fsdp.reshard_after_forward") + (reshard == "node" ? "node (" + std::to_string(placement.ranks_per_node) + " ranks): " : "") + why);
   }
   f.offload_params = deck.get_bool("fsdp.offload_params");
   f.mixed_precision = deck.get_string("fsdp.mixed_precision");
@@ -255,6 +261,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   ckpt.keep_last = static_cast<int>(deck.get_int("checkpoint.keep_last"));
   ckpt.resume = deck.get_string("checkpoint.resume");
   ckpt.save_final = deck.get_bool("checkpoint.save_final");
+  ckpt.asynchronous = deck.get_bool("checkpoint.async");
   ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
   ckpt.collective_timeout_s = c.comm.timeout_s;
   ckpt.init_from = deck.get_string("checkpoint.init_from");

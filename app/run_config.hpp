@@ -103,6 +103,7 @@ struct FsdpSection {
   bool overlap_grad_reduce = false;
   bool reshard_after_forward = true;                ///< resolved: "auto" follows the strategy
   std::optional<bool> reshard_after_forward_asked;  ///< unset for "auto" (fsdp-plan compares strategies)
+  int reshard_after_forward_group = 0;              ///< a group size or "node": kept sharded over it after forward; 0: off
   int shard_group_size = 1;                         ///< resolved for the placement's world size
   int shard_group_size_requested = 0;
   bool offload_params = false;
@@ -129,6 +130,7 @@ struct CheckpointSection {
   int keep_last = 0;
   std::string resume;  ///< auto, none, or a path
   bool save_final = true;
+  bool asynchronous = false;  ///< checkpoint.async: written on an I/O thread from a host copy
   bool rank0_only = false;
   double collective_timeout_s = 600;  ///< comm.timeout_s
   std::string init_from;  ///< a fresh run's weights: a safetensors file or folder, or a checkpoint; empty: none

@@ -141,7 +141,8 @@ inline Batch global_batch(ModelKind kind, int step, int64_t rows) {
 }
 
 inline torch::Tensor loss_of(ModelKind kind, const torch::Tensor& out, const torch::Tensor& y) {
-  return kind == ModelKind::kMlp ? F::mse_loss(out, y) : F::nll_loss(out, y);
+  const auto o = out.scalar_type() == torch::kFloat ? out : out.to(torch::kFloat);  // a mixed-precision model's output
+  return kind == ModelKind::kMlp ? F::mse_loss(o, y) : F::nll_loss(o, y);
 }
 
 inline void set_gate(torch::nn::Module& model, bool on) {
@@ -193,6 +194,8 @@ struct Trained {
   std::map<std::string, torch::Tensor> params;
   std::vector<double> norms;  ///< gradient norms returned by clipping, per step
   fsdp::OverlapStats overlap;
+  fsdp::CommCounters comm;           ///< every collective of the engine
+  fsdp::CommCounters forward_group;  ///< of those, the all-gathers inside reshard_after_forward_group's groups
 };
 
 /// Single-process training on the whole global batch. Parameters that get no gradient in a step get a
@@ -247,6 +250,8 @@ inline Trained train_fsdp_typed(ModelKind kind, OptimKind optim, const FsdpOptio
   }
   for (auto& [name, t] : model->full_parameters()) result.params[name] = t;
   result.overlap = model->overlap_stats();
+  result.comm = model->comm_counters();
+  result.forward_group = model->forward_group_counters();
   return result;
 }
 

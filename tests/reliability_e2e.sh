@@ -241,4 +241,64 @@ grep -Eq "flight recorder: collective #[0-9]+ of communicator world\{0,1,2\}: ra
 grep -Eq "flight recorder: collective #[0-9]+ of communicator world\{0,1,2\}: rank\(s\) 0,2 issued all_reduce of 16 bytes while rank\(s\) 1 issued barrier" \
   "$WORK/flight_OTHER.log" || { cat "$WORK/flight_OTHER.log"; fail "the different collective is not named"; }
 echo "ok: the flight recorder named the collective a rank skipped, and the one a rank issued instead"
+
+# 13. Asynchronous checkpoints (checkpoint.async = true): the run ends with the straight run's weights,
+#     bit for bit; SIGTERM waits for the write in flight and saves; a rank killed while a background
+#     write is paused (test hook FSDP_TEST_SLOW_CHECKPOINT_WRITE = STEP:SECONDS) leaves the previous
+#     checkpoint as `latest`, verifying, and resuming from it reproduces the straight run; a background
+#     write that fails stops every rank with exit 2 at a step boundary, `latest` intact.
+async=(--set checkpoint.async=true)
+run "$WORK/async.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/async" "${long[@]}" "${async[@]}"
+expect 0 "checkpoint .*step_00000150.h5 \\(.* in the background\\)" "$WORK/async.log"
+grep -q "step_00000025.h5: writing in the background" "$WORK/async.log" || { cat "$WORK/async.log"; fail "no background write reported"; }
+"$CKPT" diff "$WORK/async/checkpoints" "$WORK/straight/checkpoints" >"$WORK/async.diff" || { cat "$WORK/async.diff"; fail "asynchronous checkpoints changed the weights"; }
+echo "ok: a run with asynchronous checkpoints ends with the straight run's weights, bit for bit"
+# SIGTERM while step 25's write is held (8 s): the stop waits for it, saves the current step, exit 3.
+start=$SECONDS
+( timeout 300 "${MPI[@]}" -np 2 -x FSDP_TEST_SLOW_CHECKPOINT_WRITE=25:8 "$TRAIN" "$DECK" --set run.out_dir="$WORK/async_term" "${long[@]}" "${async[@]}" \
+    >"$WORK/async_term.log" 2>&1; echo $? >"$WORK/async_term.log.rc" ) &
+job=$!
+for _ in $(seq 2000); do grep -q "step 30/" "$WORK/async_term.log" 2>/dev/null && break; sleep 0.05; done
+grep -q "step_00000025.h5: writing in the background" "$WORK/async_term.log" || { cat "$WORK/async_term.log"; fail "step 25 was not being written in the background"; }
+pkill -TERM -f "^[^ ]*fsdp-train .*$WORK/async_term"
+wait $job
+expect 3 "stopped by signal SIGTERM after step [0-9]+; checkpoint saved" "$WORK/async_term.log"
+stopped=$(grep -oE "after step [0-9]+" "$WORK/async_term.log" | grep -oE "[0-9]+$")
+(( stopped > 25 )) || fail "the stop came at step $stopped, before step 25's write was under way"
+[[ -e "$WORK/async_term/checkpoints/step_00000025.h5" ]] || fail "the stop did not wait for step 25's write"
+[[ $(cat "$WORK/async_term/checkpoints/latest") == $(printf 'step_%08d.h5' "$stopped") ]] ||
+  fail "latest is '$(cat "$WORK/async_term/checkpoints/latest")' after a stop at step $stopped"
+"$CKPT" verify "$WORK/async_term/checkpoints" >/dev/null || fail "async_term: the checkpoint does not verify"
+echo "ok: SIGTERM during a background write waited for it and saved step $stopped ($((SECONDS - start)) s)"
+run "$WORK/async_term.2.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/async_term" "${long[@]}" "${async[@]}"
+expect 0 "resumed from .* at step $stopped" "$WORK/async_term.2.log"
+"$CKPT" diff "$WORK/async_term/checkpoints" "$WORK/straight/checkpoints" >"$WORK/async_term.diff" || { cat "$WORK/async_term.diff"; fail "async_term: resumed weights differ"; }
+echo "ok: async_term resumed to the straight run's weights, bit for bit"
+start=$SECONDS
+( timeout 300 "${MPI[@]}" -np 2 -x FSDP_TEST_SLOW_CHECKPOINT_WRITE=50:120 "$TRAIN" "$DECK" --set run.out_dir="$WORK/async_kill" "${long[@]}" "${async[@]}" \
+    >"$WORK/async_kill.log" 2>&1; echo $? >"$WORK/async_kill.log.rc" ) &
+job=$!
+# Training goes on past step 60 while step 50's write is held half way.
+for _ in $(seq 2000); do grep -q "step 60/" "$WORK/async_kill.log" 2>/dev/null && break; sleep 0.05; done
+grep -q "step_00000050.h5: writing in the background" "$WORK/async_kill.log" || { cat "$WORK/async_kill.log"; fail "step 50 was not being written in the background"; }
+victim=$(pgrep -f "^[^ ]*fsdp-train .*$WORK/async_kill" | tail -1)
+kill -KILL "$victim"
+wait $job
+[[ $(cat "$WORK/async_kill.log.rc") != 0 ]] || fail "the job survived a killed rank"
+(( SECONDS - start < 100 )) || fail "the job took $((SECONDS - start)) s to end after a rank was killed during a background write"
+[[ $(cat "$WORK/async_kill/checkpoints/latest") == step_00000025.h5 ]] ||
+  fail "latest is '$(cat "$WORK/async_kill/checkpoints/latest")' after a kill during step 50's background write, not step_00000025.h5"
+[[ ! -e "$WORK/async_kill/checkpoints/step_00000050.h5" ]] || fail "the interrupted write was committed"
+"$CKPT" verify "$WORK/async_kill/checkpoints" >/dev/null || fail "the last checkpoint after a kill during a background write does not verify"
+echo "ok: a kill during a background write left step 25 as latest, verifying"
+run "$WORK/async_kill.2.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/async_kill" "${long[@]}" "${async[@]}"
+expect 0 "resumed from .*step_00000025.h5 at step 25" "$WORK/async_kill.2.log"
+"$CKPT" diff "$WORK/async_kill/checkpoints" "$WORK/straight/checkpoints" >/dev/null || fail "weights after a kill during a background write and resume differ"
+echo "ok: resumed after the kill to the straight run's weights, bit for bit"
+first_ckpt async_fsize "$WORK/async_fsize/ckpt"
+run "$WORK/async_fsize.log" env OMPI_MCA_btl=self,tcp "${MPI[@]}" -np 2 bash -c "ulimit -f $(( ckpt_kib / 3 )) && exec \"\$0\" \"\$@\"" "$TRAIN" "$DECK" \
+  --set run.out_dir="$WORK/async_fsize" --set checkpoint.dir="$WORK/async_fsize/ckpt" "${async[@]}"
+expect 2 "the checkpoint written in the background failed: .*step_00000016.h5.*(File too large|file size).*the previous checkpoint is kept as latest" "$WORK/async_fsize.log"
+quick "$WORK/async_fsize.log"
+still_latest "$WORK/async_fsize/ckpt"
 echo "all reliability cases passed"

@@ -1,6 +1,6 @@
 # Continuing a run on fewer or more ranks (docs/reliability.md): with data.global_batch_size fixed, a run
 # stopped at 4 ranks and resumed at 2 (and 2 -> 3, 3 -> 4) ends with the weights of the uninterrupted run
-# within 1e-5 (and so does optim.accum_reduce = every); without it, a resume whose global batch differs stops with exit 2 naming the key.
+# within 1e-5 (and so do optim.accum_reduce = every and fsdp.reshard_after_forward = 2); without it, a resume whose global batch differs stops with exit 2 naming the key.
 # Variables: MPIEXEC (list), TRAIN, CKPT_TOOL, DECK (inputs/gpt_tokens.toml), WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
@@ -49,6 +49,25 @@ math(EXPR expected_bytes "3 * ${last_bytes}")
 if(NOT every_bytes EQUAL expected_bytes OR last_bytes EQUAL 0)
   message(FATAL_ERROR "optim.accum_reduce = every reduce-scattered ${every_bytes} bytes, last ${last_bytes}: expected 3 times as many")
 endif()
+
+# fsdp.reshard_after_forward = 2 at 4 ranks (FULL_SHARD): each rank keeps half of a unit after forward and
+# backward all-gathers inside pairs of ranks; the weights are those of the whole run within 1e-5, and
+# summary.json splits a step's all-gathered bytes into those inside the pairs and those across the shard group.
+run(0 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${common} --set run.max_steps=8 --set fsdp.reshard_after_forward=2 --set run.out_dir=${WORK_DIR}/kept2)
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/kept2/checkpoints ${WORK_DIR}/whole/checkpoints --rtol 1e-5)
+file(READ ${WORK_DIR}/kept2/summary.json kept_summary)
+string(JSON kept_size GET "${kept_summary}" comm reshard_group size)
+string(JSON inside GET "${kept_summary}" comm reshard_group all_gather_bytes_per_step_inside_group)
+string(JSON across GET "${kept_summary}" comm reshard_group all_gather_bytes_per_step_across_shard_group)
+if(NOT kept_size EQUAL 2 OR inside EQUAL 0 OR across EQUAL 0)
+  message(FATAL_ERROR "summary.json comm.reshard_group: size ${kept_size}, ${inside} bytes inside the pairs, ${across} across: expected 2 and both > 0")
+endif()
+# A group that does not divide the shard group into smaller ones is a deck error naming the key: 3 ranks
+# have none, and at 4 ranks on one node "node" is the whole shard group.
+run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${common} --set fsdp.reshard_after_forward=2 --set run.out_dir=${WORK_DIR}/kept_bad3 --dry-run)
+expect_in("${last_output}" "fsdp.reshard_after_forward: 2 does not divide the shard group of 3 rank\\(s\\) into smaller groups")
+run(2 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${common} --set fsdp.reshard_after_forward=node --set run.out_dir=${WORK_DIR}/kept_node --dry-run)
+expect_in("${last_output}" "fsdp.reshard_after_forward: node \\(4 ranks\\): 4 does not divide")
 
 # Without a fixed global batch, 2 ranks x 6 become 3 ranks x 6 = 18, and step 2 (24 samples) is not a step boundary of 18: the resume stops, naming the key.
 set(plain --set model.vocab_size=64 --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set model.dropout=0

@@ -204,7 +204,11 @@ BOOST_AUTO_TEST_CASE(bad_choice_and_normalization) {
              "HYBRID_SHARD_ZERO2 (did you mean FULL_SHARD?)");
   BOOST_TEST(problem_of("[optim]\nkind = \"lamb\"\n") == "inputs/a.toml:2: optim.kind: \"lamb\" is not one of sgd, adam, adamw, adadelta");
   BOOST_TEST(problem_of("[fsdp]\nsync_module_states = true\nreshard_after_forward = \"maybe\"\n") ==
-             "inputs/a.toml:3: fsdp.reshard_after_forward: \"maybe\" is not one of auto, true, false");
+             "inputs/a.toml:3: fsdp.reshard_after_forward: \"maybe\" is not one of auto, true, false, node or a group size");
+  // A group size: a TOML integer or its digits; at least 2.
+  BOOST_TEST(Deck::parse("[fsdp]\nreshard_after_forward = 4\n", "inputs/a.toml").get_string("fsdp.reshard_after_forward") == "4");
+  BOOST_TEST(Deck::parse("", "inputs/a.toml", {"fsdp.reshard_after_forward=2"}).get_string("fsdp.reshard_after_forward") == "2");
+  BOOST_TEST(problem_of("[fsdp]\nreshard_after_forward = 1\n") == "inputs/a.toml:2: fsdp.reshard_after_forward: 1 is below the minimum group size 2");
   const Deck d = Deck::parse(
       "[fsdp]\nsharding_strategy = \"full_shard\"\nauto_wrap_policy = 'size_based_wrap'\n[optim]\nkind = 'AdamW'\n"
       "[checkpoint]\nstate_dict_type = 'Full_State_Dict'\n[data]\nkind = 'MNIST'\n",

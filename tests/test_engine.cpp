@@ -237,3 +237,46 @@ BOOST_AUTO_TEST_CASE(bf16_mixed_precision_tracks_fp32_and_halves_the_bytes) {
     }
   }
 }
+
+BOOST_AUTO_TEST_CASE(reshard_after_forward_group_gathers_backward_inside_the_group_and_changes_no_result) {
+  // FSDP2's integer reshard_after_forward: after a training forward each rank keeps 1/g of a unit, and
+  // backward all-gathers it inside its group of g ranks. The same values are gathered, so the result
+  // is bit-identical to resharding fully; what backward gathered over the shard group moves into the
+  // groups instead (each rank then sends world/g times its shard). Shard groups without a smaller
+  // divisor (1, 2 and 3 ranks) refuse it.
+  const int world = MpiComm::world().size();
+  for (const auto kind : {ModelKind::kMlp, ModelKind::kCnn}) {
+    for (const auto& [prefetch, bf16, checkpointing] : {std::tuple{false, false, false}, std::tuple{true, false, false},
+                                                        std::tuple{false, true, false}, std::tuple{true, false, true}}) {
+      BOOST_TEST_CONTEXT("np=" << world << " model=" << name_of(kind) << " prefetch=" << prefetch << " bf16=" << bf16
+                               << " activation checkpointing=" << checkpointing) {
+        FsdpOptions options;
+        options.sharding_strategy = ShardingStrategy::FULL_SHARD;
+        options.auto_wrap_policy = kind == ModelKind::kCnn ? AutoWrapPolicy::module_types({"Conv2d", "Linear"}) : AutoWrapPolicy::size_based(200);
+        if (prefetch) options.backward_prefetch = fsdp::BackwardPrefetch::BACKWARD_PRE;
+        if (bf16) options.mixed_precision = fsdp::MixedPrecision::bf16();
+        options.activation_checkpointing = checkpointing;
+        if (world < 4) {
+          options.reshard_after_forward_group = 2;
+          BOOST_CHECK_EXCEPTION(train_fsdp(kind, OptimKind::kAdam, options), fsdp::ConfigError, [&](const fsdp::ConfigError& e) {
+            return std::string(e.what()).find("reshard_after_forward_group: 2 does not divide the shard group of " + std::to_string(world)) !=
+                   std::string::npos;
+          });
+          continue;
+        }
+        const auto plain = train_fsdp(kind, OptimKind::kAdam, options);
+        options.reshard_after_forward_group = 2;
+        const auto kept = train_fsdp(kind, OptimKind::kAdam, options);
+        for (const auto& [name, t] : kept.params) BOOST_TEST(torch::equal(t, plain.params.at(name)), "a kept group shard changed " << name);
+        BOOST_TEST(plain.forward_group.all_gather_bytes == 0u);
+        BOOST_TEST(kept.forward_group.all_gather_bytes > 0u);
+        const auto moved_out_of_shard_group = plain.comm.all_gather_bytes - (kept.comm.all_gather_bytes - kept.forward_group.all_gather_bytes);
+        BOOST_TEST(moved_out_of_shard_group * static_cast<std::uint64_t>(world / 2) == kept.forward_group.all_gather_bytes);
+      }
+    }
+  }
+  FsdpOptions contradictory;
+  contradictory.reshard_after_forward = false;
+  contradictory.reshard_after_forward_group = 2;
+  BOOST_CHECK_THROW(train_fsdp(ModelKind::kMlp, OptimKind::kAdam, contradictory), fsdp::ConfigError);
+}

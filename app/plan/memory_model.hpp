@@ -34,6 +34,7 @@ enum class Mem : int {
   kBuild,        ///< model construction: the original parameters and flat copies
   kBuffers,      ///< module buffers (replicated on every rank)
   kData,         ///< the data set and the current batch
+  kStaging,      ///< checkpoint.async: the host copy of the shards and optimizer state a background write reads
   kCount
 };
 
@@ -50,6 +51,7 @@ inline const char* mem_label(Mem m) {
     case Mem::kBuild: return "model construction";
     case Mem::kBuffers: return "module buffers";
     case Mem::kData: return "data set and batch";
+    case Mem::kStaging: return "checkpoint staging (async)";
     case Mem::kCount: break;
   }
   return "?";

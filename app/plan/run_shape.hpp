@@ -131,6 +131,7 @@ struct RunShape {
   std::int64_t group = 1;     ///< shard group size G
   std::int64_t replicas = 1;  ///< R = world / G
   bool reshard_after_forward = true;
+  int reshard_after_forward_group = 0;  ///< fsdp.reshard_after_forward = N: kept sharded over N ranks between forward and backward
   int param_bytes = 4;   ///< bytes per element of gathered parameters, activations and their gradients
   int reduce_bytes = 4;  ///< bytes per element of reduced gradients
   std::string optimizer = "adam";
@@ -140,6 +141,7 @@ struct RunShape {
   bool clip = false;
   std::int64_t grad_accum = 1;
   bool reduce_every_micro_batch = false;  ///< optim.accum_reduce = every: no unsharded gradient kept between micro-batches
+  bool async_checkpoint = false;          ///< checkpoint.async with any save: a host copy of the training state from the first save on
   bool activation_checkpointing = false;
   bool deferred_init = false;                     ///< fsdp.deferred_init: the model is built and initialized unit by unit
   std::string backward_prefetch = "NO_PREFETCH";  ///< fsdp.backward_prefetch
@@ -181,6 +183,7 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
                 : shard_group_size(strategy, world, is_hybrid(strategy) ? cfg.fsdp.shard_group_size_requested : 0, cfg.placement.ranks_per_node);
   r.replicas = world / r.group;
   r.reshard_after_forward = cfg.fsdp.reshard_after_forward_asked.value_or(reshard_after_forward_default(strategy));
+  r.reshard_after_forward_group = strategy == cfg.fsdp.sharding_strategy ? cfg.fsdp.reshard_after_forward_group : 0;
   r.param_bytes = cfg.fsdp.mixed_precision == "no" || cfg.fsdp.mixed_precision == "fp16_reduce" ? 4 : 2;
   r.reduce_bytes = cfg.fsdp.mixed_precision == "no" ? 4 : 2;
   r.optimizer = cfg.optim.kind;
@@ -190,6 +193,7 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
   r.clip = cfg.optim.clip_grad_norm > 0;
   r.grad_accum = cfg.optim.grad_accum_steps;
   r.reduce_every_micro_batch = cfg.optim.reduce_every_micro_batch;
+  r.async_checkpoint = cfg.checkpoint.asynchronous && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.save_final);
   r.activation_checkpointing = cfg.fsdp.activation_checkpointing;
   r.deferred_init = cfg.fsdp.deferred_init;
   r.backward_prefetch = cfg.fsdp.backward_prefetch_name;

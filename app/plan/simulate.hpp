@@ -35,6 +35,7 @@ class RunSimulator {
       }
     const std::size_t n = units.size();
     full_.assign(n, -1);
+    kept_.assign(n, -1);
     shard_.assign(n, -1);
     grad_.assign(n, -1);
     state_.assign(n, {});
@@ -50,6 +51,7 @@ class RunSimulator {
     for (int step = 0; step < 2; ++step) {
       for (std::int64_t a = 0; a < micro; ++a) micro_batch(a + 1 < micro && !run_.reduce_every_micro_batch);
       optimizer_step(step == 0);
+      if (step == 0 && run_.async_checkpoint) stage_checkpoint();
     }
     if (run_.evaluate) {
       mem_.phase("evaluation");
@@ -72,6 +74,16 @@ class RunSimulator {
 
  private:
   bool needs_gather(const PlanUnit& u) const { return u.numel > 0 && (run_.group > 1 || run_.param_bytes != 4); }
+
+  /// The first asynchronous save allocates the host copy of the shards, the optimizer state and the
+  /// buffers (CheckpointSnapshot), and keeps it for the next saves.
+  void stage_checkpoint() {
+    std::int64_t elements = 0;
+    for (const auto& u : units_) elements += u.shard;
+    std::int64_t bytes = elements * 4 * (1 + run_.optimizer_copies);
+    for (const auto& m : desc_.modules) bytes += m.buffer_numel * 4;
+    mem_.alloc(Mem::kStaging, bytes);
+  }
 
   void load_data() {
     mem_.phase("data");
@@ -125,6 +137,7 @@ class RunSimulator {
     const auto& u = units_[static_cast<std::size_t>(ui)];
     if (!needs_gather(u) || full_[static_cast<std::size_t>(ui)] >= 0) return;
     full_[static_cast<std::size_t>(ui)] = mem_.alloc(Mem::kGathered, u.padded * run_.param_bytes);
+    mem_.free(kept_[static_cast<std::size_t>(ui)]);  // gathered from the slice kept after forward, which goes
   }
   // Prefetching (fsdp.forward_prefetch, fsdp.backward_prefetch): the all-gather of the unit that runs
   // next is issued early, so it is gathered alongside the running one (one unit ahead: the engine
@@ -140,6 +153,13 @@ class RunSimulator {
     if (pos >= 0 && pos < static_cast<int>(order_.size())) gather(order_[static_cast<std::size_t>(pos)]);
   }
   void reshard(int ui) { mem_.free(full_[static_cast<std::size_t>(ui)]); }
+  // A training forward's end with fsdp.reshard_after_forward = N: the rank keeps 1/N of the unit.
+  void reshard_after_forward(int ui) {
+    const auto& u = units_[static_cast<std::size_t>(ui)];
+    if (run_.reshard_after_forward_group > 1 && run_.group > 1 && full_[static_cast<std::size_t>(ui)] >= 0)
+      kept_[static_cast<std::size_t>(ui)] = mem_.alloc(Mem::kGathered, u.padded / run_.reshard_after_forward_group * run_.param_bytes);
+    reshard(ui);
+  }
 
   // ---- tensors of the trace ----
   void make(const Trace& t, int id) {
@@ -178,7 +198,10 @@ class RunSimulator {
             ckpt_regions_.push_back({ckpt_begin_, i, ckpt_input_});
             ckpt_unit_ = -1;
           }
-          if (!grad || run_.reshard_after_forward) reshard(ui);
+          if (!grad)
+            reshard(ui);
+          else if (run_.reshard_after_forward)
+            reshard_after_forward(ui);
         }
         continue;
       }
@@ -463,6 +486,7 @@ class RunSimulator {
   std::unordered_map<std::string, int> param_unit_;
   std::unordered_map<std::string, std::int64_t> param_numel_;
   std::vector<int> full_, shard_, grad_, unsynced_;
+  std::vector<int> kept_;  // fsdp.reshard_after_forward = N: the slice kept between forward and backward
   std::vector<std::vector<int>> state_;
   std::vector<std::vector<int>> pending_;  ///< per unit: trace parameters whose gradient autograd holds
   std::vector<int> tparam_unit_, pending_handle_;

@@ -50,6 +50,7 @@ inline fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
   else if (policy == "TRANSFORMER_BASED_WRAP")
     o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(cfg.fsdp.transformer_layer_cls_to_wrap);
   o.reshard_after_forward = cfg.fsdp.reshard_after_forward;
+  o.reshard_after_forward_group = cfg.fsdp.reshard_after_forward_group;
   o.shard_group_size = cfg.fsdp.shard_group_size;
   o.sync_module_states = cfg.fsdp.sync_module_states;
   const std::string mp = cfg.fsdp.mixed_precision;

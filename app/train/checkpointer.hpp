@@ -4,12 +4,14 @@
 #pragma once
 
 #include <fsdp/fsdp.hpp>
+#include <fsdp/io/async_checkpoint.hpp>
 #include <fsdp/io/run_lock.hpp>
 #include <fsdp/io/safetensors.hpp>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -44,6 +46,18 @@ class Checkpointer {
     options_.collective_timeout_s = cfg.checkpoint.collective_timeout_s;  // comm.timeout_s: a save or load some rank never enters fails in time
     const char* skip = std::getenv("FSDP_TEST_SKIP_SAVE_ON_RANK");
     skip_save_ = skip && *skip && std::atoi(skip) == world.rank();
+    // Test hook (docs/reliability.md), "STEP:SECONDS": the write of step STEP's checkpoint pauses that
+    // long once its parameters are written, so that a test can kill a rank in the middle of it.
+    if (const char* slow = std::getenv("FSDP_TEST_SLOW_CHECKPOINT_WRITE"); slow && *slow) {
+      const std::int64_t at_step = std::atoll(slow);
+      const char* colon = std::strchr(slow, ':');
+      const double pause_s = colon ? std::atof(colon + 1) : 0;
+      options_.on_stage = [at_step, pause_s](const std::string& stage, std::int64_t step) {
+        if (stage == "writing" && step == at_step) std::this_thread::sleep_for(std::chrono::duration<double>(pause_s));
+      };
+    }
+    // Without any save planned there is nothing to write in the background (a stop signal saves synchronously).
+    if (cfg.checkpoint.asynchronous && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.save_final)) on_all_ranks(world_, [&] { async_.emplace(model_); });
   }
 
   /// Holds the run directory (a second run on it stops here, exit 2, naming the holder) and writes the
@@ -136,10 +150,14 @@ class Checkpointer {
                   file.c_str(), r.bytes / 1048576.0, r.seconds);
   }
 
-  /// Saves `state` (the deck is added); the time goes to `seconds`. A failed save fails on every rank
-  /// alike (exit 2, the previous checkpoint and `latest` intact). Collective.
+  /// Saves `state` (the deck is added); the time training is held goes to `seconds`. With
+  /// checkpoint.async the write goes on in the background after the state is copied to the host (the
+  /// previous one, if still running, is waited for first). A failed save fails on every rank alike
+  /// (exit 2, the previous checkpoint and `latest` intact): at once, or for a background write at
+  /// the step boundary where it is learnt (poll_background) or at wait_background. Collective.
   void save(fsdp::TrainState state, double& seconds, bool quiet) {
     Timed t(seconds, "checkpoint");
+    const auto start = Clock::now();
     state.deck = deck_text_;
     if (skip_save_) {
       // Test hook (docs/reliability.md): this rank never enters the save, like a rank stuck elsewhere; the
@@ -148,20 +166,56 @@ class Checkpointer {
                    static_cast<long long>(state.step));
       std::this_thread::sleep_for(std::chrono::seconds(3600));
     }
+    if (async_) {
+      wait_background(quiet);  // the previous write: its failure reads as one
+      const double waited_s = seconds_since(start);
+      fsdp::AsyncSaveStart started;
+      on_all_ranks(world_, [&] { deadline_aborts([&] { started = async_->save(model_, optimizer_, dir_.string(), state, options_); }); });
+      held_s_.push_back(seconds_since(start));
+      if (root_ && !quiet)
+        std::printf("checkpoint %s: writing in the background (training held %.2f s: %.2f s copying the state, %.2f s waiting for the previous save)\n",
+                    fsdp::ckpt::checkpoint_name(state.step).c_str(), held_s_.back(), started.copy_seconds, waited_s);
+      return;
+    }
     fsdp::SaveResult r;
-    on_all_ranks(world_, [&] {
-      try {
-        r = fsdp::save_checkpoint(model_, optimizer_, dir_.string(), state, options_);
-      } catch (const fsdp::CommError& e) {
-        // A rank that never arrived cannot agree on the failure either: abort (main) instead of waiting.
-        if (e.id() == "fsdp.comm.deadline") throw DeadlineMissed(e.what());
-        throw;
-      }
-    });
-    if (root_ && !quiet) std::printf("checkpoint %s (%.1f MiB, %.2f s)\n", r.path.c_str(), r.bytes / 1048576.0, r.seconds);
-    if (root_)
-      for (const auto& w : r.warnings) std::printf("warning: %s\n", w.c_str());
+    on_all_ranks(world_, [&] { deadline_aborts([&] { r = fsdp::save_checkpoint(model_, optimizer_, dir_.string(), state, options_); }); });
+    held_s_.push_back(seconds_since(start));
+    report(r, quiet);
   }
+
+  /// checkpoint.async: allocates the host copy of the state once, as soon as the optimizer has state
+  /// (after the first step), so that no save pays for it. Its time goes to `seconds`. Collective.
+  void reserve_staging(double& seconds) {
+    if (!async_ || staging_reserved_) return;
+    Timed t(seconds, "checkpoint");
+    const auto start = Clock::now();
+    on_all_ranks(world_, [&] { async_->reserve(model_, optimizer_); });
+    staging_reserved_ = true;
+    reserve_s_ = seconds_since(start);
+  }
+  double reserve_seconds() const noexcept { return reserve_s_; }
+
+  /// Whether a background write is in flight (the same on every rank).
+  bool writing() const noexcept { return async_ && async_->in_flight(); }
+
+  /// At a step boundary: collects a background write that has finished on every rank; its failure
+  /// stops every rank here (exit 2). Collective while a write is in flight, local otherwise.
+  void poll_background(bool quiet) {
+    if (!writing()) return;
+    if (const auto r = agreed_background_outcome([&] { return async_->poll(); })) report(*r, quiet);
+  }
+
+  /// Waits for the background write in flight (before a stop, an export or the end). Collective while
+  /// a write is in flight, local otherwise.
+  void wait_background(bool quiet) {
+    if (!writing()) return;
+    if (const auto r = agreed_background_outcome([&] { return async_->wait(); })) report(*r, quiet);
+  }
+
+  /// Seconds training was held by each save, and each save's write (in the background or not).
+  const std::vector<double>& held_seconds() const noexcept { return held_s_; }
+  const std::vector<double>& write_seconds() const noexcept { return write_s_; }
+  bool asynchronous() const noexcept { return async_.has_value(); }
 
   const std::filesystem::path& dir() const noexcept { return dir_; }
 
@@ -210,6 +264,38 @@ class Checkpointer {
   }
 
 
+  /// A rank that never arrived cannot agree on the failure either: abort (main) instead of waiting.
+  template <class F>
+  static void deadline_aborts(F&& f) {
+    try {
+      f();
+    } catch (const fsdp::CommError& e) {
+      if (e.id() == "fsdp.comm.deadline") throw DeadlineMissed(e.what());
+      throw;
+    }
+  }
+
+  /// The AsyncCheckpointer throws the same CheckpointError on every rank: no further agreement needed.
+  template <class F>
+  std::optional<fsdp::SaveResult> agreed_background_outcome(F&& f) {
+    try {
+      std::optional<fsdp::SaveResult> r;
+      deadline_aborts([&] { r = f(); });
+      return r;
+    } catch (const fsdp::CheckpointError& e) {
+      throw RankError("the checkpoint written in the background failed: " + fsdp::detail::message_of(e) + "; the previous checkpoint is kept as latest",
+                      true);
+    }
+  }
+
+  void report(const fsdp::SaveResult& r, bool quiet) {
+    write_s_.push_back(r.seconds);
+    if (root_ && !quiet)
+      std::printf("checkpoint %s (%.1f MiB, %.2f s%s)\n", r.path.c_str(), r.bytes / 1048576.0, r.seconds, async_ ? " in the background" : "");
+    if (root_)
+      for (const auto& w : r.warnings) std::printf("warning: %s\n", w.c_str());
+  }
+
   const RunConfig& cfg_;
   std::string deck_text_;
   MpiComm& world_;
@@ -222,6 +308,10 @@ class Checkpointer {
   std::filesystem::path loaded_from_;  // checkpoint.resume = <path>: the checkpoint loaded
   std::optional<fsdp::RunLock> lock_;             // held until the run ends
   std::optional<fsdp::RunLock> checkpoint_lock_;  // checkpoint.dir outside run.out_dir
+  std::optional<fsdp::AsyncCheckpointer<Engine>> async_;  // checkpoint.async
+  std::vector<double> held_s_, write_s_;
+  bool staging_reserved_ = false;
+  double reserve_s_ = 0;
 };
 
 }  // namespace fsdp::app

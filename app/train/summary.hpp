@@ -22,6 +22,20 @@
 
 namespace fsdp::app {
 
+/// The run's checkpoint saves (this rank's view): what each held training up and how long each write took.
+struct CheckpointTotals {
+  bool asynchronous = false;
+  double reserve_s = 0;  ///< allocating the host copy after the first step (asynchronous only)
+  std::vector<double> held_s, write_s;
+  std::vector<double> step_ms_while_writing;  ///< steps begun while a background write was in flight
+};
+
+/// Bytes the training steps all-gathered (this rank's count), and of them those inside the groups of
+/// fsdp.reshard_after_forward = N.
+struct StepAllGather {
+  std::uint64_t total = 0, inside_reshard_group = 0;
+};
+
 /// What a run did: the numbers its summary is made of (this rank's).
 struct RunTotals {
   std::string backend;
@@ -40,8 +54,15 @@ struct RunTotals {
   Phases phases;
   std::vector<double> step_ms;
   fsdp::CommCounters comm_start;  ///< the engine's counters when training started
+  StepAllGather step_all_gather;
   bool overlap_grad_reduce = false;
+  CheckpointTotals checkpoints;
 };
+
+inline double median_of(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? 0 : values[values.size() / 2];
+}
 
 /// Writes <out_dir>/summary.json and prints the phase table (rank 0). Collective: every rank calls it.
 template <class Engine>
@@ -66,9 +87,7 @@ void write_summary(MpiComm& world, const MpiComm::Placement& placement, const Ru
   double total_samples = static_cast<double>(t.samples_trained);
   world.all_reduce(&total_samples, &total_samples, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
   const double train_s = t.train_elapsed_s - t.phases.checkpoint - t.phases.eval;  // training only
-  std::vector<double> sorted = t.step_ms;
-  std::sort(sorted.begin(), sorted.end());
-  const double median_ms = sorted.empty() ? 0 : sorted[sorted.size() / 2];
+  const double median_ms = median_of(t.step_ms);
   if (world.rank() == 0) {
     const double rate = total_samples / std::max(train_s, 1e-9);
     auto min_avg_max = [](const Stats& st) { return nlohmann::ordered_json{{"min", st.min}, {"avg", st.avg}, {"max", st.max}}; };
@@ -108,6 +127,18 @@ void write_summary(MpiComm& world, const MpiComm::Placement& placement, const Ru
       js["model_flops_per_s"] = t.flops_per_token * rate * static_cast<double>(t.tokens_per_sample);
     }
     js["peak_rss_mb"] = rss;
+    // Rank 0's saves: training held per save (copy to the host and waiting for the previous write when
+    // asynchronous; the whole save otherwise) and each write's duration.
+    auto& ckpt_js = js["checkpoints"];
+    ckpt_js["async"] = t.checkpoints.asynchronous;
+    ckpt_js["saves"] = t.checkpoints.held_s.size();
+    ckpt_js["held_s"] = t.checkpoints.held_s;
+    ckpt_js["write_s"] = t.checkpoints.write_s;
+    if (t.checkpoints.asynchronous) {
+      ckpt_js["reserve_s"] = t.checkpoints.reserve_s;
+      ckpt_js["steps_while_writing"] = t.checkpoints.step_ms_while_writing.size();
+      ckpt_js["step_ms_median_while_writing"] = median_of(t.checkpoints.step_ms_while_writing);
+    }
     auto& phases_js = js["phases"] = nlohmann::ordered_json::object();
     for (const auto& [n, st] : phase_stats) phases_js[n] = min_avg_max(st);
     // Rank 0's collectives over the same span as the phases (training, evaluation, checkpoints): bytes
@@ -120,6 +151,15 @@ void write_summary(MpiComm& world, const MpiComm::Placement& placement, const Ru
     comm_kind("all_gather", comm.all_gather_bytes - t.comm_start.all_gather_bytes, all_gather_s);
     comm_kind("reduce_scatter", comm.reduce_scatter_bytes - t.comm_start.reduce_scatter_bytes, reduce_scatter_s);
     comm_kind("all_reduce", comm.all_reduce_bytes - t.comm_start.all_reduce_bytes, all_reduce_s);
+    if (cfg.fsdp.reshard_after_forward_group > 0) {
+      // fsdp.reshard_after_forward = N: backward's all-gathers inside the groups of N ranks (a node:
+      // they never leave it), part of all_gather above; the rest of all_gather crosses the shard group.
+      const auto steps = static_cast<std::uint64_t>(std::max<std::int64_t>(1, t.steps - t.resumed_from_step));
+      const auto& g = t.step_all_gather;
+      comm_js["reshard_group"] = {{"size", cfg.fsdp.reshard_after_forward_group},
+                                  {"all_gather_bytes_per_step_inside_group", g.inside_reshard_group / steps},
+                                  {"all_gather_bytes_per_step_across_shard_group", (g.total - g.inside_reshard_group) / steps}};
+    }
     comm_kind("broadcast", comm.broadcast_bytes - t.comm_start.broadcast_bytes, comm.broadcast_seconds - t.comm_start.broadcast_seconds);
     comm_js["skew_s"] = comm.skew_seconds - t.comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
     // Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the

@@ -100,6 +100,20 @@ constexpr bool reshard_after_forward_default(ShardingStrategy s) noexcept {
   return s == ShardingStrategy::FULL_SHARD || s == ShardingStrategy::HYBRID_SHARD;
 }
 
+/// Why `kept` cannot be the group a unit stays sharded over after forward (reshard_after_forward_group)
+/// in a shard group of `shard_group` ranks; empty when it can: it divides the shard group and lies
+/// between 2 and half of it (a group of all of them is plain resharding, of one is not resharding).
+inline std::string reshard_group_problem(int shard_group, int kept) {
+  if (kept >= 2 && kept < shard_group && shard_group % kept == 0) return {};
+  std::string why = std::to_string(kept) + " does not divide the shard group of " + std::to_string(shard_group) + " rank(s) into smaller groups";
+  if (shard_group < 4 || shard_group % 2 != 0) {
+    bool any = false;
+    for (int g = 2; g < shard_group; ++g) any = any || shard_group % g == 0;
+    if (!any) why += " (it has none: use a world size with a divisor, or true)";
+  }
+  return why;
+}
+
 /// The number of ranks that share one copy of the parameters (the shard group):
 /// FULL_SHARD and SHARD_GRAD_OP the world, NO_SHARD one rank, the hybrid strategies `requested`
 /// (0 = `node_size`, the ranks of one node). Throws ConfigError when `requested` is negative, does

@@ -9,9 +9,11 @@
 //
 // The parts: checkpoint_options.hpp (the public types), checkpoint_state.hpp (what is stored where),
 // checkpoint_save.hpp, checkpoint_load.hpp, full_state_dict.hpp (no engine, no MPI),
-// checkpoint_files.hpp (names, commit, `latest`, pruning), h5.hpp (the HDF5 calls).
+// checkpoint_files.hpp (names, commit, `latest`, pruning), h5.hpp (the HDF5 calls),
+// async_checkpoint.hpp (saves written on an I/O thread from a host snapshot).
 #pragma once
 
+#include "fsdp/io/async_checkpoint.hpp"
 #include "fsdp/io/checkpoint_load.hpp"
 #include "fsdp/io/checkpoint_options.hpp"
 #include "fsdp/io/checkpoint_save.hpp"

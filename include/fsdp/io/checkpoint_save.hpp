@@ -73,7 +73,7 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
   }
   step([&] {
     write_train_group(file, state);
-    if (options.save_rng_state) write_rng_rows(file, cpu_rng_state().contiguous(), world.size(), world.rank(), true, dxpl);
+    if (options.save_rng_state) write_rng_rows(file, saved_rng_state(engine).contiguous(), world.size(), world.rank(), true, dxpl);
     h5::write_attribute(file, "num_tensors", tensors);
     // Global flush: MPI_File_sync on every rank, so data cached on other nodes reaches the file
     // system before rank 0's fsync and the rename.
@@ -139,7 +139,7 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
     }
   }
   torch::Tensor rng;
-  if (options.save_rng_state) rng = gather_rng_states(world);
+  if (options.save_rng_state) rng = gather_rng_states(world, saved_rng_state(engine));
   on_writer([&] {
     write_train_group(file, state);
     if (rng.defined()) write_rng_rows(file, rng, world.size(), 0, false, H5P_DEFAULT);
@@ -201,7 +201,7 @@ void write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const 
   if (opt) write_optimizer_attributes(file, *opt);
   write_train_group(file, state);
   if (options.save_rng_state) {
-    const auto mine = cpu_rng_state().contiguous().view({1, -1});
+    const auto mine = saved_rng_state(engine).contiguous().view({1, -1});
     write_rng_rows(file, mine, 1, 0, false, H5P_DEFAULT);
   }
   h5::write_attribute(file, "num_tensors", tensors);
@@ -229,7 +229,7 @@ template <class Engine>
 void check_ranks_agree(Engine& engine, const torch::optim::Optimizer* opt, const CheckpointOptions& options) {
   auto& world = engine.comm();
   std::ostringstream os;
-  os << to_string(options.state_dict_type) << ";rng=" << (options.save_rng_state ? cpu_rng_state().numel() : 0) << ";";
+  os << to_string(options.state_dict_type) << ";rng=" << (options.save_rng_state ? saved_rng_state(engine).numel() : 0) << ";";
   if (opt) {
     os << "groups=" << opt->param_groups().size() << ";";
     for (const auto& up : engine.sharded_units()) {
@@ -285,7 +285,7 @@ std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* 
     bytes += buffer.numel() * static_cast<std::int64_t>(buffer.element_size());
     ++datasets;
   }
-  bytes += world_size * cpu_rng_state().numel();
+  bytes += world_size * saved_rng_state(engine).numel();
   return bytes + datasets * 4096 + 65536;
 }
 }  // namespace detail

@@ -127,6 +127,14 @@ struct Unpacker {
 };
 
 inline torch::Tensor cpu_rng_state() { return at::detail::getDefaultCPUGenerator().get_state(); }
+/// The RNG state a save writes: the one a snapshot captured with the model, else the generator's now.
+template <class Engine>
+torch::Tensor saved_rng_state(Engine& engine) {
+  if constexpr (requires { engine.checkpoint_rng_state(); })
+    return engine.checkpoint_rng_state();
+  else
+    return cpu_rng_state();
+}
 inline void set_cpu_rng_state(const torch::Tensor& state) {
   at::Generator generator = at::detail::getDefaultCPUGenerator();  // shares the default generator
   std::lock_guard<std::mutex> lock(generator.mutex());
@@ -202,13 +210,17 @@ struct StagedMeta {
 /// precision's buffer_dtype). Loading copies the value back into the live buffer.
 template <class Engine>
 std::vector<std::pair<std::string, torch::Tensor>> named_buffers_of(Engine& engine) {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (const auto& b : engine.module()->named_buffers(/*recurse=*/true)) {
-    if (!b.value().defined()) continue;
-    const auto dtype = engine.checkpoint_buffer_dtype(b.key(), b.value());
-    out.emplace_back(b.key(), dtype == b.value().scalar_type() ? b.value() : b.value().detach().to(dtype));
+  if constexpr (requires { engine.checkpoint_buffers(); }) {
+    return engine.checkpoint_buffers();  // a snapshot's copies
+  } else {
+    std::vector<std::pair<std::string, torch::Tensor>> out;
+    for (const auto& b : engine.module()->named_buffers(/*recurse=*/true)) {
+      if (!b.value().defined()) continue;
+      const auto dtype = engine.checkpoint_buffer_dtype(b.key(), b.value());
+      out.emplace_back(b.key(), dtype == b.value().scalar_type() ? b.value() : b.value().detach().to(dtype));
+    }
+    return out;
   }
-  return out;
 }
 
 /// The live buffers, in the order of named_buffers_of().
@@ -321,8 +333,8 @@ inline void write_rng_rows(hid_t file, const torch::Tensor& rows, std::int64_t w
 
 /// All ranks' CPU RNG states as a (world x n) uint8 tensor. Collective.
 template <Communicator Comm>
-torch::Tensor gather_rng_states(Comm& comm) {
-  auto mine = cpu_rng_state().contiguous();
+torch::Tensor gather_rng_states(Comm& comm, const torch::Tensor& rng_state) {
+  auto mine = rng_state.contiguous();
   std::int64_t n = mine.numel(), max_n = n;
   comm.all_reduce(&max_n, &max_n, 1, DType::kInt64, ReduceOp::kMax);
   if (max_n != n) throw CheckpointError("RNG state sizes differ between ranks");

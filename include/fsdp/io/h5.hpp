@@ -199,7 +199,9 @@ inline Id file_access(const MPI_Comm* comm = nullptr) {
 inline Id create_file(const std::string& path, const MPI_Comm* comm = nullptr) {
   silence_errors();
   Id fapl = file_access(comm);
-  return Id(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), "cannot create checkpoint file '" + path + "'");
+  Id fcpl(H5Pcreate(H5P_FILE_CREATE), "H5Pcreate(file create)");
+  check(H5Pset_obj_track_times(fcpl, false), "H5Pset_obj_track_times");  // the root group: see untimed_creation()
+  return Id(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, fcpl, fapl), "cannot create checkpoint file '" + path + "'");
 }
 
 /// Opens `path` read-only with the POSIX driver (each rank on its own: no collective calls).
@@ -230,12 +232,21 @@ inline bool exists(hid_t loc, const std::string& path) {
   }
 }
 
+/// A creation property list of `cls` without object times: HDF5 stamps each object with the time
+/// of its creation by default, so two saves of the same state would differ in more than `created`.
+inline Id untimed_creation(hid_t cls) {
+  Id plist(H5Pcreate(cls), "H5Pcreate(object create)");
+  check(H5Pset_obj_track_times(plist, false), "H5Pset_obj_track_times");
+  return plist;
+}
+
 /// Opens group `path`, creating it and its parents if needed (collective in parallel files).
 inline Id require_group(hid_t loc, const std::string& path) {
   if (exists(loc, path)) return Id(H5Gopen2(loc, path.c_str(), H5P_DEFAULT), "H5Gopen2(" + path + ")");
-  Id lcpl(H5Pcreate(H5P_LINK_CREATE), "H5Pcreate(link)");
-  check(H5Pset_create_intermediate_group(lcpl, 1), "H5Pset_create_intermediate_group");
-  return Id(H5Gcreate2(loc, path.c_str(), lcpl, H5P_DEFAULT, H5P_DEFAULT), "cannot create group " + path);
+  // Parents one by one: intermediate groups HDF5 creates itself would carry times.
+  if (const auto slash = path.find_last_of('/'); slash != std::string::npos && slash > 0) require_group(loc, path.substr(0, slash));
+  Id gcpl = untimed_creation(H5P_GROUP_CREATE);
+  return Id(H5Gcreate2(loc, path.c_str(), H5P_DEFAULT, gcpl, H5P_DEFAULT), "cannot create group " + path);
 }
 
 inline Id open_group(hid_t loc, const std::string& path, const std::string& file) {
@@ -442,7 +453,7 @@ inline Id create_dataset(hid_t loc, const std::string& path, ElementType t, cons
   std::vector<hsize_t> dims(shape.begin(), shape.end());
   if (dims.empty()) dims.push_back(1);
   Id space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), "H5Screate_simple(" + path + ")");
-  Id dcpl(H5Pcreate(H5P_DATASET_CREATE), "H5Pcreate(dataset)");
+  Id dcpl = untimed_creation(H5P_DATASET_CREATE);
   const bool empty = std::any_of(dims.begin(), dims.end(), [](hsize_t d) { return d == 0; });
   if (!empty) {
     const auto chunk = chunk_shape(dims, element_size(t));
@@ -451,10 +462,9 @@ inline Id create_dataset(hid_t loc, const std::string& path, ElementType t, cons
     // Every chunk is written in full by the ranks together: no need to pre-fill.
     check(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER), "H5Pset_fill_time");
   }
-  Id lcpl(H5Pcreate(H5P_LINK_CREATE), "H5Pcreate(link)");
-  check(H5Pset_create_intermediate_group(lcpl, 1), "H5Pset_create_intermediate_group");
+  if (const auto slash = path.find_last_of('/'); slash != std::string::npos && slash > 0) require_group(loc, path.substr(0, slash));
   Id type = file_type(t);
-  return Id(H5Dcreate2(loc, path.c_str(), type, space, lcpl, dcpl, H5P_DEFAULT), "cannot create dataset " + path);
+  return Id(H5Dcreate2(loc, path.c_str(), type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT), "cannot create dataset " + path);
 }
 
 inline Id open_dataset(hid_t loc, const std::string& path, const std::string& file) {

@@ -43,6 +43,8 @@ struct FlatUnit {
   std::vector<torch::Tensor> param_views;          // the parameters' views of `full`, to restore after summon
   bool offloaded = false;                          // `shard` lives in host memory, `full` on the compute device
   std::shared_future<void> in_flight;              // a prefetched all-gather into `full` not yet waited for
+  torch::Tensor kept_slice;                        // reshard_after_forward_group: this rank's slice of `full` kept after forward
+  std::int64_t kept_version = -1;                  // shard's version counter when `kept_slice` was cut
   std::int64_t forward_began_us = -1;              // trace clock when the unit's forward / backward began (tracing on)
   std::int64_t backward_began_us = -1;
   /// Parameter `i` as a view of `flat`, a padded flat buffer of this unit.

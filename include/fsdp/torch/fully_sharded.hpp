@@ -57,6 +57,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   using Runtime = detail::ShardedRuntime<Comm>;
   using Runtime::compute_device_;
   using Runtime::finish_prefetch;
+  using Runtime::forward_group_comm_;
   using Runtime::gather;
   using Runtime::no_sync_;
   using Runtime::options_;
@@ -65,6 +66,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   using Runtime::reshard;
   using Runtime::shard_comm_;
   using Runtime::units_;
+  using Runtime::worker_forward_group_comm_;
   using Runtime::worker_replica_comm_;
   using Runtime::worker_shard_comm_;
   using Runtime::world_;
@@ -319,6 +321,16 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     total += replica_comm_.counters();
     if (worker_shard_comm_) total += worker_shard_comm_->counters();      // the collective worker's all-gathers and reduce-scatters
     if (worker_replica_comm_) total += worker_replica_comm_->counters();  // ... and all-reduces
+    total += forward_group_counters();
+    return total;
+  }
+
+  /// Bytes and time of the all-gathers inside the groups of reshard_after_forward_group (backward's
+  /// gathers from the slices kept after forward); zero without it. Local.
+  CommCounters forward_group_counters() const {
+    CommCounters total{};
+    if (forward_group_comm_) total += forward_group_comm_->counters();
+    if (worker_forward_group_comm_) total += worker_forward_group_comm_->counters();
     return total;
   }
 

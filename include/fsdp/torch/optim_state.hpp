@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -129,6 +130,24 @@ inline std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(c
     if (std::find(known.begin(), known.end(), name) == known.end())
       throw ConfigError("optimizer state '" + name + "' does not belong to a " + kind + " optimizer");
   return out;
+}
+
+/// An optimizer of the same type and default options as `like`, over `groups` (a checkpoint snapshot's
+/// stand-in, whose parameters and state are host copies of the live ones).
+inline std::unique_ptr<torch::optim::Optimizer> make_optimizer_like(const torch::optim::Optimizer& like,
+                                                                    std::vector<torch::optim::OptimizerParamGroup> groups) {
+  const std::string kind = optimizer_kind(like);
+  auto make = [&](auto* type, const auto& defaults) -> std::unique_ptr<torch::optim::Optimizer> {
+    using Type = std::remove_pointer_t<decltype(type)>;
+    return std::make_unique<Type>(std::move(groups), defaults);
+  };
+  const auto& d = like.defaults();
+  if (kind == "SGD") return make(static_cast<torch::optim::SGD*>(nullptr), static_cast<const torch::optim::SGDOptions&>(d));
+  if (kind == "Adam") return make(static_cast<torch::optim::Adam*>(nullptr), static_cast<const torch::optim::AdamOptions&>(d));
+  if (kind == "AdamW") return make(static_cast<torch::optim::AdamW*>(nullptr), static_cast<const torch::optim::AdamWOptions&>(d));
+  if (kind == "Adagrad") return make(static_cast<torch::optim::Adagrad*>(nullptr), static_cast<const torch::optim::AdagradOptions&>(d));
+  if (kind == "RMSprop") return make(static_cast<torch::optim::RMSprop*>(nullptr), static_cast<const torch::optim::RMSpropOptions&>(d));
+  return make(static_cast<optim::Adadelta*>(nullptr), static_cast<const optim::AdadeltaOptions&>(d));
 }
 
 /// Bytes held in all of an optimizer's state tensors.

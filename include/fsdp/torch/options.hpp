@@ -59,6 +59,11 @@ struct FsdpOptions {
   /// Free a nested unit's parameters after its forward. Unset: the strategy decides
   /// (true for FULL_SHARD and HYBRID_SHARD, false otherwise).
   std::optional<bool> reshard_after_forward;
+  /// > 1 (FSDP2's integer reshard_after_forward, DeepSpeed's hpZ): after a training forward a unit keeps
+  /// its parameters sharded over groups of this many consecutive ranks of the shard group (a node),
+  /// so that backward's all-gather stays inside the group. Must divide the shard group size and be
+  /// smaller; reshard_after_forward must not be false. 0: off.
+  int reshard_after_forward_group = 0;
   /// Ranks per shard group for the hybrid strategies (hfai's fsdp_group_size); 0 = the ranks of a node.
   int shard_group_size = 0;
   /// After each training forward: average floating-point buffers (e.g. BatchNorm running stats) and

@@ -67,6 +67,14 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     const int r = world_.rank();
     shard_comm_ = world_.split(r / group, r);
     replica_comm_ = world_.split(r % group, r);
+    const int kept = options_.reshard_after_forward_group;
+    if (kept != 0) {
+      if (options_.reshard_after_forward == false)
+        throw ConfigError("reshard_after_forward_group = " + std::to_string(kept) + " with reshard_after_forward = false: keeping a group shard after forward is a way of resharding");
+      if (const auto why = reshard_group_problem(group, kept); !why.empty()) throw ConfigError("reshard_after_forward_group: " + why);
+      const int s = shard_comm_.rank();
+      forward_group_comm_.emplace(shard_comm_.split(s / kept, s));
+    }
   }
 
   static bool comm_threads_may_call_concurrently() {
@@ -94,6 +102,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     // Every collective is issued in the same order everywhere, so both groups are split on all ranks.
     if (prefetch || (overlap_reduce && shard_comm_.size() > 1)) worker_shard_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));
     if (overlap_reduce && replica_comm_.size() > 1) worker_replica_comm_.emplace(replica_comm_.split(0, replica_comm_.rank()));
+    if (prefetch && forward_group_comm_) worker_forward_group_comm_.emplace(forward_group_comm_->split(0, forward_group_comm_->rank()));
     // A GPU communicator overlaps on its own stream: the prefetch is a non-blocking collective issued
     // from this thread (one issuing order on every rank). MPI needs the worker thread.
     if constexpr (!comm_moves_device_memory<Comm>()) {
@@ -101,6 +110,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       // The worker runs beside the computing threads: waiting for a late peer must not take their core.
       if constexpr (requires(Comm & c) { c.set_waiting_yields_cpu(true); }) {
         if (worker_shard_comm_) worker_shard_comm_->set_waiting_yields_cpu(true);
+        if (worker_forward_group_comm_) worker_forward_group_comm_->set_waiting_yields_cpu(true);
         if (worker_replica_comm_) worker_replica_comm_->set_waiting_yields_cpu(true);
       }
       if (overlap_reduce)
@@ -172,22 +182,29 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     if (u.gathered && u.gathered_version == u.shard._version()) return;
     if (!u.gathered) u.allocate_full();
     u.gathered_version = u.shard._version();
-    torch::Tensor source = u.shard;
-    if (u.low_precision || u.offloaded) {  // cast (and copy to the device) first: the all-gather moves these bytes
+    // The slice kept after forward (reshard_after_forward_group): gathered again inside its group only.
+    const bool from_kept = u.kept_slice.defined() && u.kept_version == u.shard._version();
+    torch::Tensor source = from_kept ? u.kept_slice : u.shard;
+    u.kept_slice = torch::Tensor();
+    if (!from_kept && (u.low_precision || u.offloaded)) {  // cast (and copy to the device) first: the all-gather moves these bytes
       torch::NoGradGuard no_grad;
       source = u.shard.detach().to(u.full.device(), u.full.scalar_type(), /*non_blocking=*/u.offloaded);
     }
+    Comm& comm = from_kept ? *forward_group_comm_ : shard_comm_;
+    auto* worker_comm = from_kept ? (worker_forward_group_comm_ ? &*worker_forward_group_comm_ : nullptr)
+                                  : (worker_shard_comm_ ? &*worker_shard_comm_ : nullptr);
+    const std::int64_t count = source.numel();
     if (u.layout.group_size() == 1) {
       torch::NoGradGuard no_grad;
       u.full.copy_(source);
     } else if (ahead && !worker_) {  // a GPU communicator: a non-blocking all-gather on its stream
       ++overlap_.prefetched;
-      auto request = std::make_shared<decltype(worker_shard_comm_->iall_gather(nullptr, nullptr, 0, DType::kFloat32))>(
-          worker_shard_comm_->iall_gather(source.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), to_comm_dtype(u.full.scalar_type())));
+      auto request = std::make_shared<decltype(worker_comm->iall_gather(nullptr, nullptr, 0, DType::kFloat32))>(
+          worker_comm->iall_gather(source.data_ptr(), u.full.data_ptr(), count, to_comm_dtype(u.full.scalar_type())));
       u.in_flight = std::async(std::launch::deferred, [request, source] { request->wait(); }).share();  // runs in finish_prefetch
     } else if (ahead) {
       ++overlap_.prefetched;
-      u.in_flight = worker_->submit([comm = &*worker_shard_comm_, source, out = u.full.data_ptr(), n = u.layout.shard_numel(),
+      u.in_flight = worker_->submit([comm = worker_comm, source, out = u.full.data_ptr(), n = count,
                                      dt = to_comm_dtype(u.full.scalar_type()), unit = u.info.index] {
         CollectiveWatchdog::instance().set_unit(unit);
         comm->all_gather(source.data_ptr(), out, n, dt);
@@ -197,7 +214,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       ++overlap_.gathered_on_demand;
       const auto began = std::chrono::steady_clock::now();
       CollectiveWatchdog::instance().set_unit(u.info.index);
-      shard_comm_.all_gather(source.data_ptr(), u.full.data_ptr(), u.layout.shard_numel(), to_comm_dtype(u.full.scalar_type()));
+      comm.all_gather(source.data_ptr(), u.full.data_ptr(), count, to_comm_dtype(u.full.scalar_type()));
       CollectiveWatchdog::instance().set_unit(-1);
       overlap_.exposed_all_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     }
@@ -215,10 +232,18 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     tracer.counter("gathered parameters", {{"MiB", static_cast<double>(bytes) / 1048576.0}});
   }
 
-  void reshard(FlatUnit& u) {
+  // `after_forward`: a training forward ends and backward will gather the unit again; with
+  // reshard_after_forward_group this rank then keeps its slice of `full` over its group.
+  void reshard(FlatUnit& u, bool after_forward = false) {
     finish_prefetch(u);  // the worker may still be writing into `full`
-    if (u.companion >= 0) reshard(*units_[static_cast<std::size_t>(u.companion)]);
+    if (u.companion >= 0) reshard(*units_[static_cast<std::size_t>(u.companion)], after_forward);
     if (!u.gathered || !u.needs_gather() || u.params.empty()) return;
+    if (after_forward && forward_group_comm_ && u.layout.group_size() > 1 && !u.frozen) {
+      torch::NoGradGuard no_grad;
+      const std::int64_t length = u.layout.padded_numel() / forward_group_comm_->size();
+      u.kept_slice = u.full.narrow(0, length * forward_group_comm_->rank(), length).clone();
+      u.kept_version = u.gathered_version;
+    }
     u.free_full();
     u.gathered = false;
     trace_gathered_bytes();
@@ -307,7 +332,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     const bool backward_needs_params = torch::GradMode::is_enabled() && u.pending_backward > 0;
     // Without a pending backward (e.g. evaluation under NoGradGuard) keeping the unit gathered helps
     // nothing, whatever the strategy.
-    if (!backward_needs_params || (reshard_after_forward() && hooked && complete)) reshard(u);
+    if (!backward_needs_params || (reshard_after_forward() && hooked && complete)) reshard(u, /*after_forward=*/backward_needs_params);
     trace_unit_span(u.forward_began_us, "forward ", u);
   }
 
@@ -457,6 +482,8 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   torch::Device compute_device_{torch::kCPU};
   std::optional<Comm> worker_shard_comm_;                   // the worker's duplicate of the shard group
   std::optional<Comm> worker_replica_comm_;                 // the worker's duplicate of the replica group
+  std::optional<Comm> forward_group_comm_;                  // reshard_after_forward_group: this rank's group inside the shard group
+  std::optional<Comm> worker_forward_group_comm_;           // ... and the worker's duplicate of it
   std::unique_ptr<CollectiveWorker> worker_;                // runs prefetched all-gathers and overlapped reductions
   std::unique_ptr<OverlappedReductions<Comm>> reductions_;  // ... and wait there until the end of backward
   ExecutionOrder order_;                                    // which unit to prefetch next

@@ -1,0 +1,212 @@
+// A host copy of everything a checkpoint holds (io layer), taken from a live engine between two steps:
+// this rank's shards, the optimizer's state for them, the buffers and the RNG state, with the engine's
+// layout and its own duplicates of the engine's communicators (as MPI communicators: HDF5 and the
+// gathers of a FULL save run on the host). The save functions take a snapshot in place of the
+// engine, so a save from a snapshot on another thread writes the same file a save from the engine
+// would have written at the moment of the capture.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fsdp/comm/mpi_comm.hpp"
+#include "fsdp/errors.hpp"
+#include "fsdp/io/checkpoint_state.hpp"
+#include "fsdp/torch/optim_state.hpp"
+#include "fsdp/torch/options.hpp"
+
+namespace fsdp {
+
+namespace detail {
+/// An MPI communicator of its own over the ranks of `comm` (a duplicate, for another thread). Collective.
+template <class Comm>
+MpiComm duplicate_as_mpi(Comm& comm) {
+  if constexpr (std::same_as<std::remove_cvref_t<Comm>, MpiComm>)
+    return comm.split(0, comm.rank());
+  else
+    return comm.mpi().split(0, comm.mpi().rank());
+}
+
+/// A host tensor to stage `like` in: page-locked when `like` is on a GPU, so the copy is a plain DMA;
+/// zero-filled, so that its pages are mapped now rather than during a save's copy.
+inline torch::Tensor staging_like(const torch::Tensor& like) {
+  return torch::zeros(like.sizes(), torch::TensorOptions().dtype(like.scalar_type()).device(torch::kCPU).pinned_memory(like.is_cuda()));
+}
+inline bool same_shape_and_type(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.defined() && b.defined() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type();
+}
+}  // namespace detail
+
+template <class Engine>
+class CheckpointSnapshot {
+ public:
+  /// Duplicates the engine's world, shard-group and replica-group communicators. Collective over the world.
+  explicit CheckpointSnapshot(Engine& engine)
+      : world_(detail::duplicate_as_mpi(engine.comm())),
+        shard_(detail::duplicate_as_mpi(engine.shard_comm())),
+        replica_(detail::duplicate_as_mpi(engine.replica_comm())) {}
+
+  CheckpointSnapshot(const CheckpointSnapshot&) = delete;
+  CheckpointSnapshot& operator=(const CheckpointSnapshot&) = delete;
+
+  /// Copies the engine's shards, `optimizer`'s state for them (null: none), the buffers and the CPU RNG
+  /// state into host buffers, allocated at the first capture and reused by the next ones. Local: the
+  /// only part of an asynchronous save that holds up training.
+  void capture(Engine& engine, const torch::optim::Optimizer* optimizer) {
+    torch::NoGradGuard no_grad;
+    const auto live = engine.sharded_units();
+    reserve_units(live);
+    for (std::size_t k = 0; k < live.size(); ++k)
+      if (live[k].shard.defined()) units_[k].shard.copy_(live[k].shard);
+    capture_optimizer(optimizer, live);
+    const auto buffers = named_buffers_of(engine);
+    reserve_buffers(buffers);
+    for (std::size_t b = 0; b < buffers.size(); ++b) buffers_[b].second.copy_(buffers[b].second);
+    rng_ = detail::cpu_rng_state();
+    world_size_ = engine.world_size();
+    shard_group_size_ = engine.shard_group_size();
+    strategy_ = engine.sharding_strategy();
+    plan_hash_ = engine.plan_hash();
+    aliases_ = engine.tied_parameter_aliases();
+  }
+
+  /// Allocates (and touches) the staging buffers for the engine's state and `optimizer`'s as they are
+  /// now, without copying: the first capture then costs no more than the next ones. Local.
+  void reserve(Engine& engine, const torch::optim::Optimizer* optimizer) {
+    const auto live = engine.sharded_units();
+    reserve_units(live);
+    reserve_buffers(named_buffers_of(engine));
+    if (!optimizer) return;
+    for (std::size_t k = 0; k < live.size(); ++k) {
+      if (!live[k].shard.defined()) continue;
+      const auto it = optimizer->state().find(optimizer_state_key(live[k].shard));
+      if (it == optimizer->state().end()) continue;
+      for (const auto& [name, t] : optimizer_state_view(*it->second).tensors) staging_for(optim_staging_[k][name], t);
+    }
+  }
+
+  /// The stand-in optimizer holding the captured state (null when captured without one).
+  const torch::optim::Optimizer* optimizer() const noexcept { return has_optimizer_ ? optimizer_.get() : nullptr; }
+
+  /// Bytes of host memory the staging buffers hold. Local.
+  std::int64_t staging_bytes() const {
+    std::int64_t bytes = 0;
+    auto add = [&](const torch::Tensor& t) {
+      if (t.defined()) bytes += t.numel() * static_cast<std::int64_t>(t.element_size());
+    };
+    for (const auto& u : units_) add(u.shard);
+    for (const auto& unit : optim_staging_)
+      for (const auto& [name, t] : unit) add(t);
+    for (const auto& [name, t] : buffers_) add(t);
+    return bytes;
+  }
+
+  // ---- the engine's checkpoint interface (fsdp/io/checkpoint_save.hpp), on the copies ---------------
+  MpiComm& comm() noexcept { return world_; }
+  MpiComm& shard_comm() noexcept { return shard_; }
+  MpiComm& replica_comm() noexcept { return replica_; }
+  int rank() const { return world_.rank(); }
+  int world_size() const noexcept { return world_size_; }
+  int shard_group_size() const noexcept { return shard_group_size_; }
+  ShardingStrategy sharding_strategy() const noexcept { return strategy_; }
+  std::uint64_t plan_hash() const noexcept { return plan_hash_; }
+  const std::map<std::string, std::vector<std::string>>& tied_parameter_aliases() const noexcept { return aliases_; }
+  std::vector<ShardedUnit> sharded_units() const { return units_; }
+  const std::vector<std::pair<std::string, torch::Tensor>>& checkpoint_buffers() const noexcept { return buffers_; }
+  const torch::Tensor& checkpoint_rng_state() const noexcept { return rng_; }
+
+  /// The padded flat tensor of unit `unit` from every shard rank's `shard_like`. Collective over the shard group.
+  torch::Tensor gather_flat(int unit, const torch::Tensor& shard_like) {
+    const auto& u = units_.at(static_cast<std::size_t>(unit));
+    const auto src = shard_like.contiguous();
+    if (src.numel() != u.layout.shard_numel())
+      throw CheckpointError("checkpoint snapshot: unit " + std::to_string(unit) + " expects " + std::to_string(u.layout.shard_numel()) +
+                            " elements, got " + std::to_string(src.numel()));
+    if (u.layout.group_size() == 1) return src.clone();
+    auto out = torch::empty({u.layout.padded_numel()}, torch::TensorOptions().dtype(src.scalar_type()));
+    shard_.all_gather(src.data_ptr(), out.data_ptr(), u.layout.shard_numel(), detail::to_comm_dtype(src.scalar_type()));
+    return out;
+  }
+
+ private:
+  /// The stand-in optimizer has the live one's type, groups and options, with the staged shards as its
+  /// parameters; its per-parameter state points at staging copies of the live state.
+  void capture_optimizer(const torch::optim::Optimizer* live, const std::vector<ShardedUnit>& live_units) {
+    has_optimizer_ = live != nullptr;
+    if (!live) return;
+    if (!optimizer_) {
+      std::map<const c10::TensorImpl*, torch::Tensor> staged_of;
+      for (std::size_t k = 0; k < live_units.size(); ++k)
+        if (live_units[k].shard.defined()) staged_of[live_units[k].shard.unsafeGetTensorImpl()] = units_[k].shard;
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      for (const auto& g : live->param_groups()) {
+        std::vector<torch::Tensor> params;
+        for (const auto& p : g.params()) {
+          const auto it = staged_of.find(p.unsafeGetTensorImpl());
+          params.push_back(it != staged_of.end() ? it->second : torch::empty({0}));  // not a unit's shard: never saved
+        }
+        groups.emplace_back(std::move(params), g.options().clone());
+      }
+      optimizer_ = make_optimizer_like(*live, std::move(groups));
+    }
+    if (optimizer_->param_groups().size() != live->param_groups().size())
+      throw CheckpointError("checkpoint snapshot: the optimizer's parameter groups changed since the first capture");
+    for (std::size_t g = 0; g < live->param_groups().size(); ++g) optimizer_->param_groups()[g].set_options(live->param_groups()[g].options().clone());
+    optimizer_->state().clear();
+    for (std::size_t k = 0; k < live_units.size(); ++k) {
+      const auto& shard = live_units[k].shard;
+      if (!shard.defined()) continue;
+      const auto it = live->state().find(optimizer_state_key(shard));
+      if (it == live->state().end()) continue;
+      OptimizerStateView view = optimizer_state_view(*it->second);
+      for (auto& [name, t] : view.tensors) {
+        auto& staged = staging_for(optim_staging_[k][name], t);
+        staged.copy_(t);
+        t = staged;
+      }
+      optimizer_->state()[optimizer_state_key(units_[k].shard)] = make_optimizer_state(*live, view);
+    }
+  }
+
+  /// `staged`, (re)allocated when it does not match `like`.
+  static torch::Tensor& staging_for(torch::Tensor& staged, const torch::Tensor& like) {
+    if (!detail::same_shape_and_type(staged, like)) staged = detail::staging_like(like);
+    return staged;
+  }
+  void reserve_units(const std::vector<ShardedUnit>& live) {
+    if (units_.empty()) {
+      units_ = live;
+      for (auto& u : units_)
+        if (u.shard.defined()) u.shard = detail::staging_like(u.shard);
+      optim_staging_.resize(units_.size());
+    }
+    if (live.size() != units_.size()) throw CheckpointError("checkpoint snapshot: the engine's units changed since the first capture");
+  }
+  void reserve_buffers(const std::vector<std::pair<std::string, torch::Tensor>>& buffers) {
+    if (buffers.size() != buffers_.size()) buffers_.assign(buffers.size(), {});
+    for (std::size_t b = 0; b < buffers.size(); ++b) {
+      buffers_[b].first = buffers[b].first;
+      staging_for(buffers_[b].second, buffers[b].second);
+    }
+  }
+
+  MpiComm world_, shard_, replica_;
+  std::vector<ShardedUnit> units_;                            // the engine's, with staged shards
+  std::vector<std::map<std::string, torch::Tensor>> optim_staging_;  // per unit: state name -> staged tensor
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  bool has_optimizer_ = false;
+  std::vector<std::pair<std::string, torch::Tensor>> buffers_;
+  torch::Tensor rng_;
+  int world_size_ = 0, shard_group_size_ = 0;
+  ShardingStrategy strategy_ = ShardingStrategy::FULL_SHARD;
+  std::uint64_t plan_hash_ = 0;
+  std::map<std::string, std::vector<std::string>> aliases_;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,206 @@
+// Asynchronous checkpoints (run at np = 1..4, part of test_checkpoint): the file an asynchronous save
+// writes while training goes on is, byte for byte, the one a synchronous save writes at the same step
+// (the creation time aside, which the test sets equal), for every state dict type and strategy; saves queue one at a time and
+// prune only after committing; a failed background write reaches every rank and leaves `latest` alone.
+#include <boost/test/unit_test.hpp>
+
+#include <fsdp/io/async_checkpoint.hpp>
+
+#include <atomic>
+#include <chrono>
+
+#include "checkpoint_harness.hpp"
+
+namespace {
+
+using Async = fsdp::AsyncCheckpointer<Engine>;
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+/// The bytes of checkpoint file `path` as if it had been created at the time `like` was (the one
+/// attribute in which two saves of the same state differ): a copy with `like`'s `created` value.
+std::string bytes_as_if_created_like(const std::string& path, const std::string& like) {
+  std::string created;
+  {
+    fsdp::h5::Id file = fsdp::h5::open_file_readonly(like);
+    created = fsdp::h5::read_string_attribute(file, "created", like);
+  }
+  const std::string copy = path + ".created_like";
+  fs::copy_file(path, copy, fs::copy_options::overwrite_existing);
+  {
+    fsdp::h5::Id fapl = fsdp::h5::file_access();
+    fsdp::h5::Id file(H5Fopen(copy.c_str(), H5F_ACC_RDWR, fapl), "open " + copy);
+    fsdp::h5::Id attribute(H5Aopen(file, "created", H5P_DEFAULT), "open created");
+    fsdp::h5::Id type(H5Aget_type(attribute), "type of created");
+    BOOST_TEST_REQUIRE(H5Tget_size(type) == created.size());
+    BOOST_TEST_REQUIRE(H5Awrite(attribute, type, created.data()) >= 0);
+  }
+  std::string bytes = file_bytes(copy);
+  fs::remove(copy);
+  return bytes;
+}
+
+/// Every file of checkpoint `path` (a file, or a LOCAL folder's rank files).
+std::vector<std::string> files_of(const std::string& path) {
+  if (!fs::is_directory(path)) return {path};
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(path)) out.push_back(e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(async_save_writes_the_bytes_a_sync_save_writes_while_training_goes_on) {
+  auto world = MpiComm::world();
+  for (const auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
+    for (const auto strategy : kStrategies) {
+      BOOST_TEST_CONTEXT(fsdp::to_string(type) << " " << strategy << " at world size " << world.size()) {
+        TempDir dir(world);
+        torch::manual_seed(99 + world.rank());
+        auto model = fsdp::make_fsdp(make_net(3), world, options_for(strategy, world.size(), true));
+        auto opt = make_adam(*model);
+        for (int s = 0; s < 3; ++s) train_step(*model, *opt, s);
+        fsdp::CheckpointOptions o;
+        o.state_dict_type = type;
+        const fsdp::TrainState state{.step = 3, .epoch = 0, .sample_index = 3, .scheduler = {{"lr", 1e-2}}, .deck = "[run]\n"};
+        const auto sync = fsdp::save_checkpoint(*model, opt.get(), dir / "sync", state, o);
+        const auto expected = full_state(*model, opt.get());
+        // HDF5 stamps objects with the second of their creation unless told not to: make it another second once.
+        if (type == StateDictType::SHARDED_STATE_DICT && strategy == ShardingStrategy::FULL_SHARD)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+
+        Async async(*model);
+        // The write is held half way until training has moved on: parameters, optimizer state, learning
+        // rate, buffers and the RNG all change while the I/O thread writes.
+        std::atomic<bool> trained{false};
+        auto held = o;
+        held.on_stage = [&](const std::string& stage, std::int64_t) {
+          while (stage == "writing" && !trained.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        };
+        const auto start = async.save(*model, opt.get(), dir / "async", state, held);
+        BOOST_TEST(!start.previous.has_value());
+        BOOST_TEST(async.in_flight());
+        for (auto& g : opt->param_groups()) g.options().set_lr(0.5);
+        for (int s = 3; s < 6; ++s) train_step(*model, *opt, s);
+        trained = true;
+        const auto done = async.wait();
+        BOOST_REQUIRE(done.has_value());
+        BOOST_TEST(!async.in_flight());
+        BOOST_TEST(done->path == dir / "async/step_00000003.h5");
+        BOOST_TEST(fsdp::ckpt::read_latest(dir / "async").value_or("") == "step_00000003.h5");
+        BOOST_TEST(async.staging_bytes() > 0);
+
+        if (world.rank() == 0) {
+          const auto a = files_of(sync.path), b = files_of(done->path);
+          BOOST_TEST_REQUIRE(a.size() == b.size());
+          for (std::size_t i = 0; i < a.size(); ++i) {
+            BOOST_TEST(fs::path(a[i]).filename() == fs::path(b[i]).filename());
+            BOOST_TEST((file_bytes(a[i]) == bytes_as_if_created_like(b[i], a[i])), b[i] << " has the bytes of " << a[i] << " (but for `created`)");
+          }
+        }
+        world.barrier();
+        // And it loads back the state of step 3.
+        auto loaded = fsdp::make_fsdp(make_net(42), world, options_for(strategy, world.size(), true));
+        auto opt2 = make_adam(*loaded);
+        fsdp::load_checkpoint(*loaded, opt2.get(), done->path, nullptr, o);
+        check_equal(expected, full_state(*loaded, opt2.get()), "the asynchronous checkpoint holds step 3");
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(async_saves_queue_one_at_a_time_and_resume_exactly) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  const auto options = options_for(ShardingStrategy::FULL_SHARD, world.size(), true);
+  torch::manual_seed(7 + world.rank());
+  auto straight = fsdp::make_fsdp(make_net(3), world, options);
+  auto opt = make_adam(*straight);
+  for (int s = 0; s < 9; ++s) train_step(*straight, *opt, s);
+  const auto expected = full_state(*straight, opt.get());
+
+  fsdp::CheckpointOptions o;
+  o.keep_last = 2;
+  {
+    torch::manual_seed(7 + world.rank());
+    auto first = fsdp::make_fsdp(make_net(3), world, options);
+    auto opt1 = make_adam(*first);
+    Async async(*first);
+    std::vector<std::string> collected;
+    for (int s = 0; s < 6; ++s) {
+      train_step(*first, *opt1, s);
+      if (const auto r = async.poll()) collected.push_back(r->path);
+      if ((s + 1) % 2 == 0) {
+        const auto start = async.save(*first, opt1.get(), dir.path, {.step = s + 1}, o);
+        if (start.previous) collected.push_back(start.previous->path);  // a save still running was waited for
+      }
+    }
+    if (const auto r = async.wait()) collected.push_back(r->path);
+    BOOST_TEST(collected.size() == 3u);
+    BOOST_TEST(collected.back() == dir / "step_00000006.h5");
+    BOOST_TEST(!async.poll().has_value());
+  }
+  BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value_or("") == "step_00000006.h5");
+  BOOST_TEST(fs::exists(dir / "step_00000004.h5"));
+  BOOST_TEST(!fs::exists(dir / "step_00000002.h5"), "keep_last = 2 pruned the oldest after the newest was committed");
+
+  torch::manual_seed(1);
+  auto second = fsdp::make_fsdp(make_net(5), world, options);
+  auto opt2 = make_adam(*second);
+  fsdp::TrainState state;
+  fsdp::resume_from_latest(*second, opt2.get(), dir.path, &state, o);
+  BOOST_TEST(state.step == 6);
+  for (auto s = state.step; s < 9; ++s) train_step(*second, *opt2, static_cast<int>(s));
+  check_equal(expected, full_state(*second, opt2.get()), "9 steps straight == 6 + asynchronous saves + resume + 3");
+}
+
+BOOST_AUTO_TEST_CASE(a_failed_background_write_fails_on_every_rank_and_keeps_latest) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt = make_adam(*model);
+  train_step(*model, *opt, 0);
+  Async async(*model);
+  async.save(*model, opt.get(), dir.path, {.step = 1});
+  BOOST_TEST(async.wait().has_value());
+
+  train_step(*model, *opt, 1);
+  fsdp::CheckpointOptions failing;
+  const int failing_rank = world.size() - 1;
+  failing.on_stage = [&](const std::string& stage, std::int64_t) {
+    if (stage == "writing" && world.rank() == failing_rank) throw std::runtime_error("disk on fire");
+  };
+  async.save(*model, opt.get(), dir.path, {.step = 2}, failing);
+  train_step(*model, *opt, 2);  // the step boundary where the failure is learnt
+  std::string message;
+  try {
+    while (!async.poll()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  } catch (const fsdp::CheckpointError& e) {
+    message = e.what();
+  }
+  BOOST_TEST(message.find("disk on fire") != std::string::npos, message);
+  BOOST_TEST(!async.in_flight());
+  BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value_or("") == "step_00000001.h5");
+  BOOST_TEST(!fs::exists(dir / "step_00000002.h5"));
+  // A failure learnt by the next save instead: that save throws it and starts nothing.
+  async.save(*model, opt.get(), dir.path, {.step = 2}, failing);
+  message.clear();
+  try {
+    async.save(*model, opt.get(), dir.path, {.step = 3});
+  } catch (const fsdp::CheckpointError& e) {
+    message = e.what();
+  }
+  BOOST_TEST(message.find("disk on fire") != std::string::npos, message);
+  BOOST_TEST(!async.in_flight());
+  BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value_or("") == "step_00000001.h5");
+  world.barrier();
+  if (world.rank() == 0) BOOST_TEST(fsdp::ckpt::verify(dir / "step_00000001.h5").ok());
+  // The next save works again.
+  async.save(*model, opt.get(), dir.path, {.step = 3});
+  BOOST_TEST(async.wait().has_value());
+  BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value_or("") == "step_00000003.h5");
+}
