@@ -13,7 +13,7 @@ STEPS=${LARGEST_STEPS:-3}
 mkdir -p "$OUT"
 export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_NUM_THREADS=1
 
-# name strategy d_model n_layers [run.malloc]
+# name strategy d_model n_layers [run.malloc [fsdp.mixed_precision]]
 CONFIGS=(
   "gpt201m_no_shard NO_SHARD 1024 16"
   "gpt252m_no_shard NO_SHARD 1024 20"
@@ -23,11 +23,13 @@ CONFIGS=(
   "gpt1007m_full_shard FULL_SHARD 2048 20"
   "gpt252m_no_shard_return NO_SHARD 1024 20 return"
   "gpt252m_full_shard_return FULL_SHARD 1024 20 return"
+  "gpt1208m_full_shard_bf16 FULL_SHARD 2048 24 return bf16"
+  "gpt1309m_full_shard_bf16 FULL_SHARD 2048 26 return bf16"
 )
 wanted=${LARGEST_CONFIGS:-}
-printf '| run | strategy | parameters | ranks | peak RSS MiB per rank | median step s | wall s | exit |\n|---|---|---:|---:|---|---:|---:|---:|\n' >"$OUT/results.md"
+printf '| run | strategy | parameters | ranks | peak RSS MiB per rank | median step s | wall s | exit | fsdp-plan MiB per rank |\n|---|---|---:|---:|---|---:|---:|---:|---:|\n' >"$OUT/results.md"
 for c in "${CONFIGS[@]}"; do
-  read -r name strategy d_model n_layers malloc <<<"$c"
+  read -r name strategy d_model n_layers malloc mp <<<"$c"
   [[ -z $wanted || " $wanted " == *" $name "* ]] || continue
   dir=$OUT/$name
   rm -rf "$dir"
@@ -40,6 +42,10 @@ for c in "${CONFIGS[@]}"; do
        --set checkpoint.every_steps=0 --set checkpoint.save_final=false --set checkpoint.resume=none)
   # A fifth field: run.malloc (return: freed large blocks go back to the system).
   [[ -n ${malloc:-} ]] && cmd+=(--set run.malloc="$malloc")
+  # A sixth: fsdp.mixed_precision (bf16: the gathered units and activations in half the bytes).
+  [[ -n ${mp:-} ]] && cmd+=(--set fsdp.mixed_precision="$mp")
+  # fsdp-plan's prediction for the same deck and settings, beside the measurement.
+  plan=$("${FSDP_PLAN:-$ROOT/build/bin/fsdp-plan}" "${cmd[@]:6}" --np 4 2>/dev/null | grep -oE "predicted peak RSS per rank: [0-9.]+" | grep -oE "[0-9.]+$" || echo "?")
   echo "\$ ${cmd[*]}" | tee "$OUT/$name.log"
   start=$SECONDS
   set +e
@@ -57,6 +63,6 @@ EOF
   else
     row="? | 4 | failed: $(grep -m1 -iE 'error|killed|abort' "$OUT/$name.log" | cut -c1-120) | "
   fi
-  echo "| $name | $strategy | $row | $wall | $rc |" | tee -a "$OUT/results.md"
+  echo "| $name | $strategy | $row | $wall | $rc | $plan |" | tee -a "$OUT/results.md"
 done
 echo "wrote $OUT/results.md"
