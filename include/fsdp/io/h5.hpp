@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <set>
 #include <span>
 #include <string>
 #include <utility>
@@ -542,6 +543,71 @@ inline void write_flat_range(hid_t dataset, const std::vector<std::int64_t>& sha
   check(H5Dwrite(dataset, mem_type, sel.mem_space, sel.file_space, dxpl, base), "cannot write " + where);
 }
 
+inline std::string coordinates_text(const std::vector<hsize_t>& at) {
+  std::string text = "[";
+  for (std::size_t d = 0; d < at.size(); ++d) text += (d ? "," : "") + std::to_string(at[d]);
+  return text + "]";
+}
+
+/// Refuses a chunked dataset whose stored chunks cannot be what a checkpoint writer produced before
+/// HDF5 decodes them: libhdf5 1.10's Fletcher32 filter reads out of bounds on a chunk shorter than its
+/// 4-byte checksum (a damaged chunk index), so a damaged file must be caught here, not in the library.
+/// Checks the chunks that `boxes` touch: each allocated one has no filter skipped and, when Fletcher32
+/// is the only filter, exactly the chunk's bytes plus the checksum.
+inline void check_stored_chunks(hid_t dataset, const std::vector<Box>& boxes, const std::string& where) {
+  Id dcpl(H5Dget_create_plist(dataset), "H5Dget_create_plist");
+  if (H5Pget_layout(dcpl) != H5D_CHUNKED) return;
+  const int rank = H5Pget_chunk(dcpl, 0, nullptr);
+  if (rank <= 0) throw CheckpointError("cannot read " + where + ": chunked dataset without a chunk shape (corrupt file)");
+  std::vector<hsize_t> chunk(static_cast<std::size_t>(rank));
+  check(H5Pget_chunk(dcpl, rank, chunk.data()), "H5Pget_chunk");
+  const int filters = check(H5Pget_nfilters(dcpl), "H5Pget_nfilters");
+  bool fletcher = false;
+  for (int f = 0; f < filters; ++f) {
+    unsigned flags = 0;
+    std::size_t nvalues = 0;
+    const H5Z_filter_t id = H5Pget_filter2(dcpl, static_cast<unsigned>(f), &flags, &nvalues, nullptr, 0, nullptr, nullptr);
+    fletcher = fletcher || id == H5Z_FILTER_FLETCHER32;
+  }
+  if (!fletcher) return;
+  Id type(H5Dget_type(dataset), "H5Dget_type");
+  hsize_t chunk_bytes = H5Tget_size(type);
+  for (const auto c : chunk) chunk_bytes *= c;
+  const hsize_t checksum_bytes = 4;
+  std::set<std::vector<hsize_t>> seen;
+  for (const auto& b : boxes) {
+    if (b.start.size() != chunk.size()) throw CheckpointError("cannot read " + where + ": chunk rank differs from the dataset's (corrupt file)");
+    std::vector<hsize_t> first(chunk.size()), last(chunk.size()), at(chunk.size());
+    for (std::size_t d = 0; d < chunk.size(); ++d) {
+      if (chunk[d] == 0) throw CheckpointError("cannot read " + where + ": zero chunk extent (corrupt file)");
+      first[d] = static_cast<hsize_t>(b.start[d]) / chunk[d];
+      last[d] = static_cast<hsize_t>(b.start[d] + b.count[d] - 1) / chunk[d];
+    }
+    at = first;
+    while (true) {
+      if (seen.insert(at).second) {
+        std::vector<hsize_t> offset(chunk.size());
+        for (std::size_t d = 0; d < chunk.size(); ++d) offset[d] = at[d] * chunk[d];
+        unsigned filter_mask = 0;
+        haddr_t address = HADDR_UNDEF;
+        hsize_t stored = 0;
+        check(H5Dget_chunk_info_by_coord(dataset, offset.data(), &filter_mask, &address, &stored), "cannot read " + where + " (corrupt chunk index)");
+        const bool allocated = address != HADDR_UNDEF && stored > 0;
+        if (allocated && (filter_mask != 0 || stored < checksum_bytes || (filters == 1 && stored != chunk_bytes + checksum_bytes)))
+          throw CheckpointError("cannot read " + where + ": the chunk at " + coordinates_text(offset) + " is stored as " +
+                                std::to_string(stored) + " bytes with filter mask " + std::to_string(filter_mask) + ", expected " +
+                                std::to_string(chunk_bytes + checksum_bytes) + " checksummed bytes (corrupt file)");
+      }
+      std::size_t d = chunk.size();
+      while (d-- > 0) {
+        if (++at[d] <= last[d]) break;
+        at[d] = first[d];
+      }
+      if (d == static_cast<std::size_t>(-1)) break;
+    }
+  }
+}
+
 /// Reads the flat elements [begin, end) of dataset (logical `shape`) into `data`, converting the
 /// stored element type to `t`. Checksums of every chunk touched are verified by HDF5.
 inline void read_flat_range(hid_t dataset, const std::vector<std::int64_t>& shape, std::int64_t begin, std::int64_t end, ElementType t, void* data,
@@ -550,6 +616,7 @@ inline void read_flat_range(hid_t dataset, const std::vector<std::int64_t>& shap
   if (n == 0) return;
   std::vector<std::int64_t> dims = shape;
   if (dims.empty()) dims.push_back(1);
+  check_stored_chunks(dataset, flat_range_boxes(dims, begin, begin + n), where);
   const auto sel = select_flat_range(dataset, dims, begin, n);
   Id mem_type = file_type(t);
   char* base = static_cast<char*>(data) - begin * static_cast<std::int64_t>(element_size(t));
