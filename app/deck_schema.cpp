@@ -333,6 +333,15 @@ std::vector<KeySpec> make_schema() {
                .default_value = I{0},
                .min = 0,
                .description = "hybrid strategies: ranks per shard group; 0: the ranks of a node"});
+  s.push_back({.key = "fsdp.optimizer_sharding",
+               .type = T::kString,
+               .default_value = "group",
+               .choices = {"group", "world"},
+               .description = "hybrid strategies: who splits the optimizer state and fp32 master weights; group: the shard "
+                              "group, like the parameters; world: every rank (Megatron-FSDP's HFSDP): gradients are "
+                              "reduce-scattered across the replicas instead of all-reduced, each rank steps 1/world of the state, "
+                              "and the updated parts are all-gathered back into the group shards before the next forward. Same "
+                              "results; per rank the optimizer state and gradients shrink by the number of replica groups"});
   s.push_back({.key = "fsdp.offload_params",
                .type = T::kBool,
                .default_value = false,

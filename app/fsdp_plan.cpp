@@ -64,10 +64,11 @@ std::string join(const std::vector<std::int64_t>& v) {
 void print_prediction(const RunConfig& cfg, const ModelShape& shape, const RunShape& run, const Prediction& p, bool list_units) {
   std::printf("  model %s: %s parameters (closed form), %zu unit(s) under %s, largest unit %s (%s padded elements)\n", shape.kind.c_str(),
               grouped(p.num_params).c_str(), p.units, run.wrap.policy.c_str(), p.largest_unit_path.c_str(), grouped(p.largest_unit).c_str());
-  std::printf("  strategy %s, shard group %lld, %lld replica group(s), %s, optimizer %s (%d state tensor(s) per shard), batch %lld per rank%s\n",
+  const std::string updated = run.optimizer_over_world ? "1/" + std::to_string(run.replicas) + " of a shard, optimizer state over the world" : "shard";
+  std::printf("  strategy %s, shard group %lld, %lld replica group(s), %s, optimizer %s (%d state tensor(s) per %s), batch %lld per rank%s\n",
               to_string(run.strategy), static_cast<long long>(run.group), static_cast<long long>(run.replicas),
               run.param_bytes == 4 ? "fp32" : ("mixed precision " + cfg.fsdp.mixed_precision).c_str(), run.optimizer.c_str(), run.optimizer_copies,
-              static_cast<long long>(run.batch), run.activation_checkpointing ? ", activation checkpointing" : "");
+              updated.c_str(), static_cast<long long>(run.batch), run.activation_checkpointing ? ", activation checkpointing" : "");
   std::printf("  parameters %lld\n", static_cast<long long>(p.num_params));
   std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
               static_cast<long long>(p.shard_elements), static_cast<long long>(p.padding), mib(p.state_bytes));

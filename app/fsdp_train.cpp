@@ -181,7 +181,9 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       shard_numel += u.shard_numel;
       padding += u.padded_numel - u.numel;
     }
-    const std::int64_t state_bytes = shard_numel * 4 * (2 + cfg.optim.state_copies());
+    std::int64_t optimized_numel = 0;  // what this rank's optimizer updates: the shards, or their replica parts
+    for (const auto& p : model->parameters()) optimized_numel += p.numel();
+    const std::int64_t state_bytes = training_state_bytes(shard_numel, optimized_numel, cfg.optim.state_copies());
     if (root) {
       std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, deck_path.c_str(), deck.echo_table().c_str());
       std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", world.size(), placement.nodes, placement.local_size,

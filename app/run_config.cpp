@@ -231,6 +231,9 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
     if (const auto why = reshard_group_problem(f.shard_group_size, f.reshard_after_forward_group); !why.empty())
       throw DeckError(blame(deck, "fsdp.reshard_after_forward") + (reshard == "node" ? "node (" + std::to_string(placement.ranks_per_node) + " ranks): " : "") + why);
   }
+  f.optimizer_sharding = parse_optimizer_sharding(deck.get_string("fsdp.optimizer_sharding"));
+  if (const auto why = optimizer_sharding_problem(f.sharding_strategy, f.optimizer_sharding); !why.empty())
+    throw DeckError(blame(deck, "fsdp.optimizer_sharding") + "world: " + why);
   f.offload_params = deck.get_bool("fsdp.offload_params");
   f.mixed_precision = deck.get_string("fsdp.mixed_precision");
   f.activation_checkpointing = deck.get_bool("fsdp.activation_checkpointing");

@@ -106,6 +106,7 @@ struct FsdpSection {
   int reshard_after_forward_group = 0;              ///< a group size or "node": kept sharded over it after forward; 0: off
   int shard_group_size = 1;                         ///< resolved for the placement's world size
   int shard_group_size_requested = 0;
+  OptimizerSharding optimizer_sharding = OptimizerSharding::GROUP;
   bool offload_params = false;
   std::string mixed_precision;  ///< no, bf16, fp16, fp16_reduce
   /// fp16 or fp16_reduce with fsdp.loss_scale = dynamic: the scaler's settings; unset otherwise.

@@ -95,9 +95,9 @@ inline std::map<std::string, torch::Tensor> full_state(Engine& model, torch::opt
   if (!opt) return out;
   for (const auto& up : model.sharded_units()) {
     if (up.empty()) continue;
-    const auto it = opt->state().find(fsdp::optimizer_state_key(up.shard));
-    if (it == opt->state().end()) continue;
-    const auto view = fsdp::optimizer_state_view(*it->second);
+    const auto found = fsdp::detail::shard_optimizer_state(model, opt, up);  // shaped like the shard, every rank alike
+    if (!found) continue;
+    const auto& view = *found;
     for (const auto& [sname, t] : view.tensors) {
       const auto flat = model.gather_flat(up.index, t);
       for (std::size_t i = 0; i < up.param_names.size(); ++i) {

@@ -196,6 +196,8 @@ struct Trained {
   fsdp::OverlapStats overlap;
   fsdp::CommCounters comm;           ///< every collective of the engine
   fsdp::CommCounters forward_group;  ///< of those, the all-gathers inside reshard_after_forward_group's groups
+  std::int64_t optimizer_state_bytes = 0;  ///< this rank's, after the last step
+  std::int64_t optimized_elements = 0;     ///< elements of this rank's optimizer parameters
 };
 
 /// Single-process training on the whole global batch. Parameters that get no gradient in a step get a
@@ -249,6 +251,8 @@ inline Trained train_fsdp_typed(ModelKind kind, OptimKind optim, const FsdpOptio
     opt->step();
   }
   for (auto& [name, t] : model->full_parameters()) result.params[name] = t;
+  result.optimizer_state_bytes = model->memory_stats(opt.get()).optimizer_state_bytes;
+  for (const auto& p : model->parameters()) result.optimized_elements += p.numel();
   result.overlap = model->overlap_stats();
   result.comm = model->comm_counters();
   result.forward_group = model->forward_group_counters();

@@ -131,7 +131,9 @@ message(STATUS "process baseline measured: ${baseline} MiB (peak RSS ${rss0} / $
 # 3. Predicted against measured.
 set(report "")
 # A third field: run.malloc (the default reuse keeps every block on the heap; fsdp-plan models each policy).
-foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "mlp;FULL_SHARD;return" "gpt;NO_SHARD;return" "gpt;FULL_SHARD;glibc")
+# A fourth: fsdp.optimizer_sharding, with groups of one rank (two replicas).
+foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "mlp;FULL_SHARD;return" "gpt;NO_SHARD;return" "gpt;FULL_SHARD;glibc"
+             "gpt;HYBRID_SHARD;reuse;world")
   list(GET case 0 deck)
   list(GET case 1 strategy)
   set(out ${WORK_DIR}/${deck}_${strategy})
@@ -142,6 +144,12 @@ foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "ml
     set(out ${out}_${malloc})
     list(APPEND sets --set run.malloc=${malloc})
     set(strategy "${strategy} (run.malloc = ${malloc})")
+  endif()
+  if(fields GREATER 3)
+    list(GET case 3 optimizer_sharding)
+    set(out ${out}_${optimizer_sharding})
+    list(APPEND sets --set fsdp.shard_group_size=1 --set fsdp.optimizer_sharding=${optimizer_sharding})
+    set(strategy "${strategy} (fsdp.optimizer_sharding = ${optimizer_sharding})")
   endif()
   list(APPEND sets --set run.out_dir=${out})
   run(0 ${train2} ${WORK_DIR}/${deck}.toml ${sets})

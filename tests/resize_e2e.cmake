@@ -1,6 +1,7 @@
 # Continuing a run on fewer or more ranks (docs/reliability.md): with data.global_batch_size fixed, a run
 # stopped at 4 ranks and resumed at 2 (and 2 -> 3, 3 -> 4) ends with the weights of the uninterrupted run
-# within 1e-5 (and so do optim.accum_reduce = every and fsdp.reshard_after_forward = 2); without it, a resume whose global batch differs stops with exit 2 naming the key.
+# within 1e-5 (and so do optim.accum_reduce = every, fsdp.reshard_after_forward = 2 and fsdp.optimizer_sharding
+# = world); without it, a resume whose global batch differs stops with exit 2 naming the key.
 # Variables: MPIEXEC (list), TRAIN, CKPT_TOOL, DECK (inputs/gpt_tokens.toml), WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
@@ -68,6 +69,38 @@ run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${common} --set fsdp.reshard_after_forwa
 expect_in("${last_output}" "fsdp.reshard_after_forward: 2 does not divide the shard group of 3 rank\\(s\\) into smaller groups")
 run(2 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${common} --set fsdp.reshard_after_forward=node --set run.out_dir=${WORK_DIR}/kept_node --dry-run)
 expect_in("${last_output}" "fsdp.reshard_after_forward: node \\(4 ranks\\): 4 does not divide")
+
+# fsdp.optimizer_sharding = world (HFSDP): the optimizer state over every rank, parameters inside the
+# groups. The weights are those of the whole run within 1e-5; a run stopped at 4 ranks (groups of 2, 2
+# replicas) resumes at 3 (groups of 1, 3 replicas) and at 2 with FULL_SHARD; per rank the expected
+# training state shrinks (fp32 gradients and SGD's momentum over 4 ranks instead of 2).
+run(0 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${common} --set run.max_steps=8 --set fsdp.sharding_strategy=HYBRID_SHARD --set fsdp.shard_group_size=2
+    --set run.out_dir=${WORK_DIR}/hybrid_group)
+string(REGEX MATCH "expected ([0-9.]+) MiB" _ "${last_output}")
+set(group_mib ${CMAKE_MATCH_1})
+set(dir ${WORK_DIR}/hybrid_world)
+run(0 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${common} --set run.max_steps=4 --set fsdp.sharding_strategy=HYBRID_SHARD --set fsdp.shard_group_size=2
+    --set fsdp.optimizer_sharding=world --set run.out_dir=${dir})
+string(REGEX MATCH "expected ([0-9.]+) MiB" _ "${last_output}")
+set(world_mib ${CMAKE_MATCH_1})
+if(NOT world_mib LESS group_mib)
+  message(FATAL_ERROR "fsdp.optimizer_sharding = world expects ${world_mib} MiB of training state per rank, group ${group_mib}: expected less")
+endif()
+file(READ ${dir}/summary.json world_summary)
+string(JSON sharding GET "${world_summary}" optimizer_sharding)
+if(NOT sharding STREQUAL "world")
+  message(FATAL_ERROR "summary.json optimizer_sharding is '${sharding}', expected world")
+endif()
+run(0 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${common} --set run.max_steps=8 --set fsdp.sharding_strategy=HYBRID_SHARD --set fsdp.shard_group_size=1
+    --set fsdp.optimizer_sharding=world --set run.out_dir=${dir})
+expect_in("${last_output}" "resumed from [^\n]*step_00000004.h5 at step 4")
+run(0 ${CKPT_TOOL} diff ${dir}/checkpoints ${WORK_DIR}/whole/checkpoints --rtol 1e-5)
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${common} --set run.max_steps=8 --set checkpoint.resume=${dir}/checkpoints/step_00000004.h5
+    --set run.out_dir=${WORK_DIR}/world_to_full)
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/world_to_full/checkpoints/step_00000008.h5 ${WORK_DIR}/whole/checkpoints/step_00000008.h5 --rtol 1e-5)
+# Where it means nothing it is a deck error naming the key.
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${common} --set fsdp.optimizer_sharding=world --set run.out_dir=${WORK_DIR}/world_bad --dry-run)
+expect_in("${last_output}" "fsdp.optimizer_sharding[^\n]*applies to the hybrid strategies")
 
 # Without a fixed global batch, 2 ranks x 6 become 3 ranks x 6 = 18, and step 2 (24 samples) is not a step boundary of 18: the resume stops, naming the key.
 set(plain --set model.vocab_size=64 --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set model.dropout=0

@@ -280,3 +280,81 @@ BOOST_AUTO_TEST_CASE(a_root_unit_without_parameters_round_trips) {
     for (std::size_t i = 0; i < a.size(); ++i) BOOST_TEST(torch::equal(a[i].second, b[i].second), fsdp::to_string(type) << " " << a[i].first);
   }
 }
+
+BOOST_AUTO_TEST_CASE(optimizer_state_sharded_over_the_world_round_trips_and_resumes_exactly) {
+  // fsdp.optimizer_sharding = world stores optimizer state shaped like the shards (the replicas' parts
+  // gathered), so SHARDED and FULL checkpoints move freely between it and every other strategy and
+  // world size, and a LOCAL one between it and the same plan with the optimizer sharded over the group.
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto world_sharded = [&](MpiComm comm, int seed, int group) {
+    auto o = options_for(ShardingStrategy::HYBRID_SHARD, comm.size(), true);
+    o.shard_group_size = group;
+    o.optimizer_sharding = fsdp::OptimizerSharding::WORLD;
+    return fsdp::make_fsdp(make_net(seed), std::move(comm), o);
+  };
+  std::vector<int> groups = {1};
+  if (world.size() % 2 == 0 && world.size() > 2) groups.push_back(2);
+  for (const int group : groups) {
+    for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
+      BOOST_TEST_CONTEXT("group " << group << " " << fsdp::to_string(type) << " at world size " << world.size()) {
+        fsdp::CheckpointOptions o;
+        o.state_dict_type = type;
+        torch::manual_seed(1234 + world.rank());
+        auto straight = world_sharded(world, 3, group);
+        auto opt = make_adam(*straight);
+        for (int s = 0; s < 3; ++s) train_step(*straight, *opt, s);
+        const auto at_save = full_state(*straight, opt.get());
+        const std::string sub = "w" + std::to_string(group) + fsdp::to_string(type);
+        const auto saved = fsdp::save_checkpoint(*straight, opt.get(), dir / sub, {.step = 3}, o);
+        for (int s = 3; s < 5; ++s) train_step(*straight, *opt, s);
+        const auto expected = full_state(*straight, opt.get());
+
+        // Resumed with the same layout: bit for bit.
+        auto resumed = world_sharded(world, 42, group);
+        auto opt2 = make_adam(*resumed);
+        fsdp::TrainState state;
+        fsdp::load_checkpoint(*resumed, opt2.get(), saved.path, &state, o);
+        BOOST_TEST(state.rng_restored);
+        check_equal(at_save, full_state(*resumed, opt2.get()), "loaded into the same layout");
+        for (int s = 3; s < 5; ++s) train_step(*resumed, *opt2, s);
+        check_equal(expected, full_state(*resumed, opt2.get()), "5 steps straight == 3 + save + load + 2");
+
+        if (type == StateDictType::LOCAL_STATE_DICT) {
+          auto by_group = fsdp::make_fsdp(make_net(8), world, [&] {
+            auto g = options_for(ShardingStrategy::HYBRID_SHARD, world.size(), true);
+            g.shard_group_size = group;
+            return g;
+          }());
+          auto opt3 = make_adam(*by_group);
+          fsdp::load_checkpoint(*by_group, opt3.get(), saved.path, nullptr, o);
+          check_equal(at_save, full_state(*by_group, opt3.get()), "LOCAL into the optimizer sharded over the group");
+          continue;
+        }
+        // Into every other strategy, at every smaller world size.
+        for (int k = 1; k <= world.size(); ++k) {
+          auto sub_comm = world.split(world.rank() < k ? 0 : 1, world.rank());
+          if (world.rank() >= k) continue;
+          for (const auto strategy : kStrategies) {
+            BOOST_TEST_CONTEXT("loaded with " << strategy << " at world size " << k) {
+              auto loaded = fsdp::make_fsdp(make_net(99), sub_comm, options_for(strategy, k, k % 2 == 0));
+              auto opt3 = make_adam(*loaded);
+              fsdp::load_checkpoint(*loaded, opt3.get(), saved.path, nullptr, o);
+              check_equal(at_save, full_state(*loaded, opt3.get()), "parameters, buffers and optimizer state");
+            }
+          }
+          // ... and back: a checkpoint of another strategy into the world-sharded optimizer.
+          auto plain = fsdp::make_fsdp(make_net(99), sub_comm, options_for(ShardingStrategy::FULL_SHARD, k, true));
+          auto opt4 = make_adam(*plain);
+          fsdp::load_checkpoint(*plain, opt4.get(), saved.path, nullptr, o);
+          const std::string again = dir / (sub + "_k" + std::to_string(k));
+          const auto resaved = fsdp::save_checkpoint(*plain, opt4.get(), again, {.step = 3}, o);
+          auto back = world_sharded(sub_comm, 7, 1);
+          auto opt5 = make_adam(*back);
+          fsdp::load_checkpoint(*back, opt5.get(), resaved.path, nullptr, o);
+          check_equal(at_save, full_state(*back, opt5.get()), "from FULL_SHARD into optimizer_sharding = world");
+        }
+      }
+    }
+  }
+}

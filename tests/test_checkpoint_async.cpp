@@ -56,12 +56,21 @@ std::vector<std::string> files_of(const std::string& path) {
 
 BOOST_AUTO_TEST_CASE(async_save_writes_the_bytes_a_sync_save_writes_while_training_goes_on) {
   auto world = MpiComm::world();
+  // Every strategy, and the hybrid one with its optimizer state sharded over the world.
+  std::vector<std::pair<ShardingStrategy, bool>> cases;
+  for (const auto strategy : kStrategies) cases.emplace_back(strategy, false);
+  cases.emplace_back(ShardingStrategy::HYBRID_SHARD, true);
+  auto options_of = [&](ShardingStrategy strategy, bool over_world) {
+    auto o = options_for(strategy, world.size(), true);
+    if (over_world) o.optimizer_sharding = fsdp::OptimizerSharding::WORLD;
+    return o;
+  };
   for (const auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
-    for (const auto strategy : kStrategies) {
-      BOOST_TEST_CONTEXT(fsdp::to_string(type) << " " << strategy << " at world size " << world.size()) {
+    for (const auto& [strategy, over_world] : cases) {
+      BOOST_TEST_CONTEXT(fsdp::to_string(type) << " " << strategy << (over_world ? " (optimizer over the world)" : "") << " at world size " << world.size()) {
         TempDir dir(world);
         torch::manual_seed(99 + world.rank());
-        auto model = fsdp::make_fsdp(make_net(3), world, options_for(strategy, world.size(), true));
+        auto model = fsdp::make_fsdp(make_net(3), world, options_of(strategy, over_world));
         auto opt = make_adam(*model);
         for (int s = 0; s < 3; ++s) train_step(*model, *opt, s);
         fsdp::CheckpointOptions o;
@@ -70,7 +79,7 @@ BOOST_AUTO_TEST_CASE(async_save_writes_the_bytes_a_sync_save_writes_while_traini
         const auto sync = fsdp::save_checkpoint(*model, opt.get(), dir / "sync", state, o);
         const auto expected = full_state(*model, opt.get());
         // HDF5 stamps objects with the second of their creation unless told not to: make it another second once.
-        if (type == StateDictType::SHARDED_STATE_DICT && strategy == ShardingStrategy::FULL_SHARD)
+        if (type == StateDictType::SHARDED_STATE_DICT && strategy == ShardingStrategy::FULL_SHARD && !over_world)
           std::this_thread::sleep_for(std::chrono::milliseconds(1100));
 
         Async async(*model);
@@ -104,7 +113,7 @@ BOOST_AUTO_TEST_CASE(async_save_writes_the_bytes_a_sync_save_writes_while_traini
         }
         world.barrier();
         // And it loads back the state of step 3.
-        auto loaded = fsdp::make_fsdp(make_net(42), world, options_for(strategy, world.size(), true));
+        auto loaded = fsdp::make_fsdp(make_net(42), world, options_of(strategy, over_world));
         auto opt2 = make_adam(*loaded);
         fsdp::load_checkpoint(*loaded, opt2.get(), done->path, nullptr, o);
         check_equal(expected, full_state(*loaded, opt2.get()), "the asynchronous checkpoint holds step 3");

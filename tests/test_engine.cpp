@@ -181,11 +181,12 @@ BOOST_AUTO_TEST_CASE(bf16_mixed_precision_tracks_fp32_and_halves_the_bytes) {
     std::vector<double> losses;
     fsdp::CommCounters first_step;
   };
-  auto train = [&](const fsdp::MixedPrecision& mp, ShardingStrategy strategy, int group) {
+  auto train = [&](const fsdp::MixedPrecision& mp, ShardingStrategy strategy, int group, fsdp::OptimizerSharding optimizer_sharding) {
     auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
     FsdpOptions options;
     options.sharding_strategy = strategy;
     options.shard_group_size = group;
+    options.optimizer_sharding = optimizer_sharding;
     options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
     options.mixed_precision = mp;
     auto model = fsdp::make_fsdp(net, world, options);
@@ -219,10 +220,15 @@ BOOST_AUTO_TEST_CASE(bf16_mixed_precision_tracks_fp32_and_halves_the_bytes) {
     }
     return run;
   };
+  std::vector<std::tuple<ShardingStrategy, int, fsdp::OptimizerSharding>> cases;
   for (const auto& [strategy, group] : strategies_and_groups(n)) {
-    BOOST_TEST_CONTEXT("np=" << n << " strategy=" << fsdp::to_string(strategy) << " group=" << group) {
-      const auto fp32 = train({}, strategy, group);
-      const auto bf16 = train(fsdp::MixedPrecision::bf16(), strategy, group);
+    cases.emplace_back(strategy, group, fsdp::OptimizerSharding::GROUP);
+    if (fsdp::is_hybrid(strategy) && group < n) cases.emplace_back(strategy, group, fsdp::OptimizerSharding::WORLD);
+  }
+  for (const auto& [strategy, group, optimizer_sharding] : cases) {
+    BOOST_TEST_CONTEXT("np=" << n << " strategy=" << fsdp::to_string(strategy) << " group=" << group << " optimizer over " << fsdp::to_string(optimizer_sharding)) {
+      const auto fp32 = train({}, strategy, group, optimizer_sharding);
+      const auto bf16 = train(fsdp::MixedPrecision::bf16(), strategy, group, optimizer_sharding);
       // Documented tolerance: the bf16 loss stays within 5% (+1e-3) of the fp32 loss at every step.
       for (int step = 0; step < kMpSteps; ++step)
         BOOST_TEST(std::abs(bf16.losses[step] - fp32.losses[step]) <= 0.05 * fp32.losses[step] + 1e-3,
@@ -279,4 +285,59 @@ BOOST_AUTO_TEST_CASE(reshard_after_forward_group_gathers_backward_inside_the_gro
   contradictory.reshard_after_forward = false;
   contradictory.reshard_after_forward_group = 2;
   BOOST_CHECK_THROW(train_fsdp(ModelKind::kMlp, OptimKind::kAdam, contradictory), fsdp::ConfigError);
+}
+
+BOOST_AUTO_TEST_CASE(optimizer_state_sharded_over_the_world_matches_single_process) {
+  // HFSDP: parameters sharded inside each group, optimizer state over every rank. Gradients are
+  // reduce-scattered across the replicas instead of all-reduced and the updated parts all-gathered
+  // back, so the trajectory equals single-process training (whole-model error, see compare()) while
+  // each rank holds 1/world of the optimizer state instead of 1/group.
+  const int world = MpiComm::world().size();
+  const std::vector<std::pair<std::string, Setup>> setups = {{"plain", Setup{}}, {"clip+accumulate2", Setup{.clip = 0.05, .accum = 2}}};
+  for (const auto kind : {ModelKind::kMlp, ModelKind::kCnn}) {
+    for (const auto optim : {OptimKind::kAdam, OptimKind::kSgd}) {
+      for (const auto& [setup_name, setup] : setups) {
+        if (kind == ModelKind::kCnn && setup_name != "plain") continue;
+        const auto ref = train_reference(kind, optim, world, setup);
+        for (int group = 1; group <= world; ++group) {
+          if (world % group != 0) continue;
+          for (const auto strategy : {ShardingStrategy::HYBRID_SHARD, ShardingStrategy::HYBRID_SHARD_ZERO2}) {
+            for (const bool overlap : {false, true}) {
+              BOOST_TEST_CONTEXT("np=" << world << " group=" << group << " model=" << name_of(kind) << " optim=" << name_of(optim) << " "
+                                       << setup_name << " strategy=" << strategy << " overlap, prefetch, activation checkpointing=" << overlap) {
+                FsdpOptions options;
+                options.sharding_strategy = strategy;
+                options.shard_group_size = group;
+                options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+                options.overlap_grad_reduce = overlap;
+                options.backward_prefetch = overlap ? fsdp::BackwardPrefetch::BACKWARD_PRE : fsdp::BackwardPrefetch::NO_PREFETCH;
+                options.activation_checkpointing = overlap;  // and the anchor of a recomputed unit is the optimizer's part
+                const auto by_group = train_fsdp(kind, optim, options, setup);
+                options.optimizer_sharding = fsdp::OptimizerSharding::WORLD;
+                const auto by_world = train_fsdp(kind, optim, options, setup);
+                BOOST_TEST(compare(by_world.params, ref.params) <= 1e-5);
+                check_ranks_agree(by_world.params);
+                BOOST_TEST_REQUIRE(by_world.norms.size() == ref.norms.size());
+                for (std::size_t i = 0; i < by_world.norms.size(); ++i) BOOST_TEST(by_world.norms[i] == ref.norms[i], boost::test_tools::tolerance(1e-5));
+                // Each replica updates ceil(shard / replicas) elements of each unit's group shard.
+                const std::int64_t replicas = world / group;
+                BOOST_TEST(by_world.optimized_elements * replicas >= by_group.optimized_elements);
+                BOOST_TEST(by_world.optimized_elements * replicas < by_group.optimized_elements + replicas * 16);
+                if (optim == OptimKind::kAdam)  // exp_avg and exp_avg_sq of what the rank updates
+                  BOOST_TEST(by_world.optimizer_state_bytes == 2 * 4 * by_world.optimized_elements);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+    FsdpOptions options;
+    options.sharding_strategy = strategy;
+    options.optimizer_sharding = fsdp::OptimizerSharding::WORLD;
+    BOOST_CHECK_EXCEPTION(train_fsdp(ModelKind::kMlp, OptimKind::kAdam, options), fsdp::ConfigError, [](const fsdp::ConfigError& e) {
+      return std::string(e.what()).find("applies to the hybrid strategies") != std::string::npos;
+    });
+  }
 }

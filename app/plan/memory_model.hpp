@@ -162,10 +162,18 @@ class MemorySim {
   std::map<std::string, std::int64_t> phase_peak_;
 };
 
+/// Bytes of one rank's training state: its fp32 parameter shards, and for what its optimizer updates
+/// (the shards, or their replica parts with fsdp.optimizer_sharding = world) the fp32 gradients and
+/// `state_copies` state tensors. fsdp-train's "expected ... MiB" and fsdp-plan's state row.
+inline std::int64_t training_state_bytes(std::int64_t shard_elements, std::int64_t optimized_elements, int state_copies) {
+  return 4 * shard_elements + 4 * optimized_elements * (1 + state_copies);
+}
+
 /// The prediction for one rank (all ranks hold the same: shards are padded to equal size).
 struct Prediction {
   std::int64_t num_params = 0;
   std::int64_t shard_elements = 0;  ///< sum of the units' shard_numel (fsdp-train's "shard elements")
+  std::int64_t optimized_elements = 0;  ///< of those, what the optimizer updates (replica parts with optimizer_sharding = world)
   std::int64_t padding = 0;         ///< padding in all units
   std::int64_t state_bytes = 0;     ///< params + grads + optimizer state: fsdp-train's "expected ... MiB"
   std::size_t units = 0;

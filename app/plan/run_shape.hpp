@@ -130,6 +130,7 @@ struct RunShape {
   ShardingStrategy strategy = ShardingStrategy::FULL_SHARD;
   std::int64_t group = 1;     ///< shard group size G
   std::int64_t replicas = 1;  ///< R = world / G
+  bool optimizer_over_world = false;  ///< fsdp.optimizer_sharding = world (hybrid, R > 1): optimizer state, master gradients over all ranks
   bool reshard_after_forward = true;
   int reshard_after_forward_group = 0;  ///< fsdp.reshard_after_forward = N: kept sharded over N ranks between forward and backward
   int param_bytes = 4;   ///< bytes per element of gathered parameters, activations and their gradients
@@ -182,6 +183,7 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
                 ? cfg.fsdp.shard_group_size
                 : shard_group_size(strategy, world, is_hybrid(strategy) ? cfg.fsdp.shard_group_size_requested : 0, cfg.placement.ranks_per_node);
   r.replicas = world / r.group;
+  r.optimizer_over_world = cfg.fsdp.optimizer_sharding == OptimizerSharding::WORLD && is_hybrid(strategy) && r.replicas > 1;
   r.reshard_after_forward = cfg.fsdp.reshard_after_forward_asked.value_or(reshard_after_forward_default(strategy));
   r.reshard_after_forward_group = strategy == cfg.fsdp.sharding_strategy ? cfg.fsdp.reshard_after_forward_group : 0;
   r.param_bytes = cfg.fsdp.mixed_precision == "no" || cfg.fsdp.mixed_precision == "fp16_reduce" ? 4 : 2;

@@ -21,6 +21,12 @@ namespace fsdp::app {
 
 namespace detail {
 
+/// Elements of unit `u` that one rank's optimizer updates: its shard, or with the optimizer sharded over
+/// the world its replica part (the engine's split, core/layout.hpp).
+inline std::int64_t optimized_elements(const RunShape& run, const PlanUnit& u) {
+  return run.optimizer_over_world ? replica_part_range(u.shard, run.replicas, 0).numel() : u.shard;
+}
+
 /// Replays data loading, model construction, two training steps and one evaluation batch.
 class RunSimulator {
  public:
@@ -42,6 +48,8 @@ class RunSimulator {
     unsynced_.assign(n, -1);
     pending_.assign(n, {});
   }
+
+  std::int64_t optimized_elements(const PlanUnit& u) const { return detail::optimized_elements(run_, u); }
 
   Prediction run() {
     load_data();
@@ -293,12 +301,20 @@ class RunSimulator {
     }
     int shard_grad = flat;
     const bool overlapped = run_.overlap_grad_reduce && run_.group * run_.replicas > 1;
-    if (run_.group > 1) {
-      shard_grad = mem_.alloc(Mem::kGradFlight, u.shard * run_.reduce_bytes);
+    const std::int64_t part = optimized_elements(u);
+    if (run_.group > 1) {  // room for every replica's part when the optimizer is sharded over the world
+      shard_grad = mem_.alloc(Mem::kGradFlight, (run_.optimizer_over_world ? part * run_.replicas : u.shard) * run_.reduce_bytes);
       grow_scratch(overlapped ? worker_shard_scratch_ : shard_scratch_, overlapped ? worker_shard_scratch_bytes_ : shard_scratch_bytes_,
                    2 * u.shard * run_.reduce_bytes);
     }
-    if (run_.replicas > 1) all_reduce(u.shard * run_.reduce_bytes, run_.reduce_bytes, overlapped);
+    int reduced = shard_grad;  // the gradient handed back: the shard's, or its replica part's
+    if (run_.optimizer_over_world) {  // reduce-scatter across the replicas into this rank's part
+      reduced = mem_.alloc(Mem::kGradFlight, part * run_.reduce_bytes);
+      grow_scratch(overlapped ? worker_replica_scratch_ : replica_scratch_, overlapped ? worker_replica_scratch_bytes_ : replica_scratch_bytes_,
+                   2 * part * run_.reduce_bytes);
+    } else if (run_.replicas > 1) {
+      all_reduce(u.shard * run_.reduce_bytes, run_.reduce_bytes, overlapped);
+    }
     if (overlapped && flat != shard_grad) {
       // The engine keeps at most two unreduced unit gradients waiting for the worker; this one waits
       // until two more are issued or backward ends (worst case: the worker is behind).
@@ -309,11 +325,12 @@ class RunSimulator {
       waiting_flats_.push_back(flat);
       flat = shard_grad;  // not freed below
     }
-    int returned = shard_grad;
-    if (run_.reduce_bytes != 4) returned = mem_.alloc(Mem::kGradFlight, u.shard * 4);  // back to the master's dtype
+    int returned = reduced;
+    if (run_.reduce_bytes != 4) returned = mem_.alloc(Mem::kGradFlight, part * 4);  // back to the master's dtype
     free_pending(ui);
     if (flat != shard_grad) mem_.free(flat);
-    if (returned != shard_grad) mem_.free(shard_grad);
+    if (reduced != shard_grad) mem_.free(shard_grad);
+    if (returned != reduced) mem_.free(reduced);
     auto& grad = grad_[static_cast<std::size_t>(ui)];
     if (grad < 0) {  // AccumulateGrad adopts the first gradient as .grad
       mem_.relabel(returned, Mem::kGrads);
@@ -422,7 +439,7 @@ class RunSimulator {
   void optimizer_step(bool first) {
     for (const auto& u : units_) {
       if (u.numel == 0) continue;
-      const std::int64_t bytes = u.shard * 4;
+      const std::int64_t bytes = optimized_elements(u) * 4;
       if (run_.clip) {  // clip_grad_norm: |g|^2 in double
         int d = mem_.alloc(Mem::kStepTemps, 2 * bytes);
         int a = mem_.alloc(Mem::kStepTemps, 2 * bytes);
@@ -434,7 +451,7 @@ class RunSimulator {
     }
     for (const auto& u : units_) {
       if (u.numel == 0) continue;
-      const std::int64_t bytes = u.shard * 4;
+      const std::int64_t bytes = optimized_elements(u) * 4;
       auto& st = state_[static_cast<std::size_t>(u.index)];
       if (first)
         for (int c = 0; c < run_.optimizer_copies; ++c) st.push_back(mem_.alloc(Mem::kOptimizer, bytes));
@@ -519,13 +536,14 @@ inline Prediction predict(const ModelShape& shape, const RunShape& run) {
   p.units = units.size();
   for (const auto& u : units) {
     p.shard_elements += u.shard;
+    p.optimized_elements += detail::optimized_elements(run, u);
     p.padding += u.padded - u.numel;
     if (u.padded > p.largest_unit) {
       p.largest_unit = u.padded;
       p.largest_unit_path = u.path.empty() ? "(root)" : u.path;
     }
   }
-  p.state_bytes = p.shard_elements * 4 * (2 + run.optimizer_copies);
+  p.state_bytes = training_state_bytes(p.shard_elements, p.optimized_elements, run.optimizer_copies);
   p.baseline_bytes = static_cast<std::int64_t>(run.baseline_mib * 1048576.0);
   p.total_bytes = p.model_bytes + p.baseline_bytes;
   p.unit_list = units;

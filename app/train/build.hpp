@@ -52,6 +52,7 @@ inline fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
   o.reshard_after_forward = cfg.fsdp.reshard_after_forward;
   o.reshard_after_forward_group = cfg.fsdp.reshard_after_forward_group;
   o.shard_group_size = cfg.fsdp.shard_group_size;
+  o.optimizer_sharding = cfg.fsdp.optimizer_sharding;
   o.sync_module_states = cfg.fsdp.sync_module_states;
   const std::string mp = cfg.fsdp.mixed_precision;
   if (mp == "bf16")

@@ -101,6 +101,7 @@ void write_summary(MpiComm& world, const MpiComm::Placement& placement, const Ru
     js["strategy"] = to_string(model.sharding_strategy());
     js["shard_group_size"] = model.shard_group_size();
     js["replica_groups"] = world.size() / model.shard_group_size();
+    js["optimizer_sharding"] = cfg.fsdp.optimizer_sharding == OptimizerSharding::WORLD ? "world" : "group";
     js["params"] = model.num_params();
     js["steps"] = t.steps;
     js["resumed_from_step"] = t.resumed_from_step;

@@ -35,7 +35,7 @@ inline std::set<std::string> decay_kinds(const std::string& name, const std::map
   return kinds;
 }
 
-/// Per-element decay factors of this rank's shards for optim.no_decay.
+/// Per-element decay factors of what this rank's optimizer updates, for optim.no_decay.
 class WeightDecayMask {
  public:
   template <class Engine>
@@ -45,8 +45,8 @@ class WeightDecayMask {
     const std::set<std::string> exempt(no_decay.begin(), no_decay.end());
     for (const auto& u : model.sharded_units()) {
       Unit unit;
-      unit.shard = u.shard;
-      if (!u.empty()) {
+      unit.optimized = u.optimized;  // what the optimizer updates: the shard or its replica part
+      if (!u.empty() && !u.frozen) {
         auto decays = torch::zeros({u.shard.numel()}, torch::kBool);  // padding: no decay (it is zero)
         for (const auto& slice : u.layout.slices(u.shard_rank)) {
           const auto& name = u.param_names[static_cast<std::size_t>(slice.param_index)];
@@ -57,7 +57,11 @@ class WeightDecayMask {
           for (const auto& k : kinds) decay = decay && !exempt.count(k);
           if (decay) decays.narrow(0, slice.shard_offset, slice.numel).fill_(true);
         }
-        unit.decays = decays.to(u.shard.device());
+        const FlatRange part = u.optimized_range();
+        const FlatRange inside = intersect(part, {0, u.shard.numel()});
+        auto mine = torch::zeros({part.numel()}, torch::kBool);  // past the shard: padding
+        mine.narrow(0, 0, inside.numel()).copy_(decays.narrow(0, inside.begin, inside.numel()));
+        unit.decays = mine.to(u.optimized.device());
       }
       units_.push_back(std::move(unit));
     }
@@ -72,8 +76,8 @@ class WeightDecayMask {
     const float factor = static_cast<float>(1.0 - lr * weight_decay);
     for (auto& u : units_) {
       if (!u.decays.defined()) continue;
-      auto shard = u.shard.detach();
-      shard.mul_(torch::where(u.decays, torch::full({}, factor, shard.options()), torch::ones({}, shard.options())));
+      auto values = u.optimized.detach();
+      values.mul_(torch::where(u.decays, torch::full({}, factor, values.options()), torch::ones({}, values.options())));
     }
   }
 
@@ -87,7 +91,7 @@ class WeightDecayMask {
 
  private:
   struct Unit {
-    torch::Tensor shard, decays;
+    torch::Tensor optimized, decays;
   };
   std::vector<Unit> units_;
 };

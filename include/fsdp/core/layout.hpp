@@ -39,6 +39,14 @@ constexpr FlatRange shard_range(std::int64_t numel, std::int64_t group_size, std
   return {rank * shard, (rank + 1) * shard};
 }
 
+/// With the optimizer sharded over the world (OptimizerSharding::WORLD), the group shard of `shard`
+/// elements is split again over `replicas` ranks like a flat parameter over a group: replica q updates
+/// [q * part, (q + 1) * part) of it with part = ceil(shard / replicas); the last part may run past the
+/// shard (that tail is padding, always zero).
+constexpr FlatRange replica_part_range(std::int64_t shard, std::int64_t replicas, std::int64_t replica_rank) {
+  return shard_range(shard, replicas, replica_rank);
+}
+
 /// Intersection of two ranges (empty if disjoint).
 constexpr FlatRange intersect(FlatRange a, FlatRange b) noexcept {
   const std::int64_t lo = std::max(a.begin, b.begin);
@@ -126,5 +134,6 @@ static_assert(shard_numel(0, 2) == 0);
 static_assert(FlatLayout({6, 3, 1}, 4).real_numel(3) == 1);
 static_assert(FlatLayout({6, 3, 1}, 3).slices(1).size() == 2);
 static_assert(FlatLayout({6, 3, 1}, 4).slices(3)[0] == ParamSlice{2, 0, 0, 1});
+static_assert(replica_part_range(3, 2, 1) == FlatRange{2, 4});  // the last part runs one element into padding
 
 }  // namespace fsdp

@@ -94,6 +94,28 @@ inline BackwardPrefetch parse_backward_prefetch(std::string_view text) {
 /// The strategies that shard inside a group of chosen size and replicate across groups.
 constexpr bool is_hybrid(ShardingStrategy s) noexcept { return s == ShardingStrategy::HYBRID_SHARD || s == ShardingStrategy::HYBRID_SHARD_ZERO2; }
 
+/// Which ranks split the optimizer state and fp32 master weights (the hybrid strategies' choice;
+/// Megatron-FSDP's HFSDP): GROUP, the shard group, as the parameters; WORLD, every rank: gradients are
+/// reduce-scattered across the replicas too, and the parameters all-gathered back into the group shards.
+enum class OptimizerSharding { GROUP, WORLD };
+
+inline constexpr std::array<OptimizerSharding, 2> kOptimizerShardings = {OptimizerSharding::GROUP, OptimizerSharding::WORLD};
+
+constexpr const char* to_string(OptimizerSharding s) noexcept { return s == OptimizerSharding::WORLD ? "WORLD" : "GROUP"; }
+
+/// Parses "group", "WORLD", ...; throws ConfigError naming the valid values.
+inline OptimizerSharding parse_optimizer_sharding(std::string_view text) {
+  return detail::parse_enum_name(text, kOptimizerShardings, "optimizer sharding");
+}
+
+/// Why optimizer state cannot be sharded as `sharding` under `strategy`; empty when it can. WORLD
+/// differs from GROUP only where a strategy replicates across groups: the hybrid strategies.
+inline std::string optimizer_sharding_problem(ShardingStrategy strategy, OptimizerSharding sharding) {
+  if (sharding == OptimizerSharding::GROUP || is_hybrid(strategy)) return {};
+  return std::string("optimizer state sharded over the world applies to the hybrid strategies (HYBRID_SHARD, HYBRID_SHARD_ZERO2); ") +
+         to_string(strategy) + (strategy == ShardingStrategy::NO_SHARD ? " replicates it by definition" : " shards it over the world already");
+}
+
 /// Whether a unit frees its gathered parameters after forward when the user does not say
 /// (FsdpOptions::reshard_after_forward unset, deck fsdp.reshard_after_forward = "auto").
 constexpr bool reshard_after_forward_default(ShardingStrategy s) noexcept {

@@ -280,7 +280,7 @@ void apply_staged(Engine& engine, torch::optim::Optimizer* opt, Staged& s, Train
   }
   if (opt) {
     for (std::size_t i = 0; i < units.size(); ++i)
-      if (s.optimizer_states[i]) opt->state()[optimizer_state_key(units[i].shard)] = std::move(s.optimizer_states[i]);
+      if (s.optimizer_states[i]) opt->state()[optimizer_state_key(units[i].optimized)] = std::move(s.optimizer_states[i]);
     if (!s.meta.lrs.empty())
       for (std::size_t g = 0; g < opt->param_groups().size(); ++g) opt->param_groups()[g].options().set_lr(s.meta.lrs[g]);
   }
@@ -349,6 +349,7 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
       OptimizerStateView view;
       view.step = staged.units[i].optim_step;
       view.tensors = staged.units[i].optim;
+      for (auto& [name, t] : view.tensors) t = detail::optimizer_part_of(units[i], t);  // checkpoints hold shard-shaped state
       try {
         staged.optimizer_states[i] = make_optimizer_state(*optimizer, view);
       } catch (const ConfigError& e) {

@@ -60,7 +60,7 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
   if (opt) {
     step([&] { write_optimizer_attributes(file, *opt); });
     for (const auto& up : engine.sharded_units()) {
-      const auto view = unit_optimizer_state(opt, up);  // present on every rank alike (checked on entry)
+      const auto view = shard_optimizer_state(engine, opt, up);  // present on every rank alike (checked on entry)
       if (!view || up.param_names.empty()) continue;
       for (const auto& [name, t] : view->tensors) write_unit_tensor(up, t, name, "optimizer_state");
       step([&] {
@@ -127,7 +127,7 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
   tensors += static_cast<std::int64_t>(named_buffers_of(engine).size());
   if (opt) {
     for (const auto& up : engine.sharded_units()) {
-      const auto view = unit_optimizer_state(opt, up);
+      const auto view = shard_optimizer_state(engine, opt, up);
       if (!view || up.param_names.empty()) continue;
       for (const auto& [name, t] : view->tensors) write_full(up, engine.gather_flat(up.index, t).to(torch::kCPU), name, "optimizer_state");
       on_writer([&] {
@@ -149,63 +149,78 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
   agree(world, error);
 }
 
+/// LOCAL: each rank writes its own file. Returns this rank's first error; a rank that failed still takes
+/// part in the replica gathers of optimizer state sharded over the world, so no rank waits for it.
 template <class Engine>
-void write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path, const TrainState& state,
-                      const CheckpointOptions& options, const std::string& created, const std::string& deck) {
-  h5::Id file = h5::create_file(path);
-  write_root_attributes(file, engine, StateDictType::LOCAL_STATE_DICT, state, created, deck);
-  h5::write_attribute(file, "rank", engine.rank());
-  h5::write_attribute(file, "shard_rank", engine.shard_comm().rank());
-  h5::write_attribute(file, "replica_rank", engine.replica_comm().rank());
-  std::vector<std::string> aliases;
-  for (const auto& [name, others] : engine.tied_parameter_aliases())
-    for (const auto& alias : others) aliases.push_back(alias + "=" + name);
-  h5::write_attribute(file, "aliases", aliases);
+std::optional<std::string> write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path, const TrainState& state,
+                                            const CheckpointOptions& options, const std::string& created, const std::string& deck) {
+  std::optional<std::string> error;
+  auto mine = [&](auto&& f) {
+    if (!error) error = capture_error(f);
+  };
+  h5::Id file;
+  mine([&] {
+    file = h5::create_file(path);
+    write_root_attributes(file, engine, StateDictType::LOCAL_STATE_DICT, state, created, deck);
+    h5::write_attribute(file, "rank", engine.rank());
+    h5::write_attribute(file, "shard_rank", engine.shard_comm().rank());
+    h5::write_attribute(file, "replica_rank", engine.replica_comm().rank());
+    std::vector<std::string> aliases;
+    for (const auto& [name, others] : engine.tied_parameter_aliases())
+      for (const auto& alias : others) aliases.push_back(alias + "=" + name);
+    h5::write_attribute(file, "aliases", aliases);
+  });
   std::int64_t tensors = 0;
-  for (const auto& up : engine.sharded_units()) {
-    const auto& u = up;
-    const std::string base = "/units/" + std::to_string(u.index);
-    h5::Id g = h5::require_group(file, base);
-    h5::write_attribute(g, "module_path", u.module_path);
-    h5::write_attribute(g, "param_names", u.param_names);
-    std::vector<std::int64_t> ndims, dims;
-    for (const auto& s : u.shapes) {
-      ndims.push_back(static_cast<std::int64_t>(s.size()));
-      dims.insert(dims.end(), s.begin(), s.end());
-    }
-    h5::write_attribute(g, "param_ndims", ndims);
-    h5::write_attribute(g, "param_dims", dims);
-    h5::write_attribute(g, "numel", u.layout.numel());
-    h5::write_attribute(g, "padded_numel", u.layout.padded_numel());
-    h5::write_attribute(g, "shard_numel", u.layout.shard_numel());
-    if (u.param_names.empty()) continue;
-    auto write_flat = [&](const std::string& p, const torch::Tensor& t) {
-      const auto src = t.detach().to(torch::kCPU).contiguous();
-      const auto et = element_type_of(src.scalar_type());
-      h5::Id ds = h5::create_dataset(file, p, et, {src.numel()});
-      h5::write_flat_range(ds, {src.numel()}, 0, src.numel(), et, src.data_ptr(), H5P_DEFAULT, p);
-      ++tensors;
-    };
-    write_flat(base + "/flat", u.shard);
-    if (const auto view = unit_optimizer_state(opt, u)) {
-      for (const auto& [name, t] : view->tensors) write_flat(base + "/optim/" + name, t);
-      h5::Id og = h5::require_group(file, base + "/optim");
-      h5::write_attribute(og, "step", view->step);
-    }
-  }
-  if (options.on_stage) options.on_stage("writing", state.step);
-  for (const auto& [name, buffer] : named_buffers_of(engine)) {
-    write_buffer(file, name, buffer, true, H5P_DEFAULT);
+  auto write_flat = [&](const std::string& p, const torch::Tensor& t) {
+    const auto src = t.detach().to(torch::kCPU).contiguous();
+    const auto et = element_type_of(src.scalar_type());
+    h5::Id ds = h5::create_dataset(file, p, et, {src.numel()});
+    h5::write_flat_range(ds, {src.numel()}, 0, src.numel(), et, src.data_ptr(), H5P_DEFAULT, p);
     ++tensors;
+  };
+  for (const auto& u : engine.sharded_units()) {
+    const std::string base = "/units/" + std::to_string(u.index);
+    mine([&] {
+      h5::Id g = h5::require_group(file, base);
+      h5::write_attribute(g, "module_path", u.module_path);
+      h5::write_attribute(g, "param_names", u.param_names);
+      std::vector<std::int64_t> ndims, dims;
+      for (const auto& shape : u.shapes) {
+        ndims.push_back(static_cast<std::int64_t>(shape.size()));
+        dims.insert(dims.end(), shape.begin(), shape.end());
+      }
+      h5::write_attribute(g, "param_ndims", ndims);
+      h5::write_attribute(g, "param_dims", dims);
+      h5::write_attribute(g, "numel", u.layout.numel());
+      h5::write_attribute(g, "padded_numel", u.layout.padded_numel());
+      h5::write_attribute(g, "shard_numel", u.layout.shard_numel());
+    });
+    if (u.param_names.empty()) continue;
+    mine([&] { write_flat(base + "/flat", u.shard); });
+    if (const auto view = shard_optimizer_state(engine, opt, u)) {  // present on every rank alike (checked on entry)
+      mine([&] {
+        for (const auto& [name, t] : view->tensors) write_flat(base + "/optim/" + name, t);
+        h5::Id og = h5::require_group(file, base + "/optim");
+        h5::write_attribute(og, "step", view->step);
+      });
+    }
   }
-  if (opt) write_optimizer_attributes(file, *opt);
-  write_train_group(file, state);
-  if (options.save_rng_state) {
-    const auto mine = saved_rng_state(engine).contiguous().view({1, -1});
-    write_rng_rows(file, mine, 1, 0, false, H5P_DEFAULT);
-  }
-  h5::write_attribute(file, "num_tensors", tensors);
-  file.close("cannot close (flush) '" + path + "'");
+  mine([&] {
+    if (options.on_stage) options.on_stage("writing", state.step);
+    for (const auto& [name, buffer] : named_buffers_of(engine)) {
+      write_buffer(file, name, buffer, true, H5P_DEFAULT);
+      ++tensors;
+    }
+    if (opt) write_optimizer_attributes(file, *opt);
+    write_train_group(file, state);
+    if (options.save_rng_state) {
+      const auto rows = saved_rng_state(engine).contiguous().view({1, -1});
+      write_rng_rows(file, rows, 1, 0, false, H5P_DEFAULT);
+    }
+    h5::write_attribute(file, "num_tensors", tensors);
+    file.close("cannot close (flush) '" + path + "'");
+  });
+  return error;
 }
 
 /// Every rank enters a collective checkpoint call, or the ones that did fail after the deadline.
@@ -296,6 +311,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
   const auto t0 = std::chrono::steady_clock::now();
   auto& world = engine.comm();
   detail::arrive_together(world, options, "save_checkpoint");
+  detail::synchronize_shards_of(engine);
   const TrainState written = detail::broadcast_train_state(world, state);
   detail::check_ranks_agree(engine, optimizer, options);
   const std::string name = ckpt::checkpoint_name(written.step);
@@ -335,10 +351,8 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
     case StateDictType::FULL_STATE_DICT: detail::write_full_file(engine, optimizer, tmp.string(), written, options, created, written.deck); break;
     case StateDictType::LOCAL_STATE_DICT: {
       const auto file = tmp / ckpt::local_rank_file(world.rank());
-      error = detail::capture_error([&] {
-        detail::write_local_file(engine, optimizer, file.string(), written, options, created, written.deck);
-        ckpt::fsync_path(file);
-      });
+      error = detail::write_local_file(engine, optimizer, file.string(), written, options, created, written.deck);
+      if (!error) error = detail::capture_error([&] { ckpt::fsync_path(file); });
       detail::agree(world, error);
       break;
     }

@@ -33,13 +33,18 @@ MpiComm duplicate_as_mpi(Comm& comm) {
     return comm.mpi().split(0, comm.mpi().rank());
 }
 
-/// A host tensor to stage `like` in: page-locked when `like` is on a GPU, so the copy is a plain DMA;
-/// zero-filled, so that its pages are mapped now rather than during a save's copy.
-inline torch::Tensor staging_like(const torch::Tensor& like) {
-  return torch::zeros(like.sizes(), torch::TensorOptions().dtype(like.scalar_type()).device(torch::kCPU).pinned_memory(like.is_cuda()));
+/// A host tensor of `sizes` to stage `like`'s kind of data in: page-locked when `like` is on a GPU, so
+/// the copy is a plain DMA; zero-filled, so that its pages are mapped now rather than during a save's copy.
+inline torch::Tensor staging_like(const torch::Tensor& like, c10::IntArrayRef sizes) {
+  return torch::zeros(sizes, torch::TensorOptions().dtype(like.scalar_type()).device(torch::kCPU).pinned_memory(like.is_cuda()));
 }
-inline bool same_shape_and_type(const torch::Tensor& a, const torch::Tensor& b) {
-  return a.defined() && b.defined() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type();
+inline torch::Tensor staging_like(const torch::Tensor& like) { return staging_like(like, like.sizes()); }
+
+/// The sizes a unit's optimizer state `t` has in a checkpoint: the shard's, also when the optimizer
+/// holds a replica part of it.
+inline std::vector<std::int64_t> checkpoint_sizes(const ShardedUnit& u, const torch::Tensor& t) {
+  if (u.optimizer_sharded_over_replicas()) return {u.layout.shard_numel()};
+  return t.sizes().vec();
 }
 }  // namespace detail
 
@@ -56,15 +61,17 @@ class CheckpointSnapshot {
   CheckpointSnapshot& operator=(const CheckpointSnapshot&) = delete;
 
   /// Copies the engine's shards, `optimizer`'s state for them (null: none), the buffers and the CPU RNG
-  /// state into host buffers, allocated at the first capture and reused by the next ones. Local: the
-  /// only part of an asynchronous save that holds up training.
+  /// state into host buffers, allocated at the first capture and reused by the next ones: the only part
+  /// of an asynchronous save that holds up training. Local, except with the optimizer sharded over the
+  /// replicas: then its parts are all-gathered into the shards' shape first (collective).
   void capture(Engine& engine, const torch::optim::Optimizer* optimizer) {
     torch::NoGradGuard no_grad;
+    detail::synchronize_shards_of(engine);
     const auto live = engine.sharded_units();
     reserve_units(live);
     for (std::size_t k = 0; k < live.size(); ++k)
       if (live[k].shard.defined()) units_[k].shard.copy_(live[k].shard);
-    capture_optimizer(optimizer, live);
+    capture_optimizer(engine, optimizer, live);
     const auto buffers = named_buffers_of(engine);
     reserve_buffers(buffers);
     for (std::size_t b = 0; b < buffers.size(); ++b) buffers_[b].second.copy_(buffers[b].second);
@@ -84,10 +91,9 @@ class CheckpointSnapshot {
     reserve_buffers(named_buffers_of(engine));
     if (!optimizer) return;
     for (std::size_t k = 0; k < live.size(); ++k) {
-      if (!live[k].shard.defined()) continue;
-      const auto it = optimizer->state().find(optimizer_state_key(live[k].shard));
-      if (it == optimizer->state().end()) continue;
-      for (const auto& [name, t] : optimizer_state_view(*it->second).tensors) staging_for(optim_staging_[k][name], t);
+      const auto view = detail::unit_optimizer_state(optimizer, live[k]);
+      if (!view) continue;
+      for (const auto& [name, t] : view->tensors) staging_for(optim_staging_[k][name], t, detail::checkpoint_sizes(live[k], t));
     }
   }
 
@@ -137,13 +143,13 @@ class CheckpointSnapshot {
  private:
   /// The stand-in optimizer has the live one's type, groups and options, with the staged shards as its
   /// parameters; its per-parameter state points at staging copies of the live state.
-  void capture_optimizer(const torch::optim::Optimizer* live, const std::vector<ShardedUnit>& live_units) {
+  void capture_optimizer(Engine& engine, const torch::optim::Optimizer* live, const std::vector<ShardedUnit>& live_units) {
     has_optimizer_ = live != nullptr;
     if (!live) return;
     if (!optimizer_) {
       std::map<const c10::TensorImpl*, torch::Tensor> staged_of;
       for (std::size_t k = 0; k < live_units.size(); ++k)
-        if (live_units[k].shard.defined()) staged_of[live_units[k].shard.unsafeGetTensorImpl()] = units_[k].shard;
+        if (live_units[k].optimized.defined()) staged_of[live_units[k].optimized.unsafeGetTensorImpl()] = units_[k].shard;
       std::vector<torch::optim::OptimizerParamGroup> groups;
       for (const auto& g : live->param_groups()) {
         std::vector<torch::Tensor> params;
@@ -160,30 +166,32 @@ class CheckpointSnapshot {
     for (std::size_t g = 0; g < live->param_groups().size(); ++g) optimizer_->param_groups()[g].set_options(live->param_groups()[g].options().clone());
     optimizer_->state().clear();
     for (std::size_t k = 0; k < live_units.size(); ++k) {
-      const auto& shard = live_units[k].shard;
-      if (!shard.defined()) continue;
-      const auto it = live->state().find(optimizer_state_key(shard));
-      if (it == live->state().end()) continue;
-      OptimizerStateView view = optimizer_state_view(*it->second);
-      for (auto& [name, t] : view.tensors) {
-        auto& staged = staging_for(optim_staging_[k][name], t);
+      auto view = detail::shard_optimizer_state(engine, live, live_units[k]);  // every rank alike
+      if (!view) continue;
+      for (auto& [name, t] : view->tensors) {
+        auto& staged = staging_for(optim_staging_[k][name], t, t.sizes());
         staged.copy_(t);
         t = staged;
       }
-      optimizer_->state()[optimizer_state_key(units_[k].shard)] = make_optimizer_state(*live, view);
+      optimizer_->state()[optimizer_state_key(units_[k].shard)] = make_optimizer_state(*live, *view);
     }
   }
 
-  /// `staged`, (re)allocated when it does not match `like`.
-  static torch::Tensor& staging_for(torch::Tensor& staged, const torch::Tensor& like) {
-    if (!detail::same_shape_and_type(staged, like)) staged = detail::staging_like(like);
+  /// `staged`, (re)allocated when it does not have `sizes` and `like`'s dtype.
+  static torch::Tensor& staging_for(torch::Tensor& staged, const torch::Tensor& like, c10::IntArrayRef sizes) {
+    if (!staged.defined() || staged.sizes() != sizes || staged.scalar_type() != like.scalar_type()) staged = detail::staging_like(like, sizes);
     return staged;
   }
+  static torch::Tensor& staging_for(torch::Tensor& staged, const torch::Tensor& like) { return staging_for(staged, like, like.sizes()); }
   void reserve_units(const std::vector<ShardedUnit>& live) {
     if (units_.empty()) {
       units_ = live;
-      for (auto& u : units_)
+      for (auto& u : units_) {
         if (u.shard.defined()) u.shard = detail::staging_like(u.shard);
+        u.optimized = u.shard;  // the stand-in optimizer holds shard-shaped state
+        u.replicas = 1;
+        u.replica_rank = 0;
+      }
       optim_staging_.resize(units_.size());
     }
     if (live.size() != units_.size()) throw CheckpointError("checkpoint snapshot: the engine's units changed since the first capture");

@@ -279,12 +279,48 @@ inline void write_optimizer_attributes(hid_t file, const torch::optim::Optimizer
   h5::write_attribute(g, "lr", lrs);
 }
 
-/// The optimizer state of a unit's shard, if the optimizer has any for it.
+/// The optimizer state of a unit as the optimizer holds it (shaped like `optimized`), if it has any. Local.
 inline std::optional<OptimizerStateView> unit_optimizer_state(const torch::optim::Optimizer* opt, const ShardedUnit& u) {
-  if (!opt || !u.shard.defined()) return std::nullopt;
-  const auto it = opt->state().find(optimizer_state_key(u.shard));
+  const torch::Tensor& key = u.optimized.defined() ? u.optimized : u.shard;
+  if (!opt || !key.defined()) return std::nullopt;
+  const auto it = opt->state().find(optimizer_state_key(key));
   if (it == opt->state().end()) return std::nullopt;
   return optimizer_state_view(*it->second);
+}
+
+/// The optimizer state of a unit shaped like its shard, as checkpoints store it: with the optimizer
+/// sharded over the replicas their parts all-gathered (collective over the engine's replica group,
+/// every rank alike), otherwise as the optimizer holds it.
+template <class Engine>
+std::optional<OptimizerStateView> shard_optimizer_state(Engine& engine, const torch::optim::Optimizer* opt, const ShardedUnit& u) {
+  auto view = unit_optimizer_state(opt, u);
+  if (!view || !u.optimizer_sharded_over_replicas()) return view;
+  auto& replicas = engine.replica_comm();
+  for (auto& [name, t] : view->tensors) {
+    const auto part = t.detach().contiguous();
+    auto room = torch::empty({part.numel() * u.replicas}, part.options());
+    replicas.all_gather(part.data_ptr(), room.data_ptr(), part.numel(), to_comm_dtype(part.scalar_type()));
+    t = room.narrow(0, 0, u.layout.shard_numel());
+  }
+  return view;
+}
+
+/// This rank's replica part of `t`, a shard-shaped optimizer state tensor read from a checkpoint (zero
+/// past the shard), when the optimizer is sharded over the replicas; `t` itself otherwise. Local.
+inline torch::Tensor optimizer_part_of(const ShardedUnit& u, const torch::Tensor& t) {
+  if (!u.optimizer_sharded_over_replicas()) return t;
+  const FlatRange range = u.optimized_range();
+  auto part = torch::zeros({range.numel()}, t.options());
+  const FlatRange inside = intersect(range, {0, t.numel()});
+  part.narrow(0, 0, inside.numel()).copy_(t.narrow(0, inside.begin, inside.numel()));
+  return part;
+}
+
+/// The engine's shards made current before they are read for a checkpoint or an export (the optimizer
+/// may have updated replica parts of them, see FullyShardedDataParallel::synchronize_shards). Collective.
+template <class Engine>
+void synchronize_shards_of(Engine& engine) {
+  if constexpr (requires { engine.synchronize_shards(); }) engine.synchronize_shards();
 }
 
 /// Creates /model/<fqn> for each parameter and buffer, /optim/<fqn>/<state>, and hard links for tied

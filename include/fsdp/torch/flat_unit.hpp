@@ -26,7 +26,10 @@ struct FlatUnit {
   std::vector<torch::Tensor> params;  // the module's own parameter tensors (aliased to views of `full`)
   std::vector<std::vector<std::int64_t>> shapes;
   FlatLayout layout;
-  torch::Tensor shard;  // leaf, requires grad: what the optimizer sees
+  torch::Tensor shard;      // this rank's part of the flat parameter over the shard group (gathered from)
+  torch::Tensor optimized;  // leaf, requires grad: what the optimizer updates; `shard`, or its replica part (optimizer sharded over the world)
+  std::int64_t optimized_offset = 0;           // where `optimized` begins in `shard`
+  std::int64_t replicas_synced_version = -1;   // shard's version counter when the replicas' parts were last all-gathered into it
   torch::Tensor full;   // padded flat buffer; storage freed while resharded (group size > 1)
   bool gathered = false;
   std::int64_t gathered_version = 0;  // shard's version counter when `full` was last gathered

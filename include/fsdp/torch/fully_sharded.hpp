@@ -185,6 +185,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   /// same on every rank) are kept; without it they are discarded. Collective on entry; the end is local.
   [[nodiscard]] FullParamsScope summon_full_params(bool writeback = false) {
     for (auto& u : units_) finish_prefetch(*u);  // a prefetch left by a forward that did not use it
+    synchronize_shards();
     std::vector<int> gathered_here;
     std::vector<torch::Tensor> saved(units_.size());
     for (auto& u : units_) {
@@ -214,19 +215,21 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     const bool is_inf = std::isinf(norm_type);
     double local = 0;
     for (const auto& u : units_) {
-      if (!u->shard.defined() || !u->shard.grad().defined()) continue;
-      const auto g = u->shard.grad().to(torch::kDouble).abs();
+      if (!u->optimized.defined() || !u->optimized.grad().defined()) continue;
+      const auto g = u->optimized.grad().to(torch::kDouble).abs();
       if (is_inf)
         local = std::max(local, g.numel() ? g.max().template item<double>() : 0.0);
       else
         local += g.pow(norm_type).sum().template item<double>();
     }
-    shard_comm_.all_reduce(&local, &local, 1, DType::kFloat64, is_inf ? ReduceOp::kMax : ReduceOp::kSum);
+    // The parts are disjoint over the shard group, or over the world when the optimizer is sharded there.
+    Comm& holders = this->optimizer_sharded_over_replicas() ? world_ : shard_comm_;
+    holders.all_reduce(&local, &local, 1, DType::kFloat64, is_inf ? ReduceOp::kMax : ReduceOp::kSum);
     const double total = is_inf ? local : std::pow(local, 1.0 / norm_type);
     const double coef = max_norm / (total + 1e-6);
     if (coef < 1) {
       for (auto& u : units_)
-        if (u->shard.defined() && u->shard.grad().defined()) u->shard.mutable_grad().mul_(coef);
+        if (u->optimized.defined() && u->optimized.grad().defined()) u->optimized.mutable_grad().mul_(coef);
     }
     return total;
   }
@@ -240,8 +243,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> finite;  // per unit, read once at the end: one host sync, not one per unit
     for (auto& u : units_) {
-      if (!u->shard.defined() || !u->shard.grad().defined()) continue;
-      auto& g = u->shard.mutable_grad();
+      if (!u->optimized.defined() || !u->optimized.grad().defined()) continue;
+      auto& g = u->optimized.mutable_grad();
       finite.push_back(torch::isfinite(g).all());
       g.mul_(1.0 / scale);
     }
@@ -275,6 +278,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   std::vector<std::pair<std::string, torch::Tensor>> full_parameters() {
     std::vector<std::pair<std::string, torch::Tensor>> out;
     torch::NoGradGuard no_grad;
+    synchronize_shards();
     for (auto& u : units_) {
       if (u->params.empty()) continue;
       const auto flat = gather_flat(u->info.index, u->shard);  // master precision, one unit at a time
@@ -293,7 +297,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
       m.largest_unit_bytes = std::max(m.largest_unit_bytes, padded_bytes);
       if (!u->shard.defined()) continue;
       m.shard_param_bytes += u->shard.numel() * elem;
-      if (u->shard.grad().defined()) m.grad_bytes += u->shard.grad().numel() * elem;
+      if (u->optimized.grad().defined()) m.grad_bytes += u->optimized.grad().numel() * elem;
       if (u->unsynced_grad.defined()) m.grad_bytes += u->unsynced_grad.numel() * elem;
       if (u->gathered && u->needs_gather()) m.gathered_param_bytes += u->layout.padded_numel() * static_cast<std::int64_t>(u->full.element_size());
     }
@@ -340,11 +344,24 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   std::vector<ShardedUnit> sharded_units() const {
     std::vector<ShardedUnit> out;
     out.reserve(units_.size());
-    for (const auto& u : units_)
-      out.push_back(
-          {u->info.index, u->info.module_path, u->frozen, u->info.param_names, u->shapes, u->dtype, u->layout, shard_comm_.rank(), u->shard});
+    const bool parts = this->optimizer_sharded_over_replicas();
+    for (const auto& u : units_) {
+      ShardedUnit s{u->info.index, u->info.module_path, u->frozen, u->info.param_names, u->shapes, u->dtype, u->layout, shard_comm_.rank(), u->shard};
+      s.optimized = u->optimized;
+      if (parts && !u->frozen && !u->params.empty()) {
+        s.replicas = replica_comm_.size();
+        s.replica_rank = replica_comm_.rank();
+      }
+      out.push_back(std::move(s));
+    }
     return out;
   }
+
+  /// With FsdpOptions::optimizer_sharding = WORLD: all-gathers across the replicas the parts of the
+  /// group shards that the optimizer updated, so that every shard (sharded_units(), checkpoints,
+  /// exports) is current; forward, the gathering functions and the checkpoint functions call it.
+  /// Collective; a no-op otherwise.
+  void synchronize_shards() { Runtime::synchronize_shards(); }
 
   /// The dtype buffer `name` is checkpointed in: its own, from before MixedPrecision::buffer_dtype.
   c10::ScalarType checkpoint_buffer_dtype(const std::string& name, const torch::Tensor& buffer) const {
@@ -361,6 +378,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   /// The padded flat tensor of unit `unit` assembled from each shard rank's `shard_like` (the shard
   /// itself, or an optimizer state of the same shape). Collective over the shard group.
   torch::Tensor gather_flat(int unit, const torch::Tensor& shard_like) {
+    if (shard_like.is_same(units_.at(static_cast<std::size_t>(unit))->shard)) synchronize_shards();
     const auto& u = *units_.at(static_cast<std::size_t>(unit));
     auto src = shard_like.detach().to(compute_device_).contiguous();
     if (src.numel() != u.layout.shard_numel())
@@ -504,22 +522,24 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
       }
       u.offloaded = options_.offload_params && !compute_device_.is_cpu();
       if (u.offloaded) {  // the master shard in (pinned) host memory; `full` stays on the device
-        auto host = detail::narrow_flat(full, u.layout.rank_range(shard_rank)).to(torch::kCPU).pin_memory();
-        u.shard = host.requires_grad_(!u.frozen);
+        u.shard = detail::narrow_flat(full, u.layout.rank_range(shard_rank)).to(torch::kCPU).pin_memory();
         u.full = full;
       } else if (group == 1) {
-        u.shard = full.detach().requires_grad_(!u.frozen);
-        u.full = u.shard.detach();  // same storage: nothing to gather
+        u.shard = full.detach();
+        u.full = u.shard.detach();  // same storage: nothing to gather (and no gradient edge when the shard is the optimizer's)
       } else {
-        u.shard = detail::narrow_flat(full, u.layout.rank_range(shard_rank)).clone().requires_grad_(!u.frozen);
+        u.shard = detail::narrow_flat(full, u.layout.rank_range(shard_rank)).clone();
         u.full = full;
       }
+      u.optimized = u.shard;
+      if (this->optimizer_sharded_over_replicas() && !u.frozen) split_shard_over_replicas(u);
+      u.optimized.requires_grad_(!u.frozen);
       if (u.low_precision) u.full = full.to(*mp.param_dtype);  // its own storage, refilled by gather()
       u.gathered = true;
       u.point_params_at(u.full);
       for (const auto& p : u.params) u.param_views.push_back(p.data());  // shares `full`'s storage, also once freed
       reshard(u);
-      if (!u.frozen) register_parameter("flat_shard_" + std::to_string(u.info.index), u.shard, /*requires_grad=*/true);
+      if (!u.frozen) register_parameter("flat_shard_" + std::to_string(u.info.index), u.optimized, /*requires_grad=*/true);
     }
     if (caller_rng) {
       at::Generator generator = at::detail::getDefaultCPUGenerator();  // shares the default generator
@@ -529,6 +549,23 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     if (sync)
       for (auto& b : module_->buffers(/*recurse=*/true))
         if (b.defined() && b.numel() > 0) broadcast(b);
+  }
+
+  // Optimizer sharded over the world: the shard moves into storage with room for every replica's part
+  // (zero past the shard), and the optimizer gets this replica's part, a view of it, so that its
+  // updates land in the shard directly; synchronize_shards() brings in the others'.
+  void split_shard_over_replicas(detail::FlatUnit& u) {
+    torch::NoGradGuard no_grad;
+    const std::int64_t replicas = replica_comm_.size();
+    const FlatRange part = replica_part_range(u.layout.shard_numel(), replicas, replica_comm_.rank());
+    auto room = torch::zeros({part.numel() * replicas}, u.shard.options().pinned_memory(u.offloaded));
+    room.narrow(0, 0, u.shard.numel()).copy_(u.shard);
+    const bool shares_full = u.full.storage().is_alias_of(u.shard.storage());
+    u.shard = room.narrow(0, 0, u.shard.numel());
+    if (shares_full) u.full = u.shard.detach();
+    u.optimized = room.narrow(0, part.begin, part.numel());
+    u.optimized_offset = part.begin;
+    u.replicas_synced_version = u.shard._version();
   }
 
   void end_summon(bool writeback, const std::vector<int>& gathered_here, const std::vector<torch::Tensor>& saved) {

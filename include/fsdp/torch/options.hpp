@@ -66,6 +66,12 @@ struct FsdpOptions {
   int reshard_after_forward_group = 0;
   /// Ranks per shard group for the hybrid strategies (hfai's fsdp_group_size); 0 = the ranks of a node.
   int shard_group_size = 0;
+  /// The hybrid strategies' optimizer state and fp32 master shards: split over the shard group like the
+  /// parameters (GROUP), or over every rank (WORLD, Megatron-FSDP's HFSDP): each replica updates
+  /// 1/replicas of its group shard, gradients are reduce-scattered across the replicas instead of
+  /// all-reduced, and the updated parts are all-gathered back into the group shards at the next forward
+  /// (or checkpoint). The optimizer's parameters are then those parts (parameters()).
+  OptimizerSharding optimizer_sharding = OptimizerSharding::GROUP;
   /// After each training forward: average floating-point buffers (e.g. BatchNorm running stats) and
   /// broadcast integer ones from rank 0, so every rank holds the same buffers.
   bool sync_buffers = true;
@@ -172,6 +178,15 @@ struct ShardedUnit {
   FlatLayout layout;
   int shard_rank = 0;  ///< this rank's place in the shard group
   torch::Tensor shard;
+  /// The tensor the optimizer updates (the engine's parameter): `shard` itself, or with the optimizer
+  /// sharded over the world this replica's part of it (replica_part_range), a view into the shard's
+  /// storage. Optimizer state is keyed by and shaped like this tensor.
+  torch::Tensor optimized;
+  int replicas = 1;  ///< parts the shard is split into for the optimizer (1: optimizer state sharded like the shard)
+  int replica_rank = 0;
+  bool optimizer_sharded_over_replicas() const noexcept { return replicas > 1; }
+  /// Where `optimized` lies in `shard` (it may run past its end into padding).
+  FlatRange optimized_range() const { return optimizer_sharded_over_replicas() ? replica_part_range(layout.shard_numel(), replicas, replica_rank) : FlatRange{0, layout.shard_numel()}; }
   bool empty() const noexcept { return param_names.empty(); }
   /// The flat elements this rank holds.
   FlatRange own_range() const { return layout.rank_range(shard_rank); }

@@ -1,5 +1,5 @@
 // Gradient reductions overlapped with the rest of backward (torch layer): a unit's reduce-scatter and
-// replica all-reduce run on the collective worker while backward goes on; at the end of backward the
+// replica reduction run on the collective worker while backward goes on; at the end of backward the
 // results are waited for in submission order and summed per unit, so the engine can add them to the
 // shards' gradients exactly as AccumulateGrad would (bit-identical to reducing synchronously).
 #pragma once
@@ -23,7 +23,6 @@
 
 namespace fsdp::detail {
 
-template <class Comm>
 class OverlappedReductions {
  public:
   /// Sharded units keep at most this many unreduced full-size gradients waiting (a memory bound);
@@ -32,29 +31,26 @@ class OverlappedReductions {
   /// A unit's reduced shard gradient in its master shard's dtype and memory.
   using ToMaster = std::function<torch::Tensor(int unit, const torch::Tensor& shard_grad)>;
 
-  /// `shard_group` / `replica_group`: the worker's duplicates (null where the group has one rank).
-  OverlappedReductions(CollectiveWorker& worker, Comm* shard_group, Comm* replica_group, OverlapStats& stats, ToMaster to_master)
-      : worker_(worker), shard_group_(shard_group), replica_group_(replica_group), stats_(stats), to_master_(std::move(to_master)) {}
+  OverlappedReductions(CollectiveWorker& worker, OverlapStats& stats, ToMaster to_master)
+      : worker_(worker), stats_(stats), to_master_(std::move(to_master)) {}
 
   OverlappedReductions(const OverlappedReductions&) = delete;
   OverlappedReductions& operator=(const OverlappedReductions&) = delete;
   ~OverlappedReductions() { discard(); }
 
-  /// Queues unit `unit`'s reduction of `flat` into `shard_grad` (reduce-scatter over the shard group
-  /// when `sharded`, then all-reduce over the replicas; both averaging). Waits first for the oldest
-  /// sharded ones beyond kMaxShardedInFlight.
-  void submit(int unit, bool sharded, const torch::Tensor& flat, const torch::Tensor& shard_grad, DType dt) {
+  /// Queues unit `unit`'s reduction: `collectives` (on the worker's duplicate groups; it holds its
+  /// buffers) write the reduced gradient into `result`. Waits first for the oldest sharded ones beyond
+  /// kMaxShardedInFlight.
+  void submit(int unit, bool sharded, std::function<void()> collectives, const torch::Tensor& result) {
     ++stats_.reductions_overlapped;
     if (sharded)
       while (in_flight_sharded() >= kMaxShardedInFlight) finish_oldest();
-    Comm* shard_group = sharded ? shard_group_ : nullptr;
-    auto done = worker_.submit([shard_group, replica_group = replica_group_, flat, shard_grad, dt, unit] {
+    auto done = worker_.submit([collectives = std::move(collectives), unit] {
       CollectiveWatchdog::instance().set_unit(unit);
-      if (shard_group) shard_group->reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
-      if (replica_group) replica_group->all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
+      collectives();
       CollectiveWatchdog::instance().set_unit(-1);
     });
-    pending_.push_back({unit, sharded, std::move(done), shard_grad});
+    pending_.push_back({unit, sharded, std::move(done), result});
   }
 
   /// Waits for every queued reduction and returns, per unit in the order they finished, the sum of
@@ -119,8 +115,6 @@ class OverlappedReductions {
   }
 
   CollectiveWorker& worker_;
-  Comm* shard_group_;
-  Comm* replica_group_;
   OverlapStats& stats_;
   ToMaster to_master_;
   std::deque<Pending> pending_;                         // this backward's reductions, oldest first

@@ -67,6 +67,10 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     const int r = world_.rank();
     shard_comm_ = world_.split(r / group, r);
     replica_comm_ = world_.split(r % group, r);
+    if (const auto why = optimizer_sharding_problem(options_.sharding_strategy, options_.optimizer_sharding); !why.empty())
+      throw ConfigError("optimizer_sharding = WORLD: " + why);
+    if (optimizer_sharded_over_replicas() && options_.offload_params && comm_moves_device_memory<Comm>())
+      throw ConfigError("optimizer_sharding = WORLD with offload_params: the replicas' parts would be all-gathered in host memory, which this communicator cannot move");
     const int kept = options_.reshard_after_forward_group;
     if (kept != 0) {
       if (options_.reshard_after_forward == false)
@@ -114,9 +118,8 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
         if (worker_replica_comm_) worker_replica_comm_->set_waiting_yields_cpu(true);
       }
       if (overlap_reduce)
-        reductions_ = std::make_unique<OverlappedReductions<Comm>>(
-            *worker_, worker_shard_comm_ ? &*worker_shard_comm_ : nullptr, worker_replica_comm_ ? &*worker_replica_comm_ : nullptr, overlap_,
-            [this](int unit, const torch::Tensor& shard_grad) { return to_master(*units_[static_cast<std::size_t>(unit)], shard_grad); });
+        reductions_ = std::make_unique<OverlappedReductions>(
+            *worker_, overlap_, [this](int unit, const torch::Tensor& shard_grad) { return to_master(*units_[static_cast<std::size_t>(unit)], shard_grad); });
     }
   }
 
@@ -252,7 +255,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   // Makes the module's parameters of `u` children of a fresh UnitGather node so backward reaches it.
   void graft(FlatUnit& u) {
     if (u.params.empty() || u.frozen || !torch::GradMode::is_enabled()) return;
-    auto views = UnitGather::apply(u.shard, engine_id_, static_cast<std::int64_t>(u.info.index), &u);
+    auto views = UnitGather::apply(u.optimized, engine_id_, static_cast<std::int64_t>(u.info.index), &u);
     for (std::size_t i = 0; i < u.params.size(); ++i)
       torch::autograd::impl::set_gradient_edge(u.params[i], torch::autograd::impl::gradient_edge(views[i]));
     ++u.pending_backward;
@@ -263,6 +266,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   void root_pre_forward() {
     end_of_backward_queued_ = false;          // a backward that threw never ran its end-of-backward callback
     if (reductions_) reductions_->discard();  // ... nor waited for its overlapped reductions: they must not reach a later step
+    synchronize_shards();
     order_.begin_forward();
     for (auto& u : units_) {
       u->entered = false;
@@ -312,8 +316,8 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   at::Tensor checkpoint_anchor(int unit) override {
     if (!options_.activation_checkpointing || unit == 0 || !torch::GradMode::is_enabled()) return {};
     const auto& u = *units_[static_cast<std::size_t>(unit)];
-    if (u.params.empty() || !u.shard.requires_grad()) return {};
-    return u.shard;
+    if (u.params.empty() || !u.optimized.requires_grad()) return {};
+    return u.optimized;
   }
 
   void post_forward(int unit, const std::vector<at::Tensor>& outputs, bool complete) override {
@@ -394,24 +398,79 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     const auto reduce_dtype = mp.reduce_dtype ? *mp.reduce_dtype : (mp.param_dtype ? *mp.param_dtype : u.dtype);
     if (reduce_dtype != flat.scalar_type()) flat = flat.to(reduce_dtype);  // the collectives move these bytes
     const DType dt = to_comm_dtype(flat.scalar_type());
-    torch::Tensor shard_grad = sharded ? torch::empty({u.layout.shard_numel()}, flat.options()) : flat;
+    // With the optimizer sharded over the world the group shard's gradient is reduce-scattered across
+    // the replicas into this rank's part: it needs room for all the parts (the last may run into padding).
+    const bool to_part = optimizer_sharded_over_replicas() && !u.frozen;
+    const std::int64_t shard_numel = u.layout.shard_numel();
+    const std::int64_t part_numel = u.optimized.numel();
+    const std::int64_t room = to_part ? part_numel * replica_comm_.size() : shard_numel;
+    torch::Tensor shard_grad;
+    if (sharded) {
+      shard_grad = torch::empty({room}, flat.options());
+      if (room > shard_numel) shard_grad.narrow(0, shard_numel, room - shard_numel).zero_();
+    } else {
+      shard_grad = room > flat.numel() ? torch::cat({flat, torch::zeros({room - flat.numel()}, flat.options())}) : flat;
+    }
+    const torch::Tensor part_grad = to_part ? torch::empty({part_numel}, flat.options()) : torch::Tensor();
+    if (to_part) parts_have_gradients_ = true;
+    const torch::Tensor result = to_part ? part_grad : shard_grad;
     if (overlap) {
       // The worker reduces while backward goes on; the shard's grad is set in end_of_backward, so
       // autograd gets no gradient for the shard here.
       queue_end_of_backward();
-      reductions_->submit(unit, sharded, flat, shard_grad, dt);
+      Comm* shard_group = sharded && worker_shard_comm_ ? &*worker_shard_comm_ : nullptr;
+      Comm* replica_group = worker_replica_comm_ ? &*worker_replica_comm_ : nullptr;
+      reductions_->submit(unit, sharded, [=] { reduce_gradient(shard_group, replica_group, flat, shard_grad, shard_numel, part_grad, dt); }, result);
       release_after_backward(u);
       trace_unit_span(u.backward_began_us, "backward ", u);
       return torch::Tensor();
     }
     ++overlap_.reductions_synchronous;
     CollectiveWatchdog::instance().set_unit(u.info.index);
-    if (sharded) shard_comm_.reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), u.layout.shard_numel(), dt, ReduceOp::kAvg);
-    if (replica_comm_.size() > 1) replica_comm_.all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_grad.numel(), dt, ReduceOp::kAvg);
+    reduce_gradient(sharded ? &shard_comm_ : nullptr, replica_comm_.size() > 1 ? &replica_comm_ : nullptr, flat, shard_grad, shard_numel, part_grad, dt);
     CollectiveWatchdog::instance().set_unit(-1);
     release_after_backward(u);
     trace_unit_span(u.backward_began_us, "backward ", u);
-    return to_master(u, shard_grad);
+    return to_master(u, result);
+  }
+
+  // One unit's gradient collectives, on the computing thread or the collective worker (with its
+  // duplicates of the groups), all averaging: a reduce-scatter of `flat` over the shard group into
+  // `shard_grad` (null group: not sharded, `shard_grad` is `flat`), then across the replicas an
+  // all-reduce of it, or with `part_grad` (optimizer sharded over the world) a reduce-scatter into that.
+  static void reduce_gradient(Comm* shard_group, Comm* replica_group, const torch::Tensor& flat, const torch::Tensor& shard_grad,
+                              std::int64_t shard_numel, const torch::Tensor& part_grad, DType dt) {
+    if (shard_group) shard_group->reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg);
+    if (!replica_group) return;
+    if (part_grad.defined())
+      replica_group->reduce_scatter(shard_grad.data_ptr(), part_grad.data_ptr(), part_grad.numel(), dt, ReduceOp::kAvg);
+    else
+      replica_group->all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg);
+  }
+
+  bool optimizer_sharded_over_replicas() const { return options_.optimizer_sharding == OptimizerSharding::WORLD && replica_comm_.size() > 1; }
+
+  // With the optimizer sharded over the world: all-gathers, across the replicas, the parts of every
+  // unit's group shard that an optimizer may have updated since the last time (each replica updates
+  // only its own part): after gradients reached the parts, or where a part was written in place. Not
+  // the version counter alone: LibTorch's SGD updates through .data(), which leaves it as it was.
+  // Every rank decides alike (the same steps everywhere). Collective over the replica group; a no-op
+  // otherwise.
+  void synchronize_shards() {
+    if (!optimizer_sharded_over_replicas()) return;
+    const bool after_gradients = std::exchange(parts_have_gradients_, false);
+    torch::NoGradGuard no_grad;
+    for (auto& up : units_) {
+      auto& u = *up;
+      if (u.params.empty() || u.frozen || (!after_gradients && u.shard._version() == u.replicas_synced_version)) continue;
+      finish_prefetch(u);  // the worker may be reading the shard
+      const auto part = u.optimized.detach().clone();  // MPI forbids the send buffer inside the receive buffer
+      const auto whole = u.shard.detach();
+      CollectiveWatchdog::instance().set_unit(u.info.index);
+      replica_comm_.all_gather(part.data_ptr(), whole.data_ptr(), part.numel(), to_comm_dtype(part.scalar_type()));
+      CollectiveWatchdog::instance().set_unit(-1);
+      u.replicas_synced_version = u.shard._version();
+    }
   }
 
   // A reduced gradient in the master shard's dtype and memory (host when offloaded).
@@ -425,7 +484,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     if (!reductions_) return;
     torch::NoGradGuard no_grad;
     for (auto& [unit, grad] : reductions_->finish()) {
-      auto& slot = units_[static_cast<std::size_t>(unit)]->shard.mutable_grad();
+      auto& slot = units_[static_cast<std::size_t>(unit)]->optimized.mutable_grad();
       if (slot.defined())
         slot.add_(grad);
       else
@@ -485,13 +544,14 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   std::optional<Comm> forward_group_comm_;                  // reshard_after_forward_group: this rank's group inside the shard group
   std::optional<Comm> worker_forward_group_comm_;           // ... and the worker's duplicate of it
   std::unique_ptr<CollectiveWorker> worker_;                // runs prefetched all-gathers and overlapped reductions
-  std::unique_ptr<OverlappedReductions<Comm>> reductions_;  // ... and wait there until the end of backward
+  std::unique_ptr<OverlappedReductions> reductions_;  // ... and wait there until the end of backward
   ExecutionOrder order_;                                    // which unit to prefetch next
   OverlapStats overlap_;
   std::vector<std::unique_ptr<FlatUnit>> units_;
   std::int64_t engine_id_ = 0;
   bool end_of_backward_queued_ = false;
   bool no_sync_ = false;
+  bool parts_have_gradients_ = false;  // optimizer sharded over the world: gradients reached the parts since the last synchronize_shards()
 };
 
 }  // namespace fsdp::detail
