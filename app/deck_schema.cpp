@@ -340,8 +340,8 @@ std::vector<KeySpec> make_schema() {
                .description = "hybrid strategies: who splits the optimizer state and fp32 master weights; group: the shard "
                               "group, like the parameters; world: every rank (Megatron-FSDP's HFSDP): gradients are "
                               "reduce-scattered across the replicas instead of all-reduced, each rank steps 1/world of the state, "
-                              "and the updated parts are all-gathered back into the group shards before the next forward. Same "
-                              "results; per rank the optimizer state and gradients shrink by the number of replica groups"});
+                              "and the updated parts are all-gathered back into the group shards before the next forward. The same "
+                              "training (within 1e-5); per rank the optimizer state and gradients shrink by the number of replica groups"});
   s.push_back({.key = "fsdp.offload_params",
                .type = T::kBool,
                .default_value = false,
@@ -396,6 +396,13 @@ std::vector<KeySpec> make_schema() {
                .choices = {"auto", "mpi", "nccl"},
                .description = "communication: mpi (CPU tensors), nccl (GPU tensors: needs a CUDA LibTorch, a visible GPU and an "
                               "fsdp-train built with NCCL; a clear error otherwise), auto (nccl when all that holds, else mpi)"});
+  s.push_back({.key = "fsdp.cuda_device",
+               .type = T::kInt,
+               .default_value = I{-1},
+               .min = -1,
+               .description = "backend nccl: the CUDA device index every rank uses (after CUDA_VISIBLE_DEVICES); -1: the only "
+                              "visible device when a rank sees one (srun --gpus-per-task=1, --gpu-bind), else the node-local rank "
+                              "modulo the visible devices (mpirun, srun showing every GPU)"});
   // [comm]
   s.push_back({.key = "comm.flight_recorder_entries",
                .type = T::kInt,

@@ -165,7 +165,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
       } else {  // NCCL: this rank's GPU on its node; NCCL's own deadline is comm.timeout_s
         fsdp::NcclOptions nccl;
         nccl.timeout_s = cfg.comm.timeout_s;
-        nccl.device = placement.local_rank;
+        nccl.device = cfg.fsdp.cuda_device;  // -1: fsdp::choose_device from what this rank sees
         auto comm = fsdp::NcclComm::from_mpi(world, nccl);
         options.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm.device()));
         model = std::make_shared<Engine>(net, comm, options);

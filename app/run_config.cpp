@@ -240,6 +240,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.deferred_init = deck.get_bool("fsdp.deferred_init");
   f.sync_module_states = deck.get_bool("fsdp.sync_module_states");
   f.backend = deck.get_string("fsdp.backend");
+  f.cuda_device = static_cast<int>(deck.get_int("fsdp.cuda_device"));
   f.backend_where = deck.entry("fsdp.backend").where;
   f.backend_resolved = resolve_backend(f.backend, f.backend_where, placement.gpu);
   // fsdp-plan probes no GPU (it may plan a GPU job on a login node): only a probed rank can refuse.

@@ -115,6 +115,7 @@ struct FsdpSection {
   bool deferred_init = false;
   bool sync_module_states = true;
   std::string backend;  ///< as asked: auto, mpi, nccl
+  int cuda_device = -1;  ///< fsdp.cuda_device: -1 chooses from what the rank sees (fsdp::choose_device)
   std::string backend_where;
   std::string backend_resolved;  ///< mpi or nccl (auto: nccl where a GPU is usable and NCCL built in)
 };

@@ -9,6 +9,7 @@
 #include <random>
 #include <stdexcept>
 
+#include "fsdp/core/device_choice.hpp"
 #include "fsdp/core/layout.hpp"
 #include "fsdp/core/loss_scale.hpp"
 #include "fsdp/core/execution_order.hpp"
@@ -525,4 +526,28 @@ BOOST_AUTO_TEST_CASE(dynamic_loss_scale_backs_off_and_grows_like_pytorchs_grad_s
   BOOST_TEST(floored.scale() == 2.0);
   BOOST_CHECK_THROW(fsdp::DynamicLossScale(fsdp::LossScaleOptions{.init_scale = 1, .min_scale = 2}), fsdp::ConfigError);
   BOOST_CHECK_THROW(fsdp::DynamicLossScale(fsdp::LossScaleOptions{.backoff_factor = 1.5}), fsdp::ConfigError);
+}
+
+BOOST_AUTO_TEST_CASE(each_rank_gets_its_own_gpu_under_every_launcher_layout) {
+  // mpirun, and srun without --gpus-per-task: every task sees the node's 4 GPUs; the node-local rank picks.
+  for (int local = 0; local < 4; ++local) BOOST_TEST(fsdp::choose_device(-1, local, 4) == local);
+  BOOST_TEST(fsdp::choose_device(-1, 5, 4) == 1);  // more ranks than GPUs: shared, which the node check then names
+  // srun --gpus-per-task=1 (or --gpu-bind=single:1, or CUDA_VISIBLE_DEVICES set per task): each task sees
+  // only its own GPU, as device 0, whatever its node-local rank.
+  for (int local = 0; local < 4; ++local) BOOST_TEST(fsdp::choose_device(-1, local, 1) == 0);
+  // ... and without a node-local rank (a launcher fsdp does not know) a single device still works.
+  BOOST_TEST(fsdp::choose_device(-1, -1, 1) == 0);
+  // An explicit choice wins, if visible.
+  BOOST_TEST(fsdp::choose_device(2, 0, 4) == 2);
+  BOOST_CHECK_EXCEPTION(fsdp::choose_device(1, 0, 1), fsdp::ConfigError,
+                        [](const fsdp::ConfigError& e) { return std::string(e.what()).find("sees 1 device(s)") != std::string::npos; });
+  BOOST_CHECK_EXCEPTION(fsdp::choose_device(-1, 0, 0), fsdp::ConfigError,
+                        [](const fsdp::ConfigError& e) { return std::string(e.what()).find("no CUDA device") != std::string::npos; });
+  BOOST_CHECK_THROW(fsdp::choose_device(-1, -1, 2), fsdp::ConfigError);
+  // Two ranks of a node on one GPU are named (NCCL cannot run them); distinct ones and ranks without a device pass.
+  BOOST_TEST(!fsdp::first_shared_device({"0000:01:00.0", "0000:02:00.0", ""}).has_value());
+  const auto shared = fsdp::first_shared_device({"0000:01:00.0", "0000:02:00.0", "0000:01:00.0"});
+  BOOST_REQUIRE(shared.has_value());
+  BOOST_TEST(shared->first == 0);
+  BOOST_TEST(shared->second == 2);
 }

@@ -94,7 +94,10 @@ int main(int argc, char** argv) {
   // Skip together: every rank must have a device, or none runs (no rank is left in a collective).
   const int devices = torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
   const int local_rank = world.split_node().rank();
-  int usable = devices > local_rank ? 1 : 0, all_usable = 0;
+  // Each rank on its own device: all of a node's GPUs visible to every rank (mpirun), or one per task
+  // (srun --gpus-per-task=1), as fsdp::choose_device picks them.
+  int ranks_on_node = world.split_node().size();
+  int usable = devices >= 1 && (devices == 1 || devices >= ranks_on_node) ? 1 : 0, all_usable = 0;
   world.all_reduce(&usable, &all_usable, 1, fsdp::DType::kInt32, fsdp::ReduceOp::kSum);
   if (all_usable != world.size()) {
     std::printf("rank %d: no CUDA device for every rank (%s): skipped\n", world.rank(),
@@ -104,9 +107,9 @@ int main(int argc, char** argv) {
   arm_collective_deadline(world.rank());          // a rank left alone in an MPI collective ends the run
   at::globalContext().setAllowTF32CuBLAS(false);  // fp32 means fp32 for the 1e-5 bar
   at::globalContext().setAllowTF32CuDNN(false);
-  const torch::Device device(torch::kCUDA, local_rank);
+  const int chosen = fsdp::choose_device(-1, local_rank, devices);
+  const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(chosen));
   fsdp::NcclOptions nccl;
-  nccl.device = local_rank;
   const auto comm = NcclComm::from_mpi(world, nccl);
   const auto ref = reference(world.size(), device);
 

@@ -7,6 +7,7 @@
 #include "fsdp/comm/agree.hpp"
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/mpi_comm.hpp"
+#include "fsdp/core/device_choice.hpp"
 #include "fsdp/core/layout.hpp"
 #include "fsdp/core/loss_scale.hpp"
 #include "fsdp/core/strategy.hpp"

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "fsdp/comm/nccl_utils.hpp"
+#include "fsdp/core/device_choice.hpp"
 #include "fsdp/core/layout.hpp"  // fnv1a64
 
 namespace fsdp {
@@ -43,24 +44,22 @@ inline int launcher_local_rank() {
   return -1;
 }
 
-/// The device for a rank: `requested` if >= 0, else local_rank modulo the visible device count.
+/// The device for a rank (choose_device() on the devices CUDA shows this process), or CommError.
 inline int pick_device(int requested, int local_rank) {
   int count = 0;
   const cudaError_t rc = cudaGetDeviceCount(&count);
   const std::string who = "rank " + std::to_string(process_rank()) + ": ";
-  if (rc != cudaSuccess || count == 0) {
-    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  const std::string visible_text = visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string();
+  if (rc != cudaSuccess || count == 0)
     throw CommError(who + "no CUDA device for NCCL (cudaGetDeviceCount: " +
-                    (rc == cudaSuccess ? std::string("0 devices") : std::string(cudaGetErrorName(rc)) + ": " + cudaGetErrorString(rc)) +
-                    (visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string()) + ")");
+                    (rc == cudaSuccess ? std::string("0 devices") : std::string(cudaGetErrorName(rc)) + ": " + cudaGetErrorString(rc)) + visible_text + ")");
+  try {
+    return choose_device(requested, local_rank, count);
+  } catch (const ConfigError& e) {
+    const std::string text = e.what();  // "[fsdp.config] ...": the id becomes fsdp.comm
+    throw CommError(who + text.substr(text.find("] ") + 2) + visible_text);
   }
-  if (requested >= 0) {
-    if (requested >= count)
-      throw CommError(who + "NcclOptions::device = " + std::to_string(requested) + " but only " + std::to_string(count) + " devices are visible");
-    return requested;
-  }
-  if (local_rank < 0) throw CommError(who + "no node-local rank to choose a CUDA device (set NcclOptions::device)");
-  return local_rank % count;
 }
 
 // ---- the id file of the Slurm bootstrap -----------------------------------------------------------

@@ -23,6 +23,7 @@
 // id file in nccl_bootstrap.hpp, as c10d keeps NCCLUtils.hpp apart from ProcessGroupNCCL.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -143,15 +144,29 @@ class NcclComm {
   static NcclComm from_mpi(const MpiComm& mpi, const NcclOptions& options = {}) {
     MpiComm m = mpi;
     set_process_rank_from_mpi();
-    const int local_rank = m.split_node().rank();
+    MpiComm node = m.split_node();
+    const int local_rank = node.rank();
     int device = -1;
     std::exception_ptr failure;
+    std::array<char, 64> identity{};  // the device's PCI bus id; empty where none was chosen
     try {
       device = detail::pick_device(options.device, local_rank);
       FSDP_CUDA_CHECK(cudaSetDevice(device));
+      FSDP_CUDA_CHECK(cudaDeviceGetPCIBusId(identity.data(), static_cast<int>(identity.size() - 1), device));
     } catch (const CommError&) {
       failure = std::current_exception();
     }
+    // Two ranks of a node on one GPU (more ranks than visible devices, or every task shown the same
+    // one) would fail inside NCCL's init: say so here, naming them.
+    std::vector<char> all(identity.size() * static_cast<std::size_t>(node.size()));
+    node.all_gather(identity.data(), all.data(), static_cast<std::int64_t>(identity.size()), DType::kUInt8);
+    std::vector<std::string> identities;
+    for (int r = 0; r < node.size(); ++r) identities.emplace_back(all.data() + static_cast<std::size_t>(r) * identity.size());
+    if (const auto shared = first_shared_device(identities); shared && !failure && (local_rank == shared->first || local_rank == shared->second))
+      failure = std::make_exception_ptr(CommError("rank " + std::to_string(detail::process_rank()) + ": node-local ranks " + std::to_string(shared->first) +
+                                                  " and " + std::to_string(shared->second) + " both chose the GPU at PCI bus " +
+                                                  identities[static_cast<std::size_t>(shared->first)] +
+                                                  ": give each rank its own (srun --gpus-per-task=1, or as many visible devices as ranks per node)"));
     agree(m, failure, "could not select a CUDA device");
 
     struct {
