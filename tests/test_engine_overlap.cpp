@@ -204,6 +204,26 @@ BOOST_AUTO_TEST_CASE(backward_after_the_model_is_destroyed_is_an_error) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(double_backward_through_a_unit_is_an_error_not_a_wrong_derivative) {
+  auto world = MpiComm::world();
+  torch::manual_seed(11);
+  auto net = std::make_shared<TwiceImpl>();
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+  auto model = fsdp::make_fsdp(net, world, options);
+  auto loss = model->forward(torch::randn({2, 8})).pow(2).sum();
+  try {
+    (void)torch::autograd::grad({loss}, model->parameters(), {}, /*retain_graph=*/true, /*create_graph=*/true);
+    BOOST_FAIL("expected an error");
+  } catch (const std::exception& e) {
+    BOOST_TEST(std::string(e.what()).find("create_graph") != std::string::npos, e.what());
+  }
+  // The model still trains after the refused backward.
+  model->zero_grad();
+  model->forward(torch::randn({2, 8})).sum().backward();
+  for (const auto& p : model->parameters()) BOOST_TEST(p.grad().defined());
+}
+
 /// Blocks with dropout inside, for activation checkpointing.
 struct DropBlockImpl : torch::nn::Module {
   DropBlockImpl(int64_t in, int64_t out, double p) : p_(p) { fc = register_module("fc", torch::nn::Linear(in, out)); }

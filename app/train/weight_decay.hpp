@@ -57,11 +57,7 @@ class WeightDecayMask {
           for (const auto& k : kinds) decay = decay && !exempt.count(k);
           if (decay) decays.narrow(0, slice.shard_offset, slice.numel).fill_(true);
         }
-        const FlatRange part = u.optimized_range();
-        const FlatRange inside = intersect(part, {0, u.shard.numel()});
-        auto mine = torch::zeros({part.numel()}, torch::kBool);  // past the shard: padding
-        mine.narrow(0, 0, inside.numel()).copy_(decays.narrow(0, inside.begin, inside.numel()));
-        unit.decays = mine.to(u.optimized.device());
+        unit.decays = u.optimized_part_of(decays).to(u.optimized.device());
       }
       units_.push_back(std::move(unit));
     }
@@ -81,7 +77,7 @@ class WeightDecayMask {
     }
   }
 
-  /// Elements of this rank's shards that decay (for tests and the echo).
+  /// Elements this rank's optimizer updates that decay (for tests and the echo).
   std::int64_t decaying_elements() const {
     std::int64_t n = 0;
     for (const auto& u : units_)

@@ -42,7 +42,7 @@ constexpr FlatRange shard_range(std::int64_t numel, std::int64_t group_size, std
 /// With the optimizer sharded over the world (OptimizerSharding::WORLD), the group shard of `shard`
 /// elements is split again over `replicas` ranks like a flat parameter over a group: replica q updates
 /// [q * part, (q + 1) * part) of it with part = ceil(shard / replicas); the last part may run past the
-/// shard (that tail is padding, always zero).
+/// shard, and with more replicas than elements whole parts may lie past it (padding, always zero).
 constexpr FlatRange replica_part_range(std::int64_t shard, std::int64_t replicas, std::int64_t replica_rank) {
   return shard_range(shard, replicas, replica_rank);
 }

@@ -97,6 +97,7 @@ class AsyncCheckpointer {
     start.previous = wait();
     detail::arrive_together(control_, options, "save_checkpoint");
     const auto t1 = Clock::now();
+    detail::synchronize_shards_of(engine);  // collective: every rank here, before any local failure can part them
     std::optional<std::string> error = detail::capture_error([&] { snapshot_->capture(engine, optimizer); });
     detail::agree(control_, error);
     start.waited_seconds = std::chrono::duration<double>(t1 - t0).count();

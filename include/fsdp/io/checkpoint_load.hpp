@@ -349,7 +349,7 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
       OptimizerStateView view;
       view.step = staged.units[i].optim_step;
       view.tensors = staged.units[i].optim;
-      for (auto& [name, t] : view.tensors) t = detail::optimizer_part_of(units[i], t);  // checkpoints hold shard-shaped state
+      for (auto& [name, t] : view.tensors) t = units[i].optimized_part_of(t);  // checkpoints hold shard-shaped state
       try {
         staged.optimizer_states[i] = make_optimizer_state(*optimizer, view);
       } catch (const ConfigError& e) {

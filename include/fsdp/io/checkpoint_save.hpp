@@ -311,9 +311,9 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
   const auto t0 = std::chrono::steady_clock::now();
   auto& world = engine.comm();
   detail::arrive_together(world, options, "save_checkpoint");
-  detail::synchronize_shards_of(engine);
   const TrainState written = detail::broadcast_train_state(world, state);
   detail::check_ranks_agree(engine, optimizer, options);
+  detail::synchronize_shards_of(engine);
   const std::string name = ckpt::checkpoint_name(written.step);
   const std::filesystem::path folder(dir);
   const auto tmp = folder / ckpt::temporary_name(name);

@@ -39,13 +39,6 @@ inline torch::Tensor staging_like(const torch::Tensor& like, c10::IntArrayRef si
   return torch::zeros(sizes, torch::TensorOptions().dtype(like.scalar_type()).device(torch::kCPU).pinned_memory(like.is_cuda()));
 }
 inline torch::Tensor staging_like(const torch::Tensor& like) { return staging_like(like, like.sizes()); }
-
-/// The sizes a unit's optimizer state `t` has in a checkpoint: the shard's, also when the optimizer
-/// holds a replica part of it.
-inline std::vector<std::int64_t> checkpoint_sizes(const ShardedUnit& u, const torch::Tensor& t) {
-  if (u.optimizer_sharded_over_replicas()) return {u.layout.shard_numel()};
-  return t.sizes().vec();
-}
 }  // namespace detail
 
 template <class Engine>
@@ -62,16 +55,19 @@ class CheckpointSnapshot {
 
   /// Copies the engine's shards, `optimizer`'s state for them (null: none), the buffers and the CPU RNG
   /// state into host buffers, allocated at the first capture and reused by the next ones: the only part
-  /// of an asynchronous save that holds up training. Local, except with the optimizer sharded over the
-  /// replicas: then its parts are all-gathered into the shards' shape first (collective).
+  /// of an asynchronous save that holds up training. Local. With the optimizer sharded over the
+  /// replicas its state is staged as the optimizer holds it (this rank's parts), and the write gathers
+  /// it over the snapshot's replica communicator; the shards must be current
+  /// (FullyShardedDataParallel::synchronize_shards(), which AsyncCheckpointer::save calls).
   void capture(Engine& engine, const torch::optim::Optimizer* optimizer) {
     torch::NoGradGuard no_grad;
-    detail::synchronize_shards_of(engine);
     const auto live = engine.sharded_units();
     reserve_units(live);
-    for (std::size_t k = 0; k < live.size(); ++k)
+    for (std::size_t k = 0; k < live.size(); ++k) {
       if (live[k].shard.defined()) units_[k].shard.copy_(live[k].shard);
-    capture_optimizer(engine, optimizer, live);
+      if (live[k].optimizer_sharded_over_replicas()) units_[k].optimized.copy_(live[k].optimized);
+    }
+    capture_optimizer(optimizer, live);
     const auto buffers = named_buffers_of(engine);
     reserve_buffers(buffers);
     for (std::size_t b = 0; b < buffers.size(); ++b) buffers_[b].second.copy_(buffers[b].second);
@@ -93,7 +89,7 @@ class CheckpointSnapshot {
     for (std::size_t k = 0; k < live.size(); ++k) {
       const auto view = detail::unit_optimizer_state(optimizer, live[k]);
       if (!view) continue;
-      for (const auto& [name, t] : view->tensors) staging_for(optim_staging_[k][name], t, detail::checkpoint_sizes(live[k], t));
+      for (const auto& [name, t] : view->tensors) staging_for(optim_staging_[k][name], t);
     }
   }
 
@@ -106,7 +102,10 @@ class CheckpointSnapshot {
     auto add = [&](const torch::Tensor& t) {
       if (t.defined()) bytes += t.numel() * static_cast<std::int64_t>(t.element_size());
     };
-    for (const auto& u : units_) add(u.shard);
+    for (const auto& u : units_) {
+      add(u.shard);
+      if (u.optimizer_sharded_over_replicas()) add(u.optimized);
+    }
     for (const auto& unit : optim_staging_)
       for (const auto& [name, t] : unit) add(t);
     for (const auto& [name, t] : buffers_) add(t);
@@ -143,13 +142,13 @@ class CheckpointSnapshot {
  private:
   /// The stand-in optimizer has the live one's type, groups and options, with the staged shards as its
   /// parameters; its per-parameter state points at staging copies of the live state.
-  void capture_optimizer(Engine& engine, const torch::optim::Optimizer* live, const std::vector<ShardedUnit>& live_units) {
+  void capture_optimizer(const torch::optim::Optimizer* live, const std::vector<ShardedUnit>& live_units) {
     has_optimizer_ = live != nullptr;
     if (!live) return;
     if (!optimizer_) {
       std::map<const c10::TensorImpl*, torch::Tensor> staged_of;
       for (std::size_t k = 0; k < live_units.size(); ++k)
-        if (live_units[k].optimized.defined()) staged_of[live_units[k].optimized.unsafeGetTensorImpl()] = units_[k].shard;
+        if (live_units[k].optimized.defined()) staged_of[live_units[k].optimized.unsafeGetTensorImpl()] = units_[k].optimized;
       std::vector<torch::optim::OptimizerParamGroup> groups;
       for (const auto& g : live->param_groups()) {
         std::vector<torch::Tensor> params;
@@ -166,14 +165,14 @@ class CheckpointSnapshot {
     for (std::size_t g = 0; g < live->param_groups().size(); ++g) optimizer_->param_groups()[g].set_options(live->param_groups()[g].options().clone());
     optimizer_->state().clear();
     for (std::size_t k = 0; k < live_units.size(); ++k) {
-      auto view = detail::shard_optimizer_state(engine, live, live_units[k]);  // every rank alike
+      auto view = detail::unit_optimizer_state(live, live_units[k]);
       if (!view) continue;
       for (auto& [name, t] : view->tensors) {
-        auto& staged = staging_for(optim_staging_[k][name], t, t.sizes());
+        auto& staged = staging_for(optim_staging_[k][name], t);
         staged.copy_(t);
         t = staged;
       }
-      optimizer_->state()[optimizer_state_key(units_[k].shard)] = make_optimizer_state(*live, *view);
+      optimizer_->state()[optimizer_state_key(units_[k].optimized)] = make_optimizer_state(*live, *view);
     }
   }
 
@@ -188,9 +187,8 @@ class CheckpointSnapshot {
       units_ = live;
       for (auto& u : units_) {
         if (u.shard.defined()) u.shard = detail::staging_like(u.shard);
-        u.optimized = u.shard;  // the stand-in optimizer holds shard-shaped state
-        u.replicas = 1;
-        u.replica_rank = 0;
+        // The stand-in optimizer's parameters: the staged shard, or a staged copy of the replica part.
+        u.optimized = u.optimizer_sharded_over_replicas() ? detail::staging_like(u.optimized) : u.shard;
       }
       optim_staging_.resize(units_.size());
     }

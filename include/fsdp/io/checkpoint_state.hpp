@@ -295,25 +295,12 @@ template <class Engine>
 std::optional<OptimizerStateView> shard_optimizer_state(Engine& engine, const torch::optim::Optimizer* opt, const ShardedUnit& u) {
   auto view = unit_optimizer_state(opt, u);
   if (!view || !u.optimizer_sharded_over_replicas()) return view;
-  auto& replicas = engine.replica_comm();
   for (auto& [name, t] : view->tensors) {
-    const auto part = t.detach().contiguous();
-    auto room = torch::empty({part.numel() * u.replicas}, part.options());
-    replicas.all_gather(part.data_ptr(), room.data_ptr(), part.numel(), to_comm_dtype(part.scalar_type()));
+    auto room = torch::empty({t.numel() * u.replicas}, t.options());
+    all_gather_parts(engine.replica_comm(), t, room);
     t = room.narrow(0, 0, u.layout.shard_numel());
   }
   return view;
-}
-
-/// This rank's replica part of `t`, a shard-shaped optimizer state tensor read from a checkpoint (zero
-/// past the shard), when the optimizer is sharded over the replicas; `t` itself otherwise. Local.
-inline torch::Tensor optimizer_part_of(const ShardedUnit& u, const torch::Tensor& t) {
-  if (!u.optimizer_sharded_over_replicas()) return t;
-  const FlatRange range = u.optimized_range();
-  auto part = torch::zeros({range.numel()}, t.options());
-  const FlatRange inside = intersect(range, {0, t.numel()});
-  part.narrow(0, 0, inside.numel()).copy_(t.narrow(0, inside.begin, inside.numel()));
-  return part;
 }
 
 /// The engine's shards made current before they are read for a checkpoint or an export (the optimizer

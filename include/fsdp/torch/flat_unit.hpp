@@ -28,8 +28,7 @@ struct FlatUnit {
   FlatLayout layout;
   torch::Tensor shard;      // this rank's part of the flat parameter over the shard group (gathered from)
   torch::Tensor optimized;  // leaf, requires grad: what the optimizer updates; `shard`, or its replica part (optimizer sharded over the world)
-  std::int64_t optimized_offset = 0;           // where `optimized` begins in `shard`
-  std::int64_t replicas_synced_version = -1;   // shard's version counter when the replicas' parts were last all-gathered into it
+  std::int64_t replicas_synced_version = -1;  // shard's version counter when the replicas' parts were last all-gathered into it
   torch::Tensor full;   // padded flat buffer; storage freed while resharded (group size > 1)
   bool gathered = false;
   std::int64_t gathered_version = 0;  // shard's version counter when `full` was last gathered
@@ -163,6 +162,16 @@ inline std::string join_path(const std::string& a, const std::string& b) { retur
 
 /// The elements `range` of a flat tensor (a view).
 inline torch::Tensor narrow_flat(const torch::Tensor& flat, FlatRange range) { return flat.narrow(0, range.begin, range.numel()); }
+
+/// Every replica's `part` of a shard (or of a shard-shaped optimizer state) all-gathered into `room`,
+/// replica q's at q * part.numel(); `room` holds part.numel() * replicas.size() elements and may hold
+/// `part` itself. Collective over `replicas`.
+template <class Comm>
+void all_gather_parts(Comm& replicas, const torch::Tensor& part, const torch::Tensor& room) {
+  // MPI forbids a send buffer inside the receive buffer.
+  const auto send = part.storage().is_alias_of(room.storage()) ? part.detach().clone() : part.detach().contiguous();
+  replicas.all_gather(send.data_ptr(), room.data_ptr(), send.numel(), to_comm_dtype(send.scalar_type()));
+}
 
 }  // namespace detail
 

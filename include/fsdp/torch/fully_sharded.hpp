@@ -1,12 +1,13 @@
 // FullyShardedDataParallel: wraps a torch::nn::Module so that each rank keeps 1/N of every unit's
 // flat parameter (torch layer). See docs/design.md for the flow of one step.
 //
-// Per unit: the parameters are flattened into one padded buffer `full`; each rank keeps the leaf
-// tensor `shard` (what the optimizer sees) and every module parameter is a view of `full`, whose
-// storage is freed while resharded and refilled by an all-gather. A custom autograd Function
-// (UnitGather) sits between `shard` and the parameter views: its backward packs the unit's gradients
-// into a flat buffer and reduce-scatters them, so autograd accumulates the averaged shard gradient
-// into `shard.grad()`.
+// Per unit: the parameters are flattened into one padded buffer `full`; each rank keeps `shard`, its
+// part over the shard group, and the leaf tensor `optimized` the optimizer updates (the shard itself,
+// or with the optimizer sharded over the world this replica's part of it); every module parameter is a
+// view of `full`, whose storage is freed while resharded and refilled by an all-gather. A custom
+// autograd Function (UnitGather) sits between `optimized` and the parameter views: its backward packs
+// the unit's gradients into a flat buffer and reduce-scatters them, so autograd accumulates the
+// averaged gradient into `optimized.grad()`.
 #pragma once
 
 #include <torch/csrc/autograd/engine.h>
@@ -376,7 +377,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   const std::map<std::string, std::vector<std::string>>& tied_parameter_aliases() const noexcept { return aliases_; }
 
   /// The padded flat tensor of unit `unit` assembled from each shard rank's `shard_like` (the shard
-  /// itself, or an optimizer state of the same shape). Collective over the shard group.
+  /// itself, or an optimizer state of the same shape). Collective over the shard group; given the shard
+  /// with the optimizer sharded over the world, first over the replica groups too (synchronize_shards()).
   torch::Tensor gather_flat(int unit, const torch::Tensor& shard_like) {
     if (shard_like.is_same(units_.at(static_cast<std::size_t>(unit))->shard)) synchronize_shards();
     const auto& u = *units_.at(static_cast<std::size_t>(unit));
@@ -564,7 +566,6 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     u.shard = room.narrow(0, 0, u.shard.numel());
     if (shares_full) u.full = u.shard.detach();
     u.optimized = room.narrow(0, part.begin, part.numel());
-    u.optimized_offset = part.begin;
     u.replicas_synced_version = u.shard._version();
   }
 

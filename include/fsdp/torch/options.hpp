@@ -186,7 +186,20 @@ struct ShardedUnit {
   int replica_rank = 0;
   bool optimizer_sharded_over_replicas() const noexcept { return replicas > 1; }
   /// Where `optimized` lies in `shard` (it may run past its end into padding).
-  FlatRange optimized_range() const { return optimizer_sharded_over_replicas() ? replica_part_range(layout.shard_numel(), replicas, replica_rank) : FlatRange{0, layout.shard_numel()}; }
+  FlatRange optimized_range() const {
+    return optimizer_sharded_over_replicas() ? replica_part_range(layout.shard_numel(), replicas, replica_rank) : FlatRange{0, layout.shard_numel()};
+  }
+  /// This rank's part of `shard_like` (a tensor shaped like the shard: a loaded optimizer state, a
+  /// mask), zero where the part runs past the shard; `shard_like` itself when the optimizer is not
+  /// sharded over the replicas.
+  torch::Tensor optimized_part_of(const torch::Tensor& shard_like) const {
+    if (!optimizer_sharded_over_replicas()) return shard_like;
+    const FlatRange part = optimized_range();
+    auto out = torch::zeros({part.numel()}, shard_like.options());
+    const FlatRange inside = intersect(part, {0, shard_like.numel()});
+    if (!inside.empty()) out.narrow(0, 0, inside.numel()).copy_(shard_like.narrow(0, inside.begin, inside.numel()));
+    return out;
+  }
   bool empty() const noexcept { return param_names.empty(); }
   /// The flat elements this rank holds.
   FlatRange own_range() const { return layout.rank_range(shard_rank); }

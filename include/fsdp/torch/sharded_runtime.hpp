@@ -73,8 +73,9 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       throw ConfigError("optimizer_sharding = WORLD with offload_params: the replicas' parts would be all-gathered in host memory, which this communicator cannot move");
     const int kept = options_.reshard_after_forward_group;
     if (kept != 0) {
-      if (options_.reshard_after_forward == false)
-        throw ConfigError("reshard_after_forward_group = " + std::to_string(kept) + " with reshard_after_forward = false: keeping a group shard after forward is a way of resharding");
+      if (!reshard_after_forward())
+        throw ConfigError("reshard_after_forward_group = " + std::to_string(kept) + " with reshard_after_forward = false (set, or " +
+                          to_string(options_.sharding_strategy) + "'s default): keeping a group shard after forward is a way of resharding");
       if (const auto why = reshard_group_problem(group, kept); !why.empty()) throw ConfigError("reshard_after_forward_group: " + why);
       const int s = shard_comm_.rank();
       forward_group_comm_.emplace(shard_comm_.split(s / kept, s));
@@ -266,11 +267,12 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   void root_pre_forward() {
     end_of_backward_queued_ = false;          // a backward that threw never ran its end-of-backward callback
     if (reductions_) reductions_->discard();  // ... nor waited for its overlapped reductions: they must not reach a later step
-    synchronize_shards();
+    synchronize_shards(/*step_may_follow=*/!torch::GradMode::is_enabled());
     order_.begin_forward();
     for (auto& u : units_) {
       u->entered = false;
       u->grafted_by_root = false;
+      u->kept_slice = torch::Tensor();  // kept for a backward that never came: the shard may have changed since
     }
     // The root unit and every nested unit not known to be called through fsdp::forward (frozen
     // companions follow their unit).
@@ -296,9 +298,12 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       }
     }
     if (!hooked && (complete || !torch::GradMode::is_enabled())) {
-      // Nothing will run backward through this forward: free what the root gathered.
-      for (auto& u : units_)
+      // Nothing will run backward through this forward: free what the root gathered, and the slices
+      // units kept for a backward.
+      for (auto& u : units_) {
         if (u->grafted_by_root) reshard(*u);
+        u->kept_slice = torch::Tensor();
+      }
     }
   }
 
@@ -371,8 +376,14 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
 
   torch::Tensor reduce_unit_grads(int unit, const torch::autograd::variable_list& grads) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
-    // A backward that builds a graph (create_graph) needs the shard gradient from this node itself.
-    const bool overlap = reductions_ && !torch::GradMode::is_enabled();
+    // Grad mode inside a backward node means create_graph: the packed, reduced gradient would be a
+    // constant to the next differentiation, a silently wrong second derivative. Every rank reaches the
+    // same first unit, before its collectives.
+    if (torch::GradMode::is_enabled())
+      throw ConfigError("backward with create_graph = true reached FSDP unit '" + u.trace_name() +
+                            "': its gradient's reduction is not differentiable again (no double backward through a wrapped module)",
+                        "fsdp.engine");
+    const bool overlap = reductions_ != nullptr;
     if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(order_.next_backward(unit), /*for_backward=*/true);
     torch::NoGradGuard no_grad;
     const bool sharded = u.layout.group_size() > 1;
@@ -409,7 +420,8 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       shard_grad = torch::empty({room}, flat.options());
       if (room > shard_numel) shard_grad.narrow(0, shard_numel, room - shard_numel).zero_();
     } else {
-      shard_grad = room > flat.numel() ? torch::cat({flat, torch::zeros({room - flat.numel()}, flat.options())}) : flat;
+      if (room > flat.numel()) flat = torch::cat({flat, torch::zeros({room - flat.numel()}, flat.options())});
+      shard_grad = flat;
     }
     const torch::Tensor part_grad = to_part ? torch::empty({part_numel}, flat.options()) : torch::Tensor();
     if (to_part) parts_have_gradients_ = true;
@@ -452,23 +464,26 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
 
   // With the optimizer sharded over the world: all-gathers, across the replicas, the parts of every
   // unit's group shard that an optimizer may have updated since the last time (each replica updates
-  // only its own part): after gradients reached the parts, or where a part was written in place. Not
-  // the version counter alone: LibTorch's SGD updates through .data(), which leaves it as it was.
+  // only its own part): whenever gradients reached the parts since the last training forward, or a
+  // part was written in place. Not the version counter alone: LibTorch's SGD updates through .data(),
+  // which leaves it as it was. A training forward ends that window (the step came before it), except
+  // with `step_may_follow` (a forward under no_grad, e.g. an evaluation between backward and step).
   // Every rank decides alike (the same steps everywhere). Collective over the replica group; a no-op
   // otherwise.
-  void synchronize_shards() {
+  void synchronize_shards(bool step_may_follow = true) {
     if (!optimizer_sharded_over_replicas()) return;
-    const bool after_gradients = std::exchange(parts_have_gradients_, false);
+    const bool after_gradients = parts_have_gradients_;
+    if (!step_may_follow) parts_have_gradients_ = false;
     torch::NoGradGuard no_grad;
     for (auto& up : units_) {
       auto& u = *up;
       if (u.params.empty() || u.frozen || (!after_gradients && u.shard._version() == u.replicas_synced_version)) continue;
       finish_prefetch(u);  // the worker may be reading the shard
-      const auto part = u.optimized.detach().clone();  // MPI forbids the send buffer inside the receive buffer
-      const auto whole = u.shard.detach();
       CollectiveWatchdog::instance().set_unit(u.info.index);
-      replica_comm_.all_gather(part.data_ptr(), whole.data_ptr(), part.numel(), to_comm_dtype(part.scalar_type()));
+      all_gather_parts(replica_comm_, u.optimized, u.shard);  // the shard's storage has room for every part
       CollectiveWatchdog::instance().set_unit(-1);
+      // A copy of the unit still gathered from before (a forward without backward) must be refilled.
+      torch::autograd::impl::bump_version(u.shard);
       u.replicas_synced_version = u.shard._version();
     }
   }
@@ -504,6 +519,9 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     for (auto& u : units_) {
       u->pending_backward = 0;
       reshard(*u);
+      // A slice kept for a backward that did not reach the unit: the next step's optimizer may change
+      // the shard without moving its version counter (LibTorch's SGD writes through .data()).
+      u->kept_slice = torch::Tensor();
     }
     finish_reductions();
   }
