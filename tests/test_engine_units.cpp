@@ -43,10 +43,26 @@ BOOST_AUTO_TEST_CASE(units_follow_the_policy_and_print_as_a_tree) {
 }
 
 BOOST_AUTO_TEST_CASE(summon_full_params_reads_and_writes_back) {
+  // Both ways the engine keeps a unit: `full` apart from the shard (sharded; offloaded at any group
+  // size), or the shard itself (a group of one: NO_SHARD, also with the optimizer over the world).
   auto world = MpiComm::world();
+  std::vector<std::pair<std::string, FsdpOptions>> cases;
+  for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
+    FsdpOptions o;
+    o.sharding_strategy = strategy;
+    cases.emplace_back(fsdp::to_string(strategy), o);
+    o.offload_params = true;
+    cases.emplace_back(std::string(fsdp::to_string(strategy)) + " offload", o);
+  }
+  FsdpOptions world_parts;
+  world_parts.sharding_strategy = ShardingStrategy::HYBRID_SHARD;
+  world_parts.shard_group_size = 1;
+  world_parts.optimizer_sharding = fsdp::OptimizerSharding::WORLD;
+  cases.emplace_back("HYBRID_SHARD group 1, optimizer over the world", world_parts);
+  for (auto& [name, options] : cases) {
+    BOOST_TEST_CONTEXT(name << " at np=" << world.size()) {
   auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
   const auto fc2_before = net->fc2->weight.detach().clone();
-  FsdpOptions options;
   options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
   auto model = fsdp::make_fsdp(net, world, options);
   {
@@ -63,8 +79,10 @@ BOOST_AUTO_TEST_CASE(summon_full_params_reads_and_writes_back) {
     net->fc2->bias.fill_(-7);  // not written back
   }
   const auto params = model->full_parameters();
-  for (const auto& [name, t] : params)
-    if (name == "fc2.bias") BOOST_TEST(t.eq(1.5).all().item<bool>());
+  for (const auto& [param, t] : params)
+    if (param == "fc2.bias") BOOST_TEST(t.eq(1.5).all().item<bool>());
+    }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(buffers_stay_identical_across_ranks) {
@@ -152,6 +170,15 @@ BOOST_AUTO_TEST_CASE(compute_device_must_suit_the_communicator) {
   options.device = torch::Device(torch::kCPU);
   auto model = fsdp::make_fsdp(std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp)), world, options);
   BOOST_TEST(model->compute_device() == torch::Device(torch::kCPU));
+  // Moving or casting the wrapped model would part the shards from the parameters: refused.
+  const auto before = model->full_parameters();
+  for (const auto& attempt : std::vector<std::function<void()>>{[&] { model->to(torch::kDouble); }, [&] { model->to(torch::Device(torch::kCPU)); },
+                                                                [&] { model->to(torch::Device(torch::kCPU), torch::kHalf); }})
+    BOOST_CHECK_EXCEPTION(attempt(), fsdp::ConfigError, [](const fsdp::ConfigError& e) {
+      return std::string(e.what()).find("cannot move or change dtype") != std::string::npos;
+    });
+  const auto after = model->full_parameters();
+  for (std::size_t i = 0; i < before.size(); ++i) BOOST_TEST(torch::equal(before[i].second, after[i].second));
 }
 
 BOOST_AUTO_TEST_CASE(unscale_grads_divides_every_shard_and_every_rank_sees_one_ranks_overflow) {

@@ -151,6 +151,13 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     module_->train(on);
   }
 
+  /// Refused: the flat shards, the gathered buffers and the parameters' views of them would part (a
+  /// moved shard no longer backs the module's parameters). Choose the device and dtype before wrapping
+  /// (FsdpOptions::device, MixedPrecision).
+  void to(torch::Device device, torch::Dtype dtype, bool /*non_blocking*/ = false) override { refuse_to(device.str() + ", " + c10::toString(dtype)); }
+  void to(torch::Dtype dtype, bool /*non_blocking*/ = false) override { refuse_to(c10::toString(dtype)); }
+  void to(torch::Device device, bool /*non_blocking*/ = false) override { refuse_to(device.str()); }
+
   /// RAII scope in which every module parameter holds its full value on every rank.
   class FullParamsScope {
    public:
@@ -200,8 +207,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
         gather(*u);
         gathered_here.push_back(u->info.index);
       }
-      // Unsharded units expose the shard itself; keep a copy to restore if changes are discarded.
-      if (!writeback && u->layout.group_size() == 1 && u->shard.defined()) saved[static_cast<std::size_t>(u->info.index)] = u->shard.detach().clone();
+      // Units whose `full` is the shard's own storage expose the shard itself; keep a copy to restore
+      // if changes are discarded.
+      if (!writeback && full_is_shard(*u)) saved[static_cast<std::size_t>(u->info.index)] = u->shard.detach().clone();
     }
     return FullParamsScope(this, writeback, std::move(gathered_here), std::move(saved));
   }
@@ -569,6 +577,16 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     u.replicas_synced_version = u.shard._version();
   }
 
+  // The module's parameters are views of the shard itself (a group of one, not offloaded, full precision).
+  static bool full_is_shard(const detail::FlatUnit& u) {
+    return u.shard.defined() && u.full.defined() && u.full.storage().is_alias_of(u.shard.storage());
+  }
+
+  [[noreturn]] static void refuse_to(const std::string& target) {
+    throw ConfigError("FullyShardedDataParallel::to(" + target +
+                      "): a wrapped model cannot move or change dtype; set FsdpOptions::device (or MixedPrecision) when wrapping");
+  }
+
   void end_summon(bool writeback, const std::vector<int>& gathered_here, const std::vector<torch::Tensor>& saved) {
     torch::NoGradGuard no_grad;
     for (auto& u : units_) {
@@ -579,10 +597,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
         // Back to the low-precision views (no view can be cut from `full` while its storage is freed).
         for (std::size_t i = 0; i < u->params.size(); ++i) u->params[i].set_data(u->param_views[i]);
         u->summoned = torch::Tensor();
-      } else if (u->layout.group_size() == 1) {
+      } else if (full_is_shard(*u)) {
         const auto& copy = saved[static_cast<std::size_t>(u->info.index)];
         if (!writeback && copy.defined()) u->shard.copy_(copy);
-      } else if (writeback && u->gathered) {
+      } else if (writeback && u->gathered) {  // also a group of one with offload: `full` is on the device, the shard in host memory
         u->shard.copy_(detail::narrow_flat(u->full, u->layout.rank_range(shard_comm_.rank())));
       }
     }
