@@ -672,6 +672,25 @@ BOOST_AUTO_TEST_CASE(a_file_of_another_job_is_not_used) {
   std::filesystem::remove_all(pattern);
 }
 
+BOOST_AUTO_TEST_CASE(a_requeued_job_does_not_take_its_previous_runs_file) {
+  ScopedEnv env;
+  env.set("SLURM_JOB_ID", "77");
+  env.set("SLURM_STEP_ID", "0");
+  env.unset("SLURM_RESTART_COUNT");
+  const std::string first = fsdp::detail::id_file_tag(2);
+  BOOST_TEST(first == "job=77 restart=0 step=0 ntasks=2");
+  env.set("SLURM_RESTART_COUNT", "1");  // scontrol requeue: same job id and step, the next run
+  const std::string requeued = fsdp::detail::id_file_tag(2);
+  BOOST_TEST(requeued == "job=77 restart=1 step=0 ntasks=2");
+  char pattern[] = "/tmp/fsdp_test_nccl_XXXXXX";
+  BOOST_REQUIRE(mkdtemp(pattern) != nullptr);
+  const std::string path = std::string(pattern) + "/nccl_id";
+  fsdp::detail::write_id_file(path, first, ncclUniqueId{});
+  BOOST_CHECK_EXCEPTION(fsdp::detail::read_id_file(path, requeued, 0.3), fsdp::CommError,
+                        [](const fsdp::CommError& e) { return std::string(e.what()).find("another job") != std::string::npos; });
+  std::filesystem::remove_all(pattern);
+}
+
 BOOST_AUTO_TEST_CASE(an_unwritable_folder_is_an_error_naming_the_file) {
   const std::string path = "/nonexistent_fsdp_folder/nccl_id";
   try {

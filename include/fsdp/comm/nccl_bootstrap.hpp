@@ -68,13 +68,16 @@ inline int pick_device(int requested, int local_rank) {
 
 inline constexpr const char* kIdFileMagic = "fsdp-nccl-id v1 ";
 
-/// The tag of this Slurm job step: "job=<SLURM_JOB_ID> step=<SLURM_STEP_ID> ntasks=<n>".
+/// The tag of this Slurm job step: "job=<SLURM_JOB_ID> restart=<SLURM_RESTART_COUNT> step=<SLURM_STEP_ID>
+/// ntasks=<n>". A requeued job keeps its id and step numbers but not its restart count, so a file left
+/// by the job's previous run is never taken for this one.
 inline std::string id_file_tag(int ntasks) {
-  auto text = [](const char* name) {
+  auto text = [](const char* name, const char* unset) {
     const char* s = std::getenv(name);
-    return std::string(s != nullptr && *s != '\0' ? s : "-");
+    return std::string(s != nullptr && *s != '\0' ? s : unset);
   };
-  return "job=" + text("SLURM_JOB_ID") + " step=" + text("SLURM_STEP_ID") + " ntasks=" + std::to_string(ntasks);
+  return "job=" + text("SLURM_JOB_ID", "-") + " restart=" + text("SLURM_RESTART_COUNT", "0") + " step=" + text("SLURM_STEP_ID", "-") +
+         " ntasks=" + std::to_string(ntasks);
 }
 
 inline std::string errno_text() { return std::strerror(errno); }
