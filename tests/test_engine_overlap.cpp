@@ -402,3 +402,14 @@ BOOST_AUTO_TEST_CASE(one_parameter_units_reduce_autograds_gradient_and_match) {
     }
   }
 }
+
+BOOST_AUTO_TEST_CASE(the_rng_state_a_recomputation_replays_is_every_generator_the_unit_draws_from) {
+  // On the CPU: the CPU generator only (a GPU computation adds that device's generator, the same calls).
+  torch::manual_seed(5);
+  const auto captured = fsdp::detail::capture_rng_state(torch::Device(torch::kCPU));
+  BOOST_TEST(!captured.device.defined());
+  const auto first = torch::rand({16});
+  (void)torch::rand({3});
+  fsdp::detail::restore_rng_state(captured);
+  BOOST_TEST(torch::equal(torch::rand({16}), first));
+}

@@ -30,6 +30,7 @@
 #include "fsdp/io/h5.hpp"
 #include "fsdp/torch/fully_sharded.hpp"
 #include "fsdp/torch/optim_state.hpp"
+#include "fsdp/torch/rng_state.hpp"
 #include "fsdp/version.hpp"
 
 namespace fsdp {
@@ -126,7 +127,8 @@ struct Unpacker {
   }
 };
 
-inline torch::Tensor cpu_rng_state() { return at::detail::getDefaultCPUGenerator().get_state(); }
+// Checkpoints hold the CPU generator's state (/rng/cpu); a GPU generator's is not saved yet (docs/gpu.md).
+inline torch::Tensor cpu_rng_state() { return generator_state(at::detail::getDefaultCPUGenerator()); }
 /// The RNG state a save writes: the one a snapshot captured with the model, else the generator's now.
 template <class Engine>
 torch::Tensor saved_rng_state(Engine& engine) {
@@ -135,11 +137,7 @@ torch::Tensor saved_rng_state(Engine& engine) {
   else
     return cpu_rng_state();
 }
-inline void set_cpu_rng_state(const torch::Tensor& state) {
-  at::Generator generator = at::detail::getDefaultCPUGenerator();  // shares the default generator
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  generator.set_state(state);
-}
+inline void set_cpu_rng_state(const torch::Tensor& state) { set_generator_state(at::detail::getDefaultCPUGenerator(), state); }
 
 // Shared with the offline tools: "[2, 3]" and the logical shape of a stored tensor (0-d tensors are
 // stored with dims {1} and attribute scalar=1).

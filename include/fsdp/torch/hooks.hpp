@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/torch/rng_state.hpp"
+
 namespace fsdp {
 namespace detail {
 
@@ -83,18 +85,26 @@ struct Recompute : torch::CustomClassHolder {
   std::function<at::Tensor(const std::vector<at::Tensor>&)> run;
 };
 
+/// The device a unit computes on, from its inputs (activations live there; with offload the shard
+/// `anchor` is in host memory while the unit computes on the GPU).
+inline c10::Device compute_device_of(const at::Tensor& anchor, at::TensorList inputs) {
+  for (const auto& t : inputs)
+    if (t.defined() && !t.is_cpu()) return t.device();
+  return anchor.device();
+}
+
 /// Activation checkpointing: forward runs the unit without recording a graph; backward restores the
-/// CPU RNG state of the forward (so dropout draws the same masks), runs it again with grad, and
+/// RNG state of the forward (CPU and compute device: dropout draws the same masks), runs it again with grad, and
 /// back-propagates through it. The unit's parameters reach their UnitGather node from there, which
 /// reduces their gradients as usual; `anchor` (the unit's shard) only makes the output require grad.
 struct CheckpointedForward : public torch::autograd::Function<CheckpointedForward> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<Recompute> recompute, at::Tensor anchor,
                             at::TensorList inputs) {
-    (void)anchor;
-    {
-      auto gen = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      ctx->saved_data["rng"] = gen.get_state();
+    const RngState rng = capture_rng_state(compute_device_of(anchor, inputs));
+    ctx->saved_data["rng_cpu"] = rng.cpu;
+    if (rng.device.defined()) {
+      ctx->saved_data["rng_device"] = rng.device;
+      ctx->saved_data["rng_device_of"] = rng.device_of;
     }
     ctx->saved_data["recompute"] = c10::IValue::make_capsule(c10::static_intrusive_pointer_cast<torch::CustomClassHolder>(recompute));
     ctx->save_for_backward(inputs.vec());
@@ -105,22 +115,20 @@ struct CheckpointedForward : public torch::autograd::Function<CheckpointedForwar
     auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
     std::vector<at::Tensor> inputs;
     for (const auto& t : ctx->get_saved_variables()) inputs.push_back(t.detach().requires_grad_(t.requires_grad()));
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    at::Tensor now;
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      now = gen.get_state();
-      gen.set_state(ctx->saved_data["rng"].toTensor());
+    RngState first_run;
+    first_run.cpu = ctx->saved_data["rng_cpu"].toTensor();
+    if (ctx->saved_data.count("rng_device")) {
+      first_run.device = ctx->saved_data["rng_device"].toTensor();
+      first_run.device_of = ctx->saved_data["rng_device_of"].toDevice();
     }
+    const RngState now = capture_rng_state(first_run.device_of);
+    restore_rng_state(first_run);
     at::Tensor out;
     {
       torch::AutoGradMode enable(true);
       out = recompute->run(inputs);
     }
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(now);
-    }
+    restore_rng_state(now);
     if (out.requires_grad()) torch::autograd::backward({out}, {grads[0]});
     torch::autograd::variable_list result = {at::Tensor(), at::Tensor()};  // recompute, anchor
     for (const auto& t : inputs) result.push_back(t.requires_grad() ? t.grad() : at::Tensor());
