@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -427,6 +428,7 @@ class NcclComm {
 
   /// Non-blocking all_gather: returns once enqueued. Collective.
   NcclRequest iall_gather(const void* send, void* recv, std::int64_t n, DType t) {
+    require_on_device("iall_gather", {send, recv});
     const std::size_t c = detail::nccl_count(n, "iall_gather");
     count(state_->counters.all_gather_bytes, n, t);
     if (c == 0) return {};
@@ -437,6 +439,7 @@ class NcclComm {
 
   /// Non-blocking reduce_scatter (sum or avg). Collective.
   NcclRequest ireduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+    require_on_device("ireduce_scatter", {send, recv});
     const std::size_t c = check_reduce_scatter(n, op);
     count(state_->counters.reduce_scatter_bytes, n * size(), t);
     if (c == 0) return {};
@@ -448,6 +451,7 @@ class NcclComm {
 
   /// Non-blocking all_reduce. Collective.
   NcclRequest iall_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+    require_on_device("iall_reduce", {send, recv});
     const std::size_t c = detail::nccl_count(n, "iall_reduce");
     count(state_->counters.all_reduce_bytes, n, t);
     if (c == 0) return {};
@@ -458,6 +462,7 @@ class NcclComm {
 
   /// Non-blocking broadcast. Collective.
   NcclRequest ibroadcast(void* buf, std::int64_t n, DType t, int root) {
+    require_on_device("ibroadcast", {buf});
     const std::size_t c = check_broadcast(n, root);
     count(state_->counters.broadcast_bytes, n, t);
     if (c == 0) return {};
@@ -508,15 +513,23 @@ class NcclComm {
 
   static std::int64_t bytes(std::int64_t n, DType t) noexcept { return n * static_cast<std::int64_t>(dtype_bytes(t)); }
 
-  /// Device (or managed) memory NCCL can use directly; host memory is staged.
-  static bool on_device(const void* p) noexcept {
+  /// Device (or managed) memory NCCL can use directly; host memory is staged. Another GPU's memory is
+  /// an error (NCCL would read it through peer access, or fault), named here.
+  bool on_device(const void* p) const {
     if (p == nullptr) return true;
     cudaPointerAttributes a{};
     if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
       (void)cudaGetLastError();  // plain host memory on old runtimes; clear the sticky-free error
       return false;
     }
+    if (a.type == cudaMemoryTypeDevice && a.device != state_->device)
+      throw CommError(state_->who() + ": a buffer in the memory of GPU " + std::to_string(a.device) + ", not of this communicator's GPU");
     return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  }
+  /// The non-blocking collectives take device memory only (nothing is staged while they run).
+  void require_on_device(const char* op, std::initializer_list<const void*> buffers) const {
+    for (const void* p : buffers)
+      if (!on_device(p)) throw CommError(state_->who() + ": " + op + ": a non-blocking collective needs device memory of this communicator's GPU");
   }
 
   /// Host buffers (the checkpoint layer's and the application's small control messages: flags, sizes,

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -237,10 +238,15 @@ struct NcclState {
   NcclState& operator=(const NcclState&) = delete;
 
   /// Flushes and frees the communicator (ncclCommFinalize, polled within the deadline, then
-  /// ncclCommDestroy); aborts it instead if that fails. Never throws.
+  /// ncclCommDestroy); aborts it instead if that fails, or at once while an exception unwinds (a peer
+  /// may be gone: finalizing would wait for it until the deadline). Never throws.
   ~NcclState() {
     int previous = -1;
     const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
+    if (comm != nullptr && !aborted && std::uncaught_exceptions() > 0) {
+      ncclCommAbort(comm);
+      comm = nullptr;
+    }
     if (comm != nullptr && !aborted) {
       ncclResult_t rc = ncclCommFinalize(comm);
       const Deadline deadline(options.timeout_s);

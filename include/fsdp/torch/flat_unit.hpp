@@ -60,6 +60,7 @@ struct FlatUnit {
   }
   /// Gives `full` storage of its padded size again; the contents are undefined until filled.
   void allocate_full() {
+    const c10::DeviceGuard on_its_device(full.device());  // a GPU allocator allocates on the current device
     auto* storage = full.storage().unsafeGetStorageImpl();
     const std::size_t nbytes = static_cast<std::size_t>(layout.padded_numel()) * full.element_size();
     storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
