@@ -6,7 +6,9 @@
 #include <fsdp/comm/nccl_comm.hpp>
 #include <fsdp/fsdp.hpp>
 
+#include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
@@ -94,10 +96,19 @@ int main(int argc, char** argv) {
   // Skip together: every rank must have a device, or none runs (no rank is left in a collective).
   const int devices = torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
   const int local_rank = world.split_node().rank();
-  // Each rank on its own device: all of a node's GPUs visible to every rank (mpirun), or one per task
-  // (srun --gpus-per-task=1), as fsdp::choose_device picks them.
-  int ranks_on_node = world.split_node().size();
-  int usable = devices >= 1 && (devices == 1 || devices >= ranks_on_node) ? 1 : 0, all_usable = 0;
+  // Each rank on its own device, as fsdp::choose_device picks them: all of a node's GPUs visible to
+  // every rank (mpirun; as many as ranks on the node), or one per task (srun --gpus-per-task=1: each
+  // task's CUDA_VISIBLE_DEVICES names another GPU). One GPU shown to two ranks is skipped, not failed.
+  auto node = world.split_node();
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  std::array<char, 64> mine{};
+  std::snprintf(mine.data(), mine.size(), "%s", devices == 1 && visible ? visible : (devices == 1 ? "all" : ""));
+  std::vector<char> all(mine.size() * static_cast<std::size_t>(node.size()));
+  node.all_gather(mine.data(), all.data(), static_cast<std::int64_t>(mine.size()), fsdp::DType::kUInt8);
+  std::vector<std::string> seen;
+  for (int r = 0; r < node.size(); ++r) seen.emplace_back(all.data() + static_cast<std::size_t>(r) * mine.size());
+  const bool own_gpu = devices >= node.size() || (devices == 1 && !fsdp::first_shared_device(seen));
+  int usable = own_gpu ? 1 : 0, all_usable = 0;
   world.all_reduce(&usable, &all_usable, 1, fsdp::DType::kInt32, fsdp::ReduceOp::kSum);
   if (all_usable != world.size()) {
     std::printf("rank %d: no CUDA device for every rank (%s): skipped\n", world.rank(),

@@ -287,7 +287,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   std::vector<std::pair<std::string, torch::Tensor>> full_parameters() {
     std::vector<std::pair<std::string, torch::Tensor>> out;
     torch::NoGradGuard no_grad;
-    synchronize_shards();
+    synchronize_shards();  // once: gather_flat below does not
     for (auto& u : units_) {
       if (u->params.empty()) continue;
       const auto flat = gather_flat(u->info.index, u->shard);  // master precision, one unit at a time
@@ -385,10 +385,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   const std::map<std::string, std::vector<std::string>>& tied_parameter_aliases() const noexcept { return aliases_; }
 
   /// The padded flat tensor of unit `unit` assembled from each shard rank's `shard_like` (the shard
-  /// itself, or an optimizer state of the same shape). Collective over the shard group; given the shard
-  /// with the optimizer sharded over the world, first over the replica groups too (synchronize_shards()).
+  /// itself, or an optimizer state of the same shape). Collective over the shard group. With the
+  /// optimizer sharded over the world, call synchronize_shards() first for a current shard (the
+  /// library's gathering and checkpoint functions do).
   torch::Tensor gather_flat(int unit, const torch::Tensor& shard_like) {
-    if (shard_like.is_same(units_.at(static_cast<std::size_t>(unit))->shard)) synchronize_shards();
     const auto& u = *units_.at(static_cast<std::size_t>(unit));
     auto src = shard_like.detach().to(compute_device_).contiguous();
     if (src.numel() != u.layout.shard_numel())

@@ -35,6 +35,8 @@ class ForwardHooks {
   /// mode is on: a tensor that requires grad and ties the recomputation into the graph (the unit's
   /// flat shard). Undefined otherwise.
   virtual at::Tensor checkpoint_anchor(int unit) = 0;
+  /// Where the units compute: the generators a recomputation must replay are that device's and the CPU's.
+  virtual c10::Device recompute_device() const = 0;
 };
 
 struct HookEntry {
@@ -85,22 +87,15 @@ struct Recompute : torch::CustomClassHolder {
   std::function<at::Tensor(const std::vector<at::Tensor>&)> run;
 };
 
-/// The device a unit computes on, from its inputs (activations live there; with offload the shard
-/// `anchor` is in host memory while the unit computes on the GPU).
-inline c10::Device compute_device_of(const at::Tensor& anchor, at::TensorList inputs) {
-  for (const auto& t : inputs)
-    if (t.defined() && !t.is_cpu()) return t.device();
-  return anchor.device();
-}
-
 /// Activation checkpointing: forward runs the unit without recording a graph; backward restores the
 /// RNG state of the forward (CPU and compute device: dropout draws the same masks), runs it again with grad, and
 /// back-propagates through it. The unit's parameters reach their UnitGather node from there, which
 /// reduces their gradients as usual; `anchor` (the unit's shard) only makes the output require grad.
 struct CheckpointedForward : public torch::autograd::Function<CheckpointedForward> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, c10::intrusive_ptr<Recompute> recompute, at::Tensor anchor,
-                            at::TensorList inputs) {
-    const RngState rng = capture_rng_state(compute_device_of(anchor, inputs));
+                            c10::Device compute_device, at::TensorList inputs) {
+    (void)anchor;
+    const RngState rng = capture_rng_state(compute_device);
     ctx->saved_data["rng_cpu"] = rng.cpu;
     if (rng.device.defined()) {
       ctx->saved_data["rng_device"] = rng.device;
@@ -130,7 +125,7 @@ struct CheckpointedForward : public torch::autograd::Function<CheckpointedForwar
     }
     restore_rng_state(now);
     if (out.requires_grad()) torch::autograd::backward({out}, {grads[0]});
-    torch::autograd::variable_list result = {at::Tensor(), at::Tensor()};  // recompute, anchor
+    torch::autograd::variable_list result = {at::Tensor(), at::Tensor(), at::Tensor()};  // recompute, anchor, compute_device
     for (const auto& t : inputs) result.push_back(t.requires_grad() ? t.grad() : at::Tensor());
     return result;
   }
@@ -163,7 +158,7 @@ auto forward(ModulePtr& module, Args&&... args) {
         (std::index_sequence_for<Args...>{});
       };
       std::vector<at::Tensor> inputs = {at::Tensor(args)...};
-      at::Tensor result = detail::CheckpointedForward::apply(recompute, anchor, at::TensorList(inputs));
+      at::Tensor result = detail::CheckpointedForward::apply(recompute, anchor, entry.engine->recompute_device(), at::TensorList(inputs));
       entry.engine->post_forward(entry.unit, {result}, true);
       return Result(result);
     }

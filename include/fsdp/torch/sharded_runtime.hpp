@@ -267,7 +267,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   void root_pre_forward() {
     end_of_backward_queued_ = false;          // a backward that threw never ran its end-of-backward callback
     if (reductions_) reductions_->discard();  // ... nor waited for its overlapped reductions: they must not reach a later step
-    synchronize_shards(/*step_may_follow=*/!torch::GradMode::is_enabled());
+    synchronize_shards();
     order_.begin_forward();
     for (auto& u : units_) {
       u->entered = false;
@@ -318,6 +318,8 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     if (options_.forward_prefetch) prefetch(order_.next_forward(unit));
   }
 
+  c10::Device recompute_device() const override { return compute_device_; }
+
   at::Tensor checkpoint_anchor(int unit) override {
     if (!options_.activation_checkpointing || unit == 0 || !torch::GradMode::is_enabled()) return {};
     const auto& u = *units_[static_cast<std::size_t>(unit)];
@@ -362,6 +364,9 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   }
 
   void pre_backward(int unit) override {
+    // A new backward: any step on the last one's gradients came before the forward that led here, and
+    // that forward re-gathered the parts (synchronize_shards()).
+    if (!end_of_backward_queued_) parts_have_gradients_ = false;
     queue_end_of_backward();
     if (Tracer::instance().enabled()) units_[static_cast<std::size_t>(unit)]->backward_began_us = Tracer::instance().now_us();
     if (unit == 0) {
@@ -463,17 +468,14 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   bool optimizer_sharded_over_replicas() const { return options_.optimizer_sharding == OptimizerSharding::WORLD && replica_comm_.size() > 1; }
 
   // With the optimizer sharded over the world: all-gathers, across the replicas, the parts of every
-  // unit's group shard that an optimizer may have updated since the last time (each replica updates
-  // only its own part): whenever gradients reached the parts since the last training forward, or a
-  // part was written in place. Not the version counter alone: LibTorch's SGD updates through .data(),
-  // which leaves it as it was. A training forward ends that window (the step came before it), except
-  // with `step_may_follow` (a forward under no_grad, e.g. an evaluation between backward and step).
-  // Every rank decides alike (the same steps everywhere). Collective over the replica group; a no-op
-  // otherwise.
-  void synchronize_shards(bool step_may_follow = true) {
+  // unit's group shard that an optimizer may have updated (each replica updates only its own part):
+  // all of them from the moment gradients reach the parts until the next backward begins (a step
+  // falls in that window, and LibTorch's SGD writes through .data(), which no version counter sees),
+  // and otherwise those written in place. Every rank decides alike (the same steps everywhere).
+  // Collective over the replica group; a no-op otherwise.
+  void synchronize_shards() {
     if (!optimizer_sharded_over_replicas()) return;
     const bool after_gradients = parts_have_gradients_;
-    if (!step_may_follow) parts_have_gradients_ = false;
     torch::NoGradGuard no_grad;
     for (auto& up : units_) {
       auto& u = *up;
@@ -569,7 +571,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   std::int64_t engine_id_ = 0;
   bool end_of_backward_queued_ = false;
   bool no_sync_ = false;
-  bool parts_have_gradients_ = false;  // optimizer sharded over the world: gradients reached the parts since the last synchronize_shards()
+  bool parts_have_gradients_ = false;  // optimizer sharded over the world: gradients reached the parts, and no backward began since
 };
 
 }  // namespace fsdp::detail
