@@ -223,7 +223,7 @@ BOOST_AUTO_TEST_CASE(bf16_mixed_precision_tracks_fp32_and_halves_the_bytes) {
   std::vector<std::tuple<ShardingStrategy, int, fsdp::OptimizerSharding>> cases;
   for (const auto& [strategy, group] : strategies_and_groups(n)) {
     cases.emplace_back(strategy, group, fsdp::OptimizerSharding::GROUP);
-    if (fsdp::is_hybrid(strategy) && group < n) cases.emplace_back(strategy, group, fsdp::OptimizerSharding::WORLD);
+    if (strategy == ShardingStrategy::HYBRID_SHARD && group < n) cases.emplace_back(strategy, group, fsdp::OptimizerSharding::WORLD);
   }
   for (const auto& [strategy, group, optimizer_sharding] : cases) {
     BOOST_TEST_CONTEXT("np=" << n << " strategy=" << fsdp::to_string(strategy) << " group=" << group << " optimizer over " << fsdp::to_string(optimizer_sharding)) {
@@ -297,12 +297,13 @@ BOOST_AUTO_TEST_CASE(optimizer_state_sharded_over_the_world_matches_single_proce
   for (const auto kind : {ModelKind::kMlp, ModelKind::kCnn}) {
     for (const auto optim : {OptimKind::kAdam, OptimKind::kSgd}) {
       for (const auto& [setup_name, setup] : setups) {
-        if (kind == ModelKind::kCnn && setup_name != "plain") continue;
+        if (kind == ModelKind::kCnn && (setup_name != "plain" || optim != OptimKind::kAdam)) continue;
         const auto ref = train_reference(kind, optim, world, setup);
         for (int group = 1; group <= world; ++group) {
           if (world % group != 0) continue;
           for (const auto strategy : {ShardingStrategy::HYBRID_SHARD, ShardingStrategy::HYBRID_SHARD_ZERO2}) {
             for (const bool overlap : {false, true}) {
+              if (strategy == ShardingStrategy::HYBRID_SHARD_ZERO2 && overlap) continue;  // overlap, prefetch and checkpointing: under HYBRID_SHARD
               BOOST_TEST_CONTEXT("np=" << world << " group=" << group << " model=" << name_of(kind) << " optim=" << name_of(optim) << " "
                                        << setup_name << " strategy=" << strategy << " overlap, prefetch, activation checkpointing=" << overlap) {
                 FsdpOptions options;
