@@ -390,6 +390,15 @@ std::vector<KeySpec> make_schema() {
                .type = T::kBool,
                .default_value = true,
                .description = "broadcast rank 0's parameters and buffers at start, so every rank starts identical"});
+  s.push_back({.key = "fsdp.buffer_sync",
+               .type = T::kString,
+               .default_value = "none",
+               .choices = {"none", "average"},
+               .description = "buffers (BatchNorm running statistics) during training; none: each rank keeps its own, as "
+                              "PyTorch FSDP does (checkpoints keep every rank's copy of a buffer that differs, so a resume at the same "
+                              "world size is exact; at another, every rank takes rank 0's); average: floating-point buffers are "
+                              "averaged over the world after every training forward (one collective per buffer), so every rank holds "
+                              "the same"});
   s.push_back({.key = "fsdp.backend",
                .type = T::kString,
                .default_value = "auto",

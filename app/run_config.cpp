@@ -239,6 +239,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.activation_checkpointing = deck.get_bool("fsdp.activation_checkpointing");
   f.deferred_init = deck.get_bool("fsdp.deferred_init");
   f.sync_module_states = deck.get_bool("fsdp.sync_module_states");
+  f.buffer_sync = parse_buffer_sync(deck.get_string("fsdp.buffer_sync"));
   f.backend = deck.get_string("fsdp.backend");
   f.cuda_device = static_cast<int>(deck.get_int("fsdp.cuda_device"));
   f.backend_where = deck.entry("fsdp.backend").where;

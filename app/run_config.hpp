@@ -114,6 +114,7 @@ struct FsdpSection {
   bool activation_checkpointing = false;
   bool deferred_init = false;
   bool sync_module_states = true;
+  BufferSync buffer_sync = BufferSync::NONE;
   std::string backend;  ///< as asked: auto, mpi, nccl
   int cuda_device = -1;  ///< fsdp.cuda_device: -1 chooses from what the rank sees (fsdp::choose_device)
   std::string backend_where;

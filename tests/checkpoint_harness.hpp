@@ -111,6 +111,16 @@ inline std::map<std::string, torch::Tensor> full_state(Engine& model, torch::opt
   return out;
 }
 
+/// `state` with its buffers ("buffer/...") replaced by rank 0's. Collective.
+inline std::map<std::string, torch::Tensor> with_rank0_buffers(MpiComm& comm, std::map<std::string, torch::Tensor> state) {
+  for (auto& [name, t] : state) {
+    if (name.rfind("buffer/", 0) != 0 || t.numel() == 0) continue;
+    t = t.contiguous().clone();
+    comm.broadcast(t.data_ptr(), t.numel(), fsdp::detail::to_comm_dtype(t.scalar_type()), 0);
+  }
+  return state;
+}
+
 inline void check_equal(const std::map<std::string, torch::Tensor>& expected, const std::map<std::string, torch::Tensor>& got,
                         const std::string& what) {
   BOOST_TEST_CONTEXT(what) {

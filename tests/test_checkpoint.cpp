@@ -22,6 +22,7 @@ BOOST_AUTO_TEST_CASE(sharded_save_loads_at_every_smaller_world_size_and_other_st
       auto opt = make_adam(*model);
       for (int s = 0; s < 3; ++s) train_step(*model, *opt, s);
       const auto expected = full_state(*model, opt.get());
+      const auto expected_elsewhere = with_rank0_buffers(world, expected);  // rank-local buffers at another world size
       fsdp::TrainState state;
       state.step = 3;
       state.epoch = 1;
@@ -42,7 +43,7 @@ BOOST_AUTO_TEST_CASE(sharded_save_loads_at_every_smaller_world_size_and_other_st
           auto opt2 = make_adam(*loaded);
           fsdp::TrainState got;
           fsdp::load_checkpoint(*loaded, opt2.get(), saved.path, &got);
-          check_equal(expected, full_state(*loaded, opt2.get()), "parameters, buffers and optimizer state");
+          check_equal(k == world.size() ? expected : expected_elsewhere, full_state(*loaded, opt2.get()), "parameters, buffers and optimizer state");
           BOOST_TEST(got.step == 3);
           BOOST_TEST(got.epoch == 1);
           BOOST_TEST(got.sample_index == 24);
@@ -189,6 +190,71 @@ BOOST_AUTO_TEST_CASE(full_file_loads_into_a_plain_module) {
   world.barrier();
 }
 
+BOOST_AUTO_TEST_CASE(buffers_stay_each_ranks_own_and_every_kind_of_checkpoint_gives_them_back) {
+  // BufferSync::NONE, PyTorch FSDP's behaviour: BatchNorm's running statistics follow each rank's own
+  // data. A checkpoint keeps every rank's copy of a buffer that differs (/rank_local/<buffer>), so a
+  // load at the saving world size gives each rank its own; at another every rank takes rank 0's.
+  // AVERAGE keeps them equal on every rank, and the file holds them once.
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  for (auto sync : {fsdp::BufferSync::NONE, fsdp::BufferSync::AVERAGE}) {
+    auto options = options_for(ShardingStrategy::FULL_SHARD, world.size(), true);
+    options.buffer_sync = sync;
+    torch::manual_seed(1234 + world.rank());
+    auto model = fsdp::make_fsdp(make_net(3), world, options);
+    auto opt = make_adam(*model);
+    for (int s = 0; s < 2; ++s) train_step(*model, *opt, s);
+    const auto own = full_state(*model, opt.get());
+    const auto rank0 = with_rank0_buffers(world, own);
+    int differ = torch::equal(own.at("buffer/bn.running_mean"), rank0.at("buffer/bn.running_mean")) ? 0 : 1;
+    world.all_reduce(&differ, &differ, 1, fsdp::DType::kInt32, fsdp::ReduceOp::kMax);
+    BOOST_TEST(differ == (sync == fsdp::BufferSync::NONE && world.size() > 1 ? 1 : 0), "running statistics differ between ranks");
+    for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
+      BOOST_TEST_CONTEXT(fsdp::to_string(sync) << " " << fsdp::to_string(type) << " at world size " << world.size()) {
+        fsdp::CheckpointOptions o;
+        o.state_dict_type = type;
+        const auto sub = std::string(fsdp::to_string(sync)) + fsdp::to_string(type);
+        const auto saved = fsdp::save_checkpoint(*model, opt.get(), dir / sub, {.step = 2}, o);
+        if (type != StateDictType::LOCAL_STATE_DICT && world.rank() == 0) {
+          fsdp::h5::Id file = fsdp::h5::open_file_readonly(saved.path);
+          BOOST_TEST(fsdp::h5::exists(file, "/rank_local/bn.running_mean") == (differ == 1));
+          BOOST_TEST(fsdp::h5::exists(file, "/rank_local/bn.running_var") == (differ == 1));
+          BOOST_TEST(!fsdp::h5::exists(file, "/rank_local/bn.num_batches_tracked"), "the same on every rank: stored once");
+        }
+        world.barrier();
+        auto loaded = fsdp::make_fsdp(make_net(9), world, options);
+        auto opt2 = make_adam(*loaded);
+        fsdp::load_checkpoint(*loaded, opt2.get(), saved.path, nullptr, o);
+        check_equal(own, full_state(*loaded, opt2.get()), "at the saving world size: each rank's own buffers");
+        if (type == StateDictType::LOCAL_STATE_DICT) {  // merged into one file: the differing buffers keep every rank's copy
+          const auto merged = dir / (sub + ".h5");
+          if (world.rank() == 0) fsdp::ckpt::merge_local(saved.path, merged);
+          world.barrier();
+          auto from_merged = fsdp::make_fsdp(make_net(9), world, options);
+          auto opt4 = make_adam(*from_merged);
+          fsdp::CheckpointOptions full;
+          full.state_dict_type = StateDictType::FULL_STATE_DICT;
+          fsdp::load_checkpoint(*from_merged, opt4.get(), merged, nullptr, full);
+          check_equal(own, full_state(*from_merged, opt4.get()), "merged LOCAL checkpoint: each rank's own buffers");
+        }
+        if (type == StateDictType::LOCAL_STATE_DICT || world.size() == 1) continue;  // every rank alike
+        auto fewer = world.split(world.rank() < world.size() - 1 ? 0 : 1, world.rank());
+        if (world.rank() == world.size() - 1) continue;  // the last barrier is fewer's
+        auto smaller = fsdp::make_fsdp(make_net(9), fewer, options_for(ShardingStrategy::FULL_SHARD, fewer.size(), true));
+        auto opt3 = make_adam(*smaller);
+        fsdp::TrainState state;
+        fsdp::load_checkpoint(*smaller, opt3.get(), saved.path, &state, o);
+        BOOST_TEST(!state.rng_restored);
+        const auto got = full_state(*smaller, nullptr);
+        for (const auto& name : {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"})
+          BOOST_TEST(torch::equal(got.at(std::string("buffer/") + name), rank0.at(std::string("buffer/") + name)), "at another world size: rank 0's " << name);
+        fewer.barrier();
+      }
+    }
+    world.barrier();
+  }
+}
+
 /// Edge cases: a root unit without parameters (every layer wrapped), a bool and an int buffer, an
 /// empty parameter, fp64 parameters, a frozen parameter.
 struct EdgeImpl : torch::nn::Module {
@@ -216,7 +282,7 @@ BOOST_AUTO_TEST_CASE(edge_cases_round_trip_in_every_kind) {
     auto net = Edge().ptr();
     FsdpOptions o;
     o.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
-    o.sync_buffers = false;  // the bool buffer cannot be averaged
+    o.buffer_sync = fsdp::BufferSync::NONE;  // the bool buffer cannot be averaged
     return fsdp::make_fsdp(net, world, o);
   };
   auto model = make(1);
@@ -265,7 +331,7 @@ BOOST_AUTO_TEST_CASE(a_root_unit_without_parameters_round_trips) {
     torch::manual_seed(seed);
     FsdpOptions o;
     o.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
-    o.sync_buffers = false;
+    o.buffer_sync = fsdp::BufferSync::NONE;
     return fsdp::make_fsdp(std::make_shared<EdgeImpl>(false), world, o);
   };
   auto model = make(1);
@@ -305,6 +371,7 @@ BOOST_AUTO_TEST_CASE(optimizer_state_sharded_over_the_world_round_trips_and_resu
         auto opt = make_adam(*straight);
         for (int s = 0; s < 3; ++s) train_step(*straight, *opt, s);
         const auto at_save = full_state(*straight, opt.get());
+        const auto at_save_elsewhere = with_rank0_buffers(world, at_save);  // rank-local buffers at another world size
         const std::string sub = "w" + std::to_string(group) + fsdp::to_string(type);
         const auto saved = fsdp::save_checkpoint(*straight, opt.get(), dir / sub, {.step = 3}, o);
         for (int s = 3; s < 5; ++s) train_step(*straight, *opt, s);
@@ -340,7 +407,7 @@ BOOST_AUTO_TEST_CASE(optimizer_state_sharded_over_the_world_round_trips_and_resu
               auto loaded = fsdp::make_fsdp(make_net(99), sub_comm, options_for(strategy, k, k % 2 == 0));
               auto opt3 = make_adam(*loaded);
               fsdp::load_checkpoint(*loaded, opt3.get(), saved.path, nullptr, o);
-              check_equal(at_save, full_state(*loaded, opt3.get()), "parameters, buffers and optimizer state");
+              check_equal(k == world.size() ? at_save : at_save_elsewhere, full_state(*loaded, opt3.get()), "parameters, buffers and optimizer state");
             }
           }
           // ... and back: a checkpoint of another strategy into the world-sharded optimizer.
@@ -352,7 +419,7 @@ BOOST_AUTO_TEST_CASE(optimizer_state_sharded_over_the_world_round_trips_and_resu
           auto back = world_sharded(sub_comm, 7, 1);
           auto opt5 = make_adam(*back);
           fsdp::load_checkpoint(*back, opt5.get(), resaved.path, nullptr, o);
-          check_equal(at_save, full_state(*back, opt5.get()), "from FULL_SHARD into optimizer_sharding = world");
+          check_equal(k == world.size() ? at_save : at_save_elsewhere, full_state(*back, opt5.get()), "from FULL_SHARD into optimizer_sharding = world");
         }
       }
     }

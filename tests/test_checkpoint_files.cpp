@@ -5,21 +5,26 @@
 
 #include "checkpoint_harness.hpp"
 
+/// Where dataset `name`'s first chunk is stored in `file`, and its stored size.
+std::pair<haddr_t, hsize_t> first_chunk_of(const std::string& file, const std::string& name) {
+  haddr_t addr = 0;
+  hsize_t size = 0;
+  hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  hid_t d = H5Dopen2(f, name.c_str(), H5P_DEFAULT);
+  hid_t space = H5Dget_space(d);
+  unsigned mask = 0;
+  std::vector<hsize_t> offset(8, 0);
+  const herr_t found = H5Dget_chunk_info(d, space, 0, offset.data(), &mask, &addr, &size);
+  H5Sclose(space);
+  H5Dclose(d);
+  H5Fclose(f);
+  BOOST_REQUIRE(found >= 0);
+  return {addr, size};
+}
+
 /// Flips one byte inside the stored data of dataset `name` (its first chunk).
 void flip_byte_in_dataset(const std::string& file, const std::string& name) {
-  haddr_t addr = 0;
-  {
-    hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
-    hid_t d = H5Dopen2(f, name.c_str(), H5P_DEFAULT);
-    hid_t space = H5Dget_space(d);
-    unsigned mask = 0;
-    hsize_t size = 0;
-    std::vector<hsize_t> offset(8, 0);
-    BOOST_REQUIRE(H5Dget_chunk_info(d, space, 0, offset.data(), &mask, &addr, &size) >= 0);
-    H5Sclose(space);
-    H5Dclose(d);
-    H5Fclose(f);
-  }
+  const haddr_t addr = first_chunk_of(file, name).first;
   std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
   io.seekg(static_cast<std::streamoff>(addr + 8));
   char c = 0;
@@ -32,19 +37,7 @@ void flip_byte_in_dataset(const std::string& file, const std::string& name) {
 /// Rewrites the stored size of dataset `name`'s only chunk in its layout message to `bytes` (a damaged
 /// chunk index); returns false if the size could not be found next to the chunk's address.
 bool shrink_stored_chunk(const std::string& file, const std::string& name, std::uint64_t bytes) {
-  haddr_t addr = 0;
-  hsize_t size = 0;
-  {
-    hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
-    hid_t d = H5Dopen2(f, name.c_str(), H5P_DEFAULT);
-    hid_t space = H5Dget_space(d);
-    unsigned mask = 0;
-    std::vector<hsize_t> offset(8, 0);
-    BOOST_REQUIRE(H5Dget_chunk_info(d, space, 0, offset.data(), &mask, &addr, &size) >= 0);
-    H5Sclose(space);
-    H5Dclose(d);
-    H5Fclose(f);
-  }
+  const auto [addr, size] = first_chunk_of(file, name);
   std::ifstream in(file, std::ios::binary);
   std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto le64 = [](std::uint64_t v) {
@@ -305,5 +298,58 @@ BOOST_AUTO_TEST_CASE(resume_stops_at_a_checkpoint_of_another_run) {
     BOOST_TEST(e.id() == "fsdp.ckpt.mismatch");
     BOOST_TEST(what.find("holds Adam state but the optimizer is SGD") != std::string::npos, what);
     BOOST_TEST(what.find("(reported by rank") == std::string::npos, what);  // every rank found it
+  }
+}
+
+BOOST_AUTO_TEST_CASE(a_gpu_generator_row_is_saved_by_gpu_runs_and_ignored_by_cpu_runs) {
+  // A GPU run's checkpoint holds /rng/cuda next to /rng/cpu (the rows come from the captured state); a
+  // CPU run loading it restores its CPU generator and leaves the device's alone. The GPU side itself
+  // (capturing and setting a CUDA generator) needs a device: docs/gpu.md.
+  fsdp::detail::RngState captured;
+  captured.cpu = fsdp::detail::generator_state(at::detail::getDefaultCPUGenerator());
+  captured.device_of = c10::Device(c10::DeviceType::CUDA, 1);
+  captured.device = torch::arange(16, torch::kUInt8);
+  const auto rows = fsdp::detail::rng_rows(captured);
+  BOOST_REQUIRE(rows.size() == 2u);
+  BOOST_TEST(rows[0].dataset == "/rng/cpu");
+  BOOST_TEST(rows[1].dataset == "/rng/cuda");
+  BOOST_TEST(torch::equal(rows[1].bytes, captured.device));
+  BOOST_TEST(fsdp::detail::rng_rows(fsdp::detail::capture_rng_state(torch::kCPU)).size() == 1u, "a CPU run saves /rng/cpu only");
+
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
+    BOOST_TEST_CONTEXT(fsdp::to_string(type)) {
+      fsdp::CheckpointOptions o;
+      o.state_dict_type = type;
+      const auto saved = fsdp::save_checkpoint(*model, nullptr, dir / fsdp::to_string(type), {.step = 1}, o);
+      // Add the row a GPU run would have written, as HDF5 holds it: [world, n] (a LOCAL rank file: [1, n]).
+      const bool local = type == StateDictType::LOCAL_STATE_DICT;
+      if (local || world.rank() == 0) {
+        const auto file_path = local ? (fs::path(saved.path) / fsdp::ckpt::local_rank_file(world.rank())).string() : saved.path;
+        fsdp::h5::Id file(H5Fopen(file_path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "open " + file_path);
+        const std::int64_t n_rows = local ? 1 : world.size();
+        auto rows_of_gpu = torch::arange(n_rows * 16, torch::kUInt8);
+        fsdp::detail::write_rank_rows(file, "/rng/cuda", rows_of_gpu.view({n_rows, 16}), n_rows, 0, false, H5P_DEFAULT);
+      }
+      world.barrier();
+      const auto cpu_before = fsdp::detail::generator_state(at::detail::getDefaultCPUGenerator());
+      torch::randn({5});  // moves the CPU generator on: the load must put it back
+      auto loaded = fsdp::make_fsdp(make_net(4), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+      fsdp::TrainState state;
+      fsdp::load_checkpoint(*loaded, nullptr, saved.path, &state, o);
+      BOOST_TEST(state.rng_restored);
+      BOOST_TEST(!state.device_rng_restored, "a CPU computation has no device generator to restore");
+      BOOST_TEST(torch::equal(fsdp::detail::generator_state(at::detail::getDefaultCPUGenerator()), cpu_before));
+      if (local && world.rank() == 0) {  // merged into one file: every rank's GPU row comes along
+        const auto merged = dir / "merged.h5";
+        fsdp::ckpt::merge_local(saved.path, merged);
+        fsdp::h5::Id file = fsdp::h5::open_file_readonly(merged);
+        fsdp::h5::Id ds = fsdp::h5::open_dataset(file, "/rng/cuda", merged);
+        BOOST_TEST((fsdp::h5::dataset_dims(ds) == std::vector<std::int64_t>{world.size(), 16}));
+      }
+      world.barrier();
+    }
   }
 }

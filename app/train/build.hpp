@@ -54,6 +54,7 @@ inline fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
   o.shard_group_size = cfg.fsdp.shard_group_size;
   o.optimizer_sharding = cfg.fsdp.optimizer_sharding;
   o.sync_module_states = cfg.fsdp.sync_module_states;
+  o.buffer_sync = cfg.fsdp.buffer_sync;
   const std::string mp = cfg.fsdp.mixed_precision;
   if (mp == "bf16")
     o.mixed_precision = fsdp::MixedPrecision::bf16();

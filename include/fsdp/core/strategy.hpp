@@ -108,6 +108,20 @@ inline OptimizerSharding parse_optimizer_sharding(std::string_view text) {
   return detail::parse_enum_name(text, kOptimizerShardings, "optimizer sharding");
 }
 
+/// What happens to buffers (BatchNorm running statistics) during training. NONE, PyTorch FSDP's
+/// behaviour: each rank keeps its own (sync_module_states makes them equal at the start), and
+/// checkpoints store every rank's copy of a buffer that differs between ranks. AVERAGE: after every
+/// training forward floating-point buffers are averaged over the world and integer ones broadcast
+/// from rank 0, so every rank holds the same (one collective per buffer per forward).
+enum class BufferSync { NONE, AVERAGE };
+
+inline constexpr std::array<BufferSync, 2> kBufferSyncs = {BufferSync::NONE, BufferSync::AVERAGE};
+
+constexpr const char* to_string(BufferSync s) noexcept { return s == BufferSync::AVERAGE ? "AVERAGE" : "NONE"; }
+
+/// Parses "none", "AVERAGE", ...; throws ConfigError naming the valid values.
+inline BufferSync parse_buffer_sync(std::string_view text) { return detail::parse_enum_name(text, kBufferSyncs, "buffer sync"); }
+
 /// Why optimizer state cannot be sharded as `sharding` under `strategy`; empty when it can. WORLD
 /// differs from GROUP only where a strategy replicates across groups: the hybrid strategies.
 inline std::string optimizer_sharding_problem(ShardingStrategy strategy, OptimizerSharding sharding) {

@@ -38,6 +38,8 @@ namespace fsdp {
 namespace ckpt {
 
 inline constexpr const char* kFormatName = "fsdp-checkpoint";
+/// Per-rank copies of buffers that differ between ranks: /rank_local/<buffer>, (world x bytes) uint8.
+inline constexpr const char* kRankLocalGroup = "/rank_local";
 inline constexpr std::int64_t kFormatVersion = 1;
 inline constexpr const char* kLatestName = "latest";
 

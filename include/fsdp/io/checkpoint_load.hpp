@@ -123,6 +123,7 @@ Staged read_own_parts(Engine& engine, const torch::optim::Optimizer* opt, const 
   if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems), kMismatchId);
   const auto world = h5::read_int_attribute(file, "world_size", "checkpoint '" + path + "'");
   s.meta = read_meta(file, path, engine.rank(), world == engine.world_size() ? world : -1);
+  use_rank_local_buffers(named_buffers_of(engine), s.buffers, s.meta, path);
   return s;
 }
 
@@ -200,29 +201,36 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
     if (t.numel() > 0) world.broadcast(t.data_ptr(), t.numel(), to_comm_dtype(t.scalar_type()), 0);
     s.buffers.push_back(t);
   }
-  // RNG rows: rank 0 reads them all and broadcasts, if the world size matches.
-  std::int64_t rows = 0, n = 0;
-  torch::Tensor all;
+  // Per-rank rows: rank 0 reads every row of those saved at this world size and broadcasts them.
+  std::vector<std::pair<std::string, torch::Tensor>> every_rank;
   if (reader) {
     error = capture_error([&] {
-      if (!h5::exists(file, "/rng/cpu")) return;
-      h5::Id ds = h5::open_dataset(file, "/rng/cpu", path);
-      const auto dims = h5::dataset_dims(ds);
-      if (dims.size() != 2 || dims[0] != world.size()) return;
-      all = torch::empty({dims[0], dims[1]}, torch::kUInt8);
-      h5::read_flat_range(ds, dims, 0, all.numel(), h5::ElementType::kUInt8, all.data_ptr(), "checkpoint '" + path + "' dataset /rng/cpu");
-      rows = dims[0];
-      n = dims[1];
+      for (const auto& dataset : rank_row_datasets(file)) {
+        h5::Id ds = h5::open_dataset(file, dataset, path);
+        const auto dims = h5::dataset_dims(ds);
+        if (dims.size() != 2 || dims[0] != world.size()) continue;
+        auto all = torch::empty({dims[0], dims[1]}, torch::kUInt8);
+        h5::read_flat_range(ds, dims, 0, all.numel(), h5::ElementType::kUInt8, all.data_ptr(), "checkpoint '" + path + "' dataset " + dataset);
+        every_rank.emplace_back(dataset, std::move(all));
+      }
     });
   }
   agree(world, error);
-  world.broadcast(&rows, 1, DType::kInt64, 0);
-  world.broadcast(&n, 1, DType::kInt64, 0);
-  if (rows > 0) {
-    if (!reader) all = torch::empty({rows, n}, torch::kUInt8);
-    world.broadcast(all.data_ptr(), all.numel(), DType::kUInt8, 0);
-    s.meta.rng = all[world.rank()].clone();
+  Packer index;
+  for (const auto& [dataset, all] : every_rank) {
+    index.str(dataset);
+    index.i64(all.size(1));
   }
+  const std::string shared = broadcast_string(world, index.bytes);
+  Unpacker un{shared};
+  for (std::size_t k = 0; un.pos < shared.size(); ++k) {
+    const std::string dataset = un.str();
+    const auto n = un.i64();
+    auto all = reader ? every_rank[k].second : torch::empty({world.size(), n}, torch::kUInt8);
+    if (all.numel() > 0) world.broadcast(all.data_ptr(), all.numel(), DType::kUInt8, 0);
+    s.meta.rows.emplace(dataset, all[world.rank()].clone());
+  }
+  use_rank_local_buffers(named_buffers_of(engine), s.buffers, s.meta, path);
   return s;
 }
 
@@ -286,10 +294,12 @@ void apply_staged(Engine& engine, torch::optim::Optimizer* opt, Staged& s, Train
   }
   const auto buffers = live_buffers_of(engine);
   for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(s.buffers[i]);  // converts to a mixed-precision buffer_dtype
-  if (s.meta.rng.defined() && load_rng_state) set_cpu_rng_state(s.meta.rng);
+  std::pair<bool, bool> restored{false, false};
+  if (load_rng_state) restored = restore_rng_rows(s.meta.rows, engine.compute_device());
   if (state) {
     *state = s.meta.train;
-    state->rng_restored = s.meta.rng.defined() && load_rng_state;
+    state->rng_restored = restored.first;
+    state->device_rng_restored = restored.second;
   }
 }
 

@@ -48,8 +48,10 @@ struct TrainState {
   std::int64_t sample_index = 0;            ///< ... and the next sample within it
   std::map<std::string, double> scheduler;  ///< LR scheduler state (e.g. {"last_epoch": 12, "base_lr": 3e-4})
   std::string deck;                         ///< the input deck text (rank 0's is written)
-  /// Set by loading: whether this rank's RNG state was restored (only at the saving world size).
+  /// Set by loading: whether this rank's CPU RNG state was restored (only at the saving world size) ...
   bool rng_restored = false;
+  /// ... and, on a GPU, its device generator's (/rng/cuda; not in a checkpoint saved by a CPU run).
+  bool device_rng_restored = false;
 };
 
 struct CheckpointOptions {

@@ -17,7 +17,7 @@ namespace detail {
 /// they unwind and close the file together instead of waiting in the next collective.
 template <class Engine>
 std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path, const TrainState& state,
-                                const CheckpointOptions& options, const std::string& created) {
+                                const CheckpointOptions& options, const std::string& created, const std::vector<RankRow>& rows) {
   auto& world = engine.comm();
   auto step = [&world](auto&& f) { agree(world, capture_error(f)); };
   MPI_Comm native = mpi_handle(world);
@@ -73,7 +73,7 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
   }
   step([&] {
     write_train_group(file, state);
-    if (options.save_rng_state) write_rng_rows(file, saved_rng_state(engine).contiguous(), world.size(), world.rank(), true, dxpl);
+    for (const auto& r : rows) write_rank_rows(file, r.dataset, r.bytes, world.size(), world.rank(), true, dxpl);
     h5::write_attribute(file, "num_tensors", tensors);
     // Global flush: MPI_File_sync on every rank, so data cached on other nodes reaches the file
     // system before rank 0's fsync and the rename.
@@ -85,7 +85,7 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
 
 template <class Engine>
 void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path, const TrainState& state,
-                     const CheckpointOptions& options, const std::string& created, const std::string& deck) {
+                     const CheckpointOptions& options, const std::string& created, const std::string& deck, const std::vector<RankRow>& rows) {
   auto& world = engine.comm();
   const bool writer = world.rank() == 0;
   std::optional<std::string> error;  // rank 0's; it keeps taking part in the gathers after a failure
@@ -138,11 +138,11 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
       });
     }
   }
-  torch::Tensor rng;
-  if (options.save_rng_state) rng = gather_rng_states(world, saved_rng_state(engine));
+  std::vector<torch::Tensor> every_rank;
+  for (const auto& r : rows) every_rank.push_back(gather_rank_rows(world, r));
   on_writer([&] {
     write_train_group(file, state);
-    if (rng.defined()) write_rng_rows(file, rng, world.size(), 0, false, H5P_DEFAULT);
+    for (std::size_t i = 0; i < rows.size(); ++i) write_rank_rows(file, rows[i].dataset, every_rank[i], world.size(), 0, false, H5P_DEFAULT);
     h5::write_attribute(file, "num_tensors", tensors);
     file.close("cannot close (flush) '" + path + "'");
   });
@@ -153,7 +153,8 @@ void write_full_file(Engine& engine, const torch::optim::Optimizer* opt, const s
 /// part in the replica gathers of optimizer state sharded over the world, so no rank waits for it.
 template <class Engine>
 std::optional<std::string> write_local_file(Engine& engine, const torch::optim::Optimizer* opt, const std::string& path, const TrainState& state,
-                                            const CheckpointOptions& options, const std::string& created, const std::string& deck) {
+                                            const CheckpointOptions& options, const std::string& created, const std::string& deck,
+                                            const std::vector<RankRow>& rows) {
   std::optional<std::string> error;
   auto mine = [&](auto&& f) {
     if (!error) error = capture_error(f);
@@ -213,10 +214,7 @@ std::optional<std::string> write_local_file(Engine& engine, const torch::optim::
     }
     if (opt) write_optimizer_attributes(file, *opt);
     write_train_group(file, state);
-    if (options.save_rng_state) {
-      const auto rows = saved_rng_state(engine).contiguous().view({1, -1});
-      write_rng_rows(file, rows, 1, 0, false, H5P_DEFAULT);
-    }
+    for (const auto& r : rows) write_rank_rows(file, r.dataset, r.bytes.view({1, -1}), 1, 0, false, H5P_DEFAULT);
     h5::write_attribute(file, "num_tensors", tensors);
     file.close("cannot close (flush) '" + path + "'");
   });
@@ -239,12 +237,13 @@ inline std::int64_t size_on_disk(const std::filesystem::path& p) {
 namespace detail {
 
 /// What every rank must agree on before a save makes its first collective HDF5 call: the train state
-/// (taken from rank 0), which units have optimizer state and its names, and the RNG state size.
+/// (taken from rank 0), which units have optimizer state and its names, and the RNG rows' sizes.
 template <class Engine>
-void check_ranks_agree(Engine& engine, const torch::optim::Optimizer* opt, const CheckpointOptions& options) {
+void check_ranks_agree(Engine& engine, const torch::optim::Optimizer* opt, const CheckpointOptions& options, const std::vector<RankRow>& rng) {
   auto& world = engine.comm();
   std::ostringstream os;
-  os << to_string(options.state_dict_type) << ";rng=" << (options.save_rng_state ? saved_rng_state(engine).numel() : 0) << ";";
+  os << to_string(options.state_dict_type) << ";";
+  for (const auto& r : rng) os << r.dataset << "=" << r.bytes.numel() << ";";
   if (opt) {
     os << "groups=" << opt->param_groups().size() << ";";
     for (const auto& up : engine.sharded_units()) {
@@ -260,6 +259,15 @@ void check_ranks_agree(Engine& engine, const torch::optim::Optimizer* opt, const
   if (hash != -low)
     throw CheckpointError("save_checkpoint: the ranks differ in optimizer state or RNG state size (" + os.str() + " on rank " +
                           std::to_string(world.rank()) + "); every rank must step the same optimizer");
+}
+
+/// The per-rank rows a save writes: the generators' states and, in a file shared by the ranks, the
+/// buffers that differ between them. Collective.
+template <class Engine>
+std::vector<RankRow> rows_to_save(Engine& engine, const CheckpointOptions& options, std::vector<RankRow> rng) {
+  if (options.state_dict_type == StateDictType::LOCAL_STATE_DICT) return rng;  // each rank's file holds its own buffers
+  for (auto& r : rank_local_buffer_rows(engine.comm(), named_buffers_of(engine))) rng.push_back(std::move(r));
+  return rng;
 }
 
 /// rank 0's train state, on every rank.
@@ -282,7 +290,7 @@ namespace detail {
 /// An upper estimate of a FULL/SHARDED checkpoint file's size: every tensor once plus HDF5's object
 /// headers, chunk indexes and checksums (under 4 KiB per dataset here) and a spare 64 KiB.
 template <class Engine>
-std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* opt, int world_size) {
+std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* opt, int world_size, const std::vector<RankRow>& rows) {
   std::int64_t bytes = 0, datasets = 0;
   for (const auto& up : engine.sharded_units()) {
     if (up.param_names.empty()) continue;
@@ -300,7 +308,10 @@ std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* 
     bytes += buffer.numel() * static_cast<std::int64_t>(buffer.element_size());
     ++datasets;
   }
-  bytes += world_size * saved_rng_state(engine).numel();
+  for (const auto& r : rows) {
+    bytes += world_size * r.bytes.numel();
+    ++datasets;
+  }
   return bytes + datasets * 4096 + 65536;
 }
 }  // namespace detail
@@ -312,8 +323,10 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
   auto& world = engine.comm();
   detail::arrive_together(world, options, "save_checkpoint");
   const TrainState written = detail::broadcast_train_state(world, state);
-  detail::check_ranks_agree(engine, optimizer, options);
+  auto rng = options.save_rng_state ? detail::rng_rows(detail::saved_rng_state(engine)) : std::vector<detail::RankRow>{};
+  detail::check_ranks_agree(engine, optimizer, options, rng);
   detail::synchronize_shards_of(engine);
+  const auto rows = detail::rows_to_save(engine, options, std::move(rng));
   const std::string name = ckpt::checkpoint_name(written.step);
   const std::filesystem::path folder(dir);
   const auto tmp = folder / ckpt::temporary_name(name);
@@ -326,7 +339,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
       std::filesystem::create_directories(folder, ec);
       if (ec) throw CheckpointError("cannot create checkpoint folder '" + dir + "': " + ec.message());
       std::filesystem::remove_all(tmp, ec);  // left over by a save that crashed
-      if (!local) ckpt::reserve_space(tmp, detail::expected_file_bytes(engine, optimizer, world.size()), (folder / name).string());
+      if (!local) ckpt::reserve_space(tmp, detail::expected_file_bytes(engine, optimizer, world.size(), rows), (folder / name).string());
       if (local) {
         std::filesystem::create_directories(tmp, ec);
         if (ec) throw CheckpointError("cannot create '" + tmp.string() + "': " + ec.message());
@@ -347,11 +360,11 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
   } cleanup{tmp, world.rank() == 0};
   const std::string created = detail::broadcast_string(world, ckpt::utc_now());
   switch (options.state_dict_type) {
-    case StateDictType::SHARDED_STATE_DICT: detail::write_sharded_file(engine, optimizer, tmp.string(), written, options, created); break;
-    case StateDictType::FULL_STATE_DICT: detail::write_full_file(engine, optimizer, tmp.string(), written, options, created, written.deck); break;
+    case StateDictType::SHARDED_STATE_DICT: detail::write_sharded_file(engine, optimizer, tmp.string(), written, options, created, rows); break;
+    case StateDictType::FULL_STATE_DICT: detail::write_full_file(engine, optimizer, tmp.string(), written, options, created, written.deck, rows); break;
     case StateDictType::LOCAL_STATE_DICT: {
       const auto file = tmp / ckpt::local_rank_file(world.rank());
-      error = detail::write_local_file(engine, optimizer, file.string(), written, options, created, written.deck);
+      error = detail::write_local_file(engine, optimizer, file.string(), written, options, created, written.deck, rows);
       if (!error) error = detail::capture_error([&] { ckpt::fsync_path(file); });
       detail::agree(world, error);
       break;

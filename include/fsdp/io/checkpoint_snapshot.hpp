@@ -71,7 +71,7 @@ class CheckpointSnapshot {
     const auto buffers = named_buffers_of(engine);
     reserve_buffers(buffers);
     for (std::size_t b = 0; b < buffers.size(); ++b) buffers_[b].second.copy_(buffers[b].second);
-    rng_ = detail::cpu_rng_state();
+    rng_ = detail::capture_rng_state(engine.compute_device());
     world_size_ = engine.world_size();
     shard_group_size_ = engine.shard_group_size();
     strategy_ = engine.sharding_strategy();
@@ -124,7 +124,7 @@ class CheckpointSnapshot {
   const std::map<std::string, std::vector<std::string>>& tied_parameter_aliases() const noexcept { return aliases_; }
   std::vector<ShardedUnit> sharded_units() const { return units_; }
   const std::vector<std::pair<std::string, torch::Tensor>>& checkpoint_buffers() const noexcept { return buffers_; }
-  const torch::Tensor& checkpoint_rng_state() const noexcept { return rng_; }
+  const detail::RngState& checkpoint_rng_state() const noexcept { return rng_; }
 
   /// The padded flat tensor of unit `unit` from every shard rank's `shard_like`. Collective over the shard group.
   torch::Tensor gather_flat(int unit, const torch::Tensor& shard_like) {
@@ -208,7 +208,7 @@ class CheckpointSnapshot {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   bool has_optimizer_ = false;
   std::vector<std::pair<std::string, torch::Tensor>> buffers_;
-  torch::Tensor rng_;
+  detail::RngState rng_;
   int world_size_ = 0, shard_group_size_ = 0;
   ShardingStrategy strategy_ = ShardingStrategy::FULL_SHARD;
   std::uint64_t plan_hash_ = 0;

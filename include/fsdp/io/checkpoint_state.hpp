@@ -127,17 +127,87 @@ struct Unpacker {
   }
 };
 
-// Checkpoints hold the CPU generator's state (/rng/cpu); a GPU generator's is not saved yet (docs/gpu.md).
-inline torch::Tensor cpu_rng_state() { return generator_state(at::detail::getDefaultCPUGenerator()); }
-/// The RNG state a save writes: the one a snapshot captured with the model, else the generator's now.
+// ---- per-rank rows -----------------------------------------------------------------------------
+// State that differs between ranks is stored as one (world x bytes) uint8 dataset per item, row r
+// written by rank r: the generators (/rng/cpu, and /rng/cuda for a GPU computation) and buffers that
+// differ between ranks (/rank_local/<buffer>). A load at the saving world size gives each rank its
+// row back; at another world size the rows are not used.
+
+/// One rank's row of a per-rank dataset: a 1-D contiguous uint8 host tensor.
+struct RankRow {
+  std::string dataset;
+  torch::Tensor bytes;
+};
+
+using ckpt::kRankLocalGroup;
+inline std::string rank_local_path(const std::string& buffer) { return std::string(kRankLocalGroup) + "/" + buffer; }
+/// The dataset of a device kind's generator: /rng/cpu, /rng/cuda.
+inline std::string rng_path(c10::DeviceType type) { return "/rng/" + c10::DeviceTypeName(type, /*lower_case=*/true); }
+
+/// The rows of a captured RNG state: the CPU generator's and, for a GPU computation, its device's.
+inline std::vector<RankRow> rng_rows(const RngState& state) {
+  std::vector<RankRow> rows{{rng_path(c10::DeviceType::CPU), state.cpu.contiguous()}};
+  if (state.device.defined()) rows.push_back({rng_path(state.device_of.type()), state.device.contiguous()});
+  return rows;
+}
+
+/// The RNG state a save writes: the one a snapshot captured with the model, else the generators' now.
 template <class Engine>
-torch::Tensor saved_rng_state(Engine& engine) {
+RngState saved_rng_state(Engine& engine) {
   if constexpr (requires { engine.checkpoint_rng_state(); })
     return engine.checkpoint_rng_state();
+  else if constexpr (requires { engine.compute_device(); })
+    return capture_rng_state(engine.compute_device());
   else
-    return cpu_rng_state();
+    return capture_rng_state(torch::kCPU);
 }
-inline void set_cpu_rng_state(const torch::Tensor& state) { set_generator_state(at::detail::getDefaultCPUGenerator(), state); }
+
+/// Puts back the generators whose rows `rows` holds: the CPU's, and `compute`'s when it is a GPU and
+/// its kind's row is there. Returns {CPU restored, device restored}.
+inline std::pair<bool, bool> restore_rng_rows(const std::map<std::string, torch::Tensor>& rows, const c10::Device& compute) {
+  std::pair<bool, bool> restored{false, false};
+  if (const auto it = rows.find(rng_path(c10::DeviceType::CPU)); it != rows.end()) {
+    set_generator_state(at::detail::getDefaultCPUGenerator(), it->second);
+    restored.first = true;
+  }
+  if (compute.is_cpu()) return restored;
+  if (const auto it = rows.find(rng_path(compute.type())); it != rows.end()) {
+    set_generator_state(default_generator(compute), it->second);
+    restored.second = true;
+  }
+  return restored;
+}
+
+/// A buffer's bytes as a row (a host copy; the values are read back by copying the row into a buffer
+/// of the same dtype and shape).
+inline torch::Tensor bytes_of(const torch::Tensor& t) {
+  const auto host = t.detach().to(torch::kCPU).contiguous();
+  return host.view({-1}).view(torch::kUInt8).clone();
+}
+
+/// The buffers whose values differ between the ranks of `comm` (BufferSync::NONE keeps each rank's
+/// own), as rows. Collective; every rank gets the same list of datasets.
+template <Communicator Comm>
+std::vector<RankRow> rank_local_buffer_rows(Comm& comm, const std::vector<std::pair<std::string, torch::Tensor>>& buffers) {
+  std::vector<RankRow> rows;
+  if (comm.size() == 1 || buffers.empty()) return rows;
+  const auto n = static_cast<std::int64_t>(buffers.size());
+  std::vector<torch::Tensor> bytes;
+  std::vector<std::int64_t> high(static_cast<std::size_t>(2 * n));  // max of the hash, then max of its negation
+  for (std::int64_t i = 0; i < n; ++i) {
+    bytes.push_back(bytes_of(buffers[static_cast<std::size_t>(i)].second));
+    const auto& b = bytes.back();
+    const auto hash = static_cast<std::int64_t>(fnv1a64(std::string_view(static_cast<const char*>(b.data_ptr()), static_cast<std::size_t>(b.numel()))) >> 1);
+    high[static_cast<std::size_t>(i)] = hash;
+    high[static_cast<std::size_t>(n + i)] = -hash;
+  }
+  comm.all_reduce(high.data(), high.data(), 2 * n, DType::kInt64, ReduceOp::kMax);
+  for (std::int64_t i = 0; i < n; ++i)
+    if (high[static_cast<std::size_t>(i)] != -high[static_cast<std::size_t>(n + i)])
+      rows.push_back({rank_local_path(buffers[static_cast<std::size_t>(i)].first), bytes[static_cast<std::size_t>(i)]});
+  return rows;
+}
+
 
 // Shared with the offline tools: "[2, 3]" and the logical shape of a stored tensor (0-d tensors are
 // stored with dims {1} and attribute scalar=1).
@@ -201,8 +271,26 @@ struct StagedMeta {
   TrainState train;
   std::string optimizer_kind;  // "" = no optimizer state in the file
   std::vector<double> lrs;
-  torch::Tensor rng;  // this rank's CPU RNG state, undefined if not restorable
+  /// This rank's rows of the per-rank datasets (/rng/..., /rank_local/...), by dataset; only those
+  /// stored for this world size.
+  std::map<std::string, torch::Tensor> rows;
 };
+
+/// Replaces each staged buffer that has a row in `meta` by this rank's saved copy. Checks the size.
+inline void use_rank_local_buffers(const std::vector<std::pair<std::string, torch::Tensor>>& named, std::vector<torch::Tensor>& staged,
+                                   const StagedMeta& meta, const std::string& path) {
+  for (std::size_t i = 0; i < named.size() && i < staged.size(); ++i) {
+    const auto it = meta.rows.find(rank_local_path(named[i].first));
+    if (it == meta.rows.end() || !staged[i].defined()) continue;
+    auto& t = staged[i];
+    const auto want = t.numel() * static_cast<std::int64_t>(t.element_size());
+    if (it->second.numel() != want)
+      throw CheckpointError("checkpoint '" + path + "' dataset " + it->first + " holds " + std::to_string(it->second.numel()) +
+                                " bytes per rank; buffer " + named[i].first + " has " + std::to_string(want),
+                            kMismatchId);
+    if (want > 0) t.copy_(it->second.view(t.scalar_type()).view(t.sizes()));  // the row's bytes are the buffer's
+  }
+}
 
 /// The module's buffers by name, as checkpoints hold them: in their own dtype (before mixed
 /// precision's buffer_dtype). Loading copies the value back into the live buffer.
@@ -342,30 +430,56 @@ inline void write_buffer(hid_t file, const std::string& name, const torch::Tenso
   h5::write_flat_range(ds, t.shape, 0, writer ? b.numel() : 0, t.type, b.data_ptr(), dxpl, t.path);
 }
 
-inline void write_rng_rows(hid_t file, const torch::Tensor& rows, std::int64_t world, int my_row, bool parallel, hid_t dxpl) {
-  // rows: in parallel, this rank's state (1 x n); serially, every rank's (world x n).
+/// Writes per-rank dataset `dataset` (world x n). In parallel, `rows` is this rank's row (n bytes) and
+/// goes to row `my_row`; serially it is every rank's (world x n).
+inline void write_rank_rows(hid_t file, const std::string& dataset, const torch::Tensor& rows, std::int64_t world, int my_row, bool parallel,
+                            hid_t dxpl) {
   const std::int64_t n = rows.size(-1);
-  h5::Id ds = h5::create_dataset(file, "/rng/cpu", h5::ElementType::kUInt8, {world, n});
+  h5::Id ds = h5::create_dataset(file, dataset, h5::ElementType::kUInt8, {world, n});
   if (parallel)
-    h5::write_flat_range(ds, {world, n}, my_row * n, (my_row + 1) * n, h5::ElementType::kUInt8, rows.data_ptr(), dxpl, "/rng/cpu");
+    h5::write_flat_range(ds, {world, n}, my_row * n, (my_row + 1) * n, h5::ElementType::kUInt8, rows.data_ptr(), dxpl, dataset);
   else
-    h5::write_flat_range(ds, {world, n}, 0, world * n, h5::ElementType::kUInt8, rows.data_ptr(), H5P_DEFAULT, "/rng/cpu");
+    h5::write_flat_range(ds, {world, n}, 0, world * n, h5::ElementType::kUInt8, rows.data_ptr(), H5P_DEFAULT, dataset);
 }
 
-/// All ranks' CPU RNG states as a (world x n) uint8 tensor. Collective.
+/// Every rank's `row` as a (world x n) uint8 tensor. Collective.
 template <Communicator Comm>
-torch::Tensor gather_rng_states(Comm& comm, const torch::Tensor& rng_state) {
-  auto mine = rng_state.contiguous();
+torch::Tensor gather_rank_rows(Comm& comm, const RankRow& row) {
+  auto mine = row.bytes.contiguous();
   std::int64_t n = mine.numel(), max_n = n;
   comm.all_reduce(&max_n, &max_n, 1, DType::kInt64, ReduceOp::kMax);
-  if (max_n != n) throw CheckpointError("RNG state sizes differ between ranks");
+  if (max_n != n) throw CheckpointError(row.dataset + ": the ranks' sizes differ");
   auto all = torch::empty({comm.size(), n}, torch::kUInt8);
   comm.all_gather(mine.data_ptr(), all.data_ptr(), n, DType::kUInt8);
   return all;
 }
 
-/// Train state, optimizer kind and learning rates, and the RNG rows of a file.
-inline StagedMeta read_meta(hid_t file, const std::string& path, int rng_row, std::int64_t rng_rows_expected) {
+/// The per-rank datasets of a file (/rng/..., /rank_local/...).
+inline std::vector<std::string> rank_row_datasets(hid_t file) {
+  std::vector<std::string> out;
+  for (const std::string group : {"/rng", kRankLocalGroup})
+    if (h5::exists(file, group))
+      for (const auto& name : h5::list_names(file, group)) out.push_back(group + "/" + name);
+  return out;
+}
+
+/// Row `row` of every per-rank dataset with `rows_expected` rows (the others were saved at another world size).
+inline std::map<std::string, torch::Tensor> read_rank_rows(hid_t file, const std::string& path, std::int64_t row, std::int64_t rows_expected) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& dataset : rank_row_datasets(file)) {
+    h5::Id ds = h5::open_dataset(file, dataset, path);
+    const auto dims = h5::dataset_dims(ds);
+    if (dims.size() != 2 || dims[0] != rows_expected || row < 0 || row >= rows_expected) continue;
+    auto t = torch::empty({dims[1]}, torch::kUInt8);
+    h5::read_flat_range(ds, dims, row * dims[1], (row + 1) * dims[1], h5::ElementType::kUInt8, t.data_ptr(),
+                        "checkpoint '" + path + "' dataset " + dataset);
+    out.emplace(dataset, std::move(t));
+  }
+  return out;
+}
+
+/// Train state, optimizer kind and learning rates, and row `row` of the file's per-rank datasets.
+inline StagedMeta read_meta(hid_t file, const std::string& path, int row, std::int64_t rows_expected) {
   StagedMeta m;
   const std::string where = "checkpoint '" + path + "'";
   h5::Id train = h5::open_group(file, "/train", path);
@@ -380,15 +494,7 @@ inline StagedMeta read_meta(hid_t file, const std::string& path, int rng_row, st
     m.optimizer_kind = h5::read_string_attribute(g, "kind", where + " /optim");
     m.lrs = h5::read_double_array_attribute(g, "lr", where + " /optim");
   }
-  if (rng_row >= 0 && h5::exists(file, "/rng/cpu")) {
-    h5::Id ds = h5::open_dataset(file, "/rng/cpu", path);
-    const auto dims = h5::dataset_dims(ds);
-    if (dims.size() == 2 && dims[0] == rng_rows_expected) {
-      m.rng = torch::empty({dims[1]}, torch::kUInt8);
-      h5::read_flat_range(ds, dims, rng_row * dims[1], (rng_row + 1) * dims[1], h5::ElementType::kUInt8, m.rng.data_ptr(),
-                          where + " dataset /rng/cpu");
-    }
-  }
+  if (row >= 0) m.rows = read_rank_rows(file, path, row, rows_expected);
   return m;
 }
 

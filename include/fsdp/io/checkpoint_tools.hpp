@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -339,7 +340,15 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
       const std::string alias = link.substr(0, eq), name = link.substr(eq + 1);
       h5::check(H5Lcreate_hard(out, ("/model/" + name).c_str(), out, ("/model/" + alias).c_str(), H5P_DEFAULT, H5P_DEFAULT), "link " + alias);
     }
-    if (h5::exists(f0, "/model")) {  // buffers (identical on every rank): rank 0's
+    // A per-rank dataset (world x bytes) from every rank file's `read(file, bytes)`.
+    auto write_rows = [&](const std::string& dataset, std::int64_t n, const std::vector<std::vector<char>>& rows) {
+      std::vector<char> joined;
+      for (const auto& r : rows) joined.insert(joined.end(), r.begin(), r.begin() + n);
+      joined.push_back(0);
+      h5::Id ds = h5::create_dataset(out, dataset, h5::ElementType::kUInt8, {world, n});
+      h5::write_flat_range(ds, {world, n}, 0, world * n, h5::ElementType::kUInt8, joined.data(), H5P_DEFAULT, dataset);
+    };
+    if (h5::exists(f0, "/model")) {  // buffers: rank 0's, and every rank's of one that differs between them
       for (const auto& name : h5::list_names(f0, "/model")) {
         const std::string p = "/model/" + name;
         if (h5::exists(out, p)) continue;
@@ -347,8 +356,19 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
         const auto type = h5::stored_element_type(src, p);
         const auto shape = detail::logical_shape(src);
         const auto stored_dims = h5::dataset_dims(src);
-        std::vector<char> buf(static_cast<std::size_t>(detail::numel(stored_dims)) * h5::element_size(type) + 1);
-        h5::read_flat_range(src, stored_dims, 0, detail::numel(stored_dims), type, buf.data(), w0 + " dataset " + p);
+        const auto bytes = static_cast<std::size_t>(detail::numel(stored_dims)) * h5::element_size(type);
+        std::vector<std::vector<char>> per_rank(static_cast<std::size_t>(world), std::vector<char>(bytes + 1));
+        bool differ = false;
+        for (std::int64_t r = 0; r < world; ++r) {
+          const std::string pr = dir + "/" + local_rank_file(static_cast<int>(r));
+          h5::Id ds = h5::open_dataset(all[static_cast<std::size_t>(r)], p, pr);
+          if (h5::dataset_dims(ds) != stored_dims) throw CheckpointError("checkpoint '" + pr + "' dataset " + p + " has another shape than rank 0's");
+          h5::read_flat_range(ds, stored_dims, 0, detail::numel(stored_dims), type, per_rank[static_cast<std::size_t>(r)].data(),
+                              "checkpoint '" + pr + "' dataset " + p);
+          differ = differ || std::memcmp(per_rank[static_cast<std::size_t>(r)].data(), per_rank[0].data(), bytes) != 0;
+        }
+        if (differ) write_rows(std::string(kRankLocalGroup) + "/" + name, static_cast<std::int64_t>(bytes), per_rank);
+        const auto& buf = per_rank[0];
         h5::Id ds = h5::create_dataset(out, p, type, shape);
         h5::write_attribute(ds, "kind", "buffer");
         if (shape.empty()) h5::write_attribute(ds, "scalar", std::int64_t{1});
@@ -370,16 +390,20 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
       h5::Id sdst = h5::require_group(out, "/train/scheduler");
       for (const auto& k : h5::list_attribute_names(ssrc)) h5::write_attribute(sdst, k, h5::read_double_attribute(ssrc, k, w0));
     }
-    if (h5::exists(f0, "/rng/cpu")) {  // one row per rank, in rank order
-      h5::Id ds0 = h5::open_dataset(f0, "/rng/cpu", first);
-      const std::int64_t n = h5::dataset_dims(ds0).back();
-      std::vector<unsigned char> rows(static_cast<std::size_t>(world * n));
-      for (std::int64_t r = 0; r < world; ++r) {
-        h5::Id ds = h5::open_dataset(all[static_cast<std::size_t>(r)], "/rng/cpu", dir + "/" + local_rank_file(static_cast<int>(r)));
-        h5::read_flat_range(ds, {1, n}, 0, n, h5::ElementType::kUInt8, rows.data() + r * n, "rng of rank " + std::to_string(r));
+    if (h5::exists(f0, "/rng")) {  // each generator: one row per rank, in rank order
+      for (const auto& name : h5::list_names(f0, "/rng")) {
+        const std::string dataset = "/rng/" + name;
+        h5::Id ds0 = h5::open_dataset(f0, dataset, first);
+        const std::int64_t n = h5::dataset_dims(ds0).back();
+        std::vector<std::vector<char>> rows(static_cast<std::size_t>(world), std::vector<char>(static_cast<std::size_t>(n) + 1));
+        for (std::int64_t r = 0; r < world; ++r) {
+          const std::string pr = dir + "/" + local_rank_file(static_cast<int>(r));
+          h5::Id ds = h5::open_dataset(all[static_cast<std::size_t>(r)], dataset, pr);
+          if (h5::dataset_dims(ds) != std::vector<std::int64_t>{1, n}) throw CheckpointError("checkpoint '" + pr + "' dataset " + dataset + " has another size than rank 0's");
+          h5::read_flat_range(ds, {1, n}, 0, n, h5::ElementType::kUInt8, rows[static_cast<std::size_t>(r)].data(), "checkpoint '" + pr + "' dataset " + dataset);
+        }
+        write_rows(dataset, n, rows);
       }
-      h5::Id ds = h5::create_dataset(out, "/rng/cpu", h5::ElementType::kUInt8, {world, n});
-      h5::write_flat_range(ds, {world, n}, 0, world * n, h5::ElementType::kUInt8, rows.data(), H5P_DEFAULT, "/rng/cpu");
     }
     h5::write_attribute(out, "num_tensors", tensors);
     out.close("cannot close '" + tmp.string() + "'");

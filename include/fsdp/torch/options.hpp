@@ -72,9 +72,10 @@ struct FsdpOptions {
   /// all-reduced, and the updated parts are all-gathered back into the group shards at the next forward
   /// (or checkpoint). The optimizer's parameters are then those parts (parameters()).
   OptimizerSharding optimizer_sharding = OptimizerSharding::GROUP;
-  /// After each training forward: average floating-point buffers (e.g. BatchNorm running stats) and
-  /// broadcast integer ones from rank 0, so every rank holds the same buffers.
-  bool sync_buffers = true;
+  /// Buffers (BatchNorm running statistics) during training: each rank's own (NONE, PyTorch FSDP's
+  /// behaviour; checkpoints keep every rank's copy of a buffer that differs) or averaged over the
+  /// world after every training forward (AVERAGE). See BufferSync.
+  BufferSync buffer_sync = BufferSync::NONE;
   /// Promise that every wrapped submodule is called through fsdp::forward. Without it the first
   /// forward gathers every nested unit up front (a one-time whole-model peak) because it cannot know
   /// which units are called directly; with it even the first forward gathers a unit only as it runs.

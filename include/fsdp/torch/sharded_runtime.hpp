@@ -288,7 +288,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   void root_post_forward(const std::vector<at::Tensor>& outputs, bool complete) {
     for (auto& u : units_)
       if (u->info.index != 0 && !u->frozen && u->hooked == FlatUnit::Hooked::kUnknown && !u->entered) u->hooked = FlatUnit::Hooked::kNo;
-    if (wrapper_->is_training() && options_.sync_buffers) sync_buffers();
+    if (wrapper_->is_training() && options_.buffer_sync == BufferSync::AVERAGE) average_buffers();
     bool hooked = false;
     if (torch::GradMode::is_enabled()) {
       for (const auto& t : outputs) {
@@ -538,7 +538,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     if (!c.is_same(t)) t.copy_(c);
   }
 
-  void sync_buffers() {
+  void average_buffers() {
     if (world_.size() == 1) return;
     for (auto& b : root_module_->buffers(/*recurse=*/true)) {
       if (!b.defined() || b.numel() == 0) continue;
