@@ -296,6 +296,106 @@ BOOST_AUTO_TEST_CASE(activation_checkpointing_replays_dropout_and_matches) {
   }
 }
 
+namespace ancestor_weight {
+/// The parent's weight (tied) plus a bias of its own, so the head is a unit with parameters (recomputed).
+struct HeadImpl : torch::nn::Module {
+  explicit HeadImpl(torch::Tensor shared) {
+    weight = register_parameter("weight", std::move(shared));
+    bias = register_parameter("bias", torch::zeros({weight.size(0)}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight.t(), bias); }
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(Head);
+/// A unit whose checkpointed child unit uses the parent's weight (tied): the weight belongs to the
+/// parent unit, which FULL_SHARD frees after its forward and re-gathers for its backward, in the middle
+/// of which the child's recomputation runs its own (nested) backward. With `parent_computes` false the
+/// parent uses none of its parameters itself: its own backward node never runs.
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(bool parent_computes) : parent_computes(parent_computes) {
+    fc = register_module("fc", torch::nn::Linear(13, 13));
+    head = register_module("head", Head(fc->weight));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    if (!parent_computes) return torch::tanh(fsdp::forward(head, x));
+    auto h = torch::tanh(fc->forward(x));
+    return h + fsdp::forward(head, torch::dropout(h, 0.0, is_training()));
+  }
+  bool parent_computes;
+  torch::nn::Linear fc{nullptr};
+  Head head{nullptr};
+};
+TORCH_MODULE(Block);
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool parent_computes) {
+    b1 = register_module("b1", Block(parent_computes));
+    b2 = register_module("b2", Block(parent_computes));
+    out = register_module("out", torch::nn::Linear(13, 11));
+  }
+  torch::Tensor forward(torch::Tensor x) { return out->forward(fsdp::forward(b2, fsdp::forward(b1, x))); }
+  Block b1{nullptr}, b2{nullptr};
+  torch::nn::Linear out{nullptr};
+};
+TORCH_MODULE(Net);
+}  // namespace ancestor_weight
+
+BOOST_AUTO_TEST_CASE(a_checkpointed_unit_using_its_parents_weight_trains_like_one_process) {
+  auto world = MpiComm::world();
+  const int n = world.size();
+  const int64_t rows = 3;
+  auto batch = [&](int step) {
+    auto gen = at::detail::createCPUGenerator(900 + step);
+    return std::pair{torch::randn({rows * n, 13}, gen), torch::randn({rows * n, 11}, gen)};
+  };
+  for (const bool parent_computes : {true, false}) {
+    torch::manual_seed(21);
+    auto ref_net = ancestor_weight::Net(parent_computes).ptr();
+    torch::optim::Adam ref_opt(unique_parameters(*ref_net), torch::optim::AdamOptions(1e-2));
+    for (int step = 0; step < 4; ++step) {
+      const auto [x, y] = batch(step);
+      ref_opt.zero_grad();
+      F::mse_loss(ref_net->forward(x), y).backward();
+      ref_opt.step();
+    }
+    std::map<std::string, torch::Tensor> ref;
+    for (const auto& p : ref_net->named_parameters()) ref[p.key()] = p.value().detach().clone();
+    for (const auto& [strategy, group] : strategies_and_groups(n)) {
+      std::uint64_t reduced_without_checkpointing = 0;  // bytes reduced in the last step: each unit once
+      for (const auto& [overlap, checkpointing] : {std::pair{false, false}, std::pair{false, true}, std::pair{true, true}}) {
+        BOOST_TEST_CONTEXT("np=" << n << " strategy=" << fsdp::to_string(strategy) << " group=" << group << " overlap=" << overlap
+                                 << " activation checkpointing=" << checkpointing << " parent computes=" << parent_computes) {
+          torch::manual_seed(21);
+          auto net = ancestor_weight::Net(parent_computes).ptr();
+          FsdpOptions options;
+          options.sharding_strategy = strategy;
+          options.shard_group_size = group;
+          options.auto_wrap_policy = AutoWrapPolicy::module_types({"Block", "Head"});
+          options.activation_checkpointing = checkpointing;
+          options.overlap_grad_reduce = overlap;
+          auto model = fsdp::make_fsdp(net, world, options);
+          BOOST_TEST(model->units().size() == 5u);  // root, b1, b1.head, b2, b2.head
+          torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+          std::uint64_t reduced = 0;
+          for (int step = 0; step < 4; ++step) {
+            const auto [x, y] = batch(step);
+            const auto before = model->comm_counters();
+            opt.zero_grad();
+            F::mse_loss(model->forward(x.narrow(0, world.rank() * rows, rows)), y.narrow(0, world.rank() * rows, rows)).backward();
+            opt.step();
+            const auto after = model->comm_counters();
+            reduced = after.reduce_scatter_bytes + after.all_reduce_bytes - before.reduce_scatter_bytes - before.all_reduce_bytes;
+          }
+          if (!checkpointing) reduced_without_checkpointing = reduced;
+          BOOST_TEST(reduced == reduced_without_checkpointing, "the parent unit is reduced once, not again from the recomputation");
+          std::map<std::string, torch::Tensor> got;
+          for (auto& [name, t] : model->full_parameters()) got[name] = t;
+          BOOST_TEST(compare(got, ref) <= 1e-5);
+        }
+      }
+    }
+  }
+}
+
 namespace one_parameter_units {
 
 /// A parameter added to an activation of its own shape (a rank's micro-batch of 3 rows): autograd hands

@@ -34,6 +34,7 @@ struct FlatUnit {
   std::int64_t gathered_version = 0;  // shard's version counter when `full` was last gathered
   int pending_backward = 0;           // UnitGather nodes of this unit not yet run in backward
   torch::Tensor unsynced_grad;        // flat gradients accumulated locally inside no_sync()
+  torch::Tensor recomputed_grad;      // flat gradients from a checkpointed descendant's recomputation, for this unit's own backward
   enum class Hooked { kUnknown, kYes, kNo } hooked = Hooked::kUnknown;
   bool entered = false;                            // pre_forward seen since the last root forward began
   bool grafted_by_root = false;                    // the root forward gathered and grafted this unit

@@ -37,6 +37,9 @@ class ForwardHooks {
   virtual at::Tensor checkpoint_anchor(int unit) = 0;
   /// Where the units compute: the generators a recomputation must replay are that device's and the CPU's.
   virtual c10::Device recompute_device() const = 0;
+  /// Around the backward a recomputed unit runs inside the outer one: a gradient reaching another
+  /// unit there (an ancestor's weight the unit uses) must wait for that unit's own backward.
+  virtual void recomputed_backward(int unit, bool begins) = 0;
 };
 
 struct HookEntry {
@@ -85,6 +88,8 @@ bool collect_tensors(const std::tuple<T...>& value, std::vector<at::Tensor>& out
 /// The recomputation of a checkpointed unit's forward, kept in the autograd context.
 struct Recompute : torch::CustomClassHolder {
   std::function<at::Tensor(const std::vector<at::Tensor>&)> run;
+  ForwardHooks* engine = nullptr;
+  int unit = -1;
 };
 
 /// Activation checkpointing: forward runs the unit without recording a graph; backward restores the
@@ -124,7 +129,14 @@ struct CheckpointedForward : public torch::autograd::Function<CheckpointedForwar
       out = recompute->run(inputs);
     }
     restore_rng_state(now);
-    if (out.requires_grad()) torch::autograd::backward({out}, {grads[0]});
+    if (out.requires_grad()) {
+      struct InRecomputedBackward {
+        Recompute& r;
+        explicit InRecomputedBackward(Recompute& recompute) : r(recompute) { r.engine->recomputed_backward(r.unit, true); }
+        ~InRecomputedBackward() { r.engine->recomputed_backward(r.unit, false); }
+      } scope(*recompute);
+      torch::autograd::backward({out}, {grads[0]});
+    }
     torch::autograd::variable_list result = {at::Tensor(), at::Tensor(), at::Tensor()};  // recompute, anchor, compute_device
     for (const auto& t : inputs) result.push_back(t.requires_grad() ? t.grad() : at::Tensor());
     return result;
@@ -152,6 +164,8 @@ auto forward(ModulePtr& module, Args&&... args) {
     const at::Tensor anchor = entry.engine->checkpoint_anchor(entry.unit);
     if (anchor.defined()) {
       auto recompute = c10::make_intrusive<detail::Recompute>();
+      recompute->engine = entry.engine;
+      recompute->unit = entry.unit;
       auto raw = &*module;
       recompute->run = [raw](const std::vector<at::Tensor>& in) {
         return [&]<std::size_t... I>(std::index_sequence<I...>) { return raw->forward(in[I]...); }

@@ -320,6 +320,20 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
 
   c10::Device recompute_device() const override { return compute_device_; }
 
+  void recomputed_backward(int unit, bool begins) override {
+    if (begins)
+      recomputing_.push_back(unit);
+    else
+      recomputing_.pop_back();
+  }
+
+  /// Whether `unit` is `ancestor` or lies inside it.
+  bool within(int unit, int ancestor) const {
+    for (int u = unit; u >= 0; u = units_[static_cast<std::size_t>(u)]->info.parent)
+      if (u == ancestor) return true;
+    return false;
+  }
+
   at::Tensor checkpoint_anchor(int unit) override {
     if (!options_.activation_checkpointing || unit == 0 || !torch::GradMode::is_enabled()) return {};
     const auto& u = *units_[static_cast<std::size_t>(unit)];
@@ -388,16 +402,38 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       throw ConfigError("backward with create_graph = true reached FSDP unit '" + u.trace_name() +
                             "': its gradient's reduction is not differentiable again (no double backward through a wrapped module)",
                         "fsdp.engine");
-    const bool overlap = reductions_ != nullptr;
-    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(order_.next_backward(unit), /*for_backward=*/true);
     torch::NoGradGuard no_grad;
+    if (!recomputing_.empty() && !within(unit, recomputing_.back())) {
+      // Reached from a checkpointed descendant's recomputation (a weight of this unit it uses): this
+      // unit's own backward node runs later in the outer backward and reduces both parts at once
+      // (or end_of_backward does, if it never runs); reducing here would reduce twice and free the
+      // unit while the outer backward still needs it.
+      auto part = u.pack_grads(grads, compute_device_);
+      u.recomputed_grad = u.recomputed_grad.defined() ? u.recomputed_grad.add_(part) : part;
+      return torch::Tensor();
+    }
+    if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST) prefetch(order_.next_backward(unit), /*for_backward=*/true);
     const bool sharded = u.layout.group_size() > 1;
     // A reduce-scatter only reads its input: a single parameter's gradient is reduced where it lies.
-    torch::Tensor flat = sharded && !no_sync_ && !u.unsynced_grad.defined() ? u.grad_as_flat(grads, compute_device_) : torch::Tensor();
+    const bool single_part = !u.unsynced_grad.defined() && !u.recomputed_grad.defined();
+    torch::Tensor flat = sharded && !no_sync_ && single_part ? u.grad_as_flat(grads, compute_device_) : torch::Tensor();
     if (flat.defined())
       ++overlap_.reduced_in_place;
     else
       flat = u.pack_grads(grads, compute_device_);
+    if (u.recomputed_grad.defined()) {
+      flat.add_(u.recomputed_grad);
+      u.recomputed_grad = torch::Tensor();
+    }
+    return reduce_flat(u, std::move(flat), /*may_overlap=*/true);
+  }
+
+  /// Reduces unit `u`'s packed flat gradient (or keeps it inside no_sync) and frees the unit; returns
+  /// the gradient of its optimized shard, or nothing when it is kept or left to the worker.
+  torch::Tensor reduce_flat(FlatUnit& u, torch::Tensor flat, bool may_overlap) {
+    const int unit = u.info.index;
+    const bool overlap = may_overlap && reductions_ != nullptr;
+    const bool sharded = u.layout.group_size() > 1;
     if (no_sync_) {
       if (u.unsynced_grad.defined())
         u.unsynced_grad.add_(flat);
@@ -518,6 +554,16 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
 
   void end_of_backward() override {
     end_of_backward_queued_ = false;
+    // Gradient that reached a unit only from a checkpointed descendant's recomputation: its own node
+    // never ran. Reduced here, in unit order on every rank, into the shard's gradient.
+    for (auto& u : units_) {
+      if (!u->recomputed_grad.defined()) continue;
+      torch::NoGradGuard no_grad;
+      const auto g = reduce_flat(*u, std::exchange(u->recomputed_grad, torch::Tensor()), /*may_overlap=*/false);
+      if (!g.defined()) continue;
+      auto& grad = u->optimized.mutable_grad();
+      grad = grad.defined() ? grad.add_(g) : g.detach();
+    }
     for (auto& u : units_) {
       u->pending_backward = 0;
       reshard(*u);
@@ -572,6 +618,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   bool end_of_backward_queued_ = false;
   bool no_sync_ = false;
   bool parts_have_gradients_ = false;  // optimizer sharded over the world: gradients reached the parts, and no backward began since
+  std::vector<int> recomputing_;       // checkpointed units whose recomputed backward is running, innermost last
 };
 
 }  // namespace fsdp::detail
