@@ -222,14 +222,17 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     if (!(norm_type > 0)) throw ConfigError("clip_grad_norm: norm_type must be positive, got " + std::to_string(norm_type));
     torch::NoGradGuard no_grad;
     const bool is_inf = std::isinf(norm_type);
-    double local = 0;
+    std::vector<torch::Tensor> per_unit;  // stays where the gradients are until one copy to the host: one sync, not one per unit
     for (const auto& u : units_) {
       if (!u->optimized.defined() || !u->optimized.grad().defined()) continue;
       const auto g = u->optimized.grad().to(torch::kDouble).abs();
-      if (is_inf)
-        local = std::max(local, g.numel() ? g.max().template item<double>() : 0.0);
-      else
-        local += g.pow(norm_type).sum().template item<double>();
+      per_unit.push_back(!is_inf ? g.pow(norm_type).sum() : g.numel() ? g.max() : torch::zeros({}, g.options()));
+    }
+    double local = 0;
+    if (!per_unit.empty()) {
+      const auto host = torch::stack(per_unit).to(torch::kCPU);
+      const double* value = host.data_ptr<double>();
+      for (std::int64_t i = 0; i < host.numel(); ++i) local = is_inf ? std::max(local, value[i]) : local + value[i];  // in unit order, as before
     }
     // The parts are disjoint over the shard group, or over the world when the optimizer is sharded there.
     Comm& holders = this->optimizer_sharded_over_replicas() ? world_ : shard_comm_;
