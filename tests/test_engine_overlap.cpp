@@ -1,7 +1,10 @@
 // The engine's overlap and autograd corner cases (run at np = 1..4, part of test_engine): prefetching,
 // overlapped gradient reductions, a unit called twice, a forward without backward, a failed backward,
-// a backward after the model is gone, activation checkpointing.
+// a backward after the model is gone, activation checkpointing, counters read from another thread.
 #include <boost/test/unit_test.hpp>
+
+#include <atomic>
+#include <thread>
 
 #include "engine_harness.hpp"
 
@@ -185,6 +188,51 @@ BOOST_AUTO_TEST_CASE(overlapped_reductions_accumulate_like_autograd_and_survive_
       }
     }
   }
+}
+
+BOOST_AUTO_TEST_CASE(a_communicators_counters_read_while_another_thread_runs_its_collectives) {
+  // What the engine's comm_counters() does while its collective worker reduces, made certain to
+  // overlap: one thread runs collectives, the other reads the counters meanwhile (the
+  // ThreadSanitizer pass, sanitizer_tsan, reports a race here if the counters are not synchronized).
+  auto world = MpiComm::world();
+  auto comm = world.split(0, world.rank());
+  constexpr int kCalls = 200;
+  std::atomic<bool> done{false};
+  std::thread collectives([&] {
+    double v = 1;
+    for (int i = 0; i < kCalls; ++i) comm.all_reduce(&v, &v, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
+    done = true;
+  });
+  std::uint64_t last = 0, reads = 0;
+  bool monotonic = true;
+  while (!done) {
+    const auto calls = comm.counters().calls;
+    monotonic = monotonic && calls >= last;
+    last = calls;
+    ++reads;
+  }
+  collectives.join();
+  BOOST_TEST(monotonic);
+  BOOST_TEST(reads > 0u);
+  BOOST_TEST(comm.counters().calls == static_cast<std::uint64_t>(kCalls));
+}
+
+BOOST_AUTO_TEST_CASE(counters_read_while_the_worker_reduces) {
+  // comm_counters() on the training thread while the collective worker's overlapped reductions update
+  // its communicators' counters (the ThreadSanitizer pass, sanitizer_tsan, checks there is no race).
+  auto world = MpiComm::world();
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+  options.overlap_grad_reduce = true;
+  auto model = fsdp::make_fsdp(std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp)), world, options);
+  std::vector<std::uint64_t> seen;
+  auto x = torch::randn({3, 13}).requires_grad_(true);
+  x.register_hook([&](const torch::Tensor&) { seen.push_back(model->comm_counters().calls); });  // late in backward
+  model->forward(x).sum().backward();
+  const auto after = model->comm_counters().calls;
+  BOOST_REQUIRE(seen.size() == 1u);
+  BOOST_TEST(seen[0] <= after);
+  if (world.size() > 1) BOOST_TEST(after > 0u);
 }
 
 BOOST_AUTO_TEST_CASE(backward_after_the_model_is_destroyed_is_an_error) {

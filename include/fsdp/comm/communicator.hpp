@@ -8,6 +8,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "fsdp/errors.hpp"
@@ -76,6 +77,34 @@ struct CommCounters {
     return *this;
   }
   std::uint64_t total_bytes() const noexcept { return all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes + broadcast_bytes; }
+};
+
+/// A communicator's CommCounters: updated by the thread running its collectives (the engine's
+/// collective worker, for its duplicates) while another reads them (the engine's comm_counters()).
+class SharedCounters {
+ public:
+  CommCounters get() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return counters_;
+  }
+  void reset() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    counters_ = {};
+  }
+  /// One collective passing `bytes` into `field`.
+  void add_call(std::uint64_t CommCounters::*field, std::uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    counters_.*field += bytes;
+    ++counters_.calls;
+  }
+  void add_seconds(double CommCounters::*field, double seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    counters_.*field += seconds;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  CommCounters counters_;
 };
 
 /// A pending non-blocking collective.

@@ -154,12 +154,14 @@ class Stopwatch {
  public:
   /// Adds the scope's wall time to `total`; with tracing on, also records a "comm" trace event named
   /// `op` (a string literal) with the bytes moved and the FSDP unit being gathered or reduced.
-  Stopwatch(double& total, const char* op, std::int64_t bytes) noexcept
-      : total_(total), op_(op), bytes_(bytes), start_(std::chrono::steady_clock::now()) {}
-  explicit Stopwatch(double& total) noexcept : Stopwatch(total, nullptr, 0) {}
+  Stopwatch(SharedCounters& counters, double CommCounters::*total, const char* op, std::int64_t bytes) noexcept
+      : counters_(counters), total_(total), op_(op), bytes_(bytes), start_(std::chrono::steady_clock::now()) {}
   ~Stopwatch() {
     const auto end = std::chrono::steady_clock::now();
-    total_ += std::chrono::duration<double>(end - start_).count();
+    try {
+      counters_.add_seconds(total_, std::chrono::duration<double>(end - start_).count());
+    } catch (...) {  // a mutex that cannot lock: the time goes uncounted, the collective stands
+    }
     auto& tracer = Tracer::instance();
     if (op_ && tracer.enabled()) {
       try {
@@ -173,7 +175,8 @@ class Stopwatch {
   Stopwatch& operator=(const Stopwatch&) = delete;
 
  private:
-  double& total_;
+  SharedCounters& counters_;
+  double CommCounters::*total_;
   const char* op_;
   std::int64_t bytes_;
   std::chrono::steady_clock::time_point start_;
@@ -207,8 +210,8 @@ class MpiComm {
   int rank() const noexcept { return state_->rank; }
   int size() const noexcept { return state_->size; }
   MPI_Comm native() const noexcept { return state_->comm; }
-  CommCounters counters() const noexcept { return state_->counters; }
-  void reset_counters() noexcept { state_->counters = {}; }
+  CommCounters counters() const { return state_->counters.get(); }
+  void reset_counters() { state_->counters.reset(); }
 
   /// How this communicator's blocking collectives wait for their peers. By default MPI spins, which
   /// is fastest for the thread that computes. A background thread (the engine's collective worker)
@@ -258,9 +261,9 @@ class MpiComm {
 
   /// recv (n * size elements) = concatenation over ranks of send (n elements). Collective.
   void all_gather(const void* send, void* recv, std::int64_t n, DType t) {
-    count(state_->counters.all_gather_bytes, n, t);
+    count(&CommCounters::all_gather_bytes, n, t);
     probe_skew();
-    const Stopwatch timed(state_->counters.all_gather_seconds, "all_gather", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
+    const Stopwatch timed(state_->counters, &CommCounters::all_gather_seconds, "all_gather", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
     const CollectiveWatchdog::Scope watched("all_gather");
     const auto flown = flight("all_gather", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const int c = detail::checked_count(n, "all_gather");
@@ -276,9 +279,9 @@ class MpiComm {
   /// send holds n * size elements; recv (n elements) = reduction over ranks of chunk `rank`. Collective.
   void reduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     if (op == ReduceOp::kMax) throw CommError("reduce_scatter supports sum and avg only");
-    count(state_->counters.reduce_scatter_bytes, n * size(), t);
+    count(&CommCounters::reduce_scatter_bytes, n * size(), t);
     probe_skew();
-    const Stopwatch timed(state_->counters.reduce_scatter_seconds, "reduce_scatter", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
+    const Stopwatch timed(state_->counters, &CommCounters::reduce_scatter_seconds, "reduce_scatter", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
     const CollectiveWatchdog::Scope watched("reduce_scatter");
     const auto flown = flight("reduce_scatter", n * size() * static_cast<std::int64_t>(dtype_bytes(t)));
     ring_reduce_scatter(send, recv, n, t);
@@ -287,9 +290,9 @@ class MpiComm {
 
   /// recv = reduction over ranks of send (n elements); send may equal recv. Collective.
   void all_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
-    count(state_->counters.all_reduce_bytes, n, t);
+    count(&CommCounters::all_reduce_bytes, n, t);
     probe_skew();
-    const Stopwatch timed(state_->counters.all_reduce_seconds, "all_reduce", n * static_cast<std::int64_t>(dtype_bytes(t)));
+    const Stopwatch timed(state_->counters, &CommCounters::all_reduce_seconds, "all_reduce", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const CollectiveWatchdog::Scope watched("all_reduce");
     const auto flown = flight("all_reduce", n * static_cast<std::int64_t>(dtype_bytes(t)));
     if (!detail::mpi_can_reduce(t) && op == ReduceOp::kMax) throw CommError("all_reduce max of " + std::string(dtype_name(t)) + " is not supported");
@@ -314,8 +317,8 @@ class MpiComm {
 
   /// Copies root's buffer to every rank. Collective.
   void broadcast(void* buf, std::int64_t n, DType t, int root) {
-    count(state_->counters.broadcast_bytes, n, t);
-    const Stopwatch timed(state_->counters.broadcast_seconds, "broadcast", n * static_cast<std::int64_t>(dtype_bytes(t)));
+    count(&CommCounters::broadcast_bytes, n, t);
+    const Stopwatch timed(state_->counters, &CommCounters::broadcast_seconds, "broadcast", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const CollectiveWatchdog::Scope watched("broadcast");
     const auto flown = flight("broadcast", n * static_cast<std::int64_t>(dtype_bytes(t)));
     if (size() == 1) return;
@@ -336,7 +339,7 @@ class MpiComm {
   /// The skew probe (skew_probe()): a timed barrier before a collective.
   void probe_skew() {
     if (!skew_probe() || size() == 1) return;
-    const Stopwatch timed(state_->counters.skew_seconds, "waiting for peers (skew probe)", 0);
+    const Stopwatch timed(state_->counters, &CommCounters::skew_seconds, "waiting for peers (skew probe)", 0);
     const CollectiveWatchdog::Scope watched("barrier (skew probe)");
     FSDP_MPI_CHECK(MPI_Barrier(state_->comm));
   }
@@ -366,7 +369,7 @@ class MpiComm {
   }
 
   MpiRequest iall_gather(const void* send, void* recv, std::int64_t n, DType t) {
-    count(state_->counters.all_gather_bytes, n, t);
+    count(&CommCounters::all_gather_bytes, n, t);
     flight("all_gather (non-blocking, issued)", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const int c = detail::checked_count(n, "iall_gather");
     if (size() == 1) {
@@ -384,7 +387,7 @@ class MpiComm {
       reduce_scatter(send, recv, n, t, op);
       return {};
     }
-    count(state_->counters.reduce_scatter_bytes, n * size(), t);
+    count(&CommCounters::reduce_scatter_bytes, n * size(), t);
     flight("reduce_scatter (non-blocking, issued)", n * size() * static_cast<std::int64_t>(dtype_bytes(t)));
     MPI_Request r = MPI_REQUEST_NULL;
     FSDP_MPI_CHECK(
@@ -400,7 +403,7 @@ class MpiComm {
       all_reduce(send, recv, n, t, op);
       return {};
     }
-    count(state_->counters.all_reduce_bytes, n, t);
+    count(&CommCounters::all_reduce_bytes, n, t);
     flight("all_reduce (non-blocking, issued)", n * static_cast<std::int64_t>(dtype_bytes(t)));
     MPI_Request r = MPI_REQUEST_NULL;
     FSDP_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, detail::checked_count(n, "iall_reduce"), detail::mpi_datatype(t),
@@ -412,7 +415,7 @@ class MpiComm {
   }
 
   MpiRequest ibroadcast(void* buf, std::int64_t n, DType t, int root) {
-    count(state_->counters.broadcast_bytes, n, t);
+    count(&CommCounters::broadcast_bytes, n, t);
     if (size() == 1) return {};
     flight("broadcast (non-blocking, issued)", n * static_cast<std::int64_t>(dtype_bytes(t)));
     MPI_Request r = MPI_REQUEST_NULL;
@@ -426,7 +429,7 @@ class MpiComm {
     bool owned = false;
     int rank = 0;
     int size = 1;
-    CommCounters counters;
+    SharedCounters counters;
     bool yield_cpu = false;          // set_waiting_yields_cpu
     std::vector<std::byte> scratch;  // ring buffers, reused across calls
     std::string name;                // lineage for the flight recorder: "world", "world/split#0"
@@ -465,10 +468,7 @@ class MpiComm {
     return FlightRecorder::Scope(state_->flight_id, kind, bytes, w.unit(), w.step());
   }
 
-  void count(std::uint64_t& field, std::int64_t n, DType t) noexcept {
-    field += static_cast<std::uint64_t>(n) * dtype_bytes(t);
-    ++state_->counters.calls;
-  }
+  void count(std::uint64_t CommCounters::*field, std::int64_t n, DType t) { state_->counters.add_call(field, static_cast<std::uint64_t>(n) * dtype_bytes(t)); }
 
   static void copy_if_distinct(const void* send, void* recv, std::int64_t n, DType t) {
     if (send != recv && n > 0) std::memmove(recv, send, static_cast<std::size_t>(n) * dtype_bytes(t));

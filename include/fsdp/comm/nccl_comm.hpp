@@ -51,14 +51,14 @@ namespace fsdp {
 class NcclRequest {
  public:
   NcclRequest() = default;
-  NcclRequest(std::shared_ptr<detail::NcclState> state, cudaEvent_t done, cudaStream_t consumer, const char* op)
-      : state_(std::move(state)), done_(done), consumer_(consumer), op_(op) {}
+  NcclRequest(std::shared_ptr<detail::NcclState> state, cudaEvent_t done, cudaStream_t consumer, const char* op, const detail::Deadline& deadline)
+      : state_(std::move(state)), done_(done), consumer_(consumer), op_(op), deadline_(deadline) {}
   NcclRequest(NcclRequest&& other) noexcept
       : state_(std::move(other.state_)),
         done_(std::exchange(other.done_, nullptr)),
         consumer_(other.consumer_),
         op_(other.op_),
-        since_(other.since_) {}
+        deadline_(other.deadline_) {}
   /// Completes the request this one held before taking `other`'s.
   NcclRequest& operator=(NcclRequest&& other) noexcept {
     if (this != &other) {
@@ -67,7 +67,7 @@ class NcclRequest {
       done_ = std::exchange(other.done_, nullptr);
       consumer_ = other.consumer_;
       op_ = other.op_;
-      since_ = other.since_;
+      deadline_ = other.deadline_;
     }
     return *this;
   }
@@ -76,16 +76,15 @@ class NcclRequest {
   ~NcclRequest() { complete_quietly(); }
 
   /// Blocks until the collective has completed; then the compute stream it was issued from waits on
-  /// its completion event. Throws CommError on an NCCL error or past the deadline (after aborting).
+  /// its completion event. Throws CommError on an NCCL error or past the collective's deadline, counted from when it was issued (after aborting).
   void wait() {
     if (done_ == nullptr) return;
     const detail::CudaDeviceGuard on(state_->device);
-    state_->wait_event(done_, op_, detail::Deadline(state_->options.timeout_s));
+    state_->wait_event(done_, op_, *deadline_);
     finish();
   }
 
-  /// True when the collective has completed (then as after wait()). Never blocks; throws like wait(),
-  /// the deadline counted from the first test().
+  /// True when the collective has completed (then as after wait()). Never blocks; throws like wait().
   bool test() {
     if (done_ == nullptr) return true;
     const detail::CudaDeviceGuard on(state_->device);
@@ -97,8 +96,7 @@ class NcclRequest {
     }
     if (q != cudaErrorNotReady) detail::throw_cuda_error("cudaEventQuery(completion event)", q, __FILE__, __LINE__);
     state_->poll_async(state_->comm, op_, __FILE__, __LINE__);
-    if (!since_) since_.emplace(state_->options.timeout_s);
-    if (since_->passed()) state_->deadline_passed(op_, *since_);
+    if (deadline_->passed()) state_->deadline_passed(op_, *deadline_);
     return false;
   }
 
@@ -125,7 +123,7 @@ class NcclRequest {
   cudaEvent_t done_ = nullptr;
   cudaStream_t consumer_ = nullptr;
   const char* op_ = "";
-  std::optional<detail::Deadline> since_;
+  std::optional<detail::Deadline> deadline_;  // the collective's, set when it was issued
 };
 
 /// Communicator over NCCL for CUDA device buffers. Copies share the same NCCL communicator, streams,
@@ -257,8 +255,8 @@ class NcclComm {
   const NcclOptions& options() const noexcept { return state_->options; }
   /// Sets the deadline of every wait from now on (<= 0: none).
   void set_timeout_s(double seconds) noexcept { state_->options.timeout_s = seconds; }
-  CommCounters counters() const noexcept { return state_->counters; }
-  void reset_counters() noexcept { state_->counters = {}; }
+  CommCounters counters() const { return state_->counters.get(); }
+  void reset_counters() { state_->counters.reset(); }
   /// True once the communicator was aborted (deadline, NCCL error, or abort()); every call then throws.
   bool aborted() const noexcept { return state_->aborted; }
   /// Aborts the NCCL communicator (ncclCommAbort): what it has queued ends, and it is unusable after.
@@ -367,10 +365,10 @@ class NcclComm {
     if (!on_device(send) || !on_device(recv))
       return staged(send, bytes(n, t), recv, bytes(n, t) * size(), [&](const void* s, void* r) { all_gather(s, r, n, t); });
     const std::size_t c = detail::nccl_count(n, "all_gather");
-    count(state_->counters.all_gather_bytes, n, t);
+    count(&CommCounters::all_gather_bytes, n, t);
     if (c == 0) return;
     blocking(
-        "all_gather", &state_->counters.all_gather_seconds, bytes(n, t) * size(),
+        "all_gather", &CommCounters::all_gather_seconds, bytes(n, t) * size(),
         [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->comm_stream); },
         "ncclAllGather(send, recv, n, type, comm, stream)", __FILE__, __LINE__);
   }
@@ -380,10 +378,10 @@ class NcclComm {
     if (!on_device(send) || !on_device(recv))
       return staged(send, bytes(n, t) * size(), recv, bytes(n, t), [&](const void* s, void* r) { reduce_scatter(s, r, n, t, op); });
     const std::size_t c = check_reduce_scatter(n, op);
-    count(state_->counters.reduce_scatter_bytes, n * size(), t);
+    count(&CommCounters::reduce_scatter_bytes, n * size(), t);
     if (c == 0) return;
     blocking(
-        "reduce_scatter", &state_->counters.reduce_scatter_seconds, bytes(n, t) * size(),
+        "reduce_scatter", &CommCounters::reduce_scatter_seconds, bytes(n, t) * size(),
         [&] { return ncclReduceScatter(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
         "ncclReduceScatter(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
@@ -393,10 +391,10 @@ class NcclComm {
     if (!on_device(send) || !on_device(recv))
       return staged(send, bytes(n, t), recv, bytes(n, t), [&](const void* s, void* r) { all_reduce(s, r, n, t, op); });
     const std::size_t c = detail::nccl_count(n, "all_reduce");
-    count(state_->counters.all_reduce_bytes, n, t);
+    count(&CommCounters::all_reduce_bytes, n, t);
     if (c == 0) return;
     blocking(
-        "all_reduce", &state_->counters.all_reduce_seconds, bytes(n, t),
+        "all_reduce", &CommCounters::all_reduce_seconds, bytes(n, t),
         [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
         "ncclAllReduce(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
@@ -407,10 +405,10 @@ class NcclComm {
       return staged(
           buf, bytes(n, t), buf, bytes(n, t), [&](const void*, void* r) { broadcast(r, n, t, root); }, true);
     const std::size_t c = check_broadcast(n, root);
-    count(state_->counters.broadcast_bytes, n, t);
+    count(&CommCounters::broadcast_bytes, n, t);
     if (c == 0) return;
     blocking(
-        "broadcast", &state_->counters.broadcast_seconds, bytes(n, t),
+        "broadcast", &CommCounters::broadcast_seconds, bytes(n, t),
         [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->comm_stream); },
         "ncclBroadcast(buf, buf, n, type, root, comm, stream)", __FILE__, __LINE__);
   }
@@ -430,7 +428,7 @@ class NcclComm {
   NcclRequest iall_gather(const void* send, void* recv, std::int64_t n, DType t) {
     require_on_device("iall_gather", {send, recv});
     const std::size_t c = detail::nccl_count(n, "iall_gather");
-    count(state_->counters.all_gather_bytes, n, t);
+    count(&CommCounters::all_gather_bytes, n, t);
     if (c == 0) return {};
     return issue(
         "iall_gather", bytes(n, t) * size(), [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->comm_stream); },
@@ -441,7 +439,7 @@ class NcclComm {
   NcclRequest ireduce_scatter(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     require_on_device("ireduce_scatter", {send, recv});
     const std::size_t c = check_reduce_scatter(n, op);
-    count(state_->counters.reduce_scatter_bytes, n * size(), t);
+    count(&CommCounters::reduce_scatter_bytes, n * size(), t);
     if (c == 0) return {};
     return issue(
         "ireduce_scatter", bytes(n, t) * size(),
@@ -453,7 +451,7 @@ class NcclComm {
   NcclRequest iall_reduce(const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
     require_on_device("iall_reduce", {send, recv});
     const std::size_t c = detail::nccl_count(n, "iall_reduce");
-    count(state_->counters.all_reduce_bytes, n, t);
+    count(&CommCounters::all_reduce_bytes, n, t);
     if (c == 0) return {};
     return issue(
         "iall_reduce", bytes(n, t), [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
@@ -464,7 +462,7 @@ class NcclComm {
   NcclRequest ibroadcast(void* buf, std::int64_t n, DType t, int root) {
     require_on_device("ibroadcast", {buf});
     const std::size_t c = check_broadcast(n, root);
-    count(state_->counters.broadcast_bytes, n, t);
+    count(&CommCounters::broadcast_bytes, n, t);
     if (c == 0) return {};
     return issue(
         "ibroadcast", bytes(n, t), [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->comm_stream); },
@@ -546,10 +544,7 @@ class NcclComm {
     if (out > 0) FSDP_CUDA_CHECK(cudaMemcpy(recv, result, out, cudaMemcpyDeviceToHost));
   }
 
-  void count(std::uint64_t& field, std::int64_t n, DType t) noexcept {
-    field += static_cast<std::uint64_t>(n) * dtype_bytes(t);
-    ++state_->counters.calls;
-  }
+  void count(std::uint64_t CommCounters::*field, std::int64_t n, DType t) { state_->counters.add_call(field, static_cast<std::uint64_t>(n) * dtype_bytes(t)); }
 
   /// Names this communicator for the flight recorder (collectives before this are not recorded).
   void register_flight(std::string name, std::vector<int> world_ranks) {
@@ -565,13 +560,14 @@ class NcclComm {
   /// Enqueues `launch` and waits on the host for its completion (deadline, asynchronous errors).
   /// With `seconds`, its wall time is added there and traced as `op` moving `bytes` (as MpiComm does).
   template <class Launch>
-  void blocking(const char* op, double* seconds, std::int64_t bytes, Launch&& launch, const char* call, const char* file, int line) const {
+  void blocking(const char* op, double CommCounters::*seconds, std::int64_t bytes, Launch&& launch, const char* call, const char* file, int line) const {
     std::optional<Stopwatch> timed;
-    if (seconds != nullptr) timed.emplace(*seconds, op, bytes);
+    if (seconds != nullptr) timed.emplace(state_->counters, seconds, op, bytes);
     const auto flown = flight(op, bytes);  // ends when the host has seen the collective complete
     const detail::CudaDeviceGuard on(state_->device);
-    state_->enqueue(op, call, file, line, launch, state_->done);
-    state_->wait_event(state_->done, op, detail::Deadline(state_->options.timeout_s));
+    const detail::Deadline deadline(state_->options.timeout_s);  // one for the whole collective: enqueue and wait
+    state_->enqueue(op, call, file, line, launch, state_->done, deadline);
+    state_->wait_event(state_->done, op, deadline);
   }
 
   /// Enqueues `launch` (moving `moved_bytes`) with its own completion event and returns the request holding it.
@@ -581,13 +577,14 @@ class NcclComm {
     const detail::CudaDeviceGuard on(state_->device);
     cudaEvent_t done = nullptr;
     FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    const detail::Deadline deadline(state_->options.timeout_s);  // from issue to completion, however late the host waits
     try {
-      state_->enqueue(op, call, file, line, launch, done);
+      state_->enqueue(op, call, file, line, launch, done, deadline);
     } catch (...) {
       cudaEventDestroy(done);
       throw;
     }
-    return NcclRequest(state_, done, state_->compute_stream, op);
+    return NcclRequest(state_, done, state_->compute_stream, op, deadline);
   }
 
   std::shared_ptr<detail::NcclState> state_;

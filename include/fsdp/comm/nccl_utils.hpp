@@ -216,7 +216,7 @@ struct NcclState {
   std::size_t scratch_bytes = 0;
   NcclOptions options;
   std::optional<MpiComm> mpi;  // the same ranks in the same order, when bootstrapped over MPI
-  CommCounters counters;
+  SharedCounters counters;
   bool aborted = false;
   std::string abort_reason;
   std::string flight_name;  // the flight recorder's name: "nccl:" and the lineage ("nccl:world/split#0")
@@ -351,13 +351,14 @@ struct NcclState {
   }
 
   /// Orders the comm stream after the compute stream, enqueues `launch` (an NCCL call) on the comm
-  /// stream and records `completion` after it. The caller holds a CudaDeviceGuard.
+  /// stream and records `completion` after it. `deadline` is the collective's, from enqueue to
+  /// completion. The caller holds a CudaDeviceGuard.
   template <class Launch>
-  void enqueue(const char* op, const char* call, const char* file, int line, Launch&& launch, cudaEvent_t completion) {
+  void enqueue(const char* op, const char* call, const char* file, int line, Launch&& launch, cudaEvent_t completion, const Deadline& deadline) {
     check_usable(op);
     FSDP_CUDA_CHECK(cudaEventRecord(ready, compute_stream));
     FSDP_CUDA_CHECK(cudaStreamWaitEvent(comm_stream, ready, 0));
-    settle(comm, launch(), call, op, file, line, Deadline(options.timeout_s));
+    settle(comm, launch(), call, op, file, line, deadline);
     FSDP_CUDA_CHECK(cudaEventRecord(completion, comm_stream));
   }
 

@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cstdint>
 #include <future>
 #include <string>
@@ -14,6 +15,7 @@
 #include "fsdp/core/layout.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/torch/options.hpp"
+#include "fsdp/torch/registry.hpp"
 
 namespace fsdp {
 
@@ -112,18 +114,18 @@ class GradReducer {
   virtual void end_of_backward() = 0;
 };
 
-inline std::unordered_map<std::int64_t, GradReducer*>& reducer_registry() {
-  static std::unordered_map<std::int64_t, GradReducer*> registry;
+inline LockedMap<std::int64_t, GradReducer*>& reducer_registry() {
+  static LockedMap<std::int64_t, GradReducer*> registry;
   return registry;
 }
 /// The engine with this id, or a clear error if it was destroyed while its autograd graph lived on.
 inline GradReducer& live_engine(std::int64_t engine_id) {
-  const auto it = reducer_registry().find(engine_id);
-  if (it == reducer_registry().end()) throw ConfigError("backward reached an FSDP model that was already destroyed", "fsdp.engine");
-  return *it->second;
+  const auto found = reducer_registry().find(engine_id);
+  if (!found) throw ConfigError("backward reached an FSDP model that was already destroyed", "fsdp.engine");
+  return **found;
 }
 inline std::int64_t next_engine_id() {
-  static std::int64_t id = 0;
+  static std::atomic<std::int64_t> id{0};
   return ++id;
 }
 

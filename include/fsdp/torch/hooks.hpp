@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/torch/registry.hpp"
 #include "fsdp/torch/rng_state.hpp"
 
 namespace fsdp {
@@ -47,9 +48,9 @@ struct HookEntry {
   int unit = -1;
 };
 
-/// Module -> unit hooks. Only touched on the thread that runs forward.
-inline std::unordered_map<const torch::nn::Module*, HookEntry>& hook_registry() {
-  static std::unordered_map<const torch::nn::Module*, HookEntry> registry;
+/// Module -> unit hooks of every live engine.
+inline LockedMap<const torch::nn::Module*, HookEntry>& hook_registry() {
+  static LockedMap<const torch::nn::Module*, HookEntry> registry;
   return registry;
 }
 
@@ -154,10 +155,9 @@ inline constexpr bool is_tensor_v = std::is_same_v<std::decay_t<T>, at::Tensor>;
 template <class ModulePtr, class... Args>
 auto forward(ModulePtr& module, Args&&... args) {
   const torch::nn::Module* key = &*module;
-  auto& registry = detail::hook_registry();
-  const auto it = registry.find(key);
-  if (it == registry.end()) return module->forward(std::forward<Args>(args)...);
-  const detail::HookEntry entry = it->second;
+  const auto found = detail::hook_registry().find(key);
+  if (!found) return module->forward(std::forward<Args>(args)...);
+  const detail::HookEntry entry = *found;
   entry.engine->pre_forward(entry.unit);
   using Result = decltype(module->forward(std::forward<Args>(args)...));
   if constexpr ((detail::is_tensor_v<Args> && ...) && std::is_same_v<std::decay_t<Result>, at::Tensor> && sizeof...(Args) > 0) {

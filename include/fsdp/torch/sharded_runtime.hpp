@@ -36,14 +36,13 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   ShardedRuntime(Comm world, FsdpOptions options) : world_(std::move(world)), options_(std::move(options)) {}
 
   ~ShardedRuntime() override {
+    if (worker_ && std::uncaught_exceptions() > 0) worker_->drop_queued();  // see CollectiveWorker::drop_queued
     for (auto& u : units_)
       if (u->in_flight.valid()) u->in_flight.wait();  // the worker writes into `full`
     reductions_.reset();                              // ... and into gradient buffers
     worker_.reset();
     reducer_registry().erase(engine_id_);
-    auto& hooks = hook_registry();
-    for (const auto& u : units_)
-      if (const auto it = hooks.find(u->module); it != hooks.end() && it->second.engine == this) hooks.erase(it);
+    for (const auto& u : units_) hook_registry().erase_if(u->module, [this](const HookEntry& e) { return e.engine == this; });
   }
 
   ShardedRuntime(const ShardedRuntime&) = delete;
@@ -52,10 +51,10 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   /// Makes the units reachable from autograd and from fsdp::forward (after they are built).
   void register_units() {
     engine_id_ = next_engine_id();
-    reducer_registry()[engine_id_] = this;
+    reducer_registry().set(engine_id_, this);
     for (auto& up : units_) {
       if (up->info.index == 0 || up->frozen) continue;
-      hook_registry()[up->module] = {this, up->info.index};
+      hook_registry().set(up->module, {this, up->info.index});
       if (options_.all_units_called_through_forward) up->hooked = FlatUnit::Hooked::kYes;
     }
   }
@@ -373,7 +372,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     if (end_of_backward_queued_) return;
     end_of_backward_queued_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([id = engine_id_] {
-      if (const auto it = reducer_registry().find(id); it != reducer_registry().end()) it->second->end_of_backward();
+      if (const auto engine = reducer_registry().find(id)) (*engine)->end_of_backward();
     });
   }
 
