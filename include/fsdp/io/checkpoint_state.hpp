@@ -28,6 +28,7 @@
 #include "fsdp/io/checkpoint_options.hpp"
 #include "fsdp/io/checkpoint_tools.hpp"
 #include "fsdp/io/h5.hpp"
+#include "fsdp/io/h5_flat_range.hpp"
 #include "fsdp/torch/fully_sharded.hpp"
 #include "fsdp/torch/optim_state.hpp"
 #include "fsdp/torch/rng_state.hpp"

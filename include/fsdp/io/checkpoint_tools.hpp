@@ -18,6 +18,7 @@
 #include "fsdp/errors.hpp"
 #include "fsdp/io/checkpoint_files.hpp"
 #include "fsdp/io/h5.hpp"
+#include "fsdp/io/h5_flat_range.hpp"
 
 namespace fsdp::ckpt {
 

@@ -17,6 +17,7 @@
 #include "fsdp/io/checkpoint_files.hpp"
 #include "fsdp/io/checkpoint_tools.hpp"
 #include "fsdp/io/h5.hpp"
+#include "fsdp/io/h5_flat_range.hpp"
 #include "fsdp/io/safetensors_format.hpp"
 #include "fsdp/io/tensor_naming.hpp"
 
