@@ -21,6 +21,7 @@
 #include <nccl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -362,13 +363,19 @@ struct NcclState {
     FSDP_CUDA_CHECK(cudaEventRecord(completion, comm_stream));
   }
 
+  /// Device scratch of at least `bytes`, kept between calls and grown (doubling) only when too small.
+  /// Grown with the stream-ordered allocator on this communicator's stream: cudaFree would wait for
+  /// the whole device, NCCL kernels of other communicators waiting for their peers included, which
+  /// NCCL documents as a deadlock; this waits only for this communicator's own stream.
   void* ensure_scratch(std::size_t bytes) {
     if (bytes > scratch_bytes) {
-      if (scratch != nullptr) FSDP_CUDA_CHECK(cudaFree(scratch));
+      const std::size_t grown = std::max(bytes, 2 * scratch_bytes);
+      if (scratch != nullptr) FSDP_CUDA_CHECK(cudaFreeAsync(scratch, comm_stream));
       scratch = nullptr;
       scratch_bytes = 0;
-      FSDP_CUDA_CHECK(cudaMalloc(&scratch, bytes));
-      scratch_bytes = bytes;
+      FSDP_CUDA_CHECK(cudaMallocAsync(&scratch, grown, comm_stream));
+      FSDP_CUDA_CHECK(cudaStreamSynchronize(comm_stream));  // usable from the host's copies on other streams
+      scratch_bytes = grown;
     }
     return scratch;
   }
