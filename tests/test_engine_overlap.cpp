@@ -191,9 +191,9 @@ BOOST_AUTO_TEST_CASE(overlapped_reductions_accumulate_like_autograd_and_survive_
 }
 
 BOOST_AUTO_TEST_CASE(a_communicators_counters_read_while_another_thread_runs_its_collectives) {
-  // What the engine's comm_counters() does while its collective worker reduces, made certain to
-  // overlap: one thread runs collectives, the other reads the counters meanwhile (the
-  // ThreadSanitizer pass, sanitizer_tsan, reports a race here if the counters are not synchronized).
+  // What the engine's comm_counters() does while its collective worker reduces: one thread runs
+  // collectives, the other reads the counters meanwhile (the ThreadSanitizer pass, sanitizer_tsan,
+  // reports a race here if the counters are not synchronized).
   auto world = MpiComm::world();
   auto comm = world.split(0, world.rank());
   constexpr int kCalls = 200;
@@ -205,12 +205,12 @@ BOOST_AUTO_TEST_CASE(a_communicators_counters_read_while_another_thread_runs_its
   });
   std::uint64_t last = 0, reads = 0;
   bool monotonic = true;
-  while (!done) {
+  do {
     const auto calls = comm.counters().calls;
     monotonic = monotonic && calls >= last;
     last = calls;
     ++reads;
-  }
+  } while (!done);
   collectives.join();
   BOOST_TEST(monotonic);
   BOOST_TEST(reads > 0u);
@@ -366,10 +366,14 @@ struct BlockImpl : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     if (!parent_computes) return torch::tanh(fsdp::forward(head, x));
-    auto h = torch::tanh(fc->forward(x));
+    auto z = fc->forward(x);
+    // Its gradient comes after the head's recomputed backward, before this unit's own node.
+    if (throw_in_backward && z.requires_grad()) z.register_hook([](const torch::Tensor& g) -> torch::Tensor { throw std::runtime_error("injected"); });
+    auto h = torch::tanh(z);
     return h + fsdp::forward(head, torch::dropout(h, 0.0, is_training()));
   }
   bool parent_computes;
+  bool throw_in_backward = false;
   torch::nn::Linear fc{nullptr};
   Head head{nullptr};
 };
@@ -442,6 +446,40 @@ BOOST_AUTO_TEST_CASE(a_checkpointed_unit_using_its_parents_weight_trains_like_on
       }
     }
   }
+}
+
+BOOST_AUTO_TEST_CASE(a_backward_that_throws_after_a_recomputation_leaves_nothing_for_the_next_step) {
+  // The head's recomputed backward keeps the parent's share of the gradient for the parent's own
+  // node; a backward that throws before that node runs must not carry it into the next step.
+  auto world = MpiComm::world();
+  const int64_t rows = 3;
+  auto run = [&](bool fail_once) {
+    torch::manual_seed(21);
+    auto net = ancestor_weight::Net(true).ptr();
+    FsdpOptions options;
+    options.auto_wrap_policy = AutoWrapPolicy::module_types({"Block", "Head"});
+    options.activation_checkpointing = true;
+    auto model = fsdp::make_fsdp(net, world, options);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto gen = at::detail::createCPUGenerator(77 + world.rank());
+    for (int step = 0; step < 3; ++step) {
+      if (fail_once && step == 1) {
+        net->b1->throw_in_backward = true;
+        opt.zero_grad();
+        BOOST_CHECK_THROW(model->forward(torch::ones({rows, 13})).sum().backward(), std::exception);  // draws nothing from gen
+        net->b1->throw_in_backward = false;
+      }
+      opt.zero_grad();
+      model->forward(torch::randn({rows, 13}, gen)).sum().backward();
+      opt.step();
+    }
+    std::map<std::string, torch::Tensor> out;
+    for (auto& [name, t] : model->full_parameters()) out[name] = t;
+    return out;
+  };
+  const auto clean = run(false);
+  const auto after_failure = run(true);
+  for (const auto& [name, t] : clean) BOOST_TEST(torch::equal(t, after_failure.at(name)), name);
 }
 
 namespace one_parameter_units {

@@ -11,7 +11,6 @@
 
 #include <condition_variable>
 #include <deque>
-#include <exception>
 #include <functional>
 #include <future>
 #include <mutex>
@@ -23,22 +22,17 @@ namespace fsdp::detail {
 class CollectiveWorker {
  public:
   CollectiveWorker() : thread_([this] { loop(); }) {}
+  /// Runs what is still queued first: peers wait for each of those collectives, and whether one has
+  /// started differs between ranks, so none is dropped, even when unwinding from an error. A
+  /// collective whose peers are gone ends at the communicator's deadline (MpiComm: the
+  /// CollectiveWatchdog, fsdp-train's comm.timeout_s; NcclComm: NcclOptions::timeout_s).
   ~CollectiveWorker() {
-    if (std::uncaught_exceptions() > 0) drop_queued();
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
     }
     wake_.notify_one();
-    thread_.join();  // runs what is still queued first: peers wait for each of those collectives
-  }
-
-  /// For an owner destroyed by an error: the peers may be gone or stopped too, and a collective queued
-  /// for them would wait until the deadline ends the job. Drops what has not started (those futures
-  /// report a broken promise); the one running, if any, finishes within its own deadline.
-  void drop_queued() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.clear();
+    thread_.join();
   }
   CollectiveWorker(const CollectiveWorker&) = delete;
   CollectiveWorker& operator=(const CollectiveWorker&) = delete;

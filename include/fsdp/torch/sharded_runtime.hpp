@@ -36,7 +36,6 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   ShardedRuntime(Comm world, FsdpOptions options) : world_(std::move(world)), options_(std::move(options)) {}
 
   ~ShardedRuntime() override {
-    if (worker_ && std::uncaught_exceptions() > 0) worker_->drop_queued();  // see CollectiveWorker::drop_queued
     for (auto& u : units_)
       if (u->in_flight.valid()) u->in_flight.wait();  // the worker writes into `full`
     reductions_.reset();                              // ... and into gradient buffers
@@ -272,6 +271,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       u->entered = false;
       u->grafted_by_root = false;
       u->kept_slice = torch::Tensor();  // kept for a backward that never came: the shard may have changed since
+      u->recomputed_grad = torch::Tensor();  // kept by a backward that threw before the unit's own node ran
     }
     // The root unit and every nested unit not known to be called through fsdp::forward (frozen
     // companions follow their unit).
