@@ -219,3 +219,87 @@ BOOST_AUTO_TEST_CASE(unscale_grads_divides_every_shard_and_every_rank_sees_one_r
     }
   }
 }
+
+namespace stale_weights {
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    a = register_module("a", torch::nn::Linear(8, 8));
+    b = register_module("b", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fsdp::forward(b, torch::tanh(fsdp::forward(a, x))); }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Net);
+
+}  // namespace stale_weights
+
+// A graph kept (retain_graph) across an optimizer step saved the old weights; its second backward
+// would silently use the refilled new ones. The refill after a step moves the parameters' version
+// counters, so autograd refuses that backward as it would after an in-place update in PyTorch.
+// Within one step a unit is gathered again for backward (FULL_SHARD) and for further forwards
+// without moving them, so those stay legal.
+BOOST_AUTO_TEST_CASE(a_graph_kept_across_an_optimizer_step_is_refused_not_run_on_new_weights) {
+  auto world = MpiComm::world();
+  for (const auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+    for (const bool sgd : {true, false}) {
+      BOOST_TEST_CONTEXT(to_string(strategy) << (sgd ? " SGD" : " Adam")) {
+        torch::manual_seed(5);
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+        auto model = fsdp::make_fsdp(stale_weights::Net(), world, options);
+        auto opt = make_optimizer(sgd ? OptimKind::kSgd : OptimKind::kAdam, model->parameters());
+        const auto x = torch::randn({4, 8});
+        // Two forwards, then both backwards, in one step: legal.
+        auto first = model->forward(x).pow(2).sum();
+        auto second = model->forward(x * 2).pow(2).sum();
+        first.backward({}, /*retain_graph=*/true);
+        second.backward();
+        opt->step();
+        opt->zero_grad();
+        (void)model->forward(x).sum();  // refills every unit with the stepped weights
+        bool refused = false;
+        try {
+          first.backward();
+        } catch (const c10::Error& e) {
+          refused = std::string(e.what()).find("modified by an inplace operation") != std::string::npos;
+          BOOST_TEST(refused, e.what());
+        }
+        // Units never refilled (NO_SHARD, every unit at world size 1) share the shard's version:
+        // Adam's in-place update moves it; LibTorch's SGD writes through .data(), which no version
+        // counter sees, so there the kept graph runs as it would over a plain LibTorch model.
+        const bool refilled = strategy != ShardingStrategy::NO_SHARD && world.size() > 1;
+        BOOST_TEST(refused == (refilled || !sgd));
+      }
+    }
+  }
+}
+
+// A parameter tensor kept from module() after its unit was resharded has no storage: reading it is
+// LibTorch's error, not a read of freed memory.
+BOOST_AUTO_TEST_CASE(a_parameter_kept_across_a_reshard_fails_loudly_when_read) {
+  auto world = MpiComm::world();
+  if (world.size() == 1) return;  // nothing is resharded
+  torch::manual_seed(5);
+  FsdpOptions options;
+  options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+  auto net = stale_weights::Net();
+  auto model = fsdp::make_fsdp(net, world, options);
+  model->forward(torch::randn({4, 8})).sum().backward();
+  const torch::Tensor kept = net->a->weight;
+  BOOST_TEST(kept.sizes() == torch::IntArrayRef({8, 8}));  // the shape stays readable
+  try {
+    (void)kept.sum().item<float>();
+    BOOST_FAIL("expected an error");
+  } catch (const c10::Error& e) {
+    BOOST_TEST(std::string(e.what()).find("doesn't have storage") != std::string::npos, e.what());
+  }
+  // Inside summon_full_params, and in the next forward, it holds values again.
+  {
+    auto scope = model->summon_full_params();
+    BOOST_TEST(std::isfinite(kept.sum().item<float>()));
+  }
+  BOOST_CHECK_THROW((void)kept.sum().item<float>(), c10::Error);
+  model->forward(torch::randn({4, 8})).sum().backward();
+}

@@ -45,7 +45,9 @@ struct FlatUnit {
   c10::ScalarType dtype = c10::ScalarType::Float;  // of the parameters and the (master) shard
   bool low_precision = false;                      // `full` is in MixedPrecision::param_dtype, not `dtype`
   torch::Tensor summoned;                          // full-precision flat buffer inside summon_full_params (low_precision)
-  std::vector<torch::Tensor> param_views;          // the parameters' views of `full`, to restore after summon
+  std::vector<torch::Tensor> param_views;          // the parameters' views of `full`, shown while `full` has storage
+  std::vector<torch::Tensor> param_placeholders;   // the parameters' shapes without storage, shown while `full` is freed
+  bool backward_done_since_fill = false;           // every backward through the unit ran since `full` was last filled: a step may follow
   bool offloaded = false;                          // `shard` lives in host memory, `full` on the compute device
   std::shared_future<void> in_flight;              // a prefetched all-gather into `full` not yet waited for
   torch::Tensor kept_slice;                        // reshard_after_forward_group: this rank's slice of `full` kept after forward
@@ -61,19 +63,58 @@ struct FlatUnit {
   void point_params_at(const torch::Tensor& flat) {
     for (std::size_t i = 0; i < params.size(); ++i) params[i].set_data(param_view(flat, i));
   }
-  /// Gives `full` storage of its padded size again; the contents are undefined until filled.
+  /// Gives `full` storage of its padded size again (the contents are undefined until filled) and the
+  /// parameters their views of it.
   void allocate_full() {
     const c10::DeviceGuard on_its_device(full.device());  // a GPU allocator allocates on the current device
     auto* storage = full.storage().unsafeGetStorageImpl();
     const std::size_t nbytes = static_cast<std::size_t>(layout.padded_numel()) * full.element_size();
     storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
     storage->set_nbytes(nbytes);
+    show_params();
   }
-  /// Frees `full`'s storage; every view of it keeps its metadata.
+  /// Frees `full`'s storage. The parameters keep their shapes but lose their storage, so a tensor
+  /// kept from module() is refused by LibTorch when read instead of reading freed memory; views cut
+  /// earlier (autograd's saved tensors, param_views) keep `full`'s storage and see it refilled.
   void free_full() {
+    hide_params();
     auto* storage = full.storage().unsafeGetStorageImpl();
     storage->set_data_ptr_noswap(c10::DataPtr(nullptr, full.device()));
     storage->set_nbytes(0);
+  }
+  /// Points the parameters at their views of `full`, or at storage-less placeholders while it is freed.
+  void show_params() {
+    for (std::size_t i = 0; i < params.size() && i < param_views.size(); ++i) params[i].set_data(param_views[i]);
+  }
+  void hide_params() {
+    if (param_placeholders.size() != params.size()) {
+      param_placeholders.clear();
+      for (const auto& v : param_views) param_placeholders.push_back(storageless_like(v));
+    }
+    for (std::size_t i = 0; i < params.size() && i < param_placeholders.size(); ++i) params[i].set_data(param_placeholders[i]);
+  }
+  void show_params_as_full_is() {
+    if (full.storage().nbytes() > 0 || full.numel() == 0)
+      show_params();
+    else
+      hide_params();
+  }
+  /// `full` is filled with values the optimizer may have changed since it was last filled: autograd's
+  /// saved copies of the parameters from before become stale, so their version moves (a graph kept
+  /// across an optimizer step is then refused, as PyTorch refuses a graph over an updated parameter).
+  /// A refill for backward, or for another forward before every backward through the unit has run,
+  /// moves nothing.
+  void note_fill() {
+    if (backward_done_since_fill || gathered_version != shard._version())
+      for (auto& p : params) torch::autograd::impl::bump_version(p);
+    backward_done_since_fill = false;
+  }
+  /// A tensor of `like`'s shape, dtype and device without storage: any read of its data throws.
+  static torch::Tensor storageless_like(const torch::Tensor& like) {
+    const auto key = c10::computeDispatchKey(like.scalar_type(), like.layout(), like.device());
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::DispatchKeySet(key), like.dtype(), like.device());
+    impl->set_sizes_contiguous(like.sizes());
+    return torch::Tensor(std::move(impl));
   }
   /// One backward's gradients of the parameters packed into a padded flat buffer (an unused
   /// parameter's undefined gradient counts as zero, and so does the padding).

@@ -551,6 +551,10 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
       u.gathered = true;
       u.point_params_at(u.full);
       for (const auto& p : u.params) u.param_views.push_back(p.data());  // shares `full`'s storage, also once freed
+      // Never refilled: the parameters are the shard's values, and an optimizer's in-place update of
+      // the shard must move their version as it would move a plain parameter's.
+      if (!u.needs_gather())
+        for (auto& p : u.params) torch::autograd::impl::set_version_counter(p, torch::autograd::impl::version_counter(u.shard));
       reshard(u);
       if (!u.frozen) register_parameter("flat_shard_" + std::to_string(u.info.index), u.optimized, /*requires_grad=*/true);
     }
@@ -598,7 +602,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
         const auto s = u->layout.shard_numel();
         if (writeback) u->shard.detach().copy_(u->summoned.narrow(0, shard_comm_.rank() * s, s));
         // Back to the low-precision views (no view can be cut from `full` while its storage is freed).
-        for (std::size_t i = 0; i < u->params.size(); ++i) u->params[i].set_data(u->param_views[i]);
+        u->show_params_as_full_is();
         u->summoned = torch::Tensor();
       } else if (full_is_shard(*u)) {
         const auto& copy = saved[static_cast<std::size_t>(u->info.index)];

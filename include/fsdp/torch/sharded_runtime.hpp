@@ -183,6 +183,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     if (!ahead) finish_prefetch(u);
     if (u.gathered && u.gathered_version == u.shard._version()) return;
     if (!u.gathered) u.allocate_full();
+    u.note_fill();
     u.gathered_version = u.shard._version();
     // The slice kept after forward (reshard_after_forward_group): gathered again inside its group only.
     const bool from_kept = u.kept_slice.defined() && u.kept_version == u.shard._version();
@@ -547,6 +548,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   void release_after_backward(FlatUnit& u) {
     if (--u.pending_backward <= 0) {
       u.pending_backward = 0;
+      u.backward_done_since_fill = true;
       reshard(u);
     }
   }
