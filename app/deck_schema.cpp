@@ -297,7 +297,7 @@ std::vector<KeySpec> make_schema() {
                .description = "overlap: issue the next unit's all-gather when the current unit's backward begins (BACKWARD_PRE) or "
                               "when its gradients are ready (BACKWARD_POST), on a collective worker thread; auto: BACKWARD_PRE when "
                               "every rank has a core to spare for the worker (the rule of fsdp.overlap_grad_reduce, agreed by all ranks), "
-                              "NO_PREFETCH otherwise"});
+                              "NO_PREFETCH otherwise; on NCCL (no worker: the GPU's streams overlap) auto is BACKWARD_PRE"});
   s.push_back({.key = "fsdp.forward_prefetch",
                .type = T::kBool,
                .default_value = false,
@@ -315,7 +315,8 @@ std::vector<KeySpec> make_schema() {
                .description = "overlap: reduce each unit's gradients on a collective worker thread while backward goes on "
                               "(like DDP's buckets); false: on the computing thread as each unit finishes; auto: overlap when the "
                               "rank has a core to spare for the worker (its CPUs > run.threads and ranks per node x run.threads < "
-                              "the node's cores). Same results either way; a TOML boolean is accepted too"});
+                              "the node's cores); on NCCL the reductions are queued on the GPU's communication stream instead and "
+                              "auto is true. Same results either way; a TOML boolean is accepted too"});
   s.push_back({.key = "fsdp.reshard_after_forward",
                .type = T::kString,
                .default_value = "auto",

@@ -517,7 +517,7 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
                           std::move(step_ms_while_writing)};
     totals.comm_start = comm_start;
     totals.step_all_gather = step_all_gather;
-    totals.overlap_grad_reduce = overlap_grad_reduce && !fsdp::comm_moves_device_memory<Comm>();  // NCCL reduces on its own stream
+    totals.overlap_grad_reduce = overlap_grad_reduce;
     write_summary(world, placement, cfg, *model, totals);
     return 0;
   };  // train

@@ -244,6 +244,15 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.cuda_device = static_cast<int>(deck.get_int("fsdp.cuda_device"));
   f.backend_where = deck.entry("fsdp.backend").where;
   f.backend_resolved = resolve_backend(f.backend, f.backend_where, placement.gpu);
+  // On NCCL the overlap is the GPU's (collectives on their own stream, no worker thread): no spare
+  // core is needed, so `auto` turns both on.
+  if (f.backend_resolved == "nccl") {
+    if (deck.get_string("fsdp.overlap_grad_reduce") == "auto") f.overlap_grad_reduce = true;
+    if (f.backward_prefetch_auto) {
+      f.backward_prefetch_name = "BACKWARD_PRE";
+      f.backward_prefetch = parse_backward_prefetch(f.backward_prefetch_name);
+    }
+  }
   // fsdp-plan probes no GPU (it may plan a GPU job on a login node): only a probed rank can refuse.
   if (f.mixed_precision == "fp16" && placement.gpu && f.backend_resolved != "nccl")
     throw DeckError(blame(deck, "fsdp.mixed_precision") +

@@ -223,10 +223,10 @@ inline Trained train_reference(ModelKind kind, OptimKind optim, int world, const
   return result;
 }
 
-template <class Impl>
-inline Trained train_fsdp_typed(ModelKind kind, OptimKind optim, const FsdpOptions& options, std::shared_ptr<Impl> net, const Setup& setup) {
+template <class Impl, class Comm = MpiComm>
+inline Trained train_fsdp_typed(ModelKind kind, OptimKind optim, const FsdpOptions& options, std::shared_ptr<Impl> net, const Setup& setup,
+                                Comm world = Comm(MpiComm::world())) {
   Trained result;
-  auto world = MpiComm::world();
   auto model = fsdp::make_fsdp(net, world, options);
   auto opt = make_optimizer(optim, model->parameters());
   const int r = world.rank();

@@ -551,3 +551,34 @@ BOOST_AUTO_TEST_CASE(each_rank_gets_its_own_gpu_under_every_launcher_layout) {
   BOOST_TEST(shared->first == 0);
   BOOST_TEST(shared->second == 2);
 }
+
+#include "fsdp/comm/in_order_completions.hpp"
+
+BOOST_AUTO_TEST_CASE(completions_on_one_stream_are_released_oldest_first_and_the_oldest_pending_one_is_watched) {
+  struct Entry {
+    int id;
+  };
+  fsdp::InOrderCompletions<Entry> queue;
+  BOOST_TEST(queue.drop_completed([](const Entry&) { return true; }, [](Entry) {}) == nullptr);
+  for (int id = 0; id < 5; ++id) queue.push({id});
+  std::vector<bool> done(5, false);
+  std::vector<int> released;
+  const auto is_done = [&](const Entry& e) { return static_cast<bool>(done[static_cast<std::size_t>(e.id)]); };
+  const auto release = [&](Entry e) { released.push_back(e.id); };
+  // Nothing complete: the oldest is the one to watch.
+  Entry* oldest = queue.drop_completed(is_done, release);
+  BOOST_TEST_REQUIRE(oldest != nullptr);
+  BOOST_TEST(oldest->id == 0);
+  // A later one reported complete before an earlier one (an event queried out of order) is kept:
+  // on one stream it cannot have finished first, and its event must not be reused yet.
+  done[2] = true;
+  BOOST_TEST(queue.drop_completed(is_done, release)->id == 0);
+  BOOST_TEST(released.empty());
+  done[0] = done[1] = true;
+  BOOST_TEST(queue.drop_completed(is_done, release)->id == 3);
+  BOOST_TEST(released == (std::vector<int>{0, 1, 2}));
+  BOOST_TEST(queue.size() == 2u);
+  queue.release_all(release);
+  BOOST_TEST(queue.empty());
+  BOOST_TEST(released == (std::vector<int>{0, 1, 2, 3, 4}));
+}

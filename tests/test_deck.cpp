@@ -565,6 +565,18 @@ BOOST_AUTO_TEST_CASE(resolved_config_decides_the_autos) {
   BOOST_TEST(spare.fsdp.backward_prefetch_name == "BACKWARD_PRE");
   const auto asked = resolve_run_config(Deck::parse("[fsdp]\nbackward_prefetch = \"BACKWARD_POST\"\n", "inputs/a.toml", {}), placement_of(4, 2, 8, 8));
   BOOST_TEST(asked.fsdp.backward_prefetch_name == "BACKWARD_POST");
+  // On NCCL both overlaps are the GPU's streams (no worker thread): auto turns them on without a
+  // spare core; a value given is kept.
+  auto gpu_node = placement_of(4, 2, 8, 8);
+  gpu_node.gpu = Placement::Gpu{.usable = true, .why_not = "", .built_with_nccl = true};
+  const auto on_gpu = resolve_run_config(deck, gpu_node);
+  BOOST_TEST(on_gpu.fsdp.backend_resolved == "nccl");
+  BOOST_TEST(on_gpu.fsdp.overlap_grad_reduce);
+  BOOST_TEST(on_gpu.fsdp.backward_prefetch_name == "BACKWARD_PRE");
+  const auto off_on_gpu = resolve_run_config(
+      Deck::parse("[fsdp]\noverlap_grad_reduce = false\nbackward_prefetch = \"NO_PREFETCH\"\n", "inputs/a.toml", {}), gpu_node);
+  BOOST_TEST(!off_on_gpu.fsdp.overlap_grad_reduce);
+  BOOST_TEST(off_on_gpu.fsdp.backward_prefetch_name == "NO_PREFETCH");
 }
 
 BOOST_AUTO_TEST_CASE(auto_layer_classes_give_untied_embeddings_units_of_their_own) {

@@ -127,6 +127,9 @@ concept CommRequest = std::movable<R> && requires(R r) {
 ///  - `static constexpr bool kMovesDeviceMemory`: true when the buffers are device (GPU) memory; the
 ///    engine then computes on the communicator's device and overlaps on its streams instead of a
 ///    worker thread. Absent: false (fsdp::comm_moves_device_memory).
+///  - `static constexpr bool kProgressesOnItsOwn`: non-blocking collectives progress once issued (a
+///    GPU stream): the engine overlaps by issuing them from the computing thread, without a worker.
+///    Absent: kMovesDeviceMemory (fsdp::comm_progresses_on_its_own).
 ///  - `static bool threads_may_call_concurrently()`: whether two threads may run collectives on two
 ///    communicators at once; prefetching and overlapped reductions on the collective worker need it
 ///    and are a ConfigError when it is false. Absent: true.

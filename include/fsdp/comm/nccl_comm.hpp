@@ -1,11 +1,16 @@
 // NcclComm: the Communicator over NCCL for CUDA device buffers (comm layer; CUDA runtime + NCCL + MPI,
 // no LibTorch).
 //
-// Streams: every collective runs on the communicator's own CUDA stream. It first makes that stream
-// wait for what is already queued on the caller's compute stream (an event recorded there: the
-// inputs are ready), and it ends by recording a completion event. Blocking collectives return when the
-// result is in device memory; the non-blocking ones return an NcclRequest whose wait() orders the
-// compute stream after that event, so the next unit's all-gather runs while the current unit computes.
+// Streams: a bootstrapped communicator and every communicator split from it run their collectives on
+// one CUDA stream (NcclLane: several communicators' collectives in flight at once can deadlock; on one
+// in-order stream they run in the order issued). A collective first makes that stream wait for what
+// is already queued on the compute stream (an event recorded there: the inputs are ready), and ends by
+// recording a completion event. Collectives on device memory are stream-ordered: the compute stream
+// waits for that event and the host goes on; the host waits only where it reads a result (host
+// buffers, barrier, synchronize()). The non-blocking ones return an NcclRequest whose wait() orders
+// the compute stream after the event, so the next unit's all-gather runs while the current unit
+// computes. The compute stream is the default stream, set_compute_stream's, or whatever the hooks of
+// set_compute_stream_order name (the engine's: LibTorch's current stream).
 //
 // Failures never hang: the NCCL communicator is non-blocking (ncclConfig_t::blocking = 0), and every
 // wait (init, split, enqueue, completion, finalize) polls ncclCommGetAsyncError and a deadline
@@ -43,29 +48,24 @@
 
 namespace fsdp {
 
-/// A pending NCCL collective. wait() blocks the host until the collective has completed (polling
-/// NCCL's asynchronous errors and the deadline), then orders the compute stream it was issued from
-/// after it. The GPU overlaps the collective with whatever was queued on the compute stream after it
-/// was issued. A request that is never waited for is completed by its destructor, so NCCL never
-/// writes into memory the caller believes free.
+/// A pending NCCL collective. wait() orders the compute stream after it (the host goes on; the lane
+/// watches its deadline and errors until the host sees it complete). The GPU overlaps the collective
+/// with whatever was queued on the compute stream after it was issued and before wait(). Keep its
+/// buffers alive until wait(); a request never waited for is waited for by its destructor, so memory
+/// freed afterwards on the compute stream is reused only after the collective.
 class NcclRequest {
  public:
   NcclRequest() = default;
-  NcclRequest(std::shared_ptr<detail::NcclState> state, cudaEvent_t done, cudaStream_t consumer, const char* op, const detail::Deadline& deadline)
-      : state_(std::move(state)), done_(done), consumer_(consumer), op_(op), deadline_(deadline) {}
+  NcclRequest(std::shared_ptr<detail::NcclState> state, cudaEvent_t done, const char* op, const detail::Deadline& deadline)
+      : state_(std::move(state)), done_(done), op_(op), deadline_(deadline) {}
   NcclRequest(NcclRequest&& other) noexcept
-      : state_(std::move(other.state_)),
-        done_(std::exchange(other.done_, nullptr)),
-        consumer_(other.consumer_),
-        op_(other.op_),
-        deadline_(other.deadline_) {}
+      : state_(std::move(other.state_)), done_(std::exchange(other.done_, nullptr)), op_(other.op_), deadline_(other.deadline_) {}
   /// Completes the request this one held before taking `other`'s.
   NcclRequest& operator=(NcclRequest&& other) noexcept {
     if (this != &other) {
       complete_quietly();
       state_ = std::move(other.state_);
       done_ = std::exchange(other.done_, nullptr);
-      consumer_ = other.consumer_;
       op_ = other.op_;
       deadline_ = other.deadline_;
     }
@@ -75,12 +75,12 @@ class NcclRequest {
   NcclRequest& operator=(const NcclRequest&) = delete;
   ~NcclRequest() { complete_quietly(); }
 
-  /// Blocks until the collective has completed; then the compute stream it was issued from waits on
-  /// its completion event. Throws CommError on an NCCL error or past the collective's deadline, counted from when it was issued (after aborting).
+  /// The compute stream waits for the collective; the host does not. Throws CommError on an NCCL
+  /// error or past the deadline (counted from issue) of this or an earlier collective of the lane.
   void wait() {
     if (done_ == nullptr) return;
     const detail::CudaDeviceGuard on(state_->device);
-    state_->wait_event(done_, op_, *deadline_);
+    state_->check_usable(op_);
     finish();
   }
 
@@ -104,24 +104,22 @@ class NcclRequest {
   cudaEvent_t event() const noexcept { return done_; }
 
  private:
-  void finish() {
-    const cudaEvent_t e = std::exchange(done_, nullptr);
-    const cudaError_t wait_rc = cudaStreamWaitEvent(consumer_, e, 0);
-    cudaEventDestroy(e);
-    if (wait_rc != cudaSuccess) detail::throw_cuda_error("cudaStreamWaitEvent(compute stream, completion event)", wait_rc, __FILE__, __LINE__);
-  }
+  void finish() { state_->order_compute_after(std::exchange(done_, nullptr), op_, *deadline_); }  // the lane owns the event now
   void complete_quietly() noexcept {
     if (done_ == nullptr) return;
     try {
       wait();
     } catch (...) {  // a destructor must not throw; the communicator is aborted and the next call reports it
-      if (done_ != nullptr) cudaEventDestroy(std::exchange(done_, nullptr));
+      if (done_ != nullptr) {
+        const cudaEvent_t e = std::exchange(done_, nullptr);
+        cudaEventSynchronize(e);  // aborted: its kernels end, and the event is not reused before
+        cudaEventDestroy(e);
+      }
     }
   }
 
   std::shared_ptr<detail::NcclState> state_;
   cudaEvent_t done_ = nullptr;
-  cudaStream_t consumer_ = nullptr;
   const char* op_ = "";
   std::optional<detail::Deadline> deadline_;  // the collective's, set when it was issued
 };
@@ -246,12 +244,29 @@ class NcclComm {
     if (!state_->mpi) throw CommError(state_->who() + ": this communicator was not bootstrapped over MPI (NcclComm::from_mpi)");
     return *state_->mpi;
   }
-  /// The stream the collectives run on (created non-blocking with respect to the default stream).
-  cudaStream_t comm_stream() const noexcept { return state_->comm_stream; }
-  /// The stream producing the collectives' inputs and consuming their results; 0 (the default stream) unless set.
-  cudaStream_t compute_stream() const noexcept { return state_->compute_stream; }
-  /// Sets the compute stream (of this communicator's device) for the collectives issued from now on.
-  void set_compute_stream(cudaStream_t stream) noexcept { state_->compute_stream = stream; }
+  /// The stream the collectives run on (created non-blocking with respect to the default stream),
+  /// shared with every communicator split from the same bootstrap.
+  cudaStream_t comm_stream() const noexcept { return state_->lane->stream; }
+  /// The stream producing the collectives' inputs and consuming their results; 0 (the default stream)
+  /// unless set. Used when no ordering hooks are set (set_compute_stream_order).
+  cudaStream_t compute_stream() const noexcept { return state_->lane->compute_stream; }
+  /// Sets the compute stream (of this communicator's device) for the collectives issued from now on,
+  /// by this communicator and every one sharing its stream.
+  void set_compute_stream(cudaStream_t stream) noexcept { state_->lane->compute_stream = stream; }
+  /// Orders the collectives against a compute stream known only through these hooks (the engine's:
+  /// LibTorch's current CUDA stream, without CUDA headers in the torch layer): `record(event)` records
+  /// a cudaEvent_t on it, `wait(event)` makes it wait for one. Empty hooks: back to compute_stream().
+  void set_compute_stream_order(std::function<void(void*)> record, std::function<void(void*)> wait) {
+    state_->lane->record_on_compute = std::move(record);
+    state_->lane->compute_waits_for = std::move(wait);
+  }
+  /// Waits on the host until every collective queued on this communicator's stream (by it or any
+  /// communicator sharing the stream) has completed. Throws CommError like the collectives: where an
+  /// NCCL error or a passed deadline is seen, that communicator is aborted.
+  void synchronize() {
+    const detail::CudaDeviceGuard on(state_->device);
+    state_->drain_lane();
+  }
   const NcclOptions& options() const noexcept { return state_->options; }
   /// Sets the deadline of every wait from now on (<= 0: none).
   void set_timeout_s(double seconds) noexcept { state_->options.timeout_s = seconds; }
@@ -264,15 +279,15 @@ class NcclComm {
   void abort(const std::string& reason = "abort() called") noexcept { state_->abort(reason); }
 
   /// A communicator over the ranks with the same color (>= 0), ordered by key, then by rank; on the
-  /// same device, with its own stream, the same options and compute stream. ncclCommSplit where
+  /// same device and stream (one lane: its collectives run in issue order with this one's), with the
+  /// same options and compute stream. ncclCommSplit where
   /// NCCL >= 2.18 (NcclSplit::kAuto), else a new communicator whose id is broadcast over MPI.
   /// Collective.
   NcclComm split(int color, int key) const {
     if (color < 0) throw CommError(state_->who() + ": split: color must be >= 0, got " + std::to_string(color));
     state_->check_usable("split");
     const NcclSplit method = resolve_split();
-    auto sub = std::make_shared<detail::NcclState>(state_->device, state_->options);
-    sub->compute_stream = state_->compute_stream;
+    auto sub = std::make_shared<detail::NcclState>(state_->device, state_->options, state_->lane);
     if (state_->mpi) sub->mpi = state_->mpi->split(color, key);  // same ranks, same order as NCCL's split
     if (method == NcclSplit::kMpi) {
       MpiComm group = *sub->mpi;
@@ -345,9 +360,10 @@ class NcclComm {
       const detail::CudaDeviceGuard on(state_->device);
       auto* scratch = static_cast<std::int64_t*>(state_->ensure_scratch(bytes));
       const std::int64_t mine = detail::host_hash();
-      FSDP_CUDA_CHECK(cudaMemcpy(scratch, &mine, sizeof mine, cudaMemcpyHostToDevice));
+      FSDP_CUDA_CHECK(cudaMemcpyAsync(scratch, &mine, sizeof mine, cudaMemcpyHostToDevice, state_->lane->stream));
+      const HostReads reads(*state_);
       blocking(
-          "split_node", nullptr, 0, [&] { return ncclAllGather(scratch, scratch + 1, 1, ncclInt64, state_->comm, state_->comm_stream); },
+          "split_node", nullptr, 0, [&] { return ncclAllGather(scratch, scratch + 1, 1, ncclInt64, state_->comm, state_->lane->stream); },
           "ncclAllGather(host hash)", __FILE__, __LINE__);
       std::vector<std::int64_t> all(static_cast<std::size_t>(size()));
       FSDP_CUDA_CHECK(cudaMemcpy(all.data(), scratch + 1, sizeof(std::int64_t) * all.size(), cudaMemcpyDeviceToHost));
@@ -369,7 +385,7 @@ class NcclComm {
     if (c == 0) return;
     blocking(
         "all_gather", &CommCounters::all_gather_seconds, bytes(n, t) * size(),
-        [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->comm_stream); },
+        [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->lane->stream); },
         "ncclAllGather(send, recv, n, type, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -382,7 +398,7 @@ class NcclComm {
     if (c == 0) return;
     blocking(
         "reduce_scatter", &CommCounters::reduce_scatter_seconds, bytes(n, t) * size(),
-        [&] { return ncclReduceScatter(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
+        [&] { return ncclReduceScatter(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->lane->stream); },
         "ncclReduceScatter(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -395,7 +411,7 @@ class NcclComm {
     if (c == 0) return;
     blocking(
         "all_reduce", &CommCounters::all_reduce_seconds, bytes(n, t),
-        [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
+        [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->lane->stream); },
         "ncclAllReduce(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -409,7 +425,7 @@ class NcclComm {
     if (c == 0) return;
     blocking(
         "broadcast", &CommCounters::broadcast_seconds, bytes(n, t),
-        [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->comm_stream); },
+        [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->lane->stream); },
         "ncclBroadcast(buf, buf, n, type, root, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -419,8 +435,9 @@ class NcclComm {
     state_->check_usable("barrier");
     const detail::CudaDeviceGuard on(state_->device);
     void* one = state_->ensure_scratch(sizeof(float));
+    const HostReads reads(*state_);
     blocking(
-        "barrier", nullptr, 0, [&] { return ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, state_->comm, state_->comm_stream); },
+        "barrier", nullptr, 0, [&] { return ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, state_->comm, state_->lane->stream); },
         "ncclAllReduce(barrier)", __FILE__, __LINE__);
   }
 
@@ -431,7 +448,7 @@ class NcclComm {
     count(&CommCounters::all_gather_bytes, n, t);
     if (c == 0) return {};
     return issue(
-        "iall_gather", bytes(n, t) * size(), [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->comm_stream); },
+        "iall_gather", bytes(n, t) * size(), [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->lane->stream); },
         "ncclAllGather(send, recv, n, type, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -443,7 +460,7 @@ class NcclComm {
     if (c == 0) return {};
     return issue(
         "ireduce_scatter", bytes(n, t) * size(),
-        [&] { return ncclReduceScatter(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
+        [&] { return ncclReduceScatter(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->lane->stream); },
         "ncclReduceScatter(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -454,7 +471,7 @@ class NcclComm {
     count(&CommCounters::all_reduce_bytes, n, t);
     if (c == 0) return {};
     return issue(
-        "iall_reduce", bytes(n, t), [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->comm_stream); },
+        "iall_reduce", bytes(n, t), [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->lane->stream); },
         "ncclAllReduce(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -465,7 +482,7 @@ class NcclComm {
     count(&CommCounters::broadcast_bytes, n, t);
     if (c == 0) return {};
     return issue(
-        "ibroadcast", bytes(n, t), [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->comm_stream); },
+        "ibroadcast", bytes(n, t), [&] { return ncclBroadcast(buf, buf, c, detail::nccl_datatype(t), root, state_->comm, state_->lane->stream); },
         "ncclBroadcast(buf, buf, n, type, root, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -539,7 +556,10 @@ class NcclComm {
     const auto in = static_cast<std::size_t>(send_bytes), out = static_cast<std::size_t>(recv_bytes);
     auto* scratch = static_cast<char*>(state_->ensure_scratch(in + (in_place ? 0 : out) + 1));
     char* result = in_place ? scratch : scratch + in;
-    if (in > 0) FSDP_CUDA_CHECK(cudaMemcpy(scratch, send, in, cudaMemcpyHostToDevice));
+    // Copied in on the lane's stream, so the collective after it on that stream reads it whatever
+    // the compute stream is.
+    if (in > 0) FSDP_CUDA_CHECK(cudaMemcpyAsync(scratch, send, in, cudaMemcpyHostToDevice, state_->lane->stream));
+    const HostReads reads(*state_);
     run(scratch, result);  // waits for the collective on the host
     if (out > 0) FSDP_CUDA_CHECK(cudaMemcpy(recv, result, out, cudaMemcpyDeviceToHost));
   }
@@ -557,17 +577,37 @@ class NcclComm {
     return FlightRecorder::Scope(state_->flight_id, kind, bytes, w.unit(), w.step());
   }
 
-  /// Enqueues `launch` and waits on the host for its completion (deadline, asynchronous errors).
-  /// With `seconds`, its wall time is added there and traced as `op` moving `bytes` (as MpiComm does).
+  /// While alive, this communicator's collectives wait on the host for their result (it is read there).
+  struct HostReads {
+    detail::NcclState& state;
+    explicit HostReads(detail::NcclState& s) : state(s) { ++state.host_reads; }
+    ~HostReads() { --state.host_reads; }
+    HostReads(const HostReads&) = delete;
+    HostReads& operator=(const HostReads&) = delete;
+  };
+
+  /// Enqueues `launch`; the compute stream then waits for it (stream-ordered; the lane watches its
+  /// deadline and errors), or, inside HostReads, the host waits for it. With `seconds`, the host's
+  /// time in the call is added there and traced as `op` moving `bytes` (as MpiComm does).
   template <class Launch>
   void blocking(const char* op, double CommCounters::*seconds, std::int64_t bytes, Launch&& launch, const char* call, const char* file, int line) const {
     std::optional<Stopwatch> timed;
     if (seconds != nullptr) timed.emplace(state_->counters, seconds, op, bytes);
-    const auto flown = flight(op, bytes);  // ends when the host has seen the collective complete
+    const auto flown = flight(op, bytes);  // ends when the host has queued it (or, reading it, seen it complete)
     const detail::CudaDeviceGuard on(state_->device);
-    const detail::Deadline deadline(state_->options.timeout_s);  // one for the whole collective: enqueue and wait
-    state_->enqueue(op, call, file, line, launch, state_->done, deadline);
-    state_->wait_event(state_->done, op, deadline);
+    const detail::Deadline deadline(state_->options.timeout_s);  // one for the whole collective: enqueue and completion
+    state_->poll_lane();  // an earlier collective's error or passed deadline surfaces before this one is queued
+    const cudaEvent_t done = state_->lane->take_event();
+    try {
+      state_->enqueue(op, call, file, line, launch, done, deadline);
+    } catch (...) {
+      state_->lane->spare.push_back(done);
+      throw;
+    }
+    if (state_->host_reads == 0) return state_->order_compute_after(done, op, deadline);
+    state_->lane->spare.push_back(done);  // reused only after the wait below (this thread)
+    state_->wait_event(done, op, deadline);
+    state_->poll_lane();  // every earlier collective of the lane is complete too
   }
 
   /// Enqueues `launch` (moving `moved_bytes`) with its own completion event and returns the request holding it.
@@ -575,16 +615,16 @@ class NcclComm {
   NcclRequest issue(const char* op, std::int64_t moved_bytes, Launch&& launch, const char* call, const char* file, int line) {
     flight(op, moved_bytes);  // recorded as issued (begun and ended): its completion is the request's wait
     const detail::CudaDeviceGuard on(state_->device);
-    cudaEvent_t done = nullptr;
-    FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     const detail::Deadline deadline(state_->options.timeout_s);  // from issue to completion, however late the host waits
+    state_->poll_lane();
+    const cudaEvent_t done = state_->lane->take_event();
     try {
       state_->enqueue(op, call, file, line, launch, done, deadline);
     } catch (...) {
-      cudaEventDestroy(done);
+      state_->lane->spare.push_back(done);
       throw;
     }
-    return NcclRequest(state_, done, state_->compute_stream, op, deadline);
+    return NcclRequest(state_, done, op, deadline);
   }
 
   std::shared_ptr<detail::NcclState> state_;

@@ -29,12 +29,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "fsdp/comm/communicator.hpp"
+#include "fsdp/comm/in_order_completions.hpp"
 #include "fsdp/comm/mpi_comm.hpp"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
@@ -202,20 +206,95 @@ inline ncclConfig_t nonblocking_config() {
   return config;
 }
 
-// ---- one NCCL communicator with its stream, events and deadline --------------------------------------
+// ---- the stream communicators share, and one NCCL communicator -------------------------------------
 
-struct NcclState {
+struct NcclState;
+
+/// The one CUDA stream on which a bootstrapped communicator and every communicator split from it run
+/// their collectives, and its order against the compute stream. NCCL documents that collectives of
+/// several communicators in flight at once can deadlock (a kernel waiting for its peers can keep
+/// another communicator's from running); on one in-order stream they run one after another, in the
+/// order they were issued, which is the same on every rank. Collectives are stream-ordered: the lane
+/// waits for the compute stream (an event recorded there), the collective is queued, and the compute
+/// stream waits for its completion event; the host goes on. `pending` keeps those completion events
+/// until the host has seen them complete (deadline and NCCL's asynchronous errors are checked there).
+struct NcclLane {
+  struct Pending {
+    cudaEvent_t event;
+    std::weak_ptr<NcclState> owner;  // whose collective: aborted on its deadline or error
+    const char* op;
+    Deadline deadline;
+  };
+
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;                    // recorded on the compute stream before each collective
+  cudaStream_t compute_stream = nullptr;          // 0: the default stream; used unless the hooks below are set
+  std::function<void(void*)> record_on_compute;   // records a cudaEvent_t on the compute stream (the engine's: LibTorch's current stream)
+  std::function<void(void*)> compute_waits_for;   // makes the compute stream wait for a cudaEvent_t
+  InOrderCompletions<Pending> pending;
+  std::vector<cudaEvent_t> spare;  // completion events to reuse
+
+  explicit NcclLane(int dev) : device(dev) {
+    const CudaDeviceGuard on(device);
+    FSDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const cudaError_t rc = cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
+    if (rc != cudaSuccess) {
+      cudaStreamDestroy(stream);
+      throw_cuda_error("cudaEventCreateWithFlags(&ready, cudaEventDisableTiming)", rc, __FILE__, __LINE__);
+    }
+  }
+  NcclLane(const NcclLane&) = delete;
+  NcclLane& operator=(const NcclLane&) = delete;
+  ~NcclLane() {
+    int previous = -1;
+    const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
+    cudaStreamSynchronize(stream);  // every communicator of the lane is finalized or aborted by now
+    pending.release_all([](Pending p) { cudaEventDestroy(p.event); });
+    for (cudaEvent_t e : spare) cudaEventDestroy(e);
+    cudaEventDestroy(ready);
+    cudaStreamDestroy(stream);
+    if (switched) cudaSetDevice(previous);
+  }
+
+  /// The lane waits for everything already queued on the compute stream (the collective's inputs).
+  void order_after_compute() {
+    if (record_on_compute)
+      record_on_compute(static_cast<void*>(ready));
+    else
+      FSDP_CUDA_CHECK(cudaEventRecord(ready, compute_stream));
+    FSDP_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0));
+  }
+  /// The compute stream waits for `done` (a collective's completion) before what is queued on it next.
+  void order_compute_after(cudaEvent_t done) {
+    if (compute_waits_for)
+      compute_waits_for(static_cast<void*>(done));
+    else
+      FSDP_CUDA_CHECK(cudaStreamWaitEvent(compute_stream, done, 0));
+  }
+  cudaEvent_t take_event() {
+    if (!spare.empty()) {
+      const cudaEvent_t e = spare.back();
+      spare.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+};
+
+
+struct NcclState : std::enable_shared_from_this<NcclState> {
   ncclComm_t comm = nullptr;
   int rank = 0;
   int size = 1;
   int device = 0;
-  cudaStream_t comm_stream = nullptr;
-  cudaStream_t compute_stream = nullptr;  // 0: the default stream
-  cudaEvent_t ready = nullptr;            // recorded on the compute stream before each collective
-  cudaEvent_t done = nullptr;             // completion of blocking collectives
-  void* scratch = nullptr;                // device memory for barrier and split_node
+  void* scratch = nullptr;  // device memory for host staging, barrier and split_node
   std::size_t scratch_bytes = 0;
+  int host_reads = 0;       // > 0 while a collective's result is read by the host (staging): it waits
   NcclOptions options;
+  std::shared_ptr<NcclLane> lane;  // the stream, shared with the communicators split from this one
   std::optional<MpiComm> mpi;  // the same ranks in the same order, when bootstrapped over MPI
   SharedCounters counters;
   bool aborted = false;
@@ -223,18 +302,9 @@ struct NcclState {
   std::string flight_name;  // the flight recorder's name: "nccl:" and the lineage ("nccl:world/split#0")
   int flight_id = -1;       // the flight recorder's index of this communicator
 
-  NcclState(int dev, const NcclOptions& opts) : device(dev), options(opts) {
-    const CudaDeviceGuard on(device);
-    try {
-      FSDP_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
-      FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-      FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    } catch (...) {
-      if (ready != nullptr) cudaEventDestroy(ready);
-      if (comm_stream != nullptr) cudaStreamDestroy(comm_stream);
-      throw;
-    }
-  }
+  /// A new lane unless `shared_lane` (the parent's, for a split) is given.
+  NcclState(int dev, const NcclOptions& opts, std::shared_ptr<NcclLane> shared_lane = nullptr)
+      : device(dev), options(opts), lane(shared_lane ? std::move(shared_lane) : std::make_shared<NcclLane>(dev)) {}
   NcclState(const NcclState&) = delete;
   NcclState& operator=(const NcclState&) = delete;
 
@@ -264,9 +334,6 @@ struct NcclState {
       comm = nullptr;
     }
     if (scratch != nullptr) cudaFree(scratch);
-    if (done != nullptr) cudaEventDestroy(done);
-    if (ready != nullptr) cudaEventDestroy(ready);
-    if (comm_stream != nullptr) cudaStreamDestroy(comm_stream);
     if (switched) cudaSetDevice(previous);
   }
 
@@ -351,30 +418,64 @@ struct NcclState {
     }
   }
 
-  /// Orders the comm stream after the compute stream, enqueues `launch` (an NCCL call) on the comm
-  /// stream and records `completion` after it. `deadline` is the collective's, from enqueue to
-  /// completion. The caller holds a CudaDeviceGuard.
+  /// Orders the lane after the compute stream, enqueues `launch` (an NCCL call) on the lane's stream
+  /// and records `completion` after it. `deadline` is the collective's, from enqueue to completion.
+  /// The caller holds a CudaDeviceGuard.
   template <class Launch>
   void enqueue(const char* op, const char* call, const char* file, int line, Launch&& launch, cudaEvent_t completion, const Deadline& deadline) {
     check_usable(op);
-    FSDP_CUDA_CHECK(cudaEventRecord(ready, compute_stream));
-    FSDP_CUDA_CHECK(cudaStreamWaitEvent(comm_stream, ready, 0));
+    lane->order_after_compute();
     settle(comm, launch(), call, op, file, line, deadline);
-    FSDP_CUDA_CHECK(cudaEventRecord(completion, comm_stream));
+    FSDP_CUDA_CHECK(cudaEventRecord(completion, lane->stream));
+  }
+
+  /// Stream-ordered completion: the compute stream waits for `done`, and the lane keeps it until the
+  /// host sees it complete (poll_lane, drain_lane). Earlier collectives are polled on the way.
+  void order_compute_after(cudaEvent_t done, const char* op, const Deadline& deadline) {
+    lane->order_compute_after(done);
+    lane->pending.push({done, weak_from_this(), op, deadline});
+    poll_lane();
+  }
+
+  /// Releases the lane's completed collectives; for the oldest pending one, an asynchronous NCCL error
+  /// or a passed deadline aborts its communicator and throws (every later one waits behind it).
+  void poll_lane() {
+    auto* oldest = lane->pending.drop_completed(
+        [](const NcclLane::Pending& p) {
+          const cudaError_t q = cudaEventQuery(p.event);
+          if (q == cudaSuccess) return true;
+          if (q != cudaErrorNotReady) throw_cuda_error("cudaEventQuery(completion event)", q, __FILE__, __LINE__);
+          return false;
+        },
+        [this](NcclLane::Pending p) { lane->spare.push_back(p.event); });
+    if (oldest == nullptr) return;
+    const auto owner = oldest->owner.lock();
+    if (!owner || owner->comm == nullptr) return;  // finalized or aborted: its kernels end on their own
+    owner->poll_async(owner->comm, oldest->op, __FILE__, __LINE__);
+    if (oldest->deadline.passed()) owner->deadline_passed(oldest->op, oldest->deadline);
+  }
+
+  /// Waits on the host until every collective queued on the lane has completed (deadlines, errors).
+  void drain_lane() {
+    unsigned spins = 0;
+    for (;;) {
+      poll_lane();
+      if (lane->pending.empty()) return;
+      poll_pause(spins);
+    }
   }
 
   /// Device scratch of at least `bytes`, kept between calls and grown (doubling) only when too small.
-  /// Grown with the stream-ordered allocator on this communicator's stream: cudaFree would wait for
-  /// the whole device, NCCL kernels of other communicators waiting for their peers included, which
-  /// NCCL documents as a deadlock; this waits only for this communicator's own stream.
+  /// Grown with the stream-ordered allocator on the lane's stream: cudaFree would wait for the whole
+  /// device, NCCL kernels waiting for their peers included, which NCCL documents as a deadlock.
   void* ensure_scratch(std::size_t bytes) {
     if (bytes > scratch_bytes) {
       const std::size_t grown = std::max(bytes, 2 * scratch_bytes);
-      if (scratch != nullptr) FSDP_CUDA_CHECK(cudaFreeAsync(scratch, comm_stream));
+      if (scratch != nullptr) FSDP_CUDA_CHECK(cudaFreeAsync(scratch, lane->stream));
       scratch = nullptr;
       scratch_bytes = 0;
-      FSDP_CUDA_CHECK(cudaMallocAsync(&scratch, grown, comm_stream));
-      FSDP_CUDA_CHECK(cudaStreamSynchronize(comm_stream));  // usable from the host's copies on other streams
+      FSDP_CUDA_CHECK(cudaMallocAsync(&scratch, grown, lane->stream));
+      FSDP_CUDA_CHECK(cudaStreamSynchronize(lane->stream));  // usable from the host's copies on other streams
       scratch_bytes = grown;
     }
     return scratch;

@@ -80,6 +80,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     this->wrapper_ = this;
     this->setup_groups();
     build_units();
+    this->order_collectives_with_current_stream();
     this->setup_overlap();
     this->register_units();
   }

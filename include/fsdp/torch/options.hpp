@@ -139,6 +139,18 @@ constexpr bool comm_moves_device_memory() {
     return false;
 }
 
+/// True when `Comm`'s non-blocking collectives progress on their own once issued (a GPU stream), so
+/// the engine overlaps by issuing them from the computing thread and ordering their results later,
+/// without a collective worker thread. Such communicators declare `kProgressesOnItsOwn`; absent, the
+/// device-memory communicators do and the others (MPI: progress needs a thread in a call) do not.
+template <class Comm>
+constexpr bool comm_progresses_on_its_own() {
+  if constexpr (requires { Comm::kProgressesOnItsOwn; })
+    return Comm::kProgressesOnItsOwn;
+  else
+    return comm_moves_device_memory<Comm>();
+}
+
 /// Bytes this rank holds for the model's training state (see memory_stats()).
 struct MemoryStats {
   std::int64_t shard_param_bytes = 0;      ///< local shards of the flat parameters

@@ -1,7 +1,8 @@
 // Gradient reductions overlapped with the rest of backward (torch layer): a unit's reduce-scatter and
-// replica reduction run on the collective worker while backward goes on; at the end of backward the
-// results are waited for in submission order and summed per unit, so the engine can add them to the
-// shards' gradients exactly as AccumulateGrad would (bit-identical to reducing synchronously).
+// replica reduction run on the collective worker (MPI), or are issued as non-blocking collectives that
+// progress on their own (a GPU stream), while backward goes on; at the end of backward the results are
+// waited for in submission order and summed per unit, so the engine can add them to the shards'
+// gradients exactly as AccumulateGrad would (bit-identical to reducing synchronously on the worker).
 #pragma once
 
 #include <torch/torch.h>
@@ -31,8 +32,9 @@ class OverlappedReductions {
   /// A unit's reduced shard gradient in its master shard's dtype and memory.
   using ToMaster = std::function<torch::Tensor(int unit, const torch::Tensor& shard_grad)>;
 
-  OverlappedReductions(CollectiveWorker& worker, OverlapStats& stats, ToMaster to_master)
-      : worker_(worker), stats_(stats), to_master_(std::move(to_master)) {}
+  OverlappedReductions(OverlapStats& stats, ToMaster to_master) : stats_(stats), to_master_(std::move(to_master)) {}
+  /// Runs submit()'s collectives on `worker` (else only submit_issued() is used).
+  void use_worker(CollectiveWorker& worker) { worker_ = &worker; }
 
   OverlappedReductions(const OverlappedReductions&) = delete;
   OverlappedReductions& operator=(const OverlappedReductions&) = delete;
@@ -42,14 +44,19 @@ class OverlappedReductions {
   /// buffers) write the reduced gradient into `result`. Waits first for the oldest sharded ones beyond
   /// kMaxShardedInFlight.
   void submit(int unit, bool sharded, std::function<void()> collectives, const torch::Tensor& result) {
-    ++stats_.reductions_overlapped;
-    if (sharded)
-      while (in_flight_sharded() >= kMaxShardedInFlight) finish_oldest();
-    auto done = worker_.submit([collectives = std::move(collectives), unit] {
+    make_room(sharded);
+    auto done = worker_->submit([collectives = std::move(collectives), unit] {
       CollectiveWatchdog::instance().set_unit(unit);
       collectives();
       CollectiveWatchdog::instance().set_unit(-1);
     });
+    pending_.push_back({unit, sharded, std::move(done), result});
+  }
+
+  /// Queues unit `unit`'s reduction already issued as non-blocking collectives: `done`, when waited
+  /// for, orders their result for this thread and keeps their buffers alive until then.
+  void submit_issued(int unit, bool sharded, std::shared_future<void> done, const torch::Tensor& result) {
+    make_room(sharded);
     pending_.push_back({unit, sharded, std::move(done), result});
   }
 
@@ -91,6 +98,12 @@ class OverlappedReductions {
     torch::Tensor shard_grad;  // the worker's result
   };
 
+  void make_room(bool sharded) {
+    ++stats_.reductions_overlapped;
+    if (sharded)
+      while (in_flight_sharded() >= kMaxShardedInFlight) finish_oldest();
+  }
+
   int in_flight_sharded() const {
     return static_cast<int>(std::count_if(pending_.begin(), pending_.end(), [](const Pending& r) { return r.sharded; }));
   }
@@ -114,7 +127,7 @@ class OverlappedReductions {
       it->second = it->second + grad;
   }
 
-  CollectiveWorker& worker_;
+  CollectiveWorker* worker_ = nullptr;
   OverlapStats& stats_;
   ToMaster to_master_;
   std::deque<Pending> pending_;                         // this backward's reductions, oldest first

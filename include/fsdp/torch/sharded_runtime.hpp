@@ -22,6 +22,7 @@
 #include "fsdp/core/execution_order.hpp"
 #include "fsdp/core/strategy.hpp"
 #include "fsdp/errors.hpp"
+#include "fsdp/torch/current_stream_order.hpp"
 #include "fsdp/torch/flat_unit.hpp"
 #include "fsdp/torch/hooks.hpp"
 #include "fsdp/torch/options.hpp"
@@ -95,30 +96,31 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       throw ConfigError(
           "prefetching runs all-gathers on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
           "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
-    // A GPU communicator's collectives already run on their own stream: reductions stay as they are.
-    const bool overlap_reduce = options_.overlap_grad_reduce && world_.size() > 1 && !comm_moves_device_memory<Comm>();
-    if (overlap_reduce && !comm_threads_may_call_concurrently())
+    const bool overlap_reduce = options_.overlap_grad_reduce && world_.size() > 1;
+    if (overlap_reduce && !comm_progresses_on_its_own<Comm>() && !comm_threads_may_call_concurrently())
       throw ConfigError(
           "overlap_grad_reduce runs reductions on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
           "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
     // Duplicates of the groups: the worker's collectives form their own sequence on every rank.
     // Every collective is issued in the same order everywhere, so both groups are split on all ranks.
+    // A communicator that progresses on its own (a GPU stream) overlaps without a worker: prefetches
+    // and reductions are non-blocking collectives issued from this thread, one issuing order on every
+    // rank. MPI needs the worker thread.
     if (prefetch || (overlap_reduce && shard_comm_.size() > 1)) worker_shard_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));
     if (overlap_reduce && replica_comm_.size() > 1) worker_replica_comm_.emplace(replica_comm_.split(0, replica_comm_.rank()));
     if (prefetch && forward_group_comm_) worker_forward_group_comm_.emplace(forward_group_comm_->split(0, forward_group_comm_->rank()));
-    // A GPU communicator overlaps on its own stream: the prefetch is a non-blocking collective issued
-    // from this thread (one issuing order on every rank). MPI needs the worker thread.
-    if constexpr (!comm_moves_device_memory<Comm>()) {
+    if (overlap_reduce)
+      reductions_ = std::make_unique<OverlappedReductions>(
+          overlap_, [this](int unit, const torch::Tensor& shard_grad) { return to_master(*units_[static_cast<std::size_t>(unit)], shard_grad); });
+    if constexpr (!comm_progresses_on_its_own<Comm>()) {
       if (prefetch || overlap_reduce) worker_ = std::make_unique<CollectiveWorker>();
+      if (reductions_) reductions_->use_worker(*worker_);
       // The worker runs beside the computing threads: waiting for a late peer must not take their core.
       if constexpr (requires(Comm & c) { c.set_waiting_yields_cpu(true); }) {
         if (worker_shard_comm_) worker_shard_comm_->set_waiting_yields_cpu(true);
         if (worker_forward_group_comm_) worker_forward_group_comm_->set_waiting_yields_cpu(true);
         if (worker_replica_comm_) worker_replica_comm_->set_waiting_yields_cpu(true);
       }
-      if (overlap_reduce)
-        reductions_ = std::make_unique<OverlappedReductions>(
-            *worker_, overlap_, [this](int unit, const torch::Tensor& shard_grad) { return to_master(*units_[static_cast<std::size_t>(unit)], shard_grad); });
     }
   }
 
@@ -473,7 +475,10 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       queue_end_of_backward();
       Comm* shard_group = sharded && worker_shard_comm_ ? &*worker_shard_comm_ : nullptr;
       Comm* replica_group = worker_replica_comm_ ? &*worker_replica_comm_ : nullptr;
-      reductions_->submit(unit, sharded, [=] { reduce_gradient(shard_group, replica_group, flat, shard_grad, shard_numel, part_grad, dt); }, result);
+      if (worker_)
+        reductions_->submit(unit, sharded, [=] { reduce_gradient(shard_group, replica_group, flat, shard_grad, shard_numel, part_grad, dt); }, result);
+      else
+        reductions_->submit_issued(unit, sharded, issue_gradient_reduction(shard_group, replica_group, flat, shard_grad, shard_numel, part_grad, dt), result);
       release_after_backward(u);
       trace_unit_span(u.backward_began_us, "backward ", u);
       return torch::Tensor();
@@ -499,6 +504,29 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       replica_group->reduce_scatter(shard_grad.data_ptr(), part_grad.data_ptr(), part_grad.numel(), dt, ReduceOp::kAvg);
     else
       replica_group->all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg);
+  }
+
+  // reduce_gradient's collectives issued non-blocking (a communicator that progresses on its own): the
+  // returned future, when waited for, orders their results for this thread (on a GPU: the compute
+  // stream waits; the host does not) and until then keeps every buffer they use alive. The replica
+  // stage reads the shard stage's result: a GPU lane runs them in issue order; elsewhere the shard
+  // stage is waited for first.
+  static std::shared_future<void> issue_gradient_reduction(Comm* shard_group, Comm* replica_group, const torch::Tensor& flat, const torch::Tensor& shard_grad,
+                                                           std::int64_t shard_numel, const torch::Tensor& part_grad, DType dt) {
+    using Request = decltype(std::declval<Comm&>().ireduce_scatter(nullptr, nullptr, 0, dt, ReduceOp::kAvg));
+    auto requests = std::make_shared<std::vector<Request>>();
+    if (shard_group) requests->push_back(shard_group->ireduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg));
+    if (replica_group) {
+      if constexpr (!comm_moves_device_memory<Comm>())
+        if (!requests->empty()) requests->back().wait();
+      if (part_grad.defined())
+        requests->push_back(replica_group->ireduce_scatter(shard_grad.data_ptr(), part_grad.data_ptr(), part_grad.numel(), dt, ReduceOp::kAvg));
+      else
+        requests->push_back(replica_group->iall_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg));
+    }
+    return std::async(std::launch::deferred, [requests, flat, shard_grad, part_grad] {
+             for (auto& r : *requests) r.wait();
+           }).share();
   }
 
   bool optimizer_sharded_over_replicas() const { return options_.optimizer_sharding == OptimizerSharding::WORLD && replica_comm_.size() > 1; }
@@ -573,6 +601,25 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       u->kept_slice = torch::Tensor();
     }
     finish_reductions();
+    synchronize_collectives();
+  }
+
+  // A GPU communicator orders its collectives against LibTorch's current stream of the compute device
+  // (as PyTorch's collectives use the caller's current stream), not the legacy default stream. Every
+  // group shares the world's stream, so setting it there sets it for all.
+  void order_collectives_with_current_stream() {
+    if constexpr (requires(Comm& c, std::function<void(void*)> f) { c.set_compute_stream_order(f, f); }) {
+      if (!compute_device_.is_cuda()) return;
+      auto order = current_stream_order(compute_device_);
+      world_.set_compute_stream_order(std::move(order.record), std::move(order.wait));
+    }
+  }
+
+  // A GPU communicator's collectives are stream-ordered and the host runs ahead; it waits for them
+  // once per backward, here, where a hung or failed collective then surfaces as the communicator's
+  // CommError (deadline, NCCL's error) instead of a wait without end in a later device sync.
+  void synchronize_collectives() {
+    if constexpr (requires(Comm& c) { c.synchronize(); }) world_.synchronize();
   }
 
   // Runs `collective` on `t`'s elements in a contiguous buffer (a copy when `t` is strided, written

@@ -1,0 +1,49 @@
+// Collectives queued on one in-order stream whose completion the host has not yet seen (comm layer,
+// std only). They complete in the order they were queued, so the host polls from the oldest: the
+// completed ones are released, and the oldest pending one is the only one whose deadline and errors
+// matter (every later one waits behind it). Used by NcclComm; the logic needs no device and is
+// tested with fake events (test_core).
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <utility>
+
+namespace fsdp {
+
+template <class Entry>
+class InOrderCompletions {
+ public:
+  void push(Entry entry) { entries_.push_back(std::move(entry)); }
+
+  /// Releases (hands to `release`, oldest first) the entries `is_done` reports complete, stopping at
+  /// the first that is not; returns that one (the oldest still pending) or nullptr when none is.
+  template <class IsDone, class Release>
+  Entry* drop_completed(IsDone&& is_done, Release&& release) {
+    while (!entries_.empty()) {
+      if (!is_done(entries_.front())) return &entries_.front();
+      Entry done = std::move(entries_.front());
+      entries_.pop_front();
+      release(std::move(done));
+    }
+    return nullptr;
+  }
+
+  /// Hands every entry to `release` without asking (after the stream was drained or its work aborted).
+  template <class Release>
+  void release_all(Release&& release) {
+    while (!entries_.empty()) {
+      Entry e = std::move(entries_.front());
+      entries_.pop_front();
+      release(std::move(e));
+    }
+  }
+
+  bool empty() const noexcept { return entries_.empty(); }
+  std::size_t size() const noexcept { return entries_.size(); }
+
+ private:
+  std::deque<Entry> entries_;
+};
+
+}  // namespace fsdp
