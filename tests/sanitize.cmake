@@ -1,9 +1,42 @@
-# Builds the unit and multi-rank tests (core math, MPI communicator, decks, data readers, the
-# sharding engine, checkpoints) with AddressSanitizer + UndefinedBehaviorSanitizer in their own
-# build tree and runs them, the multi-rank suites under mpirun at 2 and 3 ranks. Any memory error
-# or undefined behaviour fails.
-# Variables: SOURCE_DIR, WORK_DIR, MPIEXEC (list), LAUNCHER (optional compiler launcher: ccache).
-set(flags "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined")
+# Builds suites with a sanitizer in their own build tree and runs them; any report fails.
+#   KIND=address: AddressSanitizer + UndefinedBehaviorSanitizer over the unit and multi-rank tests (core
+#     math, MPI communicator, decks, data readers, the sharding engine, checkpoints), the multi-rank
+#     suites under mpirun at 2 and 3 ranks. Leak reports are off: Open MPI keeps allocations until exit.
+#   KIND=thread: ThreadSanitizer over the engine suite at 2 and 3 ranks (the collective worker, the
+#     registries autograd's threads reach, the communicators' counters); Open MPI's own internals are
+#     suppressed (tests/tsan.supp: it is not instrumented).
+# Variables: KIND, SOURCE_DIR, WORK_DIR, MPIEXEC (list), LAUNCHER (optional compiler launcher: ccache).
+if(KIND STREQUAL "address")
+  set(flags "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined")
+  set(name "ASan+UBSan")
+  set(targets test_core test_comm test_deck test_data test_engine test_checkpoint)
+  set(options_var ASAN_OPTIONS)
+  set(ENV{ASAN_OPTIONS} "detect_leaks=0")
+  set(ENV{UBSAN_OPTIONS} "print_stacktrace=1")
+  set(report "runtime error|AddressSanitizer")
+  set(commands "${WORK_DIR}/bin/test_core" "${WORK_DIR}/bin/test_deck" "${WORK_DIR}/bin/test_data")
+  set(ranked test_comm test_engine test_checkpoint)
+  set(done "sanitizer tests passed")
+elseif(KIND STREQUAL "thread")
+  set(flags "-fsanitize=thread -fno-omit-frame-pointer")
+  set(name "ThreadSanitizer")
+  set(targets test_engine)
+  set(options_var TSAN_OPTIONS)
+  set(ENV{TSAN_OPTIONS} "halt_on_error=0 report_signal_unsafe=0 suppressions=${SOURCE_DIR}/tests/tsan.supp")
+  set(report "ThreadSanitizer")
+  set(commands)
+  set(ranked test_engine)
+  set(done "thread sanitizer tests passed")
+else()
+  message(FATAL_ERROR "sanitize.cmake: KIND must be address or thread, got '${KIND}'")
+endif()
+# One command per list element, its words joined by '|' (a CMake list cannot hold lists).
+string(REPLACE ";" "|" mpiexec "${MPIEXEC}")
+foreach(suite ${ranked})
+  foreach(np 2 3)
+    list(APPEND commands "${mpiexec}|-np|${np}|-x|${options_var}|${WORK_DIR}/bin/${suite}")
+  endforeach()
+endforeach()
 # -O1 -g1 (line tables: enough for the reports' stack traces), not RelWithDebInfo's -O2 -g: the LibTorch
 # suites then compile in half the time, and run as fast (the tensor math is in LibTorch, not instrumented).
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR} -DCMAKE_BUILD_TYPE=None
@@ -11,24 +44,18 @@ execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR} -DCMAKE
                         "-DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER}"
                 RESULT_VARIABLE rc OUTPUT_QUIET)
 if(rc)
-  message(FATAL_ERROR "configure of the sanitizer build failed: ${rc}")
+  message(FATAL_ERROR "configure of the ${name} build failed: ${rc}")
 endif()
-execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR} --target test_core test_comm test_deck test_data test_engine test_checkpoint -j 2 RESULT_VARIABLE rc
-                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR} --target ${targets} -j 2 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(rc)
-  message(FATAL_ERROR "sanitizer build failed: ${rc}\n${out}\n${err}")
+  message(FATAL_ERROR "${name} build failed: ${rc}\n${out}\n${err}")
 endif()
-# Leak reports are off: Open MPI keeps allocations until exit by design.
-set(ENV{ASAN_OPTIONS} "detect_leaks=0")
-set(ENV{UBSAN_OPTIONS} "print_stacktrace=1")
-foreach(cmd "${WORK_DIR}/bin/test_core" "${WORK_DIR}/bin/test_deck" "${WORK_DIR}/bin/test_data"
-        "${MPIEXEC};-np;2;-x;ASAN_OPTIONS;${WORK_DIR}/bin/test_comm" "${MPIEXEC};-np;3;-x;ASAN_OPTIONS;${WORK_DIR}/bin/test_comm"
-        "${MPIEXEC};-np;2;-x;ASAN_OPTIONS;${WORK_DIR}/bin/test_engine" "${MPIEXEC};-np;3;-x;ASAN_OPTIONS;${WORK_DIR}/bin/test_engine"
-        "${MPIEXEC};-np;2;-x;ASAN_OPTIONS;${WORK_DIR}/bin/test_checkpoint" "${MPIEXEC};-np;3;-x;ASAN_OPTIONS;${WORK_DIR}/bin/test_checkpoint")
+foreach(joined IN LISTS commands)
+  string(REPLACE "|" ";" cmd "${joined}")
   execute_process(COMMAND ${cmd} --report_level=short --color_output=false RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(rc OR "${out}${err}" MATCHES "runtime error|AddressSanitizer")
-    message(FATAL_ERROR "under sanitizers: ${cmd} (${rc})\n${out}\n${err}")
+  if(rc OR "${out}${err}" MATCHES "${report}")
+    message(FATAL_ERROR "under ${name}: ${cmd} (${rc})\n${out}\n${err}")
   endif()
-  message(STATUS "clean under ASan+UBSan: ${cmd}")
+  message(STATUS "clean under ${name}: ${cmd}")
 endforeach()
-message(STATUS "sanitizer tests passed")
+message(STATUS "${done}")
