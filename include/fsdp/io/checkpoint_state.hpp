@@ -438,11 +438,10 @@ inline void write_buffer(hid_t file, const std::string& name, const torch::Tenso
 inline void write_rank_rows(hid_t file, const std::string& dataset, const torch::Tensor& rows, std::int64_t world, int my_row, bool parallel,
                             hid_t dxpl) {
   const std::int64_t n = rows.size(-1);
-  h5::Id ds = h5::create_dataset(file, dataset, h5::ElementType::kUInt8, {world, n});
   if (parallel)
-    h5::write_flat_range(ds, {world, n}, my_row * n, (my_row + 1) * n, h5::ElementType::kUInt8, rows.data_ptr(), dxpl, dataset);
+    ckpt::detail::write_rank_rows_bytes(file, dataset, world, n, my_row, 1, rows.data_ptr(), dxpl);
   else
-    h5::write_flat_range(ds, {world, n}, 0, world * n, h5::ElementType::kUInt8, rows.data_ptr(), H5P_DEFAULT, dataset);
+    ckpt::detail::write_rank_rows_bytes(file, dataset, world, n, 0, world, rows.data_ptr(), H5P_DEFAULT);
 }
 
 /// Every rank's `row` as a (world x n) uint8 tensor. Collective.

@@ -99,6 +99,14 @@ inline std::vector<double> read_all_as_double(hid_t ds, const std::string& where
 }
 
 /// Reads `ds` block by block (at most ~64 MiB at a time) so every chunk's checksum is verified.
+/// The per-rank datasets' layout (/rng/..., /rank_local/...): one row of `n` bytes per rank, in rank
+/// order, [world, n] uint8. Creates `dataset` and writes rows [first_row, first_row + rows) from `bytes`.
+inline void write_rank_rows_bytes(hid_t file, const std::string& dataset, std::int64_t world, std::int64_t n, std::int64_t first_row, std::int64_t rows,
+                                  const void* bytes, hid_t dxpl) {
+  h5::Id ds = h5::create_dataset(file, dataset, h5::ElementType::kUInt8, {world, n});
+  h5::write_flat_range(ds, {world, n}, first_row * n, (first_row + rows) * n, h5::ElementType::kUInt8, bytes, dxpl, dataset);
+}
+
 inline void read_through(hid_t ds, const std::string& where) {
   const auto dims = h5::dataset_dims(ds);
   const std::int64_t n = numel(dims);
@@ -346,8 +354,7 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
       std::vector<char> joined;
       for (const auto& r : rows) joined.insert(joined.end(), r.begin(), r.begin() + n);
       joined.push_back(0);
-      h5::Id ds = h5::create_dataset(out, dataset, h5::ElementType::kUInt8, {world, n});
-      h5::write_flat_range(ds, {world, n}, 0, world * n, h5::ElementType::kUInt8, joined.data(), H5P_DEFAULT, dataset);
+      detail::write_rank_rows_bytes(out, dataset, world, n, 0, world, joined.data(), H5P_DEFAULT);
     };
     if (h5::exists(f0, "/model")) {  // buffers: rank 0's, and every rank's of one that differs between them
       for (const auto& name : h5::list_names(f0, "/model")) {

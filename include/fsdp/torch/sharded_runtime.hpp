@@ -24,6 +24,7 @@
 #include "fsdp/errors.hpp"
 #include "fsdp/torch/current_stream_order.hpp"
 #include "fsdp/torch/flat_unit.hpp"
+#include "fsdp/torch/gradient_collectives.hpp"
 #include "fsdp/torch/hooks.hpp"
 #include "fsdp/torch/options.hpp"
 #include "fsdp/torch/overlapped_reductions.hpp"
@@ -490,43 +491,6 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     release_after_backward(u);
     trace_unit_span(u.backward_began_us, "backward ", u);
     return to_master(u, result);
-  }
-
-  // One unit's gradient collectives, on the computing thread or the collective worker (with its
-  // duplicates of the groups), all averaging: a reduce-scatter of `flat` over the shard group into
-  // `shard_grad` (null group: not sharded, `shard_grad` is `flat`), then across the replicas an
-  // all-reduce of it, or with `part_grad` (optimizer sharded over the world) a reduce-scatter into that.
-  static void reduce_gradient(Comm* shard_group, Comm* replica_group, const torch::Tensor& flat, const torch::Tensor& shard_grad,
-                              std::int64_t shard_numel, const torch::Tensor& part_grad, DType dt) {
-    if (shard_group) shard_group->reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg);
-    if (!replica_group) return;
-    if (part_grad.defined())
-      replica_group->reduce_scatter(shard_grad.data_ptr(), part_grad.data_ptr(), part_grad.numel(), dt, ReduceOp::kAvg);
-    else
-      replica_group->all_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg);
-  }
-
-  // reduce_gradient's collectives issued non-blocking (a communicator that progresses on its own): the
-  // returned future, when waited for, orders their results for this thread (on a GPU: the compute
-  // stream waits; the host does not) and until then keeps every buffer they use alive. The replica
-  // stage reads the shard stage's result: a GPU lane runs them in issue order; elsewhere the shard
-  // stage is waited for first.
-  static std::shared_future<void> issue_gradient_reduction(Comm* shard_group, Comm* replica_group, const torch::Tensor& flat, const torch::Tensor& shard_grad,
-                                                           std::int64_t shard_numel, const torch::Tensor& part_grad, DType dt) {
-    using Request = decltype(std::declval<Comm&>().ireduce_scatter(nullptr, nullptr, 0, dt, ReduceOp::kAvg));
-    auto requests = std::make_shared<std::vector<Request>>();
-    if (shard_group) requests->push_back(shard_group->ireduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg));
-    if (replica_group) {
-      if constexpr (!comm_moves_device_memory<Comm>())
-        if (!requests->empty()) requests->back().wait();
-      if (part_grad.defined())
-        requests->push_back(replica_group->ireduce_scatter(shard_grad.data_ptr(), part_grad.data_ptr(), part_grad.numel(), dt, ReduceOp::kAvg));
-      else
-        requests->push_back(replica_group->iall_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg));
-    }
-    return std::async(std::launch::deferred, [requests, flat, shard_grad, part_grad] {
-             for (auto& r : *requests) r.wait();
-           }).share();
   }
 
   bool optimizer_sharded_over_replicas() const { return options_.optimizer_sharding == OptimizerSharding::WORLD && replica_comm_.size() > 1; }
