@@ -88,7 +88,11 @@ BOOST_AUTO_TEST_CASE(collectives_are_ordered_against_the_stream_current_when_the
   };
   static RecordingCudaGuard fake;  // the registry does not own it
   auto& slot = c10::impl::device_guard_impl_registry[static_cast<std::size_t>(c10::DeviceType::CUDA)];
-  const auto* before = slot.load();
+  struct Registered {  // for this test only, also when a check throws
+    std::atomic<const c10::impl::DeviceGuardImplInterface*>& slot;
+    const c10::impl::DeviceGuardImplInterface* before;
+    ~Registered() { slot.store(before); }
+  } registered{slot, slot.load()};
   slot.store(&fake);
   const c10::Device gpu(c10::kCUDA, 1);
   int ready = 0, done = 0;  // stand-ins for the communicator's cudaEvent_t handles
@@ -98,7 +102,6 @@ BOOST_AUTO_TEST_CASE(collectives_are_ordered_against_the_stream_current_when_the
   order.wait(&done);
   fake.exchangeStream(c10::Stream(c10::Stream::UNSAFE, gpu, 9));  // the caller switched streams
   order.record(&ready);
-  slot.store(before);
   BOOST_TEST_REQUIRE(fake.calls.size() == 3u);
   BOOST_TEST(fake.calls[0].what == "record");
   BOOST_TEST(fake.calls[0].stream == 7);

@@ -303,3 +303,65 @@ BOOST_AUTO_TEST_CASE(a_parameter_kept_across_a_reshard_fails_loudly_when_read) {
   BOOST_CHECK_THROW((void)kept.sum().item<float>(), c10::Error);
   model->forward(torch::randn({4, 8})).sum().backward();
 }
+
+// What stays legal around the version moves above: a graph backwarded twice without a step (and two
+// losses over one forward), two forwards before their two backwards at every step with the optimizer
+// sharded over the world (its parts are all-gathered at each forward), and a read-only
+// summon_full_params between a forward and its backward.
+BOOST_AUTO_TEST_CASE(graphs_kept_within_a_step_stay_usable) {
+  auto world = MpiComm::world();
+  const int n = world.size();
+  std::vector<std::pair<ShardingStrategy, int>> cases = {
+      {ShardingStrategy::FULL_SHARD, 0}, {ShardingStrategy::SHARD_GRAD_OP, 0}, {ShardingStrategy::NO_SHARD, 0}};
+  for (int g = 1; g < n; ++g)
+    if (n % g == 0) cases.push_back({ShardingStrategy::HYBRID_SHARD, g});
+  for (const auto& [strategy, group] : cases) {
+    BOOST_TEST_CONTEXT(to_string(strategy) << " group " << group) {
+      torch::manual_seed(5);
+      FsdpOptions options;
+      options.sharding_strategy = strategy;
+      options.shard_group_size = group;
+      if (strategy == ShardingStrategy::HYBRID_SHARD) options.optimizer_sharding = fsdp::OptimizerSharding::WORLD;
+      options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear"});
+      auto model = fsdp::make_fsdp(stale_weights::Net(), world, options);
+      auto opt = make_optimizer(OptimKind::kAdam, model->parameters());
+      const auto x = torch::randn({4, 8});
+      const auto grads = [&] {
+        std::vector<torch::Tensor> out;
+        for (const auto& p : model->parameters()) out.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
+        return out;
+      };
+      // The same graph twice: the second backward adds the same gradient again.
+      opt->zero_grad();
+      auto loss = model->forward(x).pow(2).sum();
+      loss.backward({}, /*retain_graph=*/true);
+      const auto once = grads();
+      BOOST_CHECK_NO_THROW(loss.backward());
+      const auto twice = grads();
+      for (std::size_t i = 0; i < once.size(); ++i) BOOST_TEST(torch::equal(twice[i], once[i] * 2), "parameter " << i);
+      // Two losses over one forward.
+      opt->zero_grad();
+      auto out = model->forward(x);
+      out.pow(2).sum().backward({}, /*retain_graph=*/true);
+      BOOST_CHECK_NO_THROW(out.sum().backward());
+      opt->step();
+      // Two forwards, then their two backwards, at two steps in a row (the parts are synchronized at
+      // each forward after a step).
+      for (int step = 0; step < 2; ++step) {
+        opt->zero_grad();
+        auto first = model->forward(x).pow(2).sum();
+        auto second = model->forward(x * 2).pow(2).sum();
+        BOOST_CHECK_NO_THROW(first.backward());
+        BOOST_CHECK_NO_THROW(second.backward());
+        opt->step();
+      }
+      // A read-only summon between a forward and its backward.
+      opt->zero_grad();
+      auto kept = model->forward(x).pow(2).sum();
+      {
+        auto scope = model->summon_full_params();
+      }
+      BOOST_CHECK_NO_THROW(kept.backward());
+    }
+  }
+}

@@ -474,6 +474,20 @@ BOOST_AUTO_TEST_CASE(non_blocking_overlaps_the_compute_stream) {
   std::vector<std::byte> got(want.size());
   std::memcpy(got.data(), pinned_out, got.size());
   expect_close(t, decode(t, got), decode(t, want), "iall_gather ordered against the compute stream");
+
+  // A blocking collective is stream-ordered too: its input produced on the compute stream, its result
+  // consumed there, and only that stream synchronized (no device-wide wait hides a missing order).
+  {
+    FSDP_CUDA_CHECK(cudaMemsetAsync(d_recv.get(), 0, want.size(), compute));
+    FSDP_CUDA_CHECK(cudaMemcpyAsync(d_send.get(), pinned_in, send_host.size(), cudaMemcpyHostToDevice, compute));
+    nc.all_gather(d_send.get(), d_recv.get(), n, t);
+    FSDP_CUDA_CHECK(cudaMemcpyAsync(pinned_out, d_recv.get(), want.size(), cudaMemcpyDeviceToHost, compute));
+    FSDP_CUDA_CHECK(cudaStreamSynchronize(compute));
+    std::vector<std::byte> blocking_got(want.size());
+    std::memcpy(blocking_got.data(), pinned_out, blocking_got.size());
+    expect_close(t, decode(t, blocking_got), decode(t, want), "all_gather ordered against the compute stream, no host wait");
+    nc.synchronize();  // the host has seen it complete: nothing is left pending
+  }
   BOOST_TEST(gathered.test());  // a completed request stays complete
 
   // Every non-blocking variant equals its blocking one; test() polls without blocking.

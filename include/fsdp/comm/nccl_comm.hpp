@@ -480,15 +480,21 @@ class NcclComm {
   template <class Run>
   void staged(const void* send, std::int64_t send_bytes, void* recv, std::int64_t recv_bytes, Run&& run, bool in_place = false) {
     const detail::CudaDeviceGuard on(state_->device);
+    // The host reads the result anyway: first every queued collective, within their deadlines (a
+    // pageable copy below may wait for the lane, with none).
+    state_->drain_lane();
     const auto in = static_cast<std::size_t>(send_bytes), out = static_cast<std::size_t>(recv_bytes);
     auto* scratch = static_cast<char*>(state_->ensure_scratch(in + (in_place ? 0 : out) + 1));
     char* result = in_place ? scratch : scratch + in;
-    // Copied in on the lane's stream, so the collective after it on that stream reads it whatever
-    // the compute stream is.
-    if (in > 0) FSDP_CUDA_CHECK(cudaMemcpyAsync(scratch, send, in, cudaMemcpyHostToDevice, state_->lane->stream));
+    // Copied in on the lane's stream after the compute stream's queued work (the input may be device
+    // memory it writes), so the collective after it on that stream reads it.
+    if (in > 0) {
+      state_->lane->order_after_compute();
+      FSDP_CUDA_CHECK(cudaMemcpyAsync(scratch, send, in, cudaMemcpyDefault, state_->lane->stream));
+    }
     const HostReads reads(*state_);
     run(scratch, result);  // waits for the collective on the host
-    if (out > 0) FSDP_CUDA_CHECK(cudaMemcpy(recv, result, out, cudaMemcpyDeviceToHost));
+    if (out > 0) FSDP_CUDA_CHECK(cudaMemcpy(recv, result, out, cudaMemcpyDefault));
   }
 
   void count(std::uint64_t CommCounters::*field, std::int64_t n, DType t) { state_->counters.add_call(field, static_cast<std::uint64_t>(n) * dtype_bytes(t)); }
@@ -524,16 +530,10 @@ class NcclComm {
     const detail::CudaDeviceGuard on(state_->device);
     const detail::Deadline deadline(state_->options.timeout_s);  // one for the whole collective: enqueue and completion
     state_->poll_lane();  // an earlier collective's error or passed deadline surfaces before this one is queued
-    const cudaEvent_t done = state_->lane->take_event();
-    try {
-      state_->enqueue(op, call, file, line, launch, done, deadline);
-    } catch (...) {
-      state_->lane->spare.push_back(done);
-      throw;
-    }
-    if (state_->host_reads == 0) return state_->order_compute_after(done, op, deadline);
-    state_->lane->spare.push_back(done);  // reused only after the wait below (this thread)
-    state_->wait_event(done, op, deadline);
+    auto done = state_->lane->take_event();
+    state_->enqueue(op, call, file, line, launch, done->event, deadline);
+    if (state_->host_reads == 0) return state_->order_compute_after(std::move(done), op, deadline);
+    state_->wait_event(done->event, op, deadline);
     state_->poll_lane();  // every earlier collective of the lane is complete too
   }
 
@@ -544,14 +544,10 @@ class NcclComm {
     const detail::CudaDeviceGuard on(state_->device);
     const detail::Deadline deadline(state_->options.timeout_s);  // from issue to completion, however late the host waits
     state_->poll_lane();
-    const cudaEvent_t done = state_->lane->take_event();
-    try {
-      state_->enqueue(op, call, file, line, launch, done, deadline);
-    } catch (...) {
-      state_->lane->spare.push_back(done);
-      throw;
-    }
-    return NcclRequest(state_, done, op, deadline);
+    auto done = state_->lane->take_event();
+    state_->enqueue(op, call, file, line, launch, done->event, deadline);
+    state_->watch(done, op, deadline);  // from issue, in issue order
+    return NcclRequest(state_, std::move(done), op);
   }
 
   std::shared_ptr<detail::NcclState> state_;

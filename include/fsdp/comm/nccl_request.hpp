@@ -19,18 +19,16 @@ namespace fsdp {
 class NcclRequest {
  public:
   NcclRequest() = default;
-  NcclRequest(std::shared_ptr<detail::NcclState> state, cudaEvent_t done, const char* op, const detail::Deadline& deadline)
-      : state_(std::move(state)), done_(done), op_(op), deadline_(deadline) {}
-  NcclRequest(NcclRequest&& other) noexcept
-      : state_(std::move(other.state_)), done_(std::exchange(other.done_, nullptr)), op_(other.op_), deadline_(other.deadline_) {}
+  NcclRequest(std::shared_ptr<detail::NcclState> state, std::shared_ptr<detail::CompletionEvent> done, const char* op)
+      : state_(std::move(state)), done_(std::move(done)), op_(op) {}
+  NcclRequest(NcclRequest&& other) noexcept = default;
   /// Completes the request this one held before taking `other`'s.
   NcclRequest& operator=(NcclRequest&& other) noexcept {
     if (this != &other) {
       complete_quietly();
       state_ = std::move(other.state_);
-      done_ = std::exchange(other.done_, nullptr);
+      done_ = std::move(other.done_);
       op_ = other.op_;
-      deadline_ = other.deadline_;
     }
     return *this;
   }
@@ -41,7 +39,7 @@ class NcclRequest {
   /// The compute stream waits for the collective; the host does not. Throws CommError on an NCCL
   /// error or past the deadline (counted from issue) of this or an earlier collective of the lane.
   void wait() {
-    if (done_ == nullptr) return;
+    if (!done_) return;
     const detail::CudaDeviceGuard on(state_->device);
     state_->check_usable(op_);
     finish();
@@ -49,42 +47,39 @@ class NcclRequest {
 
   /// True when the collective has completed (then as after wait()). Never blocks; throws like wait().
   bool test() {
-    if (done_ == nullptr) return true;
+    if (!done_) return true;
     const detail::CudaDeviceGuard on(state_->device);
     state_->check_usable(op_);
-    const cudaError_t q = cudaEventQuery(done_);
+    const cudaError_t q = cudaEventQuery(done_->event);
     if (q == cudaSuccess) {
       finish();
       return true;
     }
     if (q != cudaErrorNotReady) detail::throw_cuda_error("cudaEventQuery(completion event)", q, __FILE__, __LINE__);
-    state_->poll_async(state_->comm, op_, __FILE__, __LINE__);
-    if (deadline_->passed()) state_->deadline_passed(op_, *deadline_);
+    state_->poll_lane();  // the lane watches it (and every earlier one) from issue: deadline, NCCL's errors
     return false;
   }
 
-  /// The completion event (recorded on the communicator's stream), e.g. for another stream to wait on.
-  cudaEvent_t event() const noexcept { return done_; }
+  /// The completion event (recorded on the lane), e.g. for another stream to wait on; null once waited for.
+  cudaEvent_t event() const noexcept { return done_ ? done_->event : nullptr; }
 
  private:
-  void finish() { state_->order_compute_after(std::exchange(done_, nullptr), op_, *deadline_); }  // the lane owns the event now
+  void finish() {
+    const auto done = std::exchange(done_, nullptr);
+    state_->lane->order_compute_after(done->event);
+    state_->poll_lane();
+  }
   void complete_quietly() noexcept {
-    if (done_ == nullptr) return;
     try {
       wait();
     } catch (...) {  // a destructor must not throw; the communicator is aborted and the next call reports it
-      if (done_ != nullptr) {
-        const cudaEvent_t e = std::exchange(done_, nullptr);
-        cudaEventSynchronize(e);  // aborted: its kernels end, and the event is not reused before
-        cudaEventDestroy(e);
-      }
+      done_.reset();  // no host wait here: the event may sit behind another communicator's hung collective
     }
   }
 
   std::shared_ptr<detail::NcclState> state_;
-  cudaEvent_t done_ = nullptr;
+  std::shared_ptr<detail::CompletionEvent> done_;
   const char* op_ = "";
-  std::optional<detail::Deadline> deadline_;  // the collective's, set when it was issued
 };
 
 static_assert(CommRequest<NcclRequest>);

@@ -209,6 +209,18 @@ inline ncclConfig_t nonblocking_config() {
 // ---- the stream communicators share, and one NCCL communicator -------------------------------------
 
 struct NcclState;
+struct NcclLane;
+
+/// A collective's completion event, shared by the lane's pending list (until the host sees it
+/// complete) and a request (until its wait()); it goes back to the lane's spares when neither needs it.
+struct CompletionEvent {
+  cudaEvent_t event = nullptr;
+  std::weak_ptr<NcclLane> lane;
+  CompletionEvent(cudaEvent_t e, std::weak_ptr<NcclLane> l) : event(e), lane(std::move(l)) {}
+  CompletionEvent(const CompletionEvent&) = delete;
+  CompletionEvent& operator=(const CompletionEvent&) = delete;
+  inline ~CompletionEvent();
+};
 
 /// The one CUDA stream on which a bootstrapped communicator and every communicator split from it run
 /// their collectives, and its order against the compute stream. NCCL documents that collectives of
@@ -218,9 +230,9 @@ struct NcclState;
 /// waits for the compute stream (an event recorded there), the collective is queued, and the compute
 /// stream waits for its completion event; the host goes on. `pending` keeps those completion events
 /// until the host has seen them complete (deadline and NCCL's asynchronous errors are checked there).
-struct NcclLane {
+struct NcclLane : std::enable_shared_from_this<NcclLane> {
   struct Pending {
-    cudaEvent_t event;
+    std::shared_ptr<CompletionEvent> done;
     std::weak_ptr<NcclState> owner;  // whose collective: aborted on its deadline or error
     const char* op;
     Deadline deadline;
@@ -250,7 +262,7 @@ struct NcclLane {
     int previous = -1;
     const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
     cudaStreamSynchronize(stream);  // every communicator of the lane is finalized or aborted by now
-    pending.release_all([](Pending p) { cudaEventDestroy(p.event); });
+    pending.release_all([](Pending) {});  // the events are destroyed: this lane is gone for them
     for (cudaEvent_t e : spare) cudaEventDestroy(e);
     cudaEventDestroy(ready);
     cudaStreamDestroy(stream);
@@ -272,17 +284,24 @@ struct NcclLane {
     else
       FSDP_CUDA_CHECK(cudaStreamWaitEvent(compute_stream, done, 0));
   }
-  cudaEvent_t take_event() {
-    if (!spare.empty()) {
-      const cudaEvent_t e = spare.back();
-      spare.pop_back();
-      return e;
-    }
+  std::shared_ptr<CompletionEvent> take_event() {
     cudaEvent_t e = nullptr;
-    FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return e;
+    if (!spare.empty()) {
+      e = spare.back();
+      spare.pop_back();
+    } else {
+      FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    return std::make_shared<CompletionEvent>(e, weak_from_this());
   }
 };
+
+CompletionEvent::~CompletionEvent() {
+  if (const auto l = lane.lock())
+    l->spare.push_back(event);
+  else
+    cudaEventDestroy(event);
+}
 
 
 struct NcclState : std::enable_shared_from_this<NcclState> {
@@ -333,7 +352,7 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
       }
       comm = nullptr;
     }
-    if (scratch != nullptr) cudaFree(scratch);
+    if (scratch != nullptr) cudaFreeAsync(scratch, lane->stream);  // no device-wide wait (NCCL kernels of other communicators)
     if (switched) cudaSetDevice(previous);
   }
 
@@ -404,7 +423,8 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     }
   }
 
-  /// Waits on the host until `event` has completed, polling NCCL's asynchronous errors and the deadline.
+  /// Waits on the host until `event` has completed, polling NCCL's asynchronous errors and the deadline
+  /// (and the lane's earlier collectives: one of another communicator may be the one that hangs).
   void wait_event(cudaEvent_t event, const char* op, const Deadline& deadline) {
     unsigned spins = 0;
     for (;;) {
@@ -412,6 +432,7 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
       const cudaError_t q = cudaEventQuery(event);
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) throw_cuda_error("cudaEventQuery(completion event)", q, __FILE__, __LINE__);
+      poll_lane();
       poll_async(comm, op, __FILE__, __LINE__);
       if (deadline.passed()) deadline_passed(op, deadline);
       poll_pause(spins);
@@ -429,11 +450,15 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     FSDP_CUDA_CHECK(cudaEventRecord(completion, lane->stream));
   }
 
-  /// Stream-ordered completion: the compute stream waits for `done`, and the lane keeps it until the
-  /// host sees it complete (poll_lane, drain_lane). Earlier collectives are polled on the way.
-  void order_compute_after(cudaEvent_t done, const char* op, const Deadline& deadline) {
-    lane->order_compute_after(done);
-    lane->pending.push({done, weak_from_this(), op, deadline});
+  /// The lane watches `done` (deadline, NCCL's errors) until the host sees it complete (poll_lane,
+  /// drain_lane), in issue order: call it as the collective is queued.
+  void watch(std::shared_ptr<CompletionEvent> done, const char* op, const Deadline& deadline) {
+    lane->pending.push({std::move(done), weak_from_this(), op, deadline});
+  }
+  /// Stream-ordered completion: the compute stream waits for `done`, which the lane watches.
+  void order_compute_after(std::shared_ptr<CompletionEvent> done, const char* op, const Deadline& deadline) {
+    lane->order_compute_after(done->event);
+    watch(std::move(done), op, deadline);
     poll_lane();
   }
 
@@ -442,12 +467,12 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   void poll_lane() {
     auto* oldest = lane->pending.drop_completed(
         [](const NcclLane::Pending& p) {
-          const cudaError_t q = cudaEventQuery(p.event);
+          const cudaError_t q = cudaEventQuery(p.done->event);
           if (q == cudaSuccess) return true;
           if (q != cudaErrorNotReady) throw_cuda_error("cudaEventQuery(completion event)", q, __FILE__, __LINE__);
           return false;
         },
-        [this](NcclLane::Pending p) { lane->spare.push_back(p.event); });
+        [](NcclLane::Pending) {});  // its event goes back to the spares once no request holds it
     if (oldest == nullptr) return;
     const auto owner = oldest->owner.lock();
     if (!owner || owner->comm == nullptr) return;  // finalized or aborted: its kernels end on their own
@@ -470,6 +495,7 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   /// device, NCCL kernels waiting for their peers included, which NCCL documents as a deadlock.
   void* ensure_scratch(std::size_t bytes) {
     if (bytes > scratch_bytes) {
+      drain_lane();  // the synchronize below then waits for nothing that could hang
       const std::size_t grown = std::max(bytes, 2 * scratch_bytes);
       if (scratch != nullptr) FSDP_CUDA_CHECK(cudaFreeAsync(scratch, lane->stream));
       scratch = nullptr;

@@ -48,6 +48,7 @@ struct FlatUnit {
   std::vector<torch::Tensor> param_views;          // the parameters' views of `full`, shown while `full` has storage
   std::vector<torch::Tensor> param_placeholders;   // the parameters' shapes without storage, shown while `full` is freed
   bool backward_done_since_fill = false;           // every backward through the unit ran since `full` was last filled: a step may follow
+  bool refill_needed = false;                      // the shard's values changed without its version moving (replica parts all-gathered)
   bool offloaded = false;                          // `shard` lives in host memory, `full` on the compute device
   std::shared_future<void> in_flight;              // a prefetched all-gather into `full` not yet waited for
   torch::Tensor kept_slice;                        // reshard_after_forward_group: this rank's slice of `full` kept after forward
@@ -99,16 +100,20 @@ struct FlatUnit {
     else
       hide_params();
   }
-  /// `full` is filled with values the optimizer may have changed since it was last filled: autograd's
-  /// saved copies of the parameters from before become stale, so their version moves (a graph kept
-  /// across an optimizer step is then refused, as PyTorch refuses a graph over an updated parameter).
-  /// A refill for backward, or for another forward before every backward through the unit has run,
-  /// moves nothing.
-  void note_fill() {
-    if (backward_done_since_fill || gathered_version != shard._version())
+  /// Called as `full` is filled again. Outside a backward, after every backward through the unit has
+  /// run, the optimizer may have changed the values since the last fill: autograd's saved copies of
+  /// the parameters from before become stale, so their version moves (a graph kept across an
+  /// optimizer step is then refused, as PyTorch refuses a graph over an updated parameter). A fill for
+  /// a backward (another backward of a kept graph included), or for another forward before every
+  /// backward has run, moves nothing; a shard written in place (its version moved) always does.
+  void note_fill(bool in_backward) {
+    if ((backward_done_since_fill && !in_backward) || gathered_version != shard._version())
       for (auto& p : params) torch::autograd::impl::bump_version(p);
-    backward_done_since_fill = false;
+    if (!in_backward) backward_done_since_fill = false;
+    refill_needed = false;
   }
+  /// `full` holds the shard's current values (no refill is due).
+  bool fill_is_current() const { return gathered && gathered_version == shard._version() && !refill_needed; }
   /// A tensor of `like`'s shape, dtype and device without storage: any read of its data throws.
   static torch::Tensor storageless_like(const torch::Tensor& like) {
     const auto key = c10::computeDispatchKey(like.scalar_type(), like.layout(), like.device());

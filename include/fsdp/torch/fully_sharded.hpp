@@ -80,7 +80,6 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     this->wrapper_ = this;
     this->setup_groups();
     build_units();
-    this->order_collectives_with_current_stream();
     this->setup_overlap();
     this->register_units();
   }
@@ -444,6 +443,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   void build_units() {
     // 0. The compute device: asked for, or where the parameters are; the module moves there.
     compute_device_ = resolve_compute_device<Comm>(*module_, options_);
+    this->order_collectives_with_current_stream();  // before the first collective (sync_module_states)
     // Mixed precision: check the dtypes; buffers move to buffer_dtype (their own dtype is kept for checkpoints).
     const auto& mp = options_.mixed_precision;
     for (const auto& dt : {mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype})
@@ -607,7 +607,9 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
         u->summoned = torch::Tensor();
       } else if (full_is_shard(*u)) {
         const auto& copy = saved[static_cast<std::size_t>(u->info.index)];
-        if (!writeback && copy.defined()) u->shard.copy_(copy);
+        // Through .data(): the values come back unchanged, and the parameters share the shard's
+        // version, which must not move under a graph whose backward is still to come.
+        if (!writeback && copy.defined()) u->shard.data().copy_(copy);
       } else if (writeback && u->gathered) {  // also a group of one with offload: `full` is on the device, the shard in host memory
         u->shard.copy_(detail::narrow_flat(u->full, u->layout.rank_range(shard_comm_.rank())));
       }

@@ -134,7 +134,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     auto& u = *units_[static_cast<std::size_t>(index)];
     if (u.params.empty() || u.frozen || !u.needs_gather() || u.in_flight.valid()) return;
     if (for_backward && u.pending_backward <= 0) return;
-    if (u.gathered && u.gathered_version == u.shard._version()) return;
+    if (u.fill_is_current()) return;
     if (options_.limit_all_gathers > 0 && prefetched_ahead() >= options_.limit_all_gathers) return;
     gather(u, /*ahead=*/true);
   }
@@ -184,9 +184,9 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     if (u.companion >= 0) gather(*units_[static_cast<std::size_t>(u.companion)], ahead);
     if (u.params.empty() || !u.needs_gather()) return;
     if (!ahead) finish_prefetch(u);
-    if (u.gathered && u.gathered_version == u.shard._version()) return;
+    if (u.fill_is_current()) return;
     if (!u.gathered) u.allocate_full();
-    u.note_fill();
+    u.note_fill(/*in_backward=*/end_of_backward_queued_);
     u.gathered_version = u.shard._version();
     // The slice kept after forward (reshard_after_forward_group): gathered again inside its group only.
     const bool from_kept = u.kept_slice.defined() && u.kept_version == u.shard._version();
@@ -512,8 +512,11 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       CollectiveWatchdog::instance().set_unit(u.info.index);
       all_gather_parts(replica_comm_, u.optimized, u.shard);  // the shard's storage has room for every part
       CollectiveWatchdog::instance().set_unit(-1);
-      // A copy of the unit still gathered from before (a forward without backward) must be refilled.
-      torch::autograd::impl::bump_version(u.shard);
+      // A copy of the unit still gathered from before (a forward without backward), or a slice kept
+      // of it, must not be used: refilled at the next gather. The shard's version stays, so graphs of
+      // forwards whose backward is still to come stay valid (a step is seen by note_fill).
+      u.refill_needed = true;
+      u.kept_slice = torch::Tensor();
       u.replicas_synced_version = u.shard._version();
     }
   }
