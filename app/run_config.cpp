@@ -18,21 +18,17 @@ std::string blame(const Deck& deck, const std::string& key) {
 }
 
 /// fsdp.overlap_grad_reduce = auto: the collective worker pays only with a core of its own, i.e. when
-/// the rank may run on more CPUs than its compute threads and the node's ranks leave cores idle.
-bool has_spare_core(int rank_cpus, int threads, int ranks_per_node, int node_cores) {
-  return rank_cpus > threads && ranks_per_node * threads < node_cores;
-}
-
-bool overlap_grad_reduce_resolved(const std::string& value, int rank_cpus, int threads, int ranks_per_node, int node_cores) {
-  if (value != "auto") return value == "true";
-  return has_spare_core(rank_cpus, threads, ranks_per_node, node_cores);
+/// the rank may run on more CPUs than its compute threads and the node's ranks leave cores idle. On
+/// NCCL there is no worker (the GPU's streams overlap): auto is on.
+bool overlap_pays(bool on_nccl, int rank_cpus, int threads, int ranks_per_node, int node_cores) {
+  return on_nccl || (rank_cpus > threads && ranks_per_node * threads < node_cores);
 }
 
 /// fsdp.backward_prefetch = auto: prefetched all-gathers run on the same collective worker, so the
-/// same rule: BACKWARD_PRE with a spare core, none without (measured slower on a shared core).
-std::string backward_prefetch_resolved(const std::string& value, int rank_cpus, int threads, int ranks_per_node, int node_cores) {
+/// same rule: BACKWARD_PRE when overlap pays, none otherwise (measured slower on a shared core).
+std::string backward_prefetch_resolved(const std::string& value, bool overlap_pays) {
   if (value != "auto") return value;
-  return has_spare_core(rank_cpus, threads, ranks_per_node, node_cores) ? "BACKWARD_PRE" : "NO_PREFETCH";
+  return overlap_pays ? "BACKWARD_PRE" : "NO_PREFETCH";
 }
 
 int resolve_threads(const Deck& deck, const Placement& p) {
@@ -204,14 +200,19 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.min_num_params = deck.get_int("fsdp.min_num_params");
   f.transformer_layer_cls_to_wrap = transformer_layer_classes(deck.get_string("fsdp.transformer_layer_cls_to_wrap"), c.model);
   f.transformer_layer_cls_where = deck.entry("fsdp.transformer_layer_cls_to_wrap").where;
+  f.backend = deck.get_string("fsdp.backend");
+  f.cuda_device = static_cast<int>(deck.get_int("fsdp.cuda_device"));
+  f.backend_where = deck.entry("fsdp.backend").where;
+  f.backend_resolved = resolve_backend(f.backend, f.backend_where, placement.gpu);
+  const bool overlap_auto =
+      overlap_pays(f.backend_resolved == "nccl", placement.rank_cpus, run.threads, placement.ranks_per_node, placement.node_cores);
   f.backward_prefetch_auto = deck.get_string("fsdp.backward_prefetch") == "auto";
-  f.backward_prefetch_name = backward_prefetch_resolved(deck.get_string("fsdp.backward_prefetch"), placement.rank_cpus, run.threads,
-                                                        placement.ranks_per_node, placement.node_cores);
+  f.backward_prefetch_name = backward_prefetch_resolved(deck.get_string("fsdp.backward_prefetch"), overlap_auto);
   f.backward_prefetch = parse_backward_prefetch(f.backward_prefetch_name);
   f.forward_prefetch = deck.get_bool("fsdp.forward_prefetch");
   f.limit_all_gathers = static_cast<int>(deck.get_int("fsdp.limit_all_gathers"));
-  f.overlap_grad_reduce = overlap_grad_reduce_resolved(deck.get_string("fsdp.overlap_grad_reduce"), placement.rank_cpus, run.threads,
-                                                       placement.ranks_per_node, placement.node_cores);
+  const std::string overlap = deck.get_string("fsdp.overlap_grad_reduce");
+  f.overlap_grad_reduce = overlap == "auto" ? overlap_auto : overlap == "true";
   const std::string reshard = deck.get_string("fsdp.reshard_after_forward");
   const bool keep_group = reshard == "node" || std::isdigit(static_cast<unsigned char>(reshard[0]));
   if (reshard != "auto") f.reshard_after_forward_asked = reshard != "false";
@@ -240,19 +241,6 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   f.deferred_init = deck.get_bool("fsdp.deferred_init");
   f.sync_module_states = deck.get_bool("fsdp.sync_module_states");
   f.buffer_sync = parse_buffer_sync(deck.get_string("fsdp.buffer_sync"));
-  f.backend = deck.get_string("fsdp.backend");
-  f.cuda_device = static_cast<int>(deck.get_int("fsdp.cuda_device"));
-  f.backend_where = deck.entry("fsdp.backend").where;
-  f.backend_resolved = resolve_backend(f.backend, f.backend_where, placement.gpu);
-  // On NCCL the overlap is the GPU's (collectives on their own stream, no worker thread): no spare
-  // core is needed, so `auto` turns both on.
-  if (f.backend_resolved == "nccl") {
-    if (deck.get_string("fsdp.overlap_grad_reduce") == "auto") f.overlap_grad_reduce = true;
-    if (f.backward_prefetch_auto) {
-      f.backward_prefetch_name = "BACKWARD_PRE";
-      f.backward_prefetch = parse_backward_prefetch(f.backward_prefetch_name);
-    }
-  }
   // fsdp-plan probes no GPU (it may plan a GPU job on a login node): only a probed rank can refuse.
   if (f.mixed_precision == "fp16" && placement.gpu && f.backend_resolved != "nccl")
     throw DeckError(blame(deck, "fsdp.mixed_precision") +

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "model_error.hpp"
 #include "torch_common.hpp"
 
 namespace F = torch::nn::functional;
@@ -271,24 +272,17 @@ inline Trained train_fsdp(ModelKind kind, OptimKind optim, const FsdpOptions& op
   return train_fsdp_typed(kind, optim, options, std::static_pointer_cast<CnnImpl>(net), setup);
 }
 
-/// Relative error of the whole model, ||a - b|| / ||b|| over every parameter together: the house's
-/// measure of "equals single-process training". Per tensor it would not hold: under Adam a tensor
-/// whose gradients are nearly zero turns summation-order noise (a different GEMM blocking for another
-/// batch size) into a large relative error of that one tensor. Each tensor's own error is in the
-/// message when the check fails.
+/// Checks relative_error_of_model (model_error.hpp) <= 1e-5 and returns it; each tensor's own error
+/// is in the message when the check fails.
 inline double compare(const std::map<std::string, torch::Tensor>& fsdp_params, const std::map<std::string, torch::Tensor>& ref) {
-  double diff_sq = 0, ref_sq = 0;
   std::ostringstream per_tensor;
   for (const auto& [name, t] : fsdp_params) {
     const auto it = ref.find(name);
     BOOST_TEST_REQUIRE((it != ref.end()), "parameter " << name << " missing from the reference");
     BOOST_TEST_REQUIRE((t.sizes() == it->second.sizes()), "shape of " << name);
-    const double d = (t - it->second).norm().item<double>(), r = it->second.norm().item<double>();
-    diff_sq += d * d;
-    ref_sq += r * r;
-    per_tensor << " " << name << "=" << d / std::max(r, 1e-12);
+    per_tensor << " " << name << "=" << (t - it->second).norm().item<double>() / std::max(it->second.norm().item<double>(), 1e-12);
   }
-  const double err = std::sqrt(diff_sq) / std::max(std::sqrt(ref_sq), 1e-12);
+  const double err = relative_error_of_model(fsdp_params, ref);
   BOOST_TEST(err <= 1e-5, "relative error of the whole model: " << err << " (per tensor:" << per_tensor.str() << ")");
   return err;
 }

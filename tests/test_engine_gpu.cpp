@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "collective_deadline.hpp"
+#include "model_error.hpp"
 
 namespace {
 
@@ -84,17 +85,6 @@ Trained reference(int world, const torch::Device& device) {
   return out;
 }
 
-/// Relative error of the whole model (see the file's comment).
-double model_error(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want) {
-  double diff = 0, norm = 0;
-  for (const auto& [name, t] : got) {
-    const auto& w = want.at(name);
-    diff += std::pow((t - w).norm().item<double>(), 2);
-    norm += std::pow(w.norm().item<double>(), 2);
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-12);
-}
-
 bool bitwise_equal(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
   for (const auto& [name, t] : a)
     if (!torch::equal(t, b.at(name))) return false;
@@ -130,7 +120,7 @@ class Cases {
   int run() {
     const auto ref = reference(world_.size(), device_);
     const auto fp32 = [&](const std::string& name, const FsdpOptions& options) {
-      const double err = model_error(train(options).params, ref.params);
+      const double err = relative_error_of_model(train(options).params, ref.params);
       std::array<char, 32> text{};
       std::snprintf(text.data(), text.size(), "%.3g", err);
       report(name, err <= 1e-5, std::string("relative error of the model ") + text.data());
