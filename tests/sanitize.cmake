@@ -2,9 +2,10 @@
 #   KIND=address: AddressSanitizer + UndefinedBehaviorSanitizer over the unit and multi-rank tests (core
 #     math, MPI communicator, decks, data readers, the sharding engine, checkpoints), the multi-rank
 #     suites under mpirun at 2 and 3 ranks. Leak reports are off: Open MPI keeps allocations until exit.
-#   KIND=thread: ThreadSanitizer over the engine suite at 2 and 3 ranks (the collective worker, the
-#     registries autograd's threads reach, the communicators' counters); Open MPI's own internals are
-#     suppressed (tests/tsan.supp: it is not instrumented).
+#   KIND=thread: ThreadSanitizer over the core suite (the periodic thread and the watcher pattern of the
+#     NCCL lane) and the engine suite at 2 and 3 ranks (the collective worker, the registries autograd's
+#     threads reach, the communicators' counters); Open MPI's own internals are suppressed
+#     (tests/tsan.supp: it is not instrumented).
 # Variables: KIND, SOURCE_DIR, WORK_DIR, MPIEXEC (list), LAUNCHER (optional compiler launcher: ccache).
 if(KIND STREQUAL "address")
   set(flags "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined")
@@ -20,11 +21,11 @@ if(KIND STREQUAL "address")
 elseif(KIND STREQUAL "thread")
   set(flags "-fsanitize=thread -fno-omit-frame-pointer")
   set(name "ThreadSanitizer")
-  set(targets test_engine)
+  set(targets test_core test_engine)
   set(options_var TSAN_OPTIONS)
   set(ENV{TSAN_OPTIONS} "halt_on_error=0 report_signal_unsafe=0 suppressions=${SOURCE_DIR}/tests/tsan.supp")
   set(report "ThreadSanitizer")
-  set(commands)
+  set(commands "${WORK_DIR}/bin/test_core")
   set(ranked test_engine)
   set(done "thread sanitizer tests passed")
 else()

@@ -10,6 +10,7 @@
 #include <chrono>
 
 #include "checkpoint_harness.hpp"
+#include "issuing_comm.hpp"
 
 namespace {
 
@@ -212,4 +213,39 @@ BOOST_AUTO_TEST_CASE(a_failed_background_write_fails_on_every_rank_and_keeps_lat
   async.save(*model, opt.get(), dir.path, {.step = 3});
   BOOST_TEST(async.wait().has_value());
   BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value_or("") == "step_00000003.h5");
+}
+
+// On a GPU the engine's collectives are stream-ordered and it never waits for them; a checkpoint or an
+// export must, before it reads the state (a collective the lane's watcher aborted leaves values that
+// must not be saved). Counted here with a communicator that stands in for NcclComm's host wait.
+BOOST_AUTO_TEST_CASE(checkpoints_and_exports_wait_for_the_engines_stream_ordered_collectives_before_reading) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  torch::manual_seed(7 + world.rank());
+  auto model = fsdp::make_fsdp(make_net(3), IssuingComm(world), options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+  IssuingComm::host_waits = 0;
+  for (int step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    F::mse_loss(model->forward(torch::randn({4, 11})), torch::randn({4, 11})).backward();
+    opt.step();
+  }
+  BOOST_TEST(IssuingComm::host_waits == 0);  // training never waits for the stream
+
+  fsdp::save_checkpoint(*model, &opt, dir.path, {.step = 2});
+  BOOST_TEST(IssuingComm::host_waits >= 1);
+
+  IssuingComm::host_waits = 0;
+  {
+    fsdp::AsyncCheckpointer<std::remove_reference_t<decltype(*model)>> async(*model);
+    fsdp::CheckpointOptions full;
+    full.state_dict_type = fsdp::StateDictType::FULL_STATE_DICT;
+    async.save(*model, &opt, dir.path, {.step = 3}, full);
+    BOOST_TEST(IssuingComm::host_waits >= 2);  // before the copy, and after it (its gathers)
+    BOOST_TEST(async.wait().has_value());
+  }
+
+  IssuingComm::host_waits = 0;
+  fsdp::save_safetensors(*model, dir / "model.safetensors");
+  BOOST_TEST(IssuingComm::host_waits >= 1);
 }

@@ -553,6 +553,11 @@ BOOST_AUTO_TEST_CASE(each_rank_gets_its_own_gpu_under_every_launcher_layout) {
 }
 
 #include "fsdp/comm/in_order_completions.hpp"
+#include "fsdp/comm/periodic_thread.hpp"
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
 
 BOOST_AUTO_TEST_CASE(completions_on_one_stream_are_released_oldest_first_and_the_oldest_pending_one_is_watched) {
   struct Entry {
@@ -581,4 +586,100 @@ BOOST_AUTO_TEST_CASE(completions_on_one_stream_are_released_oldest_first_and_the
   queue.release_all(release);
   BOOST_TEST(queue.empty());
   BOOST_TEST(released == (std::vector<int>{0, 1, 2, 3, 4}));
+}
+
+BOOST_AUTO_TEST_CASE(the_oldest_pending_completion_is_found_without_releasing_any) {
+  struct Entry {
+    int id;
+  };
+  fsdp::InOrderCompletions<Entry> queue;
+  std::vector<bool> done{true, true, false, true};
+  for (int id = 0; id < 4; ++id) queue.push({id});
+  const auto is_done = [&](const Entry& e) { return static_cast<bool>(done[static_cast<std::size_t>(e.id)]); };
+  BOOST_TEST_REQUIRE(queue.first_pending(is_done) != nullptr);
+  BOOST_TEST(queue.first_pending(is_done)->id == 2);
+  BOOST_TEST(queue.size() == 4u);  // the watcher looks; the issuing thread releases
+  done[2] = true;
+  BOOST_TEST(queue.first_pending(is_done) == nullptr);
+  int seen = 0;
+  queue.for_each([&](Entry& e) { seen += e.id; });
+  BOOST_TEST(seen == 0 + 1 + 2 + 3);
+}
+
+BOOST_AUTO_TEST_CASE(a_periodic_thread_ticks_until_stopped_outlives_a_throwing_tick_and_stops_promptly) {
+  using namespace std::chrono_literals;
+  std::atomic<int> ticks{0};
+  {
+    fsdp::PeriodicThread thread;
+    thread.start(1ms, [&] {
+      if (ticks.fetch_add(1) == 0) throw std::runtime_error("a failed poll");
+    });
+    BOOST_TEST(thread.running());
+    const auto give_up = std::chrono::steady_clock::now() + 30s;
+    while (ticks.load() < 3 && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(1ms);
+    BOOST_TEST(ticks.load() >= 3);
+    thread.stop();
+    BOOST_TEST(!thread.running());
+    const int after_stop = ticks.load();
+    std::this_thread::sleep_for(10ms);
+    BOOST_TEST(ticks.load() == after_stop);
+  }
+  // A long period does not delay stopping: the thread is woken, not left to sleep it out.
+  fsdp::PeriodicThread idle;
+  idle.start(std::chrono::hours(1), [] {});
+  const auto before = std::chrono::steady_clock::now();
+  idle.stop();
+  BOOST_TEST(std::chrono::duration<double>(std::chrono::steady_clock::now() - before).count() < 10.0);
+}
+
+// NcclLane's watcher, with fake completion events: a collective that never completes (a peer skipped
+// it) and a host blocked in a wait of its own that has no deadline (LibTorch's device sync reading a
+// loss). The watcher, on its thread under the lane's lock, finds the oldest pending collective past its
+// deadline and aborts (which ends the queued work, as ncclCommAbort does); the blocked wait then
+// returns and the issuing thread's next call reports the fault. Run under ThreadSanitizer too.
+BOOST_AUTO_TEST_CASE(a_watcher_thread_ends_a_hung_collective_the_host_is_blocked_behind) {
+  using namespace std::chrono_literals;
+  struct FakeCollective {
+    std::shared_ptr<std::atomic<bool>> complete;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  struct FakeLane {
+    std::recursive_mutex mutex;
+    fsdp::InOrderCompletions<FakeCollective> pending;
+    bool aborted = false;
+    std::string fault;
+  } lane;
+  const auto is_done = [](const FakeCollective& c) { return c.complete->load(); };
+  const auto issue = [&](std::chrono::steady_clock::duration timeout) {
+    const std::lock_guard<std::recursive_mutex> lock(lane.mutex);
+    if (lane.aborted) throw std::runtime_error(lane.fault);
+    auto complete = std::make_shared<std::atomic<bool>>(false);
+    lane.pending.push({complete, std::chrono::steady_clock::now() + timeout});
+    return complete;
+  };
+  std::atomic<int> aborts{0};
+  fsdp::PeriodicThread watcher;
+  watcher.start(1ms, [&] {
+    const std::lock_guard<std::recursive_mutex> lock(lane.mutex);
+    const FakeCollective* oldest = lane.pending.first_pending(is_done);
+    if (oldest == nullptr || lane.aborted || std::chrono::steady_clock::now() < oldest->deadline) return;
+    lane.aborted = true;
+    lane.fault = "all_reduce did not complete within its deadline";
+    lane.pending.for_each([](FakeCollective& c) { c.complete->store(true); });  // the aborted kernels end
+    aborts.fetch_add(1);
+  });
+  const auto first = issue(60s);
+  first->store(true);  // completed: not the watcher's concern, and not released by it
+  const auto hung = issue(50ms);
+  const auto behind = issue(60s);  // queued behind the hung one: its own deadline is far off
+  // The host's own blocking wait, without a deadline (bounded here only so that a broken watcher fails the test).
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (!behind->load() && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(1ms);
+  BOOST_TEST(behind->load());
+  BOOST_TEST(hung->load());
+  watcher.stop();
+  BOOST_TEST(aborts.load() == 1);
+  BOOST_TEST(lane.pending.size() == 3u);
+  BOOST_CHECK_EXCEPTION(issue(60s), std::runtime_error,
+                        [](const std::runtime_error& e) { return std::string(e.what()).find("deadline") != std::string::npos; });
 }

@@ -1,27 +1,13 @@
 // The engine's GPU overlap path, run on CPU (part of test_engine, np 1-4): with a communicator whose
 // collectives progress on their own (NCCL's stream), prefetches and gradient reductions are
 // non-blocking collectives issued from the computing thread and ordered at their use, with no worker
-// thread; and the bridge that orders NCCL's stream against LibTorch's current CUDA stream.
+// thread, and the host never waits for the stream; and the bridge that orders NCCL's stream against
+// LibTorch's current CUDA stream.
 #include <boost/test/unit_test.hpp>
 
 #include "engine_harness.hpp"
 #include "fsdp/torch/current_stream_order.hpp"
-
-namespace {
-
-/// MpiComm declared to progress on its own, as NcclComm does: the engine then overlaps as on a GPU,
-/// which runs that path's logic (issue, keep buffers alive, order at the end of backward) here.
-class IssuingComm : public MpiComm {
- public:
-  static constexpr bool kProgressesOnItsOwn = true;
-  explicit IssuingComm(MpiComm comm) : MpiComm(std::move(comm)) {}
-  IssuingComm split(int color, int key) const { return IssuingComm(MpiComm::split(color, key)); }
-  IssuingComm split_node() const { return IssuingComm(MpiComm::split_node()); }
-};
-static_assert(fsdp::comm_progresses_on_its_own<IssuingComm>());
-static_assert(!fsdp::comm_progresses_on_its_own<MpiComm>());
-
-}  // namespace
+#include "issuing_comm.hpp"  // runs the GPU path's logic (issue, keep buffers alive, order at the end of backward) here
 
 BOOST_AUTO_TEST_CASE(overlap_without_a_worker_as_on_gpus_trains_like_one_process) {
   const int n = MpiComm::world().size();
@@ -40,7 +26,9 @@ BOOST_AUTO_TEST_CASE(overlap_without_a_worker_as_on_gpus_trains_like_one_process
         options.overlap_grad_reduce = true;
         options.backward_prefetch = fsdp::BackwardPrefetch::BACKWARD_PRE;
         auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+        IssuingComm::host_waits = 0;
         const auto trained = train_fsdp_typed(ModelKind::kMlp, OptimKind::kAdam, options, net, setup, IssuingComm(MpiComm::world()));
+        BOOST_TEST(IssuingComm::host_waits == 0);  // stream-ordered to the end: the host waits only where it reads
         compare(trained.params, reference.params);  // the whole model: see compare()
         for (std::size_t i = 0; i < trained.norms.size(); ++i) BOOST_TEST(trained.norms[i] == reference.norms[i], boost::test_tools::tolerance(1e-5));
         if (n > 1) {  // a world of one reduces nothing

@@ -1,8 +1,9 @@
 // Collectives queued on one in-order stream whose completion the host has not yet seen (comm layer,
 // std only). They complete in the order they were queued, so the host polls from the oldest: the
 // completed ones are released, and the oldest pending one is the only one whose deadline and errors
-// matter (every later one waits behind it). Used by NcclComm; the logic needs no device and is
-// tested with fake events (test_core).
+// matter (every later one waits behind it). Used by NcclComm, whose issuing thread releases and whose
+// watcher thread only looks (both under the lane's lock); the logic needs no device and is tested with
+// fake events (test_core).
 #pragma once
 
 #include <cstddef>
@@ -27,6 +28,21 @@ class InOrderCompletions {
       release(std::move(done));
     }
     return nullptr;
+  }
+
+  /// The oldest entry `is_done` does not report complete, or nullptr; releases nothing (for a thread
+  /// that watches while another one owns the releasing).
+  template <class IsDone>
+  Entry* first_pending(IsDone&& is_done) {
+    for (auto& e : entries_)
+      if (!is_done(e)) return &e;
+    return nullptr;
+  }
+
+  /// Calls `f` on every entry, oldest first.
+  template <class F>
+  void for_each(F&& f) {
+    for (auto& e : entries_) f(e);
   }
 
   /// Hands every entry to `release` without asking (after the stream was drained or its work aborted).

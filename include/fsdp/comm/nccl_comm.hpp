@@ -15,7 +15,10 @@
 // Failures never hang: the NCCL communicator is non-blocking (ncclConfig_t::blocking = 0), and every
 // wait (init, split, enqueue, completion, finalize) polls ncclCommGetAsyncError and a deadline
 // (NcclOptions::timeout_s; give it the deck's comm.timeout_s). Past the deadline the communicator is
-// aborted (ncclCommAbort) and CommError with id fsdp.comm.deadline is thrown. Every CUDA and NCCL call
+// aborted (ncclCommAbort) and CommError with id fsdp.comm.deadline is thrown. A stream-ordered
+// collective nobody waits for on the host is watched by the lane's watcher thread: its deadline or
+// NCCL error aborts the lane's communicators (a host blocked in a device sync elsewhere then goes on)
+// and the next call throws. Every CUDA and NCCL call
 // is checked (FSDP_CUDA_CHECK, FSDP_NCCL_CHECK) and a failure is a CommError naming the call, the rank,
 // file:line and the CUDA / NCCL error text.
 //
@@ -199,11 +202,12 @@ class NcclComm {
   void set_timeout_s(double seconds) noexcept { state_->options.timeout_s = seconds; }
   CommCounters counters() const { return state_->counters.get(); }
   void reset_counters() { state_->counters.reset(); }
-  /// True once the communicator was aborted (deadline, NCCL error, or abort()); every call then throws.
+  /// True once the communicator was aborted (a deadline or NCCL error of a collective on its stream,
+  /// seen by the issuing thread or the lane's watcher thread, or abort()); every call then throws.
   bool aborted() const noexcept { return state_->aborted; }
   /// Aborts the NCCL communicator (ncclCommAbort): what it has queued ends, and it is unusable after.
   /// Local, not collective: use it when a peer failed or left.
-  void abort(const std::string& reason = "abort() called") noexcept { state_->abort(reason); }
+  void abort(const std::string& reason = "abort() called") noexcept { state_->abort({state_->who() + ": " + reason}); }
 
   /// A communicator over the ranks with the same color (>= 0), ordered by key, then by rank; on the
   /// same device and stream (one lane: its collectives run in issue order with this one's), with the
@@ -235,6 +239,7 @@ class NcclComm {
     } else {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
       const detail::CudaDeviceGuard on(state_->device);
+      const std::lock_guard<std::recursive_mutex> lock(state_->lane->mutex);  // the lane's watcher may abort the parent
       const char* call = "ncclCommSplit(comm, color, key, &sub, &config)";
       const detail::Deadline deadline(state_->options.timeout_s);
       ncclConfig_t config = detail::nonblocking_config();
@@ -252,6 +257,7 @@ class NcclComm {
       state_->settle(state_->comm, ncclInProgress, call, "split", __FILE__, __LINE__, deadline);
       FSDP_NCCL_CHECK(ncclCommCount(c, &sub->size));
       FSDP_NCCL_CHECK(ncclCommUserRank(c, &sub->rank));
+      sub->add_to_lane();
 #else
       throw CommError(state_->who() + ": split: ncclCommSplit needs NCCL >= 2.18");
 #endif

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -40,6 +41,7 @@
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/in_order_completions.hpp"
 #include "fsdp/comm/mpi_comm.hpp"
+#include "fsdp/comm/periodic_thread.hpp"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
 #error "NcclComm needs NCCL >= 2.14 (non-blocking communicators, ncclCommInitRankConfig, ncclAvg, bfloat16)"
@@ -222,6 +224,12 @@ struct CompletionEvent {
   inline ~CompletionEvent();
 };
 
+/// Why a communicator was aborted: the CommError every later call on it throws.
+struct NcclFault {
+  std::string message;
+  std::string id = "fsdp.comm";
+};
+
 /// The one CUDA stream on which a bootstrapped communicator and every communicator split from it run
 /// their collectives, and its order against the compute stream. NCCL documents that collectives of
 /// several communicators in flight at once can deadlock (a kernel waiting for its peers can keep
@@ -229,13 +237,21 @@ struct CompletionEvent {
 /// order they were issued, which is the same on every rank. Collectives are stream-ordered: the lane
 /// waits for the compute stream (an event recorded there), the collective is queued, and the compute
 /// stream waits for its completion event; the host goes on. `pending` keeps those completion events
-/// until the host has seen them complete (deadline and NCCL's asynchronous errors are checked there).
+/// until the host has seen them complete.
+///
+/// The lane's watcher thread looks at the oldest pending collective every tenth of the deadline (at
+/// most 100 ms): NCCL's asynchronous error or its passed deadline aborts every communicator of the
+/// lane. The aborted kernels end, so a host blocked in a device sync elsewhere (LibTorch reading a
+/// loss) goes on, and the next call on any of the lane's communicators throws that error. The issuing
+/// thread checks the same at each collective, wait and host wait, and throws at once.
 struct NcclLane : std::enable_shared_from_this<NcclLane> {
   struct Pending {
     std::shared_ptr<CompletionEvent> done;
-    std::weak_ptr<NcclState> owner;  // whose collective: aborted on its deadline or error
+    NcclState* owner;  // whose collective; cleared when that communicator is destroyed
     const char* op;
     Deadline deadline;
+    int unit;           // the FSDP unit and training step it was issued in, for the deadline's message
+    std::int64_t step;
   };
 
   int device = 0;
@@ -244,10 +260,15 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
   cudaStream_t compute_stream = nullptr;          // 0: the default stream; used unless the hooks below are set
   std::function<void(void*)> record_on_compute;   // records a cudaEvent_t on the compute stream (the engine's: LibTorch's current stream)
   std::function<void(void*)> compute_waits_for;   // makes the compute stream wait for a cudaEvent_t
+  // Guards `pending`, `spare`, `members` and the members' NCCL handles and abort state: the issuing
+  // thread and the watcher share them. Recursive: an abort found while issuing aborts every member.
+  std::recursive_mutex mutex;
   InOrderCompletions<Pending> pending;
-  std::vector<cudaEvent_t> spare;  // completion events to reuse
+  std::vector<cudaEvent_t> spare;      // completion events to reuse
+  std::vector<NcclState*> members;     // the live communicators with an NCCL handle on this lane
+  PeriodicThread watcher;              // last member: stopped first
 
-  explicit NcclLane(int dev) : device(dev) {
+  NcclLane(int dev, double timeout_s) : device(dev) {
     const CudaDeviceGuard on(device);
     FSDP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     const cudaError_t rc = cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
@@ -255,10 +276,12 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
       cudaStreamDestroy(stream);
       throw_cuda_error("cudaEventCreateWithFlags(&ready, cudaEventDisableTiming)", rc, __FILE__, __LINE__);
     }
+    watcher.start(watch_period(timeout_s), [this] { watch_once(); });
   }
   NcclLane(const NcclLane&) = delete;
   NcclLane& operator=(const NcclLane&) = delete;
   ~NcclLane() {
+    watcher.stop();
     int previous = -1;
     const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
     cudaStreamSynchronize(stream);  // every communicator of the lane is finalized or aborted by now
@@ -267,6 +290,13 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
     cudaEventDestroy(ready);
     cudaStreamDestroy(stream);
     if (switched) cudaSetDevice(previous);
+  }
+
+  static std::chrono::nanoseconds watch_period(double timeout_s) {
+    const std::chrono::nanoseconds most = std::chrono::milliseconds(100);
+    if (timeout_s <= 0) return most;  // NCCL's asynchronous errors are still watched
+    const auto tenth = std::chrono::nanoseconds(static_cast<std::int64_t>(timeout_s * 1e8));
+    return std::clamp(tenth, std::chrono::nanoseconds(std::chrono::milliseconds(1)), most);
   }
 
   /// The lane waits for everything already queued on the compute stream (the collective's inputs).
@@ -286,26 +316,37 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
   }
   std::shared_ptr<CompletionEvent> take_event() {
     cudaEvent_t e = nullptr;
-    if (!spare.empty()) {
-      e = spare.back();
-      spare.pop_back();
-    } else {
-      FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    {
+      const std::lock_guard<std::recursive_mutex> lock(mutex);
+      if (!spare.empty()) {
+        e = spare.back();
+        spare.pop_back();
+      }
     }
+    if (e == nullptr) FSDP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     return std::make_shared<CompletionEvent>(e, weak_from_this());
   }
+
+  /// Aborts every communicator of the lane with `fault` (their collectives share this stream: behind a
+  /// failed one, the order the ranks agreed on is gone).
+  inline void abort_all(const NcclFault& fault) noexcept;
+
+  /// The watcher's look at the oldest pending collective (see the struct's comment).
+  inline void watch_once() noexcept;
 };
 
 CompletionEvent::~CompletionEvent() {
-  if (const auto l = lane.lock())
+  if (const auto l = lane.lock()) {
+    const std::lock_guard<std::recursive_mutex> lock(l->mutex);
     l->spare.push_back(event);
-  else
+  } else {
     cudaEventDestroy(event);
+  }
 }
 
 
 struct NcclState : std::enable_shared_from_this<NcclState> {
-  ncclComm_t comm = nullptr;
+  ncclComm_t comm = nullptr;  // under lane->mutex once registered (add_to_lane)
   int rank = 0;
   int size = 1;
   int device = 0;
@@ -316,14 +357,14 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   std::shared_ptr<NcclLane> lane;  // the stream, shared with the communicators split from this one
   std::optional<MpiComm> mpi;  // the same ranks in the same order, when bootstrapped over MPI
   SharedCounters counters;
-  bool aborted = false;
-  std::string abort_reason;
+  std::atomic<bool> aborted{false};
+  NcclFault fault;            // why it was aborted (under lane->mutex)
   std::string flight_name;  // the flight recorder's name: "nccl:" and the lineage ("nccl:world/split#0")
   int flight_id = -1;       // the flight recorder's index of this communicator
 
   /// A new lane unless `shared_lane` (the parent's, for a split) is given.
   NcclState(int dev, const NcclOptions& opts, std::shared_ptr<NcclLane> shared_lane = nullptr)
-      : device(dev), options(opts), lane(shared_lane ? std::move(shared_lane) : std::make_shared<NcclLane>(dev)) {}
+      : device(dev), options(opts), lane(shared_lane ? std::move(shared_lane) : std::make_shared<NcclLane>(dev, opts.timeout_s)) {}
   NcclState(const NcclState&) = delete;
   NcclState& operator=(const NcclState&) = delete;
 
@@ -331,6 +372,14 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   /// ncclCommDestroy); aborts it instead if that fails, or at once while an exception unwinds (a peer
   /// may be gone: finalizing would wait for it until the deadline). Never throws.
   ~NcclState() {
+    {
+      // From here on the watcher neither sees nor aborts this communicator.
+      const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
+      std::erase(lane->members, this);
+      lane->pending.for_each([this](NcclLane::Pending& p) {
+        if (p.owner == this) p.owner = nullptr;
+      });
+    }
     int previous = -1;
     const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
     if (comm != nullptr && !aborted && std::uncaught_exceptions() > 0) {
@@ -356,18 +405,26 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     if (switched) cudaSetDevice(previous);
   }
 
+  /// Lets the lane's watcher see this communicator (once its NCCL handle exists).
+  void add_to_lane() {
+    const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
+    lane->members.push_back(this);
+  }
+
   std::string who() const { return "rank " + std::to_string(rank) + "/" + std::to_string(size) + " (device " + std::to_string(device) + ")"; }
 
   void check_usable(const char* op) const {
-    if (aborted) throw CommError(who() + ": " + op + ": the NCCL communicator was aborted earlier (" + abort_reason + ")");
+    const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
+    if (aborted) throw CommError(who() + ": " + op + ": the NCCL communicator was aborted: " + fault.message, fault.id);
     if (comm == nullptr) throw CommError(who() + ": " + op + ": no NCCL communicator");
   }
 
   /// ncclCommAbort: ends what is queued on the device; the communicator is unusable afterwards.
-  void abort(const std::string& reason) noexcept {
+  void abort(NcclFault why) noexcept {
+    const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
     if (aborted) return;
+    fault = std::move(why);
     aborted = true;
-    abort_reason = reason;
     if (comm != nullptr) {
       int previous = -1;
       const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
@@ -377,34 +434,54 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     }
   }
 
+  /// Aborts this communicator and every one of the lane with `fault` and throws it.
+  [[noreturn]] void fail(const NcclFault& f) {
+    abort(f);  // also while it is not a member yet (init, split)
+    lane->abort_all(f);
+    throw CommError(f.message, f.id);
+  }
+
+  /// NCCL's asynchronous state of `c` (ncclSuccess, ncclInProgress) in `state`, or the fault it reports.
+  std::optional<NcclFault> async_fault(ncclComm_t c, const char* op, ncclResult_t& state, const char* file, int line) const {
+    state = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(c, &state);
+    if (rc != ncclSuccess) return NcclFault{who() + ": " + op + ": ncclCommGetAsyncError failed: " + nccl_error_text(rc, c) + where(file, line)};
+    if (state != ncclSuccess && state != ncclInProgress)
+      return NcclFault{who() + ": " + op + ": asynchronous NCCL error: " + nccl_error_text(state, c) + "; the communicator was aborted" + where(file, line)};
+    return std::nullopt;
+  }
+
   /// Throws (after aborting) if NCCL reports an asynchronous error on `c`; returns its state otherwise.
   ncclResult_t poll_async(ncclComm_t c, const char* op, const char* file, int line) {
     ncclResult_t state = ncclSuccess;
-    const ncclResult_t rc = ncclCommGetAsyncError(c, &state);
-    if (rc != ncclSuccess) {
-      const std::string text = nccl_error_text(rc, c);
-      abort(std::string("ncclCommGetAsyncError failed in ") + op);
-      throw CommError(who() + ": " + op + ": ncclCommGetAsyncError failed: " + text + where(file, line));
-    }
-    if (state != ncclSuccess && state != ncclInProgress) {
-      const std::string text = nccl_error_text(state, c);
-      abort(std::string("asynchronous NCCL error in ") + op);
-      throw CommError(who() + ": " + op + ": asynchronous NCCL error: " + text + "; the communicator was aborted" + where(file, line));
-    }
+    if (auto f = async_fault(c, op, state, file, line)) fail(*f);
     return state;
   }
 
-  /// Aborts and throws fsdp.comm.deadline, naming the collective, the step and the FSDP unit (as the
+  /// fsdp.comm.deadline, naming the collective, the step and the FSDP unit it was issued in (as the
   /// CollectiveWatchdog does for MPI).
+  NcclFault deadline_fault(const char* op, const Deadline& deadline, int unit, std::int64_t step) const {
+    return {who() + ": " + op + " did not complete within " + seconds_text(deadline.seconds()) + " s (step " + std::to_string(step) +
+                (unit >= 0 ? ", unit " + std::to_string(unit) : std::string()) +
+                "): a peer rank is missing, stuck or called another collective; the NCCL communicator was aborted "
+                "(NcclOptions::timeout_s, comm.timeout_s)",
+            "fsdp.comm.deadline"};
+  }
+  /// Aborts and throws deadline_fault for a collective of the calling thread.
   [[noreturn]] void deadline_passed(const char* op, const Deadline& deadline) {
-    abort(std::string(op) + " passed its deadline");
     const auto& watchdog = CollectiveWatchdog::instance();
-    const int unit = watchdog.unit();
-    throw CommError(who() + ": " + op + " did not complete within " + seconds_text(deadline.seconds()) + " s (step " +
-                        std::to_string(watchdog.step()) + (unit >= 0 ? ", unit " + std::to_string(unit) : std::string()) +
-                        "): a peer rank is missing, stuck or called another collective; the NCCL communicator was aborted "
-                        "(NcclOptions::timeout_s, comm.timeout_s)",
-                    "fsdp.comm.deadline");
+    fail(deadline_fault(op, deadline, watchdog.unit(), watchdog.step()));
+  }
+
+  /// The fault of the lane's oldest pending collective `p` (this communicator's): NCCL's asynchronous
+  /// error or its passed deadline; none while neither, or once this communicator is finalized or
+  /// aborted (its kernels end on their own). Under lane->mutex.
+  std::optional<NcclFault> fault_of(const NcclLane::Pending& p) const {
+    if (comm == nullptr) return std::nullopt;
+    ncclResult_t state = ncclSuccess;
+    if (auto f = async_fault(comm, p.op, state, __FILE__, __LINE__)) return f;
+    if (p.deadline.passed()) return deadline_fault(p.op, p.deadline, p.unit, p.step);
+    return std::nullopt;
   }
 
   /// After an NCCL call on the non-blocking communicator `c`: an error throws; ncclInProgress is
@@ -428,13 +505,16 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   void wait_event(cudaEvent_t event, const char* op, const Deadline& deadline) {
     unsigned spins = 0;
     for (;;) {
-      check_usable(op);  // an aborted collective's event completes too: it must not look done
-      const cudaError_t q = cudaEventQuery(event);
-      if (q == cudaSuccess) return;
-      if (q != cudaErrorNotReady) throw_cuda_error("cudaEventQuery(completion event)", q, __FILE__, __LINE__);
-      poll_lane();
-      poll_async(comm, op, __FILE__, __LINE__);
-      if (deadline.passed()) deadline_passed(op, deadline);
+      {
+        const std::lock_guard<std::recursive_mutex> lock(lane->mutex);  // not while pausing: the watcher looks too
+        check_usable(op);  // an aborted collective's event completes too: it must not look done
+        const cudaError_t q = cudaEventQuery(event);
+        if (q == cudaSuccess) return;
+        if (q != cudaErrorNotReady) throw_cuda_error("cudaEventQuery(completion event)", q, __FILE__, __LINE__);
+        poll_lane();
+        poll_async(comm, op, __FILE__, __LINE__);
+        if (deadline.passed()) deadline_passed(op, deadline);
+      }
       poll_pause(spins);
     }
   }
@@ -444,6 +524,7 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   /// The caller holds a CudaDeviceGuard.
   template <class Launch>
   void enqueue(const char* op, const char* call, const char* file, int line, Launch&& launch, cudaEvent_t completion, const Deadline& deadline) {
+    const std::lock_guard<std::recursive_mutex> lock(lane->mutex);  // the watcher may abort `comm`
     check_usable(op);
     lane->order_after_compute();
     settle(comm, launch(), call, op, file, line, deadline);
@@ -453,7 +534,9 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   /// The lane watches `done` (deadline, NCCL's errors) until the host sees it complete (poll_lane,
   /// drain_lane), in issue order: call it as the collective is queued.
   void watch(std::shared_ptr<CompletionEvent> done, const char* op, const Deadline& deadline) {
-    lane->pending.push({std::move(done), weak_from_this(), op, deadline});
+    const auto& watchdog = CollectiveWatchdog::instance();
+    const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
+    lane->pending.push({std::move(done), this, op, deadline, watchdog.unit(), watchdog.step()});
   }
   /// Stream-ordered completion: the compute stream waits for `done`, which the lane watches.
   void order_compute_after(std::shared_ptr<CompletionEvent> done, const char* op, const Deadline& deadline) {
@@ -463,8 +546,10 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   }
 
   /// Releases the lane's completed collectives; for the oldest pending one, an asynchronous NCCL error
-  /// or a passed deadline aborts its communicator and throws (every later one waits behind it).
+  /// or a passed deadline aborts the lane's communicators and throws (every later one waits behind it).
+  /// A fault the watcher found first throws here too.
   void poll_lane() {
+    const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
     auto* oldest = lane->pending.drop_completed(
         [](const NcclLane::Pending& p) {
           const cudaError_t q = cudaEventQuery(p.done->event);
@@ -473,19 +558,20 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
           return false;
         },
         [](NcclLane::Pending) {});  // its event goes back to the spares once no request holds it
-    if (oldest == nullptr) return;
-    const auto owner = oldest->owner.lock();
-    if (!owner || owner->comm == nullptr) return;  // finalized or aborted: its kernels end on their own
-    owner->poll_async(owner->comm, oldest->op, __FILE__, __LINE__);
-    if (oldest->deadline.passed()) owner->deadline_passed(oldest->op, oldest->deadline);
+    if (aborted) throw CommError(who() + ": the NCCL communicator was aborted: " + fault.message, fault.id);
+    if (oldest == nullptr || oldest->owner == nullptr) return;
+    if (auto f = oldest->owner->fault_of(*oldest)) fail(*f);
   }
 
   /// Waits on the host until every collective queued on the lane has completed (deadlines, errors).
   void drain_lane() {
     unsigned spins = 0;
     for (;;) {
-      poll_lane();
-      if (lane->pending.empty()) return;
+      {
+        const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
+        poll_lane();
+        if (lane->pending.empty()) return;
+      }
       poll_pause(spins);
     }
   }
@@ -522,6 +608,7 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     comm = c;
     settle(comm, rc, "ncclCommInitRankConfig(&comm, nranks, id, rank, &config)", "NCCL init", __FILE__, __LINE__, Deadline(options.timeout_s));
     check_rank_and_size();
+    add_to_lane();
   }
 
   void check_rank_and_size() const {
@@ -533,6 +620,24 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
                       " of " + std::to_string(size));
   }
 };
+
+void NcclLane::abort_all(const NcclFault& fault) noexcept {
+  const std::lock_guard<std::recursive_mutex> lock(mutex);
+  for (NcclState* member : members) member->abort(fault);
+}
+
+void NcclLane::watch_once() noexcept {
+  const std::lock_guard<std::recursive_mutex> lock(mutex);
+  cudaSetDevice(device);  // this thread's; the events and communicators are of this device
+  const Pending* oldest = pending.first_pending([](const Pending& p) { return cudaEventQuery(p.done->event) != cudaErrorNotReady; });
+  if (oldest == nullptr || oldest->owner == nullptr) return;
+  const auto fault = oldest->owner->fault_of(*oldest);
+  if (!fault) return;
+  abort_all(*fault);
+  // The issuing thread throws at its next call; until then the job's log says why its step ended.
+  std::fprintf(stderr, "[%s] %s (seen by the communicator's watcher thread)\n", fault->id.c_str(), fault->message.c_str());
+  std::fflush(stderr);
+}
 
 }  // namespace detail
 

@@ -98,7 +98,10 @@ class AsyncCheckpointer {
     detail::arrive_together(control_, options, "save_checkpoint");
     const auto t1 = Clock::now();
     detail::synchronize_shards_of(engine);  // collective: every rank here, before any local failure can part them
-    std::optional<std::string> error = detail::capture_error([&] { snapshot_->capture(engine, optimizer); });
+    std::optional<std::string> error = detail::capture_error([&] {
+      snapshot_->capture(engine, optimizer);
+      detail::synchronize_collectives_of(engine);  // the capture's own gathers too: the control group is not the engine's
+    });
     detail::agree(control_, error);
     start.waited_seconds = std::chrono::duration<double>(t1 - t0).count();
     start.copy_seconds = std::chrono::duration<double>(Clock::now() - t1).count();

@@ -392,11 +392,20 @@ std::optional<OptimizerStateView> shard_optimizer_state(Engine& engine, const to
   return view;
 }
 
+/// The engine's collectives settled (a failed one throws) before the state is read, so that a
+/// checkpoint never holds what an aborted collective left (FullyShardedDataParallel::synchronize_collectives). Local.
+template <class Engine>
+void synchronize_collectives_of(Engine& engine) {
+  if constexpr (requires { engine.synchronize_collectives(); }) engine.synchronize_collectives();
+}
+
 /// The engine's shards made current before they are read for a checkpoint or an export (the optimizer
-/// may have updated replica parts of them, see FullyShardedDataParallel::synchronize_shards). Collective.
+/// may have updated replica parts of them, see FullyShardedDataParallel::synchronize_shards), and
+/// every collective that wrote them settled. Collective.
 template <class Engine>
 void synchronize_shards_of(Engine& engine) {
   if constexpr (requires { engine.synchronize_shards(); }) engine.synchronize_shards();
+  synchronize_collectives_of(engine);
 }
 
 /// Creates /model/<fqn> for each parameter and buffer, /optim/<fqn>/<state>, and hard links for tied

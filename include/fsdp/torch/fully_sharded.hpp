@@ -375,6 +375,14 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   /// Collective; a no-op otherwise.
   void synchronize_shards() { Runtime::synchronize_shards(); }
 
+  /// Waits on the host until every collective queued by the engine has completed, and throws the
+  /// CommError of one that failed (a GPU communicator's collectives are stream-ordered: the engine
+  /// never waits for them itself). The checkpoint and export functions call it before they read the
+  /// state. Local; a no-op on communicators whose collectives return complete (MPI).
+  void synchronize_collectives() {
+    if constexpr (requires(Comm& c) { c.synchronize(); }) world_.synchronize();  // every group shares the world's stream
+  }
+
   /// The dtype buffer `name` is checkpointed in: its own, from before MixedPrecision::buffer_dtype.
   c10::ScalarType checkpoint_buffer_dtype(const std::string& name, const torch::Tensor& buffer) const {
     const auto it = buffer_dtypes_.find(name);

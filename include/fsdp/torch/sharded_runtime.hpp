@@ -567,8 +567,9 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       // the shard without moving its version counter (LibTorch's SGD writes through .data()).
       u->kept_slice = torch::Tensor();
     }
+    // No host wait here: a GPU communicator's collectives are stream-ordered, and its lane's watcher
+    // thread ends a hung or failed one (the next call then throws); the host waits where it reads.
     finish_reductions();
-    synchronize_collectives();
   }
 
   // A GPU communicator orders its collectives against LibTorch's current stream of the compute device
@@ -580,13 +581,6 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       auto order = current_stream_order(compute_device_);
       world_.set_compute_stream_order(std::move(order.record), std::move(order.wait));
     }
-  }
-
-  // A GPU communicator's collectives are stream-ordered and the host runs ahead; it waits for them
-  // once per backward, here, where a hung or failed collective then surfaces as the communicator's
-  // CommError (deadline, NCCL's error) instead of a wait without end in a later device sync.
-  void synchronize_collectives() {
-    if constexpr (requires(Comm& c) { c.synchronize(); }) world_.synchronize();
   }
 
   // Runs `collective` on `t`'s elements in a contiguous buffer (a copy when `t` is strided, written
