@@ -372,7 +372,8 @@ int run(int argc, char** argv, MpiComm& world, const std::string& deck_path, con
         const long faults_before = minor_page_faults();
         const bool writing_checkpoint = checkpointer.writing();
         const StepOutcome outcome = train_step(*model, *optimizer, data, loader, accum, cfg.optim.reduce_every_micro_batch, clip,
-                                                 scaler ? &*scaler : nullptr, g_stop_signal, world, phases, decay);
+                                                 scaler ? &*scaler : nullptr, g_stop_signal, world, phases, decay,
+                                                 test_hook_at("FSDP_TEST_FAIL_COLLECTIVES", world.rank(), step + 1));
         const auto comm_after = model->comm_counters();
         step_all_gather.total += comm_after.all_gather_bytes - comm_before.all_gather_bytes;
         step_all_gather.inside_reshard_group += model->forward_group_counters().all_gather_bytes - group_before.all_gather_bytes;

@@ -14,9 +14,15 @@ class IssuingComm : public fsdp::MpiComm {
   IssuingComm split_node() const { return IssuingComm(fsdp::MpiComm::split_node()); }
   /// The MPI communicator over the same ranks (as NcclComm::mpi()): checkpoints write through it.
   const fsdp::MpiComm& mpi() const { return *this; }
-  /// NcclComm's host wait for everything queued on its stream: counted.
-  void synchronize() { ++host_waits; }
+  /// NcclComm's host wait for everything queued on its stream: counted; on rank `fail_on_rank` it
+  /// throws what an NCCL communicator aborted by its watcher throws.
+  void synchronize() {
+    ++host_waits;
+    if (rank() == fail_on_rank)
+      throw fsdp::CommError("rank " + std::to_string(rank()) + ": all_reduce did not complete within 2 s; the NCCL communicator was aborted", "fsdp.comm.deadline");
+  }
   static inline int host_waits = 0;
+  static inline int fail_on_rank = -1;
 };
 static_assert(fsdp::comm_progresses_on_its_own<IssuingComm>());
 static_assert(!fsdp::comm_progresses_on_its_own<fsdp::MpiComm>());

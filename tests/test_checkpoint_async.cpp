@@ -217,7 +217,8 @@ BOOST_AUTO_TEST_CASE(a_failed_background_write_fails_on_every_rank_and_keeps_lat
 
 // On a GPU the engine's collectives are stream-ordered and it never waits for them; a checkpoint or an
 // export must, before it reads the state (a collective the lane's watcher aborted leaves values that
-// must not be saved). Counted here with a communicator that stands in for NcclComm's host wait.
+// must not be saved), and a failure there on one rank fails every rank, nothing committed. A
+// communicator stands in for NcclComm's host wait: counted, and failing on the last rank on demand.
 BOOST_AUTO_TEST_CASE(checkpoints_and_exports_wait_for_the_engines_stream_ordered_collectives_before_reading) {
   auto world = MpiComm::world();
   TempDir dir(world);
@@ -225,6 +226,7 @@ BOOST_AUTO_TEST_CASE(checkpoints_and_exports_wait_for_the_engines_stream_ordered
   auto model = fsdp::make_fsdp(make_net(3), IssuingComm(world), options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
   IssuingComm::host_waits = 0;
+  IssuingComm::fail_on_rank = -1;
   for (int step = 0; step < 2; ++step) {
     opt.zero_grad();
     F::mse_loss(model->forward(torch::randn({4, 11})), torch::randn({4, 11})).backward();
@@ -234,18 +236,26 @@ BOOST_AUTO_TEST_CASE(checkpoints_and_exports_wait_for_the_engines_stream_ordered
 
   fsdp::save_checkpoint(*model, &opt, dir.path, {.step = 2});
   BOOST_TEST(IssuingComm::host_waits >= 1);
-
   IssuingComm::host_waits = 0;
-  {
-    fsdp::AsyncCheckpointer<std::remove_reference_t<decltype(*model)>> async(*model);
-    fsdp::CheckpointOptions full;
-    full.state_dict_type = fsdp::StateDictType::FULL_STATE_DICT;
-    async.save(*model, &opt, dir.path, {.step = 3}, full);
-    BOOST_TEST(IssuingComm::host_waits >= 2);  // before the copy, and after it (its gathers)
-    BOOST_TEST(async.wait().has_value());
-  }
-
+  fsdp::AsyncCheckpointer<std::remove_reference_t<decltype(*model)>> async(*model);
+  fsdp::CheckpointOptions full;
+  full.state_dict_type = fsdp::StateDictType::FULL_STATE_DICT;
+  async.save(*model, &opt, dir.path, {.step = 3}, full);
+  BOOST_TEST(IssuingComm::host_waits >= 2);  // before the copy, and after it (its gathers)
+  BOOST_TEST(async.wait().has_value());
   IssuingComm::host_waits = 0;
   fsdp::save_safetensors(*model, dir / "model.safetensors");
   BOOST_TEST(IssuingComm::host_waits >= 1);
+
+  // The last rank's communicator was aborted: every rank's save fails with its message, nothing is committed.
+  IssuingComm::fail_on_rank = world.size() - 1;
+  const auto names_the_abort = [](const fsdp::CheckpointError& e) { return std::string(e.what()).find("the NCCL communicator was aborted") != std::string::npos; };
+  BOOST_CHECK_EXCEPTION(fsdp::save_checkpoint(*model, &opt, dir.path, {.step = 4}), fsdp::CheckpointError, names_the_abort);
+  BOOST_CHECK_EXCEPTION(async.save(*model, &opt, dir.path, {.step = 5}), fsdp::CheckpointError, names_the_abort);
+  BOOST_CHECK_EXCEPTION(fsdp::save_safetensors(*model, dir / "later.safetensors"), fsdp::CheckpointError, names_the_abort);
+  IssuingComm::fail_on_rank = -1;
+  BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value_or("") == "step_00000003.h5");
+  BOOST_TEST(!fs::exists(dir / "step_00000004.h5"));
+  BOOST_TEST(!fs::exists(dir / "step_00000005.h5"));
+  BOOST_TEST(!fs::exists(dir / "later.safetensors"));
 }

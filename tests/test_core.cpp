@@ -632,16 +632,20 @@ BOOST_AUTO_TEST_CASE(a_periodic_thread_ticks_until_stopped_outlives_a_throwing_t
   BOOST_TEST(std::chrono::duration<double>(std::chrono::steady_clock::now() - before).count() < 10.0);
 }
 
-// NcclLane's watcher, with fake completion events: a collective that never completes (a peer skipped
-// it) and a host blocked in a wait of its own that has no deadline (LibTorch's device sync reading a
-// loss). The watcher, on its thread under the lane's lock, finds the oldest pending collective past its
-// deadline and aborts (which ends the queued work, as ncclCommAbort does); the blocked wait then
-// returns and the issuing thread's next call reports the fault. Run under ThreadSanitizer too.
+// NcclLane's watcher (watch_oldest_pending, which NcclLane::watch_once calls), with fake completion
+// events: a collective that never completes (a peer skipped it) and a host blocked in a wait of its own
+// that has no deadline (LibTorch's device sync reading a loss). The watcher, on its own thread, finds
+// the oldest pending collective past its deadline and aborts (which ends the queued work, as
+// ncclCommAbort does); the blocked wait then returns and the issuing thread's next call reports the
+// fault. While the issuing thread holds the lock, a look is skipped, not waited for. Run under
+// ThreadSanitizer too.
 BOOST_AUTO_TEST_CASE(a_watcher_thread_ends_a_hung_collective_the_host_is_blocked_behind) {
   using namespace std::chrono_literals;
+  using Clock = std::chrono::steady_clock;
   struct FakeCollective {
     std::shared_ptr<std::atomic<bool>> complete;
-    std::chrono::steady_clock::time_point deadline;
+    Clock::time_point deadline;
+    int id;
   };
   struct FakeLane {
     std::recursive_mutex mutex;
@@ -650,36 +654,75 @@ BOOST_AUTO_TEST_CASE(a_watcher_thread_ends_a_hung_collective_the_host_is_blocked
     std::string fault;
   } lane;
   const auto is_done = [](const FakeCollective& c) { return c.complete->load(); };
-  const auto issue = [&](std::chrono::steady_clock::duration timeout) {
+  const auto fault_of = [](const FakeCollective& c) {
+    return Clock::now() < c.deadline ? std::optional<std::string>() : std::optional<std::string>("collective " + std::to_string(c.id) + " passed its deadline");
+  };
+  std::vector<std::shared_ptr<std::atomic<bool>>> ended_outside_the_lock;
+  const auto mark_aborted = [&](const std::string& why) {  // under the lock: mark, and hand the work over
+    lane.aborted = true;
+    lane.fault = why;
+    lane.pending.for_each([&](FakeCollective& c) { ended_outside_the_lock.push_back(c.complete); });
+  };
+  const auto issue = [&](int id, Clock::duration timeout) {
     const std::lock_guard<std::recursive_mutex> lock(lane.mutex);
     if (lane.aborted) throw std::runtime_error(lane.fault);
     auto complete = std::make_shared<std::atomic<bool>>(false);
-    lane.pending.push({complete, std::chrono::steady_clock::now() + timeout});
+    lane.pending.push({complete, Clock::now() + timeout, id});
     return complete;
   };
+
+  const auto first = issue(0, 60s);
+  first->store(true);  // completed: not the watcher's concern, and not released by it
+  const auto hung = issue(1, 1ms);
+  const auto behind = issue(2, 60s);  // queued behind the hung one: its own deadline is far off
+  std::this_thread::sleep_for(5ms);
+  {
+    // The issuing thread holds the lock (it is queuing a collective): the watcher skips, at once.
+    const std::lock_guard<std::recursive_mutex> issuing(lane.mutex);
+    std::optional<std::string> seen = std::string("not looked");
+    std::thread([&] { seen = fsdp::watch_oldest_pending(lane.mutex, lane.pending, is_done, fault_of, mark_aborted); }).join();
+    BOOST_TEST(!seen.has_value());
+    BOOST_TEST(!lane.aborted);
+  }
+
   std::atomic<int> aborts{0};
+  std::string found_fault;  // read after stop() joined the watcher
   fsdp::PeriodicThread watcher;
   watcher.start(1ms, [&] {
-    const std::lock_guard<std::recursive_mutex> lock(lane.mutex);
-    const FakeCollective* oldest = lane.pending.first_pending(is_done);
-    if (oldest == nullptr || lane.aborted || std::chrono::steady_clock::now() < oldest->deadline) return;
-    lane.aborted = true;
-    lane.fault = "all_reduce did not complete within its deadline";
-    lane.pending.for_each([](FakeCollective& c) { c.complete->store(true); });  // the aborted kernels end
+    const auto found = fsdp::watch_oldest_pending(lane.mutex, lane.pending, is_done, fault_of, mark_aborted);
+    if (!found) return;
+    found_fault = *found;
+    for (auto& c : ended_outside_the_lock) c->store(true);  // the abort, outside the lock
     aborts.fetch_add(1);
   });
-  const auto first = issue(60s);
-  first->store(true);  // completed: not the watcher's concern, and not released by it
-  const auto hung = issue(50ms);
-  const auto behind = issue(60s);  // queued behind the hung one: its own deadline is far off
   // The host's own blocking wait, without a deadline (bounded here only so that a broken watcher fails the test).
-  const auto give_up = std::chrono::steady_clock::now() + 60s;
-  while (!behind->load() && std::chrono::steady_clock::now() < give_up) std::this_thread::sleep_for(1ms);
+  const auto give_up = Clock::now() + 60s;
+  while (!behind->load() && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+  BOOST_TEST(watcher.stop());
   BOOST_TEST(behind->load());
   BOOST_TEST(hung->load());
-  watcher.stop();
-  BOOST_TEST(aborts.load() == 1);
+  BOOST_TEST(aborts.load() == 1);  // once: an aborted lane's work is complete
+  BOOST_TEST(found_fault == "collective 1 passed its deadline");  // the oldest pending one, not the completed one before it
   BOOST_TEST(lane.pending.size() == 3u);
-  BOOST_CHECK_EXCEPTION(issue(60s), std::runtime_error,
-                        [](const std::runtime_error& e) { return std::string(e.what()).find("deadline") != std::string::npos; });
+  BOOST_CHECK_EXCEPTION(issue(3, 60s), std::runtime_error,
+                        [](const std::runtime_error& e) { return std::string(e.what()) == "collective 1 passed its deadline"; });
+}
+
+// A tick that does not return (an ncclCommAbort that hangs) does not hold its owner: stop() lets the
+// thread go after its patience, and the thread touches nothing of the owner afterwards.
+BOOST_AUTO_TEST_CASE(a_periodic_thread_whose_tick_does_not_return_is_let_go) {
+  using namespace std::chrono_literals;
+  auto release = std::make_shared<std::atomic<bool>>(false);
+  auto entered = std::make_shared<std::atomic<bool>>(false);
+  auto thread = std::make_unique<fsdp::PeriodicThread>();
+  thread->start(1ms, [release, entered] {
+    entered->store(true);
+    while (!release->load()) std::this_thread::sleep_for(1ms);
+  });
+  while (!entered->load()) std::this_thread::sleep_for(1ms);
+  BOOST_TEST(!thread->stop(50ms));  // let go, not joined
+  BOOST_TEST(!thread->running());
+  thread.reset();                   // its owner is gone
+  release->store(true);             // the tick returns, then the thread ends on its own state
+  std::this_thread::sleep_for(20ms);
 }

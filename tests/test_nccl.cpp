@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -604,21 +605,29 @@ BOOST_AUTO_TEST_CASE(deadline_aborts_a_collective_a_rank_skipped_while_the_host_
   NcclOptions o = test_options();
   o.timeout_s = 2;
   auto nc = NcclComm::from_mpi(w, o);
+  auto half = nc.split(0, nc.rank());  // on the same lane: aborted with it
   DeviceBuffer buf(4);
   FSDP_CUDA_CHECK(cudaMemset(buf.get(), 0, 4));
   nc.all_reduce(buf.get(), buf.get(), 1, DType::kFloat32, ReduceOp::kSum);  // connections are up
+  half.all_reduce(buf.get(), buf.get(), 1, DType::kFloat32, ReduceOp::kSum);
+  nc.synchronize();
   std::int32_t caught = 0;
   if (w.rank() == 0) {  // the other ranks skip this collective
     const auto start = std::chrono::steady_clock::now();
-    // Stream-ordered: the call returns once queued. The host then blocks in a device sync of its own,
-    // without a deadline (as LibTorch's loss.item() does): the lane's watcher thread aborts the
-    // communicator past the deadline, which ends the queued kernel, and the sync returns.
+    // Stream-ordered: the call returns once queued. The host then waits for the compute stream on its
+    // own, without asking the communicator (as LibTorch's loss.item() does): the lane's watcher thread
+    // aborts the communicator past the deadline, which ends the queued kernel, and the stream drains.
     nc.all_reduce(buf.get(), buf.get(), 1, DType::kFloat32, ReduceOp::kSum);
-    FSDP_CUDA_CHECK(cudaStreamSynchronize(nc.compute_stream()));
+    cudaError_t q = cudaErrorNotReady;
+    while ((q = cudaStreamQuery(nc.compute_stream())) == cudaErrorNotReady &&
+           std::chrono::steady_clock::now() - start < std::chrono::seconds(60))  // bounded only so that a broken watcher fails here
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    BOOST_TEST(q == cudaSuccess);
     const double blocked = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     BOOST_TEST(blocked >= 1.9);
     BOOST_TEST(blocked < 60.0);
     BOOST_TEST(nc.aborted());
+    BOOST_TEST(half.aborted());  // every communicator of the lane
     try {
       nc.synchronize();  // the next call reports what the watcher found
     } catch (const fsdp::CommError& e) {
@@ -630,7 +639,10 @@ BOOST_AUTO_TEST_CASE(deadline_aborts_a_collective_a_rank_skipped_while_the_host_
     BOOST_TEST(nc.aborted());
   }
   w.barrier();
-  if (w.rank() != 0) nc.abort("test: rank 0 gave up on a collective this rank skipped");
+  if (w.rank() != 0) {
+    nc.abort("test: rank 0 gave up on a collective this rank skipped");
+    half.abort("test: rank 0 gave up on a collective this rank skipped");
+  }
   BOOST_TEST(nc.aborted());
   BOOST_CHECK_THROW(nc.all_reduce(buf.get(), buf.get(), 1, DType::kFloat32, ReduceOp::kSum), fsdp::CommError);
   BOOST_CHECK_THROW(nc.iall_gather(buf.get(), buf.get(), 1, DType::kFloat32), fsdp::CommError);

@@ -1,6 +1,7 @@
 // fsdp-train (app layer): one optimizer step of the loop: the micro-batches' forward and backward
 // (gradients reduced on the last one only), clipping, and the step, skipped when any rank saw a
-// non-finite loss or gradient norm. One small all-reduce decides that, and carries a stop request.
+// non-finite loss or gradient norm. One small all-reduce decides that, and carries a stop request and
+// whether the step's collectives failed on some rank.
 #pragma once
 
 #include <fsdp/fsdp.hpp>
@@ -12,9 +13,11 @@
 #include <functional>
 #include <optional>
 #include <stdexcept>
+#include <string>
 
 #include "data.hpp"
 #include "train/dataset.hpp"
+#include "train/ranks.hpp"
 #include "train/timing.hpp"
 
 namespace fsdp::app {
@@ -33,11 +36,12 @@ struct StepOutcome {
 /// `scaler` (fp16) the loss is scaled before backward and the gradients unscaled before clipping;
 /// `before_update`, if set, runs right before the optimizer's step (optim.no_decay's decay).
 /// `stop_signal` is this rank's pending signal (set by a handler), read after the micro-batches and
-/// shared with the others. Collective.
+/// shared with the others. `fail_collectives` (test hook FSDP_TEST_FAIL_COLLECTIVES) makes this rank's
+/// collectives of the step fail as an aborted GPU communicator's do. Collective.
 template <class Engine, class Loader>
 StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const Dataset& data, Loader& loader, std::int64_t accum, bool reduce_every, double clip,
                        fsdp::DynamicLossScale* scaler, const volatile std::sig_atomic_t& stop_signal, MpiComm& world, Phases& phases,
-                       const std::function<void()>& before_update = {}) {
+                       const std::function<void()>& before_update = {}, bool fail_collectives = false) {
   StepOutcome out;
   optimizer.zero_grad();
   for (std::int64_t a = 0; a < accum; ++a) {
@@ -64,8 +68,20 @@ StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const 
   Timed t(phases.optimizer, "optimizer");
   const bool overflowed = scaler && model.unscale_grads(scaler->scale());  // agreed by every rank
   const double norm = clip > 0 && !overflowed ? model.clip_grad_norm(clip) : 0.0;
-  std::int64_t flags[2] = {stop_signal, std::isfinite(out.loss) && std::isfinite(norm) ? 0 : 1};
-  world.all_reduce(flags, flags, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+  // The step's collectives settled before the optimizer uses their results: a GPU communicator's are
+  // stream-ordered, and one its watcher aborted (deadline, NCCL error) fails here, on every rank.
+  std::optional<std::string> comm_failure;
+  try {
+    model.synchronize_collectives();
+    if (fail_collectives)
+      throw fsdp::CommError("rank " + std::to_string(world.rank()) + ": all_reduce did not complete within its deadline; the NCCL communicator was aborted (test hook FSDP_TEST_FAIL_COLLECTIVES)",
+                            "fsdp.comm.deadline");
+  } catch (const fsdp::CommError& e) {
+    comm_failure = e.what();
+  }
+  std::int64_t flags[3] = {stop_signal, std::isfinite(out.loss) && std::isfinite(norm) ? 0 : 1, comm_failure ? 1 : 0};
+  world.all_reduce(flags, flags, 3, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
+  if (flags[2] != 0) agree(world, comm_failure, /*bad_input=*/false);  // every rank throws the failing rank's message
   out.stop_signal = flags[0];
   out.nonfinite = flags[1] != 0;
   // An overflow is what loss scaling expects now and then: skip and back off. A non-finite loss is not,

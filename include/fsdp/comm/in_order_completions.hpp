@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <deque>
+#include <mutex>
 #include <utility>
 
 namespace fsdp {
@@ -61,5 +62,22 @@ class InOrderCompletions {
  private:
   std::deque<Entry> entries_;
 };
+
+/// One look of a watcher thread at `pending`, whose issuing thread holds `mutex` while it issues and
+/// releases: skipped (an empty result) while that thread holds it, so the watcher never waits for it.
+/// Otherwise, for the oldest entry `is_done` does not report complete, `fault_of(entry)` (an
+/// optional); when that holds a fault, `on_fault(fault)` runs, still under the lock, and the fault is
+/// returned for what must be done outside the lock (an abort that may take long).
+template <class Mutex, class Entry, class IsDone, class FaultOf, class OnFault>
+auto watch_oldest_pending(Mutex& mutex, InOrderCompletions<Entry>& pending, IsDone&& is_done, FaultOf&& fault_of, OnFault&& on_fault)
+    -> decltype(fault_of(std::declval<Entry&>())) {
+  std::unique_lock<Mutex> lock(mutex, std::try_to_lock);
+  if (!lock.owns_lock()) return {};
+  Entry* oldest = pending.first_pending(is_done);
+  if (oldest == nullptr) return {};
+  auto fault = fault_of(*oldest);
+  if (fault) on_fault(*fault);
+  return fault;
+}
 
 }  // namespace fsdp

@@ -18,7 +18,7 @@
 #include <string>
 #include <thread>
 
-#include "fsdp/comm/nccl_utils.hpp"
+#include "fsdp/comm/nccl_calls.hpp"
 #include "fsdp/core/device_choice.hpp"
 #include "fsdp/core/layout.hpp"  // fnv1a64
 

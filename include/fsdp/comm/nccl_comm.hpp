@@ -27,9 +27,10 @@
 // Needs FSDP_WITH_NCCL (CMake: link fsdp::nccl) and NCCL >= 2.14; split uses ncclCommSplit from 2.18.
 //
 // This file holds the collectives (NcclComm); the pending non-blocking one (NcclRequest) is in
-// nccl_request.hpp; the checked calls, error text, the shared stream (NcclLane) and one
-// communicator's lifetime and abort (NcclState) in nccl_utils.hpp; the device choice and the Slurm id
-// file in nccl_bootstrap.hpp, as c10d keeps NCCLUtils.hpp apart from ProcessGroupNCCL.
+// nccl_request.hpp; the shared stream and its watcher (NcclLane) and one communicator's lifetime and
+// abort (NcclState) in nccl_utils.hpp; the checked calls, error text, options and deadlines in
+// nccl_calls.hpp; the device choice and the Slurm id file in nccl_bootstrap.hpp, as c10d keeps
+// NCCLUtils.hpp apart from ProcessGroupNCCL.
 #pragma once
 
 #include <array>
@@ -49,7 +50,7 @@
 #include "fsdp/comm/mpi_comm.hpp"
 #include "fsdp/comm/nccl_bootstrap.hpp"  // device choice, the Slurm id file
 #include "fsdp/comm/nccl_request.hpp"    // a pending non-blocking collective
-#include "fsdp/comm/nccl_utils.hpp"      // checked calls, error text, NcclState (one communicator's lifetime), the lane
+#include "fsdp/comm/nccl_utils.hpp"      // NcclState (one communicator's lifetime), the lane and its watcher; checked calls (nccl_calls.hpp)
 
 namespace fsdp {
 
@@ -167,7 +168,11 @@ class NcclComm {
   int size() const noexcept { return state_->size; }
   /// The CUDA device of this communicator's buffers and streams.
   int device() const noexcept { return state_->device; }
-  ncclComm_t native() const noexcept { return state_->comm; }
+  /// The NCCL handle (null once aborted); the lane's watcher may abort it at any time.
+  ncclComm_t native() const noexcept {
+    const std::lock_guard<std::recursive_mutex> lock(state_->lane->mutex);
+    return state_->comm;
+  }
   /// The MPI communicator over the same ranks in the same order (bootstrapped over MPI, or split from
   /// such a communicator): parallel HDF5 checkpoints write through it. Throws CommError otherwise.
   const MpiComm& mpi() const {
@@ -206,7 +211,8 @@ class NcclComm {
   /// seen by the issuing thread or the lane's watcher thread, or abort()); every call then throws.
   bool aborted() const noexcept { return state_->aborted; }
   /// Aborts the NCCL communicator (ncclCommAbort): what it has queued ends, and it is unusable after.
-  /// Local, not collective: use it when a peer failed or left.
+  /// Local, not collective: use it when a peer failed or left. Only this communicator (a deadline or
+  /// NCCL error, by contrast, aborts every communicator sharing its stream).
   void abort(const std::string& reason = "abort() called") noexcept { state_->abort({state_->who() + ": " + reason}); }
 
   /// A communicator over the ranks with the same color (>= 0), ordered by key, then by rank; on the
@@ -239,22 +245,26 @@ class NcclComm {
     } else {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
       const detail::CudaDeviceGuard on(state_->device);
-      const std::lock_guard<std::recursive_mutex> lock(state_->lane->mutex);  // the lane's watcher may abort the parent
       const char* call = "ncclCommSplit(comm, color, key, &sub, &config)";
       const detail::Deadline deadline(state_->options.timeout_s);
       ncclConfig_t config = detail::nonblocking_config();
       ncclComm_t c = nullptr;
-      const ncclResult_t rc = ncclCommSplit(state_->comm, color, key, &c, &config);
+      ncclResult_t rc = ncclSuccess;
+      {
+        const std::lock_guard<std::recursive_mutex> lock(state_->lane->mutex);  // the lane's watcher may abort the parent
+        state_->check_usable("split");
+        rc = ncclCommSplit(state_->comm, color, key, &c, &config);
+      }
       if (rc != ncclSuccess && rc != ncclInProgress) {
         if (c != nullptr) ncclCommAbort(c);
-        state_->settle(state_->comm, rc, call, "split", __FILE__, __LINE__, deadline);  // throws
+        state_->settle(rc, call, "split", __FILE__, __LINE__, deadline);  // throws
       }
       sub->comm = c;
       sub->rank = rank();
       sub->size = size();
       // Both the new communicator and the parent may report ncclInProgress until the split is through.
-      sub->settle(c, rc, call, "split", __FILE__, __LINE__, deadline);
-      state_->settle(state_->comm, ncclInProgress, call, "split", __FILE__, __LINE__, deadline);
+      sub->settle(rc, call, "split", __FILE__, __LINE__, deadline);
+      state_->settle(ncclInProgress, call, "split", __FILE__, __LINE__, deadline);
       FSDP_NCCL_CHECK(ncclCommCount(c, &sub->size));
       FSDP_NCCL_CHECK(ncclCommUserRank(c, &sub->rank));
       sub->add_to_lane();

@@ -1,212 +1,38 @@
-// The checked CUDA and NCCL calls of NcclComm, their error text, and one NCCL communicator's lifetime
-// (comm layer; CUDA runtime + NCCL + MPI, no LibTorch), apart from the collectives as c10d keeps
-// NCCLUtils.hpp apart from ProcessGroupNCCL. Include fsdp/comm/nccl_comm.hpp, not this file.
+// One NCCL communicator's lifetime and abort (NcclState) and the stream communicators share with its
+// watcher thread (NcclLane) (comm layer; CUDA runtime + NCCL + MPI, no LibTorch), apart from the
+// collectives as c10d keeps NCCLUtils.hpp apart from ProcessGroupNCCL. Include
+// fsdp/comm/nccl_comm.hpp, not this file.
 //
-// Every CUDA and NCCL call is checked (FSDP_CUDA_CHECK, FSDP_NCCL_CHECK) and a failure is a CommError
-// naming the call, the rank, file:line and the CUDA / NCCL error text. NcclState owns a non-blocking
-// NCCL communicator (ncclConfig_t::blocking = 0) with its stream and events: every wait (init, split,
-// enqueue, completion, finalize) polls ncclCommGetAsyncError and a deadline, and past the deadline
-// the communicator is aborted (ncclCommAbort) and CommError with id fsdp.comm.deadline is thrown.
+// NcclState owns a non-blocking NCCL communicator (ncclConfig_t::blocking = 0): every wait (init,
+// split, enqueue, completion, finalize) polls ncclCommGetAsyncError and a deadline, and past the
+// deadline the communicator is aborted (ncclCommAbort) and CommError with id fsdp.comm.deadline is thrown.
 #pragma once
 
-#if !defined(FSDP_WITH_NCCL)
-#error "fsdp/comm/nccl_comm.hpp needs FSDP_WITH_NCCL: configure with -DFSDP_WITH_NCCL=ON and link fsdp::nccl"
-#endif
-#if !__has_include(<nccl.h>) || !__has_include(<cuda_runtime_api.h>)
-#error "fsdp/comm/nccl_comm.hpp: nccl.h or cuda_runtime_api.h not on the include path (link fsdp::nccl)"
-#endif
-
 #include <cuda_runtime_api.h>
-#include <fcntl.h>
 #include <nccl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <exception>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/in_order_completions.hpp"
 #include "fsdp/comm/mpi_comm.hpp"
+#include "fsdp/comm/nccl_calls.hpp"
 #include "fsdp/comm/periodic_thread.hpp"
-
-#if NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
-#error "NcclComm needs NCCL >= 2.14 (non-blocking communicators, ncclCommInitRankConfig, ncclAvg, bfloat16)"
-#endif
-
-/// Checks a CUDA runtime call; a failure throws fsdp::CommError naming the call, rank and file:line.
-#define FSDP_CUDA_CHECK(call)                                                                                     \
-  do {                                                                                                            \
-    const cudaError_t fsdp_cuda_rc_ = (call);                                                                     \
-    if (fsdp_cuda_rc_ != cudaSuccess) ::fsdp::detail::throw_cuda_error(#call, fsdp_cuda_rc_, __FILE__, __LINE__); \
-  } while (0)
-
-/// Checks an NCCL call that must succeed at once (ncclInProgress is a failure here; calls on the
-/// non-blocking communicator go through NcclComm's own polling instead).
-#define FSDP_NCCL_CHECK(call)                                                                                     \
-  do {                                                                                                            \
-    const ncclResult_t fsdp_nccl_rc_ = (call);                                                                    \
-    if (fsdp_nccl_rc_ != ncclSuccess) ::fsdp::detail::throw_nccl_error(#call, fsdp_nccl_rc_, __FILE__, __LINE__); \
-  } while (0)
 
 namespace fsdp {
 
-/// How NcclComm::split makes sub-communicators.
-enum class NcclSplit {
-  kAuto,       ///< ncclCommSplit where NCCL >= 2.18, else kMpi
-  kCommSplit,  ///< ncclCommSplit (an error before NCCL 2.18)
-  kMpi,        ///< a new communicator per group, its id broadcast over MPI (needs the MPI bootstrap)
-};
-
-/// Settings of an NcclComm (copied into every communicator split from it).
-struct NcclOptions {
-  /// Deadline in seconds of every wait (init, split, each collective, barrier, finalize); past it the
-  /// communicator is aborted and CommError (fsdp.comm.deadline) is thrown. <= 0 waits forever.
-  /// Give it the deck's comm.timeout_s.
-  double timeout_s = 600;
-  /// CUDA device of this rank; -1: the node-local rank modulo the number of visible devices.
-  int device = -1;
-  /// How split() makes sub-communicators.
-  NcclSplit split = NcclSplit::kAuto;
-  /// from_slurm_file: how long ranks other than 0 wait for rank 0's id file, in seconds.
-  double id_file_timeout_s = 300;
-};
-
 namespace detail {
-
-/// The rank named in error messages; the bootstraps set it to the world rank.
-inline std::atomic<int>& nccl_process_rank_slot() noexcept {
-  static std::atomic<int> rank{-1};
-  return rank;
-}
-
-/// This process's rank for messages: set by a bootstrap, else MPI's world rank, else SLURM_PROCID, else -1.
-inline int process_rank() noexcept {
-  const int set = nccl_process_rank_slot().load(std::memory_order_relaxed);
-  if (set >= 0) return set;
-  int initialized = 0, finalized = 0, rank = -1;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized && MPI_Comm_rank(MPI_COMM_WORLD, &rank) == MPI_SUCCESS) return rank;
-  if (const char* s = std::getenv("SLURM_PROCID")) return std::atoi(s);
-  return -1;
-}
-
-/// Seconds for messages: "2", "0.5", "600".
-inline std::string seconds_text(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", seconds);
-  return text;
-}
-
-inline std::string where(const char* file, int line) { return std::string(" (") + file + ":" + std::to_string(line) + ")"; }
-
-[[noreturn]] inline void throw_cuda_error(const char* call, cudaError_t rc, const char* file, int line) {
-  throw CommError("rank " + std::to_string(process_rank()) + ": " + call + " failed: " + cudaGetErrorName(rc) + ": " + cudaGetErrorString(rc) +
-                  where(file, line));
-}
-
-inline std::string nccl_error_text(ncclResult_t rc, ncclComm_t comm) {
-  std::string text = std::string(ncclGetErrorString(rc));
-  const char* last = ncclGetLastError(comm);
-  if (last != nullptr && *last != '\0') text += std::string("; NCCL says: ") + last;
-  return text;
-}
-
-[[noreturn]] inline void throw_nccl_error(const char* call, ncclResult_t rc, const char* file, int line, ncclComm_t comm = nullptr) {
-  throw CommError("rank " + std::to_string(process_rank()) + ": " + call + " failed: " + nccl_error_text(rc, comm) + where(file, line));
-}
-
-inline ncclDataType_t nccl_datatype(DType t) {
-  switch (t) {
-    case DType::kFloat32: return ncclFloat32;
-    case DType::kFloat64: return ncclFloat64;
-    case DType::kFloat16: return ncclFloat16;
-    case DType::kBFloat16: return ncclBfloat16;
-    case DType::kInt32: return ncclInt32;
-    case DType::kInt64: return ncclInt64;
-    case DType::kUInt8: return ncclUint8;
-  }
-  throw CommError("rank " + std::to_string(process_rank()) + ": unsupported dtype for NCCL");
-}
-
-inline ncclRedOp_t nccl_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum: return ncclSum;
-    case ReduceOp::kAvg: return ncclAvg;
-    case ReduceOp::kMax: return ncclMax;
-  }
-  throw CommError("rank " + std::to_string(process_rank()) + ": unsupported reduction for NCCL");
-}
-
-inline std::size_t nccl_count(std::int64_t n, const char* what) {
-  if (n < 0) throw CommError("rank " + std::to_string(process_rank()) + ": " + what + ": negative element count " + std::to_string(n));
-  return static_cast<std::size_t>(n);
-}
-
-/// A point in time after which waiting is an error; seconds <= 0 never passes.
-class Deadline {
- public:
-  explicit Deadline(double seconds)
-      : seconds_(seconds),
-        at_(std::chrono::steady_clock::now() +
-            std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds > 0 ? seconds : 0))) {}
-  bool passed() const noexcept { return seconds_ > 0 && std::chrono::steady_clock::now() > at_; }
-  double seconds() const noexcept { return seconds_; }
-
- private:
-  double seconds_;
-  std::chrono::steady_clock::time_point at_;
-};
-
-/// Spins briefly, then sleeps up to 1 ms between polls.
-inline void poll_pause(unsigned& spins) {
-  if (++spins < 64) {
-    std::this_thread::yield();
-  } else {
-    std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 50 : 1000));
-  }
-}
-
-/// Makes `device` current for its scope (the autograd engine may call from a thread on another device).
-class CudaDeviceGuard {
- public:
-  explicit CudaDeviceGuard(int device) {
-    FSDP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ == device) {
-      previous_ = -1;
-    } else {
-      FSDP_CUDA_CHECK(cudaSetDevice(device));
-    }
-  }
-  ~CudaDeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
-  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
-
-inline ncclConfig_t nonblocking_config() {
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  return config;
-}
 
 // ---- the stream communicators share, and one NCCL communicator -------------------------------------
 
@@ -239,11 +65,13 @@ struct NcclFault {
 /// stream waits for its completion event; the host goes on. `pending` keeps those completion events
 /// until the host has seen them complete.
 ///
-/// The lane's watcher thread looks at the oldest pending collective every tenth of the deadline (at
-/// most 100 ms): NCCL's asynchronous error or its passed deadline aborts every communicator of the
-/// lane. The aborted kernels end, so a host blocked in a device sync elsewhere (LibTorch reading a
-/// loss) goes on, and the next call on any of the lane's communicators throws that error. The issuing
-/// thread checks the same at each collective, wait and host wait, and throws at once.
+/// The lane's watcher thread looks at the oldest pending collective every tenth of the timeout the
+/// lane was created with (at most 100 ms): NCCL's asynchronous error or its passed deadline aborts
+/// every communicator of the lane. The aborted kernels end, so a host blocked in a device sync
+/// elsewhere (LibTorch reading a loss) goes on, and the next call on any of the lane's communicators
+/// throws that error. The issuing thread checks the same at each collective, wait and host wait, and
+/// throws at once. The watcher never waits for the lock (a look is skipped while the issuing thread
+/// holds it) and calls ncclCommAbort outside it, so neither thread can hold the other.
 struct NcclLane : std::enable_shared_from_this<NcclLane> {
   struct Pending {
     std::shared_ptr<CompletionEvent> done;
@@ -260,12 +88,13 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
   cudaStream_t compute_stream = nullptr;          // 0: the default stream; used unless the hooks below are set
   std::function<void(void*)> record_on_compute;   // records a cudaEvent_t on the compute stream (the engine's: LibTorch's current stream)
   std::function<void(void*)> compute_waits_for;   // makes the compute stream wait for a cudaEvent_t
-  // Guards `pending`, `spare`, `members` and the members' NCCL handles and abort state: the issuing
-  // thread and the watcher share them. Recursive: an abort found while issuing aborts every member.
+  // Guards `pending`, `spare`, `members`, `fault` and the members' NCCL handles and abort state: the
+  // issuing thread and the watcher share them. Recursive: an abort found while issuing aborts every member.
   std::recursive_mutex mutex;
   InOrderCompletions<Pending> pending;
   std::vector<cudaEvent_t> spare;      // completion events to reuse
   std::vector<NcclState*> members;     // the live communicators with an NCCL handle on this lane
+  std::optional<NcclFault> fault;      // set once the lane's communicators were aborted
   PeriodicThread watcher;              // last member: stopped first
 
   NcclLane(int dev, double timeout_s) : device(dev) {
@@ -281,7 +110,9 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
   NcclLane(const NcclLane&) = delete;
   NcclLane& operator=(const NcclLane&) = delete;
   ~NcclLane() {
-    watcher.stop();
+    // A watcher still inside ncclCommAbort after that (an abort that does not return) is let go, and
+    // so are the stream and events its kernels may still hold: the process's end frees them.
+    if (!watcher.stop(std::chrono::seconds(30))) return;
     int previous = -1;
     const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
     cudaStreamSynchronize(stream);  // every communicator of the lane is finalized or aborted by now
@@ -327,12 +158,22 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
     return std::make_shared<CompletionEvent>(e, weak_from_this());
   }
 
-  /// Aborts every communicator of the lane with `fault` (their collectives share this stream: behind a
-  /// failed one, the order the ranks agreed on is gone).
-  inline void abort_all(const NcclFault& fault) noexcept;
+  /// Marks every communicator of the lane aborted with `why` (their collectives share this stream:
+  /// behind a failed one, the order the ranks agreed on is gone) and hands over their NCCL handles, for
+  /// ncclCommAbort outside the lock. Under `mutex`.
+  inline std::vector<ncclComm_t> mark_aborted(const NcclFault& why) noexcept;
+
+  /// Aborts every communicator of the lane with `why` (the issuing thread's path).
+  inline void abort_all(const NcclFault& why) noexcept;
 
   /// The watcher's look at the oldest pending collective (see the struct's comment).
   inline void watch_once() noexcept;
+
+  /// Entries neither thread watches: complete (or their event failed: the issuing thread's release
+  /// reports that), or of a communicator destroyed since (its collective ends with it).
+  static bool not_watched(const Pending& p) noexcept {
+    return p.owner == nullptr || cudaEventQuery(p.done->event) != cudaErrorNotReady;
+  }
 };
 
 CompletionEvent::~CompletionEvent() {
@@ -405,10 +246,20 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     if (switched) cudaSetDevice(previous);
   }
 
-  /// Lets the lane's watcher see this communicator (once its NCCL handle exists).
+  /// Lets the lane's watcher see this communicator (once its NCCL handle exists). On a lane aborted
+  /// meanwhile (a split made while the watcher aborted its parent) it is aborted too, and throws.
   void add_to_lane() {
-    const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
-    lane->members.push_back(this);
+    std::optional<NcclFault> lane_fault;
+    {
+      const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
+      if (!lane->fault) {
+        lane->members.push_back(this);
+        return;
+      }
+      lane_fault = lane->fault;
+    }
+    abort(*lane_fault);
+    throw CommError(who() + ": the NCCL communicators it was split from were aborted: " + lane_fault->message, lane_fault->id);
   }
 
   std::string who() const { return "rank " + std::to_string(rank) + "/" + std::to_string(size) + " (device " + std::to_string(device) + ")"; }
@@ -419,19 +270,35 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     if (comm == nullptr) throw CommError(who() + ": " + op + ": no NCCL communicator");
   }
 
-  /// ncclCommAbort: ends what is queued on the device; the communicator is unusable afterwards.
-  void abort(NcclFault why) noexcept {
-    const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
-    if (aborted) return;
-    fault = std::move(why);
+  /// Marks this communicator aborted with `why` and hands over its NCCL handle (null if it had none or
+  /// was aborted before). Under lane->mutex.
+  ncclComm_t mark_aborted(const NcclFault& why) noexcept {
+    if (aborted) return nullptr;
+    fault = why;
     aborted = true;
-    if (comm != nullptr) {
-      int previous = -1;
-      const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
-      ncclCommAbort(comm);  // its result does not matter: the handle is given up either way
-      comm = nullptr;
-      if (switched) cudaSetDevice(previous);
+    return std::exchange(comm, nullptr);
+  }
+
+  /// ncclCommAbort on handles taken from communicators of `device`: ends what they queued on the
+  /// device. Outside lane->mutex where it can be: it may take long. An abort that never returns is the
+  /// process watchdog's (CollectiveWatchdog, when the application configured it), as c10d's monitor does.
+  static void abort_handles(const std::vector<ncclComm_t>& handles, int device) noexcept {
+    if (handles.empty()) return;
+    const CollectiveWatchdog::Scope aborting("ncclCommAbort");
+    int previous = -1;
+    const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
+    for (ncclComm_t c : handles) ncclCommAbort(c);  // its result does not matter: the handle is given up either way
+    if (switched) cudaSetDevice(previous);
+  }
+
+  /// ncclCommAbort of this communicator alone: ends what it queued on the device; it is unusable afterwards.
+  void abort(const NcclFault& why) noexcept {
+    ncclComm_t taken = nullptr;
+    {
+      const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
+      taken = mark_aborted(why);
     }
+    if (taken != nullptr) abort_handles({taken}, device);
   }
 
   /// Aborts this communicator and every one of the lane with `fault` and throws it.
@@ -441,20 +308,22 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     throw CommError(f.message, f.id);
   }
 
-  /// NCCL's asynchronous state of `c` (ncclSuccess, ncclInProgress) in `state`, or the fault it reports.
-  std::optional<NcclFault> async_fault(ncclComm_t c, const char* op, ncclResult_t& state, const char* file, int line) const {
+  /// NCCL's asynchronous state of this communicator (ncclSuccess, ncclInProgress) in `state`, or the
+  /// fault it reports. Under lane->mutex, with a handle.
+  std::optional<NcclFault> async_fault(const char* op, ncclResult_t& state, const char* file, int line) const {
     state = ncclSuccess;
-    const ncclResult_t rc = ncclCommGetAsyncError(c, &state);
-    if (rc != ncclSuccess) return NcclFault{who() + ": " + op + ": ncclCommGetAsyncError failed: " + nccl_error_text(rc, c) + where(file, line)};
+    const ncclResult_t rc = ncclCommGetAsyncError(comm, &state);
+    if (rc != ncclSuccess) return NcclFault{who() + ": " + op + ": ncclCommGetAsyncError failed: " + nccl_error_text(rc, comm) + where(file, line)};
     if (state != ncclSuccess && state != ncclInProgress)
-      return NcclFault{who() + ": " + op + ": asynchronous NCCL error: " + nccl_error_text(state, c) + "; the communicator was aborted" + where(file, line)};
+      return NcclFault{who() + ": " + op + ": asynchronous NCCL error: " + nccl_error_text(state, comm) + "; the communicator was aborted" + where(file, line)};
     return std::nullopt;
   }
 
-  /// Throws (after aborting) if NCCL reports an asynchronous error on `c`; returns its state otherwise.
-  ncclResult_t poll_async(ncclComm_t c, const char* op, const char* file, int line) {
+  /// Throws (after aborting) if NCCL reports an asynchronous error; returns the state otherwise.
+  /// Under lane->mutex, with a handle.
+  ncclResult_t poll_async(const char* op, const char* file, int line) {
     ncclResult_t state = ncclSuccess;
-    if (auto f = async_fault(c, op, state, file, line)) fail(*f);
+    if (auto f = async_fault(op, state, file, line)) fail(*f);
     return state;
   }
 
@@ -479,23 +348,30 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   std::optional<NcclFault> fault_of(const NcclLane::Pending& p) const {
     if (comm == nullptr) return std::nullopt;
     ncclResult_t state = ncclSuccess;
-    if (auto f = async_fault(comm, p.op, state, __FILE__, __LINE__)) return f;
+    if (auto f = async_fault(p.op, state, __FILE__, __LINE__)) return f;
     if (p.deadline.passed()) return deadline_fault(p.op, p.deadline, p.unit, p.step);
     return std::nullopt;
   }
 
-  /// After an NCCL call on the non-blocking communicator `c`: an error throws; ncclInProgress is
-  /// polled (ncclCommGetAsyncError) until it settles, within the deadline.
-  void settle(ncclComm_t c, ncclResult_t rc, const char* call, const char* op, const char* file, int line, const Deadline& deadline) {
+  /// After an NCCL call on this (non-blocking) communicator: an error throws; ncclInProgress is polled
+  /// (ncclCommGetAsyncError) until it settles, within the deadline. The lock is held per poll only.
+  void settle(ncclResult_t rc, const char* call, const char* op, const char* file, int line, const Deadline& deadline) {
     if (rc == ncclSuccess) return;
     if (rc != ncclInProgress) {
+      const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
+      check_usable(op);
       // An asynchronous error makes the communicator unusable (abort); an immediate one (bad arguments) does not.
-      poll_async(c, op, file, line);
-      throw CommError(who() + ": " + call + " failed: " + nccl_error_text(rc, c) + where(file, line));
+      poll_async(op, file, line);
+      throw CommError(who() + ": " + call + " failed: " + nccl_error_text(rc, comm) + where(file, line));
     }
     unsigned spins = 0;
-    while (poll_async(c, op, file, line) == ncclInProgress) {
-      if (deadline.passed()) deadline_passed(op, deadline);
+    for (;;) {
+      {
+        const std::lock_guard<std::recursive_mutex> lock(lane->mutex);
+        check_usable(op);  // the watcher may have aborted it between two polls
+        if (poll_async(op, file, line) != ncclInProgress) return;
+        if (deadline.passed()) deadline_passed(op, deadline);
+      }
       poll_pause(spins);
     }
   }
@@ -512,7 +388,7 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
         if (q == cudaSuccess) return;
         if (q != cudaErrorNotReady) throw_cuda_error("cudaEventQuery(completion event)", q, __FILE__, __LINE__);
         poll_lane();
-        poll_async(comm, op, __FILE__, __LINE__);
+        poll_async(op, __FILE__, __LINE__);
         if (deadline.passed()) deadline_passed(op, deadline);
       }
       poll_pause(spins);
@@ -524,10 +400,17 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   /// The caller holds a CudaDeviceGuard.
   template <class Launch>
   void enqueue(const char* op, const char* call, const char* file, int line, Launch&& launch, cudaEvent_t completion, const Deadline& deadline) {
-    const std::lock_guard<std::recursive_mutex> lock(lane->mutex);  // the watcher may abort `comm`
-    check_usable(op);
-    lane->order_after_compute();
-    settle(comm, launch(), call, op, file, line, deadline);
+    ncclResult_t rc = ncclSuccess;
+    {
+      const std::lock_guard<std::recursive_mutex> lock(lane->mutex);  // the watcher may abort `comm`
+      check_usable(op);
+      lane->order_after_compute();
+      // A launch can block inside CUDA (a full launch queue behind a hung kernel), where no deadline of
+      // ours runs: the process watchdog's (CollectiveWatchdog, when the application configured it).
+      const CollectiveWatchdog::Scope launching(op);
+      rc = launch();
+    }
+    settle(rc, call, op, file, line, deadline);
     FSDP_CUDA_CHECK(cudaEventRecord(completion, lane->stream));
   }
 
@@ -559,8 +442,11 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
         },
         [](NcclLane::Pending) {});  // its event goes back to the spares once no request holds it
     if (aborted) throw CommError(who() + ": the NCCL communicator was aborted: " + fault.message, fault.id);
-    if (oldest == nullptr || oldest->owner == nullptr) return;
-    if (auto f = oldest->owner->fault_of(*oldest)) fail(*f);
+    if (oldest == nullptr) return;
+    // A destroyed communicator's collective ends with it; the next one of a live communicator is watched.
+    auto* watched = lane->pending.first_pending(NcclLane::not_watched);
+    if (watched == nullptr) return;
+    if (auto f = watched->owner->fault_of(*watched)) fail(*f);
   }
 
   /// Waits on the host until every collective queued on the lane has completed (deadlines, errors).
@@ -606,7 +492,7 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
       throw_nccl_error("ncclCommInitRankConfig(&comm, nranks, id, rank, &config)", rc, __FILE__, __LINE__);
     }
     comm = c;
-    settle(comm, rc, "ncclCommInitRankConfig(&comm, nranks, id, rank, &config)", "NCCL init", __FILE__, __LINE__, Deadline(options.timeout_s));
+    settle(rc, "ncclCommInitRankConfig(&comm, nranks, id, rank, &config)", "NCCL init", __FILE__, __LINE__, Deadline(options.timeout_s));
     check_rank_and_size();
     add_to_lane();
   }
@@ -621,22 +507,34 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   }
 };
 
-void NcclLane::abort_all(const NcclFault& fault) noexcept {
-  const std::lock_guard<std::recursive_mutex> lock(mutex);
-  for (NcclState* member : members) member->abort(fault);
+std::vector<ncclComm_t> NcclLane::mark_aborted(const NcclFault& why) noexcept {
+  if (!fault) fault = why;
+  std::vector<ncclComm_t> taken;
+  for (NcclState* member : members)
+    if (ncclComm_t c = member->mark_aborted(why)) taken.push_back(c);
+  return taken;
+}
+
+void NcclLane::abort_all(const NcclFault& why) noexcept {
+  std::vector<ncclComm_t> taken;
+  {
+    const std::lock_guard<std::recursive_mutex> lock(mutex);
+    taken = mark_aborted(why);
+  }
+  NcclState::abort_handles(taken, device);
 }
 
 void NcclLane::watch_once() noexcept {
-  const std::lock_guard<std::recursive_mutex> lock(mutex);
-  cudaSetDevice(device);  // this thread's; the events and communicators are of this device
-  const Pending* oldest = pending.first_pending([](const Pending& p) { return cudaEventQuery(p.done->event) != cudaErrorNotReady; });
-  if (oldest == nullptr || oldest->owner == nullptr) return;
-  const auto fault = oldest->owner->fault_of(*oldest);
-  if (!fault) return;
-  abort_all(*fault);
+  const int dev = device;  // after the abort below nothing of the lane is touched (stop() may have let this thread go)
+  cudaSetDevice(dev);       // this thread's; the events and communicators are of this device
+  std::vector<ncclComm_t> taken;
+  const auto found = watch_oldest_pending(
+      mutex, pending, not_watched, [](const Pending& p) { return p.owner->fault_of(p); }, [&](const NcclFault& why) { taken = mark_aborted(why); });
+  if (!found) return;
   // The issuing thread throws at its next call; until then the job's log says why its step ended.
-  std::fprintf(stderr, "[%s] %s (seen by the communicator's watcher thread)\n", fault->id.c_str(), fault->message.c_str());
+  std::fprintf(stderr, "[%s] %s (seen by the communicator's watcher thread)\n", found->id.c_str(), found->message.c_str());
   std::fflush(stderr);
+  NcclState::abort_handles(taken, dev);
 }
 
 }  // namespace detail

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -24,13 +25,11 @@ class PeriodicThread {
   /// escaping `tick` is dropped (the next tick still runs): a watcher must outlive a failed poll.
   void start(std::chrono::nanoseconds period, std::function<void()> tick) {
     stop();
-    {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = false;
-    }
-    thread_ = std::thread([this, period, tick = std::move(tick)] {
-      std::unique_lock<std::mutex> lock(mutex_);
-      while (!wake_.wait_for(lock, period, [this] { return stopping_; })) {
+    shared_ = std::make_shared<Shared>();
+    // The thread owns what it touches between ticks, so that it can be let go (stop's patience).
+    thread_ = std::thread([shared = shared_, period, tick = std::move(tick)] {
+      std::unique_lock<std::mutex> lock(shared->mutex);
+      while (!shared->wake.wait_for(lock, period, [&] { return shared->stopping; })) {
         lock.unlock();
         try {
           tick();
@@ -38,26 +37,46 @@ class PeriodicThread {
         }
         lock.lock();
       }
+      shared->finished = true;
+      shared->wake.notify_all();
     });
   }
 
-  /// Wakes the thread and waits for it to end (after the tick it is running, if any). Not from `tick`.
-  void stop() noexcept {
-    if (!thread_.joinable()) return;
+  /// Wakes the thread and waits up to `patience` for it to end (after the tick it is running, if any);
+  /// a tick still running then is let go (detached; it must not touch what its owner frees) and false
+  /// is returned. Not from `tick`.
+  bool stop(std::chrono::nanoseconds patience = std::chrono::nanoseconds::max()) noexcept {
+    if (!thread_.joinable()) return true;
+    bool finished = false;
     {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
+      std::unique_lock<std::mutex> lock(shared_->mutex);
+      shared_->stopping = true;
+      shared_->wake.notify_all();
+      const auto done = [&] { return shared_->finished; };
+      if (patience == std::chrono::nanoseconds::max())
+        shared_->wake.wait(lock, done);
+      else
+        shared_->wake.wait_for(lock, patience, done);
+      finished = shared_->finished;
     }
-    wake_.notify_all();
-    thread_.join();
+    if (finished)
+      thread_.join();
+    else
+      thread_.detach();
+    shared_.reset();
+    return finished;
   }
 
   bool running() const noexcept { return thread_.joinable(); }
 
  private:
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  bool stopping_ = false;
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable wake;
+    bool stopping = false;
+    bool finished = false;
+  };
+  std::shared_ptr<Shared> shared_;
   std::thread thread_;
 };
 

@@ -99,8 +99,9 @@ class AsyncCheckpointer {
     const auto t1 = Clock::now();
     detail::synchronize_shards_of(engine);  // collective: every rank here, before any local failure can part them
     std::optional<std::string> error = detail::capture_error([&] {
+      detail::synchronize_collectives_of(engine);  // before reading; agreed below, over the control group (MPI)
       snapshot_->capture(engine, optimizer);
-      detail::synchronize_collectives_of(engine);  // the capture's own gathers too: the control group is not the engine's
+      detail::synchronize_collectives_of(engine);  // the capture's own gathers
     });
     detail::agree(control_, error);
     start.waited_seconds = std::chrono::duration<double>(t1 - t0).count();

@@ -27,10 +27,8 @@ namespace detail {
 /// An MPI communicator of its own over the ranks of `comm` (a duplicate, for another thread). Collective.
 template <class Comm>
 MpiComm duplicate_as_mpi(Comm& comm) {
-  if constexpr (std::same_as<std::remove_cvref_t<Comm>, MpiComm>)
-    return comm.split(0, comm.rank());
-  else
-    return comm.mpi().split(0, comm.mpi().rank());
+  MpiComm mpi = mpi_of(comm);
+  return mpi.split(0, mpi.rank());
 }
 
 /// A host tensor of `sizes` to stage `like`'s kind of data in: page-locked when `like` is on a GPU, so

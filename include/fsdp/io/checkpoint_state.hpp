@@ -392,20 +392,45 @@ std::optional<OptimizerStateView> shard_optimizer_state(Engine& engine, const to
   return view;
 }
 
+/// The engine's shards made current before they are read for a checkpoint or an export (the optimizer
+/// may have updated replica parts of them, see FullyShardedDataParallel::synchronize_shards). Collective.
+template <class Engine>
+void synchronize_shards_of(Engine& engine) {
+  if constexpr (requires { engine.synchronize_shards(); }) engine.synchronize_shards();
+}
+
+/// Whether the engine's collectives can be pending when it returns (a GPU communicator's are
+/// stream-ordered), so that they must be settled before the state is read.
+template <class Engine>
+constexpr bool collectives_may_be_pending() {
+  return requires(Engine& e) { e.comm().synchronize(); };
+}
+
 /// The engine's collectives settled (a failed one throws) before the state is read, so that a
 /// checkpoint never holds what an aborted collective left (FullyShardedDataParallel::synchronize_collectives). Local.
 template <class Engine>
 void synchronize_collectives_of(Engine& engine) {
-  if constexpr (requires { engine.synchronize_collectives(); }) engine.synchronize_collectives();
+  if constexpr (collectives_may_be_pending<Engine>()) engine.synchronize_collectives();
 }
 
-/// The engine's shards made current before they are read for a checkpoint or an export (the optimizer
-/// may have updated replica parts of them, see FullyShardedDataParallel::synchronize_shards), and
-/// every collective that wrote them settled. Collective.
+/// The MPI communicator over the same ranks as `comm` (itself, or a GPU communicator's bootstrap).
+template <class Comm>
+MpiComm mpi_of(Comm& comm) {
+  if constexpr (std::same_as<std::remove_cvref_t<Comm>, MpiComm>)
+    return comm;
+  else
+    return comm.mpi();
+}
+
+/// synchronize_collectives_of on every rank, agreed: a failure on one rank (its GPU communicator
+/// aborted) fails every rank with its message, over MPI (that communicator is unusable). Collective.
 template <class Engine>
-void synchronize_shards_of(Engine& engine) {
-  if constexpr (requires { engine.synchronize_shards(); }) engine.synchronize_shards();
-  synchronize_collectives_of(engine);
+void settle_collectives_of(Engine& engine) {
+  if constexpr (collectives_may_be_pending<Engine>()) {
+    const auto error = capture_error([&] { engine.synchronize_collectives(); });
+    MpiComm mpi = mpi_of(engine.comm());
+    agree(mpi, error);
+  }
 }
 
 /// Creates /model/<fqn> for each parameter and buffer, /optim/<fqn>/<state>, and hard links for tied
