@@ -304,13 +304,14 @@ still_latest "$WORK/async_fsize/ckpt"
 
 # 14. A GPU communicator aborted in the middle of a step (its watcher saw a deadline or an NCCL error
 #     while the host waited in a device sync), simulated on CPU by the test hook
-#     FSDP_TEST_FAIL_COLLECTIVES=RANK:STEP: every rank stops at that step, before the optimizer and
-#     before any save, exit 1 with the failing rank's message; `latest` is still step 4 and verifies.
-run "$WORK/commfail.log" "${MPI[@]}" -np 2 -x FSDP_TEST_FAIL_COLLECTIVES=1:6 "$TRAIN" "$DECK" --set run.out_dir="$WORK/commfail" \
+#     FSDP_TEST_FAIL_COLLECTIVES=RANK:STEP at step 8, a save step: every rank stops at that step, before
+#     the optimizer and before the save, exit 1 with the failing rank's message; `latest` is still step 4.
+run "$WORK/commfail.log" "${MPI[@]}" -np 2 -x FSDP_TEST_FAIL_COLLECTIVES=1:8 "$TRAIN" "$DECK" --set run.out_dir="$WORK/commfail" \
   --set checkpoint.every_steps=4
 expect 1 "fsdp-train: error: \[fsdp.comm.deadline\] rank 1: all_reduce did not complete .*test hook FSDP_TEST_FAIL_COLLECTIVES" "$WORK/commfail.log"
 quick "$WORK/commfail.log"
-[[ $(cat "$WORK/commfail/checkpoints/latest") == step_00000004.h5 ]] || fail "latest is not step 4 after the failed step 6"
+[[ $(cat "$WORK/commfail/checkpoints/latest") == step_00000004.h5 ]] || fail "latest is not step 4 after the failed step 8"
+[[ -z $(find "$WORK/commfail/checkpoints" -name '*00000008*') ]] || fail "step 8, whose collectives failed, was saved"
 "$CKPT" verify "$WORK/commfail/checkpoints" >/dev/null || fail "the last checkpoint before the failed step does not verify"
 echo "ok: a step whose collectives failed on one rank stopped every rank before the update; latest = step 4 verifies"
 echo "all reliability cases passed"

@@ -43,41 +43,54 @@ StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const 
                        fsdp::DynamicLossScale* scaler, const volatile std::sig_atomic_t& stop_signal, MpiComm& world, Phases& phases,
                        const std::function<void()>& before_update = {}, bool fail_collectives = false) {
   StepOutcome out;
-  optimizer.zero_grad();
-  for (std::int64_t a = 0; a < accum; ++a) {
-    std::optional<Batch> b;
-    {
-      Timed t(phases.data, "data");
-      b = loader.next();
+  std::optional<Timed> optimizer_time;
+  bool overflowed = false;
+  double norm = 0.0;
+  const auto compute = [&] {
+    optimizer.zero_grad();
+    for (std::int64_t a = 0; a < accum; ++a) {
+      std::optional<Batch> b;
+      {
+        Timed t(phases.data, "data");
+        b = loader.next();
+      }
+      if (!b) throw std::runtime_error("data loader ended early");
+      std::optional<typename Engine::NoSyncScope> no_sync;
+      if (a + 1 < accum && !reduce_every) no_sync.emplace(model.no_sync());  // reduce the gradients once, on the last micro-batch
+      torch::Tensor loss;
+      {
+        Timed t(phases.forward, "forward + loss");
+        loss = loss_of(data, model.forward(b->x.to(model.compute_device())), b->y.to(model.compute_device())) / static_cast<double>(accum);
+      }
+      {
+        Timed t(phases.backward, "backward");
+        (scaler ? loss * scaler->scale() : loss).backward();
+      }
+      out.loss += loss.template item<double>();
+      out.samples += b->samples;
     }
-    if (!b) throw std::runtime_error("data loader ended early");
-    std::optional<typename Engine::NoSyncScope> no_sync;
-    if (a + 1 < accum && !reduce_every) no_sync.emplace(model.no_sync());  // reduce the gradients once, on the last micro-batch
-    torch::Tensor loss;
-    {
-      Timed t(phases.forward, "forward + loss");
-      loss = loss_of(data, model.forward(b->x.to(model.compute_device())), b->y.to(model.compute_device())) / static_cast<double>(accum);
-    }
-    {
-      Timed t(phases.backward, "backward");
-      (scaler ? loss * scaler->scale() : loss).backward();
-    }
-    out.loss += loss.template item<double>();
-    out.samples += b->samples;
-  }
-  Timed t(phases.optimizer, "optimizer");
-  const bool overflowed = scaler && model.unscale_grads(scaler->scale());  // agreed by every rank
-  const double norm = clip > 0 && !overflowed ? model.clip_grad_norm(clip) : 0.0;
-  // The step's collectives settled before the optimizer uses their results: a GPU communicator's are
-  // stream-ordered, and one its watcher aborted (deadline, NCCL error) fails here, on every rank.
-  std::optional<std::string> comm_failure;
-  try {
+    optimizer_time.emplace(phases.optimizer, "optimizer");
+    overflowed = scaler && model.unscale_grads(scaler->scale());  // agreed by every rank
+    norm = clip > 0 && !overflowed ? model.clip_grad_norm(clip) : 0.0;
+    // The step's collectives settled before the optimizer uses their results.
     model.synchronize_collectives();
-    if (fail_collectives)
-      throw fsdp::CommError("rank " + std::to_string(world.rank()) + ": all_reduce did not complete within its deadline; the NCCL communicator was aborted (test hook FSDP_TEST_FAIL_COLLECTIVES)",
-                            "fsdp.comm.deadline");
-  } catch (const fsdp::CommError& e) {
-    comm_failure = e.what();
+  };
+  const std::string test_failure = "rank " + std::to_string(world.rank()) +
+                                   ": all_reduce did not complete within its deadline; the NCCL communicator was aborted (test hook FSDP_TEST_FAIL_COLLECTIVES)";
+  std::optional<std::string> comm_failure;
+  if constexpr (requires { model.comm().synchronize(); }) {
+    // A GPU communicator's collectives are stream-ordered: one its watcher aborted (deadline, NCCL
+    // error) surfaces at a later call of the step. Caught and agreed below, so every rank stops before
+    // the update; the peers' own collectives end at their deadline, so they reach the agreement too.
+    try {
+      compute();
+      if (fail_collectives) throw fsdp::CommError(test_failure, "fsdp.comm.deadline");
+    } catch (const fsdp::CommError& e) {
+      comm_failure = e.what();
+    }
+  } else {
+    compute();  // an MPI collective has no deadline of its own to let the peers out: a failure ends the job
+    if (fail_collectives) comm_failure = "[fsdp.comm.deadline] " + test_failure;
   }
   std::int64_t flags[3] = {stop_signal, std::isfinite(out.loss) && std::isfinite(norm) ? 0 : 1, comm_failure ? 1 : 0};
   world.all_reduce(flags, flags, 3, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);

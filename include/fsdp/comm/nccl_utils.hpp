@@ -160,14 +160,15 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
 
   /// Marks every communicator of the lane aborted with `why` (their collectives share this stream:
   /// behind a failed one, the order the ranks agreed on is gone) and hands over their NCCL handles, for
-  /// ncclCommAbort outside the lock. Under `mutex`.
-  inline std::vector<ncclComm_t> mark_aborted(const NcclFault& why) noexcept;
+  /// ncclCommAbort outside the lock: `first`'s first (the owner of the collective that failed: aborting
+  /// another one first could wait for that one's kernel). Under `mutex`.
+  inline std::vector<ncclComm_t> mark_aborted(const NcclFault& why, NcclState* first);
 
-  /// Aborts every communicator of the lane with `why` (the issuing thread's path).
-  inline void abort_all(const NcclFault& why) noexcept;
+  /// Aborts every communicator of the lane with `why`, `first`'s first (the issuing thread's path).
+  inline void abort_all(const NcclFault& why, NcclState* first);
 
   /// The watcher's look at the oldest pending collective (see the struct's comment).
-  inline void watch_once() noexcept;
+  inline void watch_once();
 
   /// Entries neither thread watches: complete (or their event failed: the issuing thread's release
   /// reports that), or of a communicator destroyed since (its collective ends with it).
@@ -301,10 +302,11 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     if (taken != nullptr) abort_handles({taken}, device);
   }
 
-  /// Aborts this communicator and every one of the lane with `fault` and throws it.
+  /// Aborts this communicator (the owner of what failed) and then every one of the lane with `f`, and
+  /// throws it.
   [[noreturn]] void fail(const NcclFault& f) {
     abort(f);  // also while it is not a member yet (init, split)
-    lane->abort_all(f);
+    lane->abort_all(f, this);
     throw CommError(f.message, f.id);
   }
 
@@ -446,7 +448,7 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     // A destroyed communicator's collective ends with it; the next one of a live communicator is watched.
     auto* watched = lane->pending.first_pending(NcclLane::not_watched);
     if (watched == nullptr) return;
-    if (auto f = watched->owner->fault_of(*watched)) fail(*f);
+    if (auto f = watched->owner->fault_of(*watched)) watched->owner->fail(*f);  // its owner aborted first
   }
 
   /// Waits on the host until every collective queued on the lane has completed (deadlines, errors).
@@ -507,29 +509,39 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   }
 };
 
-std::vector<ncclComm_t> NcclLane::mark_aborted(const NcclFault& why) noexcept {
+std::vector<ncclComm_t> NcclLane::mark_aborted(const NcclFault& why, NcclState* first) {
   if (!fault) fault = why;
   std::vector<ncclComm_t> taken;
+  taken.reserve(members.size());
+  if (first != nullptr)
+    if (ncclComm_t c = first->mark_aborted(why)) taken.push_back(c);
   for (NcclState* member : members)
     if (ncclComm_t c = member->mark_aborted(why)) taken.push_back(c);
   return taken;
 }
 
-void NcclLane::abort_all(const NcclFault& why) noexcept {
+void NcclLane::abort_all(const NcclFault& why, NcclState* first) {
   std::vector<ncclComm_t> taken;
   {
     const std::lock_guard<std::recursive_mutex> lock(mutex);
-    taken = mark_aborted(why);
+    taken = mark_aborted(why, first);
   }
   NcclState::abort_handles(taken, device);
 }
 
-void NcclLane::watch_once() noexcept {
+void NcclLane::watch_once() {
   const int dev = device;  // after the abort below nothing of the lane is touched (stop() may have let this thread go)
   cudaSetDevice(dev);       // this thread's; the events and communicators are of this device
   std::vector<ncclComm_t> taken;
+  NcclState* owner = nullptr;  // of the collective that failed: aborted first
   const auto found = watch_oldest_pending(
-      mutex, pending, not_watched, [](const Pending& p) { return p.owner->fault_of(p); }, [&](const NcclFault& why) { taken = mark_aborted(why); });
+      mutex, pending, not_watched,
+      [&](const Pending& p) {
+        auto f = p.owner->fault_of(p);
+        if (f) owner = p.owner;
+        return f;
+      },
+      [&](const NcclFault& why) { taken = mark_aborted(why, owner); });
   if (!found) return;
   // The issuing thread throws at its next call; until then the job's log says why its step ended.
   std::fprintf(stderr, "[%s] %s (seen by the communicator's watcher thread)\n", found->id.c_str(), found->message.c_str());

@@ -97,9 +97,13 @@ class AsyncCheckpointer {
     start.previous = wait();
     detail::arrive_together(control_, options, "save_checkpoint");
     const auto t1 = Clock::now();
-    detail::synchronize_shards_of(engine);  // collective: every rank here, before any local failure can part them
+    constexpr bool pending = detail::collectives_may_be_pending<Engine>();
+    if constexpr (!pending) detail::synchronize_shards_of(engine);  // collective: every rank here, before any local failure can part them
     std::optional<std::string> error = detail::capture_error([&] {
-      detail::synchronize_collectives_of(engine);  // before reading; agreed below, over the control group (MPI)
+      if constexpr (pending) {  // a GPU communicator fails at its deadline on every rank: agreed below, over MPI
+        detail::synchronize_shards_of(engine);
+        detail::synchronize_collectives_of(engine);  // before reading
+      }
       snapshot_->capture(engine, optimizer);
       detail::synchronize_collectives_of(engine);  // the capture's own gathers
     });

@@ -325,8 +325,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
   const TrainState written = detail::broadcast_train_state(world, state);
   auto rng = options.save_rng_state ? detail::rng_rows(detail::saved_rng_state(engine)) : std::vector<detail::RankRow>{};
   detail::check_ranks_agree(engine, optimizer, options, rng);
-  detail::synchronize_shards_of(engine);
-  detail::settle_collectives_of(engine);
+  detail::settle_shards_of(engine);
   const auto rows = detail::rows_to_save(engine, options, std::move(rng));
   const std::string name = ckpt::checkpoint_name(written.step);
   const std::filesystem::path folder(dir);

@@ -422,14 +422,21 @@ MpiComm mpi_of(Comm& comm) {
     return comm.mpi();
 }
 
-/// synchronize_collectives_of on every rank, agreed: a failure on one rank (its GPU communicator
-/// aborted) fails every rank with its message, over MPI (that communicator is unusable). Collective.
+/// The shards made current (synchronize_shards_of) and the engine's collectives settled before the
+/// state is read. With collectives that may be pending, both run on every rank and a failure on one
+/// (its GPU communicator aborted: it throws at once, its peers at their deadline) fails every rank with
+/// its message, agreed over MPI (that communicator is unusable). Collective.
 template <class Engine>
-void settle_collectives_of(Engine& engine) {
+void settle_shards_of(Engine& engine) {
   if constexpr (collectives_may_be_pending<Engine>()) {
-    const auto error = capture_error([&] { engine.synchronize_collectives(); });
+    const auto error = capture_error([&] {
+      synchronize_shards_of(engine);
+      engine.synchronize_collectives();
+    });
     MpiComm mpi = mpi_of(engine.comm());
     agree(mpi, error);
+  } else {
+    synchronize_shards_of(engine);
   }
 }
 

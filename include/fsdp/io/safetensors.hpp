@@ -181,8 +181,7 @@ SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, 
   const auto t0 = std::chrono::steady_clock::now();
   auto& world = engine.comm();
   detail::arrive_together(world, CheckpointOptions{.collective_timeout_s = options.collective_timeout_s}, "save_safetensors");
-  detail::synchronize_shards_of(engine);
-  detail::settle_collectives_of(engine);
+  detail::settle_shards_of(engine);
   const std::filesystem::path target(path);
   const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
   const std::filesystem::path tmp = dir / ckpt::temporary_name(target.filename().string());
