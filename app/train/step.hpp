@@ -78,7 +78,7 @@ StepOutcome train_step(Engine& model, torch::optim::Optimizer& optimizer, const 
   const std::string test_failure = "rank " + std::to_string(world.rank()) +
                                    ": all_reduce did not complete within its deadline; the NCCL communicator was aborted (test hook FSDP_TEST_FAIL_COLLECTIVES)";
   std::optional<std::string> comm_failure;
-  if constexpr (requires { model.comm().synchronize(); }) {
+  if constexpr (Engine::kCollectivesMayBePending) {
     // A GPU communicator's collectives are stream-ordered: one its watcher aborted (deadline, NCCL
     // error) surfaces at a later call of the step. Caught and agreed below, so every rank stops before
     // the update; the peers' own collectives end at their deadline, so they reach the agreement too.

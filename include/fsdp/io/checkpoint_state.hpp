@@ -403,7 +403,7 @@ void synchronize_shards_of(Engine& engine) {
 /// stream-ordered), so that they must be settled before the state is read.
 template <class Engine>
 constexpr bool collectives_may_be_pending() {
-  return requires(Engine& e) { e.comm().synchronize(); };
+  return requires { requires Engine::kCollectivesMayBePending; };  // FullyShardedDataParallel's; not a snapshot's
 }
 
 /// The engine's collectives settled (a failed one throws) before the state is read, so that a

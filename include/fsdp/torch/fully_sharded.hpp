@@ -380,8 +380,11 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   /// never waits for them itself). The checkpoint and export functions call it before they read the
   /// state. Local; a no-op on communicators whose collectives return complete (MPI).
   void synchronize_collectives() {
-    if constexpr (requires(Comm& c) { c.synchronize(); }) world_.synchronize();  // every group shares the world's stream
+    if constexpr (kCollectivesMayBePending) world_.synchronize();  // every group shares the world's stream
   }
+  /// Whether collectives can still run when a call returns (a GPU communicator's are stream-ordered),
+  /// so that synchronize_collectives() must settle them before their results are read on the host.
+  static constexpr bool kCollectivesMayBePending = requires(Comm& c) { c.synchronize(); };
 
   /// The dtype buffer `name` is checkpointed in: its own, from before MixedPrecision::buffer_dtype.
   c10::ScalarType checkpoint_buffer_dtype(const std::string& name, const torch::Tensor& buffer) const {
