@@ -4,7 +4,7 @@
 #   make deps    install the missing Debian packages (apt) and nothing else
 #   make build   deps, configure + build
 #   make test    build, then run every test through CTest
-#   make run     build, then train the default deck inputs/mnist_fsdp.toml on 2 ranks (NP=, DECK=)
+#   make run     build fsdp-train only, then train the default deck inputs/mnist_fsdp.toml on 2 ranks (NP=, DECK=)
 #   make bench   build what it needs, then fsdp-train vs PyTorch DDP/FSDP, MPI and checkpoint bandwidth -> build/bench/results.md (~70 min with the 5.8M-124M GPTs; BENCH_MODELS=cnn,gpt: ~15 min; BENCH_QUICK=1: ~5 min smoke test)
 #   make check-gpu  build, then run the GPU tests (ctest -L gpu); fails when they were all skipped (no CUDA device)
 BUILD_DIR ?= build
@@ -51,10 +51,12 @@ check-gpu: build
 	@bash scripts/check_gpu.sh $(BUILD_DIR)
 
 # The tutorial's experiment: the CNN on Fashion-MNIST, FULL_SHARD, 2 epochs (about 2-3 minutes on 2
-# cores). A fresh run each time; run fsdp-train directly to resume an interrupted one.
+# cores). A fresh run each time; run fsdp-train directly to resume an interrupted one. Builds only
+# fsdp-train: a first run never waits for the test suites.
 DECK ?= inputs/mnist_fsdp.toml
 RUN_ARGS ?= --set checkpoint.resume=none
-run: build
+run: $(BUILD_DIR)/CMakeCache.txt | deps
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target fsdp-train
 	$(MPIRUN) -np $(NP) $(BUILD_DIR)/bin/fsdp-train $(DECK) $(RUN_ARGS)
 
 # Benchmarks side by side and interleaved (bench/run_bench.py): fsdp-train (FULL_SHARD, SHARD_GRAD_OP,
