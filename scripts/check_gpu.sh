@@ -10,7 +10,7 @@ log=$(mktemp)
 ctest -L gpu --output-on-failure --no-tests=error 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 # The tests that need a CUDA device; the others (the id file, the skip itself) run anywhere.
-device_tests=(test_nccl_np1 test_nccl_np2 test_engine_gpu_np2)
+device_tests=(test_nccl_np1 test_nccl_np2 test_engine_gpu_np1 test_engine_gpu_np2)
 ran=0
 for t in "${device_tests[@]}"; do
   grep -Eq "Test +#[0-9]+: $t \.+ +Passed" "$log" && ran=$((ran + 1))

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <thread>
 #include <cmath>
@@ -593,6 +594,64 @@ BOOST_AUTO_TEST_CASE(slurm_file_bootstrap_with_faked_environment) {
     BOOST_TEST(!std::filesystem::exists(id_file));  // rank 0 removes it once the communicator is up
     std::filesystem::remove_all(dir);
   }
+}
+
+// A collective that never completes, at any world size (at 1 too, where no peer can be left out: NCCL
+// refuses two ranks on one GPU, so a single GPU runs this one). The test hook: the compute stream is
+// held by a host function until the test lets it go, so the collective queued behind it cannot start.
+// The host waiting for it gets fsdp.comm.deadline within the deadline plus one second, no hang.
+BOOST_AUTO_TEST_CASE(deadline_ends_a_collective_that_never_completes) {
+  auto w = MpiComm::world();
+  NcclOptions o = test_options();
+  o.timeout_s = 2;
+  auto nc = NcclComm::from_mpi(w, o);
+  cudaStream_t held = nullptr;
+  FSDP_CUDA_CHECK(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking));
+  nc.set_compute_stream(held);
+  DeviceBuffer buf(4);
+  FSDP_CUDA_CHECK(cudaMemset(buf.get(), 0, 4));
+  FSDP_CUDA_CHECK(cudaDeviceSynchronize());
+  nc.all_reduce(buf.get(), buf.get(), 1, DType::kFloat32, ReduceOp::kSum);  // connections are up
+  nc.synchronize();
+  std::atomic<bool> release{false};
+  const auto hold = [](void* flag) {
+    while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  FSDP_CUDA_CHECK(cudaLaunchHostFunc(held, hold, &release));
+  const auto start = std::chrono::steady_clock::now();
+  // The hold ends once the communicator is marked aborted (or at twice the deadline): should
+  // ncclCommAbort wait for the device, it is not left waiting for a stream only this test releases.
+  std::thread releaser([&] {
+    const auto until = start + std::chrono::duration<double>(2 * o.timeout_s + 1);
+    while (!nc.aborted() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    release = true;
+  });
+  std::string id, what;
+  try {
+    nc.all_reduce(buf.get(), buf.get(), 1, DType::kFloat32, ReduceOp::kSum);  // queued behind the held stream
+    nc.synchronize();                                                         // the host waits for it
+  } catch (const fsdp::CommError& e) {
+    id = e.id();
+    what = e.what();
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  releaser.join();  // the stream drains; the aborted collective's work is let go
+  cudaError_t q = cudaErrorNotReady;
+  while ((q = cudaStreamQuery(held)) == cudaErrorNotReady && std::chrono::steady_clock::now() - start < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (w.rank() == 0) {  // scripts/gpu/check reads this line
+    std::printf("deadline: %s after %.2f s (deadline %.0f s): %s\n", id.empty() ? "no error" : id.c_str(), waited, o.timeout_s, what.c_str());
+    std::fflush(stdout);
+  }
+  BOOST_TEST(id == "fsdp.comm.deadline");
+  BOOST_TEST(what.find("all_reduce") != std::string::npos);
+  BOOST_TEST(waited >= o.timeout_s - 0.1);
+  BOOST_TEST(waited <= o.timeout_s + 1.0);
+  BOOST_TEST(nc.aborted());
+  BOOST_TEST(q == cudaSuccess);
+  nc.set_compute_stream(nullptr);
+  cudaStreamDestroy(held);
+  w.barrier();
 }
 
 // Last: it aborts a communicator on purpose.

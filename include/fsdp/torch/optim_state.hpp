@@ -14,6 +14,7 @@
 
 #include "fsdp/errors.hpp"
 #include "fsdp/torch/optim/adadelta.hpp"
+#include "fsdp/torch/torch_compat.hpp"
 
 namespace fsdp {
 
@@ -59,8 +60,9 @@ inline OptimizerStateView optimizer_state_view(const torch::optim::OptimizerPara
   return v;
 }
 
-/// The key under which LibTorch optimizers keep the state of parameter `p`.
-inline std::string optimizer_state_key(const torch::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+/// The key under which LibTorch optimizers keep the state of parameter `p` (its type depends on the
+/// LibTorch version: torch_compat.hpp).
+inline torch_compat::OptimizerStateKey optimizer_state_key(const torch::Tensor& p) { return torch_compat::optimizer_state_key(p); }
 
 /// The optimizer's kind as written to checkpoints ("SGD", "Adam", ...). Throws for unknown types.
 inline std::string optimizer_kind(const torch::optim::Optimizer& optimizer) {

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/torch/torch_compat.hpp"
+
 namespace fsdp::optim {
 
 struct AdadeltaOptions : public torch::optim::OptimizerCloneableOptions<AdadeltaOptions> {
@@ -88,7 +90,7 @@ class Adadelta : public torch::optim::Optimizer {
         if (!p.grad().defined()) continue;
         auto grad = p.grad();
         TORCH_CHECK(!grad.is_sparse(), "Adadelta does not support sparse gradients");
-        const auto key = c10::guts::to_string(p.unsafeGetTensorImpl());
+        const auto key = torch_compat::optimizer_state_key(p);
         auto it = state_.find(key);
         if (it == state_.end()) {
           auto s = std::make_unique<AdadeltaParamState>();
