@@ -395,9 +395,8 @@ TextCorpus load_text(const std::string& path, std::int64_t context, int max_voca
 // ---- token shards -------------------------------------------------------------------------------
 
 TokenFormat parse_token_format(const std::string& name) {
-  if (name == "llmc") return TokenFormat::kLlmc;
-  if (name == "uint16") return TokenFormat::kUint16;
-  if (name == "uint32") return TokenFormat::kUint32;
+  for (const auto& [format, known] : ChoiceNames<TokenFormat>::kNames)
+    if (name == known) return format;
   throw DataError("token format must be llmc, uint16 or uint32, got '" + name + "'");
 }
 

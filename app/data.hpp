@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "choices.hpp"
 #include "fsdp/errors.hpp"
 
 namespace fsdp::app {
@@ -143,11 +144,9 @@ TextCorpus load_text(const std::string& path, std::int64_t context, int max_voca
 
 // ---- token shards (llm.c, nanoGPT) ----------------------------------------------------------------
 
-/// How token files store their tokens: llm.c shards (a 256 x int32 header: magic 20240520 version 1
-/// with uint16 tokens, or magic 20240801 version 7 with uint32 tokens; header[2] = token count), or
-/// headerless little-endian uint16 / uint32 (nanoGPT's train.bin / val.bin).
-enum class TokenFormat { kLlmc, kUint16, kUint32 };
-
+/// How token files store their tokens (TokenFormat, choices.hpp): llm.c shards (a 256 x int32 header:
+/// magic 20240520 version 1 with uint16 tokens, or magic 20240801 version 7 with uint32 tokens;
+/// header[2] = token count), or headerless little-endian uint16 / uint32 (nanoGPT's train.bin / val.bin).
 /// TokenFormat of "llmc", "uint16", "uint32"; DataError otherwise.
 TokenFormat parse_token_format(const std::string& name);
 

@@ -286,7 +286,7 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
   auto explicit_ = [](const Entry& e) { return e.source != Source::kDefault; };
   const Entry& model = deck.entry("model.kind");
   const Entry& data = deck.entry("data.kind");
-  const bool transformer = deck.get_string("model.kind") == "transformer";
+  const bool transformer = find_choice<ModelKind>(deck.get_string("model.kind")) == ModelKind::kTransformer;
   const std::string& dk = deck.get_string("data.kind");
   const bool token_data = is_token_data(dk);
   if (transformer != token_data) {

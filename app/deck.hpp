@@ -9,6 +9,7 @@
 #include <variant>
 #include <vector>
 
+#include "choices.hpp"
 #include "fsdp/errors.hpp"
 
 namespace fsdp::app {
@@ -134,8 +135,11 @@ class Deck {
   std::vector<std::string> overrides_;
 };
 
-/// Whether data.kind `kind` is token sequences (for model.kind = "transformer") rather than images.
-inline bool is_token_data(const std::string& kind) { return kind == "tokens" || kind == "text" || kind == "token-shards"; }
+/// Whether data.kind `kind` names token sequences (for model.kind = "transformer") rather than images.
+inline bool is_token_data(const std::string& kind) {
+  const auto known = find_choice<DataKind>(kind);
+  return known && is_token_data(*known);
+}
 
 /// A value as TOML writes it: 1, 0.5, true, "text", [1, 2]; "(unset)" for monostate.
 std::string format_value(const Value& v);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 
+#include "choices.hpp"
 #include "deck.hpp"
 #include "deck_detail.hpp"
 #include "fsdp/core/strategy.hpp"
@@ -25,10 +26,9 @@ namespace {
 
 // ---- the schema ------------------------------------------------------------------------------
 
-std::vector<KeySpec> make_schema() {
+// One function per deck section (the largest in parts), in the order of the reference.
+void add_run_keys(std::vector<KeySpec>& s) {
   using T = KeyType;
-  std::vector<KeySpec> s;
-  // [run]
   s.push_back(
       {.key = "run.name", .type = T::kString, .default_value = "fsdp", .description = "name of the run; the default run.out_dir is runs/<run.name>"});
   s.push_back({.key = "run.seed",
@@ -54,7 +54,7 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "run.malloc",
                .type = T::kString,
                .default_value = "reuse",
-               .choices = {"reuse", "return", "glibc"},
+               .choices = choice_names<MallocPolicy>(),
                .description = "what glibc malloc does with freed memory. reuse: keeps it in the heap for the next step (no mmap per "
                               "block, no trimming), so a step touches no new page once the first steps are done; peak RSS is the "
                               "heap's high-water mark. return: blocks of 1 MiB or more get their own mapping and go back to the "
@@ -64,7 +64,7 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "run.memory_check",
                .type = T::kString,
                .default_value = "refuse",
-               .choices = {"refuse", "warn", "off"},
+               .choices = choice_names<MemoryCheck>(),
                .description = "before anything is built, fsdp-plan's predicted peak per rank x the ranks on the node is compared with "
                               "the node's tightest limit (cgroup, Slurm --mem or --mem-per-cpu, MemAvailable): refuse (exit 2 with "
                               "what would fit), warn, or off"});
@@ -74,11 +74,14 @@ std::vector<KeySpec> make_schema() {
                .choices = {"stop", "skip"},
                .description = "a non-finite loss or gradient norm on any rank: stop (exit code 4, no checkpoint of the poisoned state) "
                               "or skip the step (no optimizer update)"});
-  // [model]
+}
+
+void add_model_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
   s.push_back({.key = "model.kind",
                .type = T::kString,
                .default_value = "cnn",
-               .choices = {"cnn", "mlp", "transformer"},
+               .choices = choice_names<ModelKind>(),
                .description = "cnn (the PyTorch FSDP tutorial's MNIST net), mlp, or transformer (decoder-only, for data.kind tokens or text)"});
   s.push_back(
       {.key = "model.dropout",
@@ -121,13 +124,16 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "model.activation",
                .type = T::kString,
                .default_value = "gelu",
-               .choices = {"gelu", "gelu_tanh"},
+               .choices = choice_names<Activation>(),
                .description = "transformer: the MLP's GELU, exact (gelu) or GPT-2's tanh approximation (gelu_tanh)"});
-  // [data]
+}
+
+void add_data_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
   s.push_back({.key = "data.kind",
                .type = T::kString,
                .default_value = "fashion-mnist",
-               .choices = {"fashion-mnist", "mnist", "tokens", "text", "token-shards"},
+               .choices = choice_names<DataKind>(),
                .description = "fashion-mnist or mnist (IDX files in data.path), tokens (synthetic sequences), text (a file, one token per "
                               "byte), token-shards (llm.c or nanoGPT token files matched by the glob data.path, read memory-mapped)"});
   s.push_back({.key = "data.path",
@@ -179,14 +185,17 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "data.token_format",
                .type = T::kString,
                .default_value = "llmc",
-               .choices = {"llmc", "uint16", "uint32"},
+               .choices = choice_names<TokenFormat>(),
                .description = "token-shards: llmc (llm.c's shards: a 256 x int32 header, magic 20240520 with uint16 or 20240801 with uint32 "
                               "tokens), or headerless little-endian uint16 or uint32 tokens (nanoGPT's train.bin and val.bin)"});
-  // [optim]
+}
+
+void add_optimizer_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
   s.push_back({.key = "optim.kind",
                .type = T::kString,
                .default_value = "adadelta",
-               .choices = {"sgd", "adam", "adamw", "adadelta"},
+               .choices = choice_names<OptimizerKind>(),
                .description = "optimizer (the PyTorch FSDP tutorial: adadelta, lr 1.0, step schedule with gamma 0.7)"});
   s.push_back({.key = "optim.lr",
                .type = T::kFloat,
@@ -212,7 +221,7 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "optim.schedule",
                .type = T::kString,
                .default_value = "step",
-               .choices = {"constant", "step", "cosine", "wsd"},
+               .choices = choice_names<LrSchedule>(),
                .description = "learning-rate schedule after the warmup: constant; step (times optim.gamma after every epoch, not below "
                               "optim.lr_min); cosine (down to optim.lr_min at the last step); wsd (warmup-stable-decay: optim.lr, then "
                               "over the last optim.decay_fraction of the steps linearly down to optim.lr_min)"});
@@ -250,6 +259,10 @@ std::vector<KeySpec> make_schema() {
                .default_value = 0.0,
                .min = 0,
                .description = "clip the global gradient norm to this value; 0: no clipping"});
+}
+
+void add_gradient_accumulation_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
   s.push_back({.key = "optim.grad_accum_steps",
                .type = T::kInt,
                .default_value = I{1},
@@ -263,7 +276,10 @@ std::vector<KeySpec> make_schema() {
                               "keeps an unsharded gradient between micro-batches: the least communication), or after every "
                               "micro-batch (reduce-scattered into the shard as each unit's backward ends: no unsharded gradient "
                               "outlives its backward, the least memory; one reduction per micro-batch)"});
-  // [fsdp]
+}
+
+void add_sharding_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
   s.push_back({.key = "fsdp.sharding_strategy",
                .type = T::kString,
                .default_value = "FULL_SHARD",
@@ -273,7 +289,7 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.auto_wrap_policy",
                .type = T::kString,
                .default_value = "NO_WRAP",
-               .choices = {"NO_WRAP", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"},
+               .choices = choice_names<WrapPolicy>(),
                .description = "which submodules become FSDP units: none but the root; those of fsdp.min_num_params parameters or more; "
                               "modules of the fsdp.transformer_layer_cls_to_wrap types"});
   s.push_back({.key = "fsdp.min_num_params",
@@ -341,6 +357,10 @@ std::vector<KeySpec> make_schema() {
                               "reduce-scattered across the replicas instead of all-reduced, each rank steps 1/world of the state, "
                               "and the updated parts are all-gathered back into the group shards before the next forward. The same "
                               "training (within 1e-5); per rank the optimizer state and gradients shrink by the number of replica groups"});
+}
+
+void add_precision_and_backend_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
   s.push_back({.key = "fsdp.offload_params",
                .type = T::kBool,
                .default_value = false,
@@ -350,7 +370,7 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.mixed_precision",
                .type = T::kString,
                .default_value = "no",
-               .choices = {"no", "bf16", "fp16", "fp16_reduce"},
+               .choices = choice_names<Precision>(),
                .description = "bf16/fp16: parameters all-gathered and used, gradients reduced, buffers kept in that dtype; the optimizer keeps fp32 "
                               "master shards; fp16 needs a GPU (backend nccl: LibTorch's CPU kernels have no fp16 arithmetic). "
                               "fp16_reduce: fp32 compute, gradients reduced in fp16 (half the reduction bytes). Both fp16 modes "
@@ -401,7 +421,7 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "fsdp.backend",
                .type = T::kString,
                .default_value = "auto",
-               .choices = {"auto", "mpi", "nccl"},
+               .choices = choice_names<Backend>(),
                .description = "communication: mpi (CPU tensors), nccl (GPU tensors: needs a CUDA LibTorch, a visible GPU and an "
                               "fsdp-train built with NCCL; a clear error otherwise), auto (nccl when all that holds, else mpi)"});
   s.push_back({.key = "fsdp.cuda_device",
@@ -411,7 +431,10 @@ std::vector<KeySpec> make_schema() {
                .description = "backend nccl: the CUDA device index every rank uses (after CUDA_VISIBLE_DEVICES); -1: the only "
                               "visible device when a rank sees one (srun --gpus-per-task=1, --gpu-bind), else the node-local rank "
                               "modulo the visible devices (mpirun, srun showing every GPU)"});
-  // [comm]
+}
+
+void add_comm_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
   s.push_back({.key = "comm.flight_recorder_entries",
                .type = T::kInt,
                .default_value = I{2000},
@@ -425,7 +448,10 @@ std::vector<KeySpec> make_schema() {
                .min = 0,
                .description = "deadline of every collective, like NCCL's watchdog: a rank waiting longer names the collective, unit and "
                               "step and ends the job (exit code 6); 0: no deadline"});
-  // [checkpoint]
+}
+
+void add_checkpoint_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
   s.push_back(
       {.key = "checkpoint.dir", .type = T::kString, .default_value = "", .description = "checkpoint folder; empty: <run.out_dir>/checkpoints"});
   s.push_back({.key = "checkpoint.every_steps",
@@ -436,7 +462,7 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "checkpoint.state_dict_type",
                .type = T::kString,
                .default_value = "SHARDED_STATE_DICT",
-               .choices = {"SHARDED_STATE_DICT", "FULL_STATE_DICT", "LOCAL_STATE_DICT"},
+               .choices = choice_names<StateDictType>(),
                .description = "SHARDED (every rank writes its part of one file), FULL (rank 0 writes), LOCAL (a file per rank; "
                               "loads at the same world size only)"});
   s.push_back({.key = "checkpoint.keep_last",
@@ -482,15 +508,18 @@ std::vector<KeySpec> make_schema() {
   s.push_back({.key = "checkpoint.export_names",
                .type = T::kString,
                .default_value = "native",
-               .choices = {"native", "hf-gpt2"},
+               .choices = choice_names<ExportNames>(),
                .description = "names in the export: the model's own (native) or Hugging Face GPT-2's (transformer only; a folder "
                               "GPT2LMHeadModel.from_pretrained reads)"});
   s.push_back({.key = "checkpoint.export_dtype",
                .type = T::kString,
                .default_value = "auto",
-               .choices = {"auto", "fp32", "bf16", "fp16"},
+               .choices = choice_names<ExportDtype>(),
                .description = "floating-point tensors of the export in this type; auto: as trained"});
-  // [eval]
+}
+
+void add_eval_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
   s.push_back({.key = "eval.every_steps",
                .type = T::kInt,
                .default_value = I{0},
@@ -501,13 +530,16 @@ std::vector<KeySpec> make_schema() {
                .default_value = I{0},
                .min = 0,
                .description = "evaluate on at most this many batches (data.test_batch_size per rank) of the evaluation split; 0: all"});
-  // [log]
+}
+
+void add_log_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
   s.push_back(
       {.key = "log.every_steps", .type = T::kInt, .default_value = I{10}, .min = 1, .description = "print the loss every this many optimizer steps"});
   s.push_back({.key = "log.progress",
                .type = T::kString,
                .default_value = "auto",
-               .choices = {"auto", "live", "plain", "none"},
+               .choices = choice_names<ProgressMode>(),
                .description = "auto: a live line when started directly on a terminal, plain lines under mpirun/srun or into files; live, plain; "
                               "none: no progress output"});
   s.push_back({.key = "log.metrics_file",
@@ -520,6 +552,20 @@ std::vector<KeySpec> make_schema() {
                .description = "write a Chrome trace-event timeline per rank (trace_rank<R>.json: steps, forward/backward per unit, "
                               "all-gather, reduce-scatter, optimizer, checkpoint, memory counters; open in Perfetto) and the memory "
                               "timeline memory_rank<R>.csv (for fsdp-plot)"});
+}
+std::vector<KeySpec> make_schema() {
+  std::vector<KeySpec> s;
+  add_run_keys(s);
+  add_model_keys(s);
+  add_data_keys(s);
+  add_optimizer_keys(s);
+  add_gradient_accumulation_keys(s);
+  add_sharding_keys(s);
+  add_precision_and_backend_keys(s);
+  add_comm_keys(s);
+  add_checkpoint_keys(s);
+  add_eval_keys(s);
+  add_log_keys(s);
   return s;
 }
 

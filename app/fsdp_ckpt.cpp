@@ -54,8 +54,8 @@ fsdp::app::GptConfig model_of_checkpoint(const std::string& checkpoint) {
     if (k == "deck") deck_text = v;
   if (deck_text.empty()) throw fsdp::CheckpointError("checkpoint '" + file + "' stores no deck: it does not say which GPT it holds");
   const auto model = fsdp::app::resolve_model_section(fsdp::app::Deck::parse(deck_text, file + " (its deck)"));
-  if (model.kind != "transformer")
-    throw fsdp::CheckpointError("checkpoint '" + file + "' holds a " + model.kind + " model; --names hf-gpt2 exports a transformer");
+  if (model.kind != fsdp::app::ModelKind::kTransformer)
+    throw fsdp::CheckpointError("checkpoint '" + file + "' holds a " + fsdp::app::to_string(model.kind) + " model; --names hf-gpt2 exports a transformer");
   return fsdp::app::gpt_config(model);
 }
 
@@ -88,7 +88,7 @@ void print_file(const fsdp::ckpt::FileInfo& info, bool show_deck) {
   std::printf("\n  %-*s  %-20s %-9s %12s %12s\n", static_cast<int>(width), "tensor", "shape", "dtype", "bytes", "on disk");
   std::int64_t total = 0, stored = 0;
   for (const auto& t : info.tensors) {
-    std::printf("  %-*s  %-20s %-9s %12lld %12lld", static_cast<int>(width), t.path.c_str(), fsdp::ckpt::detail::shape_text(t.shape).c_str(),
+    std::printf("  %-*s  %-20s %-9s %12lld %12lld", static_cast<int>(width), t.path.c_str(), fsdp::ckpt::shape_text(t.shape).c_str(),
                 t.dtype.c_str(), static_cast<long long>(t.bytes), static_cast<long long>(t.stored_bytes));
     for (const auto& a : t.aliases) std::printf("  (also %s)", a.c_str());
     std::printf("\n");
@@ -96,6 +96,68 @@ void print_file(const fsdp::ckpt::FileInfo& info, bool show_deck) {
     stored += t.stored_bytes;
   }
   std::printf("  %zu tensors, %s (%s on disk)\n", info.tensors.size(), human_bytes(total).c_str(), human_bytes(stored).c_str());
+}
+
+int inspect_command(const std::string& path, bool show_deck) {
+  const std::string p = resolve(path);
+  if (fs::is_directory(p)) {
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(p))
+      if (e.path().extension() == ".h5") files.push_back(e.path().string());
+    std::sort(files.begin(), files.end());
+    std::printf("LOCAL_STATE_DICT folder %s: %zu rank files\n\n", p.c_str(), files.size());
+    for (const auto& f : files) {
+      print_file(fsdp::ckpt::inspect_file(f), show_deck);
+      std::printf("\n");
+    }
+  } else {
+    print_file(fsdp::ckpt::inspect_file(p), show_deck);
+  }
+  return 0;
+}
+
+int verify_command(const std::string& path) {
+  const auto report = fsdp::ckpt::verify(resolve(path));
+  for (const auto& problem : report.problems) std::printf("FAIL %s\n", problem.c_str());
+  std::printf("%s: %s (%lld tensors, %s checked)\n", report.path.c_str(), report.ok() ? "OK" : "CORRUPT OR INCOMPLETE",
+              static_cast<long long>(report.tensors_checked), human_bytes(report.bytes_checked).c_str());
+  return report.ok() ? 0 : 1;
+}
+
+int export_command(const std::string& path, const std::string& out, const std::string& export_dtype, const std::string& export_names) {
+  const std::string source = resolve(path);
+  const auto file = fsdp::app::export_file(out);
+  std::optional<fsdp::app::GptConfig> gpt;
+  std::optional<fsdp::TensorNaming> naming;
+  if (export_names == fsdp::app::kHfGpt2Scheme) {
+    gpt = model_of_checkpoint(source);
+    naming = fsdp::app::hf_gpt2_naming(*gpt);
+  }
+  const auto result = fsdp::ckpt::export_safetensors(source, file.string(), {.dtype = export_dtype, .naming = naming ? &*naming : nullptr});
+  if (gpt)  // --dtype's names are the deck's checkpoint.export_dtype names; none given: as stored
+    fsdp::app::write_hf_gpt2_config(file.parent_path(), *gpt,
+                                    export_dtype.empty() ? fsdp::app::ExportDtype::kAsTrained : fsdp::app::parse_choice<fsdp::app::ExportDtype>(export_dtype));
+  std::printf("exported %lld tensors of %s to %s (%s names, %s)\n", static_cast<long long>(result.tensors), source.c_str(), result.path.c_str(),
+              export_names.c_str(), human_bytes(result.bytes).c_str());
+  return 0;
+}
+
+int diff_command(const std::string& a, const std::string& b, double atol, double rtol) {
+  for (const auto& p : {resolve(a), resolve(b)})
+    if (fs::is_directory(p))
+      throw fsdp::CheckpointError("'" + p + "' is a LOCAL_STATE_DICT folder; diff compares single files: `fsdp-ckpt merge " + p + " OUT.h5` first");
+  const auto rows = fsdp::ckpt::diff(resolve(a), resolve(b));
+  std::size_t width = 6;
+  for (const auto& r : rows) width = std::max(width, r.path.size());
+  std::printf("%-*s  %-10s %14s %14s\n", static_cast<int>(width), "tensor", "status", "max abs", "max rel");
+  bool same = true;
+  for (const auto& r : rows) {
+    const bool within = (r.status == "ok" || r.status == "differs") && r.max_abs <= atol + rtol * r.max_b;
+    same = same && within;
+    std::printf("%-*s  %-10s %14.6g %14.6g\n", static_cast<int>(width), r.path.c_str(), r.status.c_str(), r.max_abs, r.max_rel);
+  }
+  std::printf("%s\n", same ? "checkpoints match" : "checkpoints differ");
+  return same ? 0 : 1;
 }
 
 }  // namespace
@@ -136,68 +198,15 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   try {
-    if (*inspect) {
-      const std::string p = resolve(path);
-      if (fs::is_directory(p)) {
-        std::vector<std::string> files;
-        for (const auto& e : fs::directory_iterator(p))
-          if (e.path().extension() == ".h5") files.push_back(e.path().string());
-        std::sort(files.begin(), files.end());
-        std::printf("LOCAL_STATE_DICT folder %s: %zu rank files\n\n", p.c_str(), files.size());
-        for (const auto& f : files) {
-          print_file(fsdp::ckpt::inspect_file(f), show_deck);
-          std::printf("\n");
-        }
-      } else {
-        print_file(fsdp::ckpt::inspect_file(p), show_deck);
-      }
-      return 0;
-    }
-    if (*verify) {
-      const auto report = fsdp::ckpt::verify(resolve(path));
-      for (const auto& problem : report.problems) std::printf("FAIL %s\n", problem.c_str());
-      std::printf("%s: %s (%lld tensors, %s checked)\n", report.path.c_str(), report.ok() ? "OK" : "CORRUPT OR INCOMPLETE",
-                  static_cast<long long>(report.tensors_checked), human_bytes(report.bytes_checked).c_str());
-      return report.ok() ? 0 : 1;
-    }
+    if (*inspect) return inspect_command(path, show_deck);
+    if (*verify) return verify_command(path);
     if (*merge) {
       fsdp::ckpt::merge_local(resolve(path), out);
       std::printf("merged %s into %s\n", path.c_str(), out.c_str());
       return 0;
     }
-    if (*exporter) {
-      const std::string source = resolve(path);
-      const auto file = fsdp::app::export_file(out);
-      std::optional<fsdp::app::GptConfig> gpt;
-      std::optional<fsdp::TensorNaming> naming;
-      if (export_names == fsdp::app::kHfGpt2Scheme) {
-        gpt = model_of_checkpoint(source);
-        naming = fsdp::app::hf_gpt2_naming(*gpt);
-      }
-      const auto result = fsdp::ckpt::export_safetensors(source, file.string(), {.dtype = export_dtype, .naming = naming ? &*naming : nullptr});
-      if (gpt) fsdp::app::write_hf_gpt2_config(file.parent_path(), *gpt, export_dtype);
-      std::printf("exported %lld tensors of %s to %s (%s names, %s)\n", static_cast<long long>(result.tensors), source.c_str(), result.path.c_str(),
-                  export_names.c_str(), human_bytes(result.bytes).c_str());
-      return 0;
-    }
-    if (*diff) {
-      for (const auto& p : {resolve(a), resolve(b)})
-        if (fs::is_directory(p))
-          throw fsdp::CheckpointError("'" + p + "' is a LOCAL_STATE_DICT folder; diff compares single files: `fsdp-ckpt merge " + p +
-                                      " OUT.h5` first");
-      const auto rows = fsdp::ckpt::diff(resolve(a), resolve(b));
-      std::size_t width = 6;
-      for (const auto& r : rows) width = std::max(width, r.path.size());
-      std::printf("%-*s  %-10s %14s %14s\n", static_cast<int>(width), "tensor", "status", "max abs", "max rel");
-      bool same = true;
-      for (const auto& r : rows) {
-        const bool within = (r.status == "ok" || r.status == "differs") && r.max_abs <= atol + rtol * r.max_b;
-        same = same && within;
-        std::printf("%-*s  %-10s %14.6g %14.6g\n", static_cast<int>(width), r.path.c_str(), r.status.c_str(), r.max_abs, r.max_rel);
-      }
-      std::printf("%s\n", same ? "checkpoints match" : "checkpoints differ");
-      return same ? 0 : 1;
-    }
+    if (*exporter) return export_command(path, out, export_dtype, export_names);
+    if (*diff) return diff_command(a, b, atol, rtol);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fsdp-ckpt: %s\n", e.what());
     return 2;

@@ -62,17 +62,17 @@ std::string join(const std::vector<std::int64_t>& v) {
 }
 
 void print_prediction(const RunConfig& cfg, const ModelShape& shape, const RunShape& run, const Prediction& p, bool list_units) {
-  std::printf("  model %s: %s parameters (closed form), %zu unit(s) under %s, largest unit %s (%s padded elements)\n", shape.kind.c_str(),
-              grouped(p.num_params).c_str(), p.units, run.wrap.policy.c_str(), p.largest_unit_path.c_str(), grouped(p.largest_unit).c_str());
+  std::printf("  model %s: %s parameters (closed form), %zu unit(s) under %s, largest unit %s (%s padded elements)\n", to_string(shape.kind).c_str(),
+              grouped(p.num_params).c_str(), p.units, to_string(run.wrap.policy).c_str(), p.largest_unit_path.c_str(), grouped(p.largest_unit).c_str());
   const std::string updated = run.optimizer_over_world ? "1/" + std::to_string(run.replicas) + " of a shard, optimizer state over the world" : "shard";
   std::printf("  strategy %s, shard group %lld, %lld replica group(s), %s, optimizer %s (%d state tensor(s) per %s), batch %lld per rank%s\n",
               to_string(run.strategy), static_cast<long long>(run.group), static_cast<long long>(run.replicas),
-              run.param_bytes == 4 ? "fp32" : ("mixed precision " + cfg.fsdp.mixed_precision).c_str(), run.optimizer.c_str(), run.optimizer_copies,
+              run.param_bytes == 4 ? "fp32" : ("mixed precision " + to_string(cfg.fsdp.mixed_precision)).c_str(), to_string(run.optimizer).c_str(), run.optimizer_copies,
               updated.c_str(), static_cast<long long>(run.batch), run.activation_checkpointing ? ", activation checkpointing" : "");
   std::printf("  parameters %lld\n", static_cast<long long>(p.num_params));
   std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
               static_cast<long long>(p.shard_elements), static_cast<long long>(p.padding), mib(p.state_bytes));
-  std::printf("  data %s: %s (%.1f MiB)\n", cfg.data.kind.c_str(), run.data.note.c_str(), mib(run.data.resident_bytes));
+  std::printf("  data %s: %s (%.1f MiB)\n", to_string(cfg.data.kind).c_str(), run.data.note.c_str(), mib(run.data.resident_bytes));
   if (list_units) {
     std::printf("\n  unit  parent  module                         params        numel       padded        shard\n");
     for (const auto& u : p.unit_list)
@@ -100,7 +100,7 @@ void print_prediction(const RunConfig& cfg, const ModelShape& shape, const RunSh
     const auto kind = static_cast<Mem>(k);
     if (p.max_by_kind[static_cast<std::size_t>(k)] == 0) continue;
     std::string label = mem_label(kind);
-    if (kind == Mem::kOptimizer) label += " (" + run.optimizer + ")";
+    if (kind == Mem::kOptimizer) label += " (" + to_string(run.optimizer) + ")";
     std::printf("  %-40s %12.2f %12.2f   %s\n", label.c_str(), mib(p.at_peak[static_cast<std::size_t>(k)]),
                 mib(p.max_by_kind[static_cast<std::size_t>(k)]), notes[k]);
   }
@@ -134,7 +134,7 @@ ModelShape with_layers(ModelShape s, std::int64_t n) {
   return s;
 }
 ModelShape with_width(ModelShape s, std::int64_t first) {
-  if (s.kind == "transformer") {
+  if (s.kind == ModelKind::kTransformer) {
     s.gpt.d_model = first;
     return s;
   }
@@ -144,18 +144,133 @@ ModelShape with_width(ModelShape s, std::int64_t first) {
   return s;
 }
 
-int plan(const std::string& deck_path, const std::vector<std::string>& overrides, int np, int ranks_per_node, double memory_gib, double baseline_mib,
-         double heap_factor, bool list_units) {
-  const std::string text = read_text_file(deck_path);
-  const Deck deck = Deck::parse(text, deck_path, overrides);
-  // Placed as fsdp-train would be at --np ranks on this machine's cores, ranks not bound to CPUs.
+/// Where fsdp-train would be placed at `np` ranks on this machine's cores, ranks not bound to CPUs.
+Placement plan_placement(int np, int ranks_per_node) {
   Placement placement;
   placement.world_size = np;
   placement.ranks_per_node = ranks_per_node > 0 ? ranks_per_node : np;
   placement.nodes = (np + placement.ranks_per_node - 1) / placement.ranks_per_node;
   placement.node_cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   placement.rank_cpus = placement.node_cores;
-  const RunConfig cfg = resolve_run_config(deck, placement);
+  return placement;
+}
+
+/// One strategy at this world size: its run, or why the deck cannot run it.
+struct StrategyRow {
+  ShardingStrategy strategy;
+  std::optional<RunShape> run;
+  std::string why;
+};
+
+std::vector<StrategyRow> strategy_rows(const RunConfig& cfg, const DataFootprint& data, double baseline_mib, double heap_factor) {
+  std::vector<StrategyRow> rows;
+  for (auto s : fsdp::kShardingStrategies) {
+    StrategyRow r{s, std::nullopt, ""};
+    try {
+      r.run = run_shape(cfg, s, data);
+      r.run->baseline_mib = baseline_mib;
+      if (heap_factor > 0) r.run->heap_factor = heap_factor;
+    } catch (const std::exception& e) {
+      r.why = e.what();
+    }
+    rows.push_back(std::move(r));
+  }
+  return rows;
+}
+
+void print_strategy_table(const ModelShape& shape, const std::vector<StrategyRow>& rows, ShardingStrategy deck_strategy, int np) {
+  std::printf("\nEvery strategy at %d rank(s), same deck otherwise\n", np);
+  std::printf("  %-20s %6s %16s %14s %14s %14s\n", "strategy", "group", "state MiB", "gathered MiB", "activ. MiB", "peak MiB");
+  for (const auto& r : rows) {
+    if (!r.run) {
+      std::printf("  %-20s n/a: %s\n", to_string(r.strategy), r.why.c_str());
+      continue;
+    }
+    const Prediction q = predict(shape, *r.run);
+    std::printf("  %-20s %6lld %16.2f %14.2f %14.2f %14.1f%s\n", to_string(r.strategy), static_cast<long long>(r.run->group), mib(q.state_bytes),
+                mib(q.max_by_kind[static_cast<std::size_t>(Mem::kGathered)]), mib(q.max_by_kind[static_cast<std::size_t>(Mem::kActivations)]),
+                mib(q.total_bytes), r.strategy == deck_strategy ? "   <- the deck's" : "");
+  }
+}
+
+/// The largest GPT of this family under one strategy that fits `budget`: n_layers at the deck's width
+/// and d_model at the deck's depth. Every block adds the same tensors, so beyond a few hundred layers
+/// the peak grows by the same amount per layer: extrapolate from 128 and 256 layers, then check
+/// exactly where affordable.
+void print_largest_gpt(const ModelShape& shape, const StrategyRow& r, std::int64_t budget, std::int64_t batch) {
+  constexpr std::int64_t kCap = std::int64_t{1} << 20, kExact = 256, kVerify = 4096;
+  auto fits = [&](const ModelShape& s) { return predict(s, *r.run).total_bytes <= budget; };
+  bool extrapolated = false;
+  std::int64_t layers = largest_fitting(1, kExact, [&](std::int64_t n) { return fits(with_layers(shape, n)); });
+  if (layers == kExact) {
+    const auto m1 = predict(with_layers(shape, kExact / 2), *r.run).total_bytes, m2 = predict(with_layers(shape, kExact), *r.run).total_bytes;
+    const std::int64_t per_layer = std::max<std::int64_t>(1, (m2 - m1) / (kExact / 2));
+    layers = std::min(kCap, kExact + (budget - m2) / per_layer);
+    if (layers <= kVerify) {
+      while (layers > kExact && !fits(with_layers(shape, layers))) --layers;
+      while (layers < kVerify && fits(with_layers(shape, layers + 1))) ++layers;
+    } else {
+      extrapolated = true;
+    }
+  }
+  const std::int64_t heads = shape.gpt.n_heads;
+  const std::int64_t width = heads * largest_fitting(1, kCap, [&](std::int64_t k) { return fits(with_width(shape, k * heads)); });
+  std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", to_string(r.strategy), layers ? ((extrapolated ? "~" : "") + std::to_string(layers)).c_str() : "none",
+              layers ? grouped(gpt_num_params(with_layers(shape, layers).gpt)).c_str() : "-", width ? std::to_string(width).c_str() : "none",
+              width ? grouped(gpt_num_params(with_width(shape, width).gpt)).c_str() : "-", batch ? std::to_string(batch).c_str() : "none");
+}
+
+/// --memory-gib: the largest model of the deck's family and the largest batch per strategy that fit.
+void print_largest_fitting(const ModelShape& shape, const std::vector<StrategyRow>& rows, const Prediction& p, double memory_gib) {
+  const auto budget = static_cast<std::int64_t>(memory_gib * 1073741824.0);
+  std::printf("\nLargest model of the %s family that fits %.2f GiB per rank (predicted peak RSS, baseline included)\n", to_string(shape.kind).c_str(), memory_gib);
+  if (p.total_bytes <= budget)
+    std::printf("  the deck's model fits with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
+  else
+    std::printf("  the deck's model does NOT fit with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
+  constexpr std::int64_t kCap = std::int64_t{1} << 20;
+  if (shape.kind == ModelKind::kTransformer)
+    std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", "strategy", "n_layers", "parameters", "d_model", "parameters", "batch_size");
+  else if (shape.kind == ModelKind::kMlp)
+    std::printf("  %-20s %-28s %16s  %10s\n", "strategy", "hidden_sizes", "parameters", "batch_size");
+  else
+    std::printf("  %-20s %10s   (the tutorial CNN has no size keys)\n", "strategy", "batch_size");
+  for (const auto& r : rows) {
+    if (!r.run) {
+      std::printf("  %-20s n/a\n", to_string(r.strategy));
+      continue;
+    }
+    auto fits = [&](const ModelShape& s, const RunShape& run_at) { return predict(s, run_at).total_bytes <= budget; };
+    const std::int64_t batch = largest_fitting(1, kCap, [&](std::int64_t b) {
+      RunShape x = *r.run;
+      x.batch = b;
+      return fits(shape, x);
+    });
+    if (shape.kind == ModelKind::kTransformer) {
+      print_largest_gpt(shape, r, budget, batch);
+    } else if (shape.kind == ModelKind::kMlp) {
+      const std::int64_t first = largest_fitting(1, kCap, [&](std::int64_t w) { return fits(with_width(shape, w), *r.run); });
+      const auto widest = with_width(shape, std::max<std::int64_t>(first, 1));
+      std::printf("  %-20s %-28s %16s  %10s\n", to_string(r.strategy), first ? join(widest.hidden_sizes).c_str() : "none",
+                  first ? grouped(mlp_num_params(widest.hidden_sizes)).c_str() : "-", batch ? std::to_string(batch).c_str() : "none");
+    } else {
+      std::printf("  %-20s %10s\n", to_string(r.strategy), batch ? std::to_string(batch).c_str() : "none");
+    }
+  }
+  if (shape.kind == ModelKind::kTransformer)
+    std::printf(
+        "  (n_layers at d_model %lld, ~: extrapolated from 128 and 256 layers; d_model, a multiple of n_heads, at n_layers %lld;\n"
+        "   batch_size for the deck's model)\n",
+        static_cast<long long>(shape.gpt.d_model), static_cast<long long>(shape.gpt.n_layers));
+  else if (shape.kind == ModelKind::kMlp)
+    std::printf("  (every hidden width scaled by one factor; batch_size for the deck's model)\n");
+}
+
+int plan(const std::string& deck_path, const std::vector<std::string>& overrides, int np, int ranks_per_node, double memory_gib, double baseline_mib,
+         double heap_factor, bool list_units) {
+  const std::string text = read_text_file(deck_path);
+  const Deck deck = Deck::parse(text, deck_path, overrides);
+  const RunConfig cfg = resolve_run_config(deck, plan_placement(np, ranks_per_node));
   const ModelShape shape = model_shape(cfg.model);
   const ModelDesc desc = describe_model(shape);
   std::set<std::string> full_types;  // a full name ("torch::nn::Linear") selects a module too
@@ -168,111 +283,16 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
               ranks_per_node > 0 ? (", " + std::to_string(ranks_per_node) + " per node").c_str() : " on one node");
   for (const auto& o : deck.overrides()) std::printf("  %s\n", o.c_str());
   for (const auto& w : data.warnings) std::printf("warning: %s\n", w.c_str());
-  if (cfg.fsdp.backend == "nccl") std::printf("note: fsdp.backend = \"nccl\": this plan is of host memory with MPI (the GPU path is not modelled)\n");
+  if (cfg.fsdp.backend == Backend::kNccl) std::printf("note: fsdp.backend = \"nccl\": this plan is of host memory with MPI (the GPU path is not modelled)\n");
 
   RunShape run = run_shape(cfg, strategy, data);
   run.baseline_mib = baseline_mib;
   if (heap_factor > 0) run.heap_factor = heap_factor;
   const Prediction p = predict(shape, run);
   print_prediction(cfg, shape, run, p, list_units);
-
-  // Every strategy side by side at this world size.
-  struct Row {
-    ShardingStrategy strategy;
-    std::optional<RunShape> run;
-    std::string why;
-  };
-  std::vector<Row> rows;
-  for (auto s : fsdp::kShardingStrategies) {
-    Row r{s, std::nullopt, ""};
-    try {
-      r.run = run_shape(cfg, s, data);
-      r.run->baseline_mib = baseline_mib;
-      if (heap_factor > 0) r.run->heap_factor = heap_factor;
-    } catch (const std::exception& e) {
-      r.why = e.what();
-    }
-    rows.push_back(std::move(r));
-  }
-  std::printf("\nEvery strategy at %d rank(s), same deck otherwise\n", np);
-  std::printf("  %-20s %6s %16s %14s %14s %14s\n", "strategy", "group", "state MiB", "gathered MiB", "activ. MiB", "peak MiB");
-  for (const auto& r : rows) {
-    if (!r.run) {
-      std::printf("  %-20s n/a: %s\n", to_string(r.strategy), r.why.c_str());
-      continue;
-    }
-    const Prediction q = predict(shape, *r.run);
-    std::printf("  %-20s %6lld %16.2f %14.2f %14.2f %14.1f%s\n", to_string(r.strategy), static_cast<long long>(r.run->group), mib(q.state_bytes),
-                mib(q.max_by_kind[static_cast<std::size_t>(Mem::kGathered)]), mib(q.max_by_kind[static_cast<std::size_t>(Mem::kActivations)]),
-                mib(q.total_bytes), r.strategy == strategy ? "   <- the deck's" : "");
-  }
-
-  if (memory_gib > 0) {
-    const auto budget = static_cast<std::int64_t>(memory_gib * 1073741824.0);
-    std::printf("\nLargest model of the %s family that fits %.2f GiB per rank (predicted peak RSS, baseline included)\n", shape.kind.c_str(),
-                memory_gib);
-    if (p.total_bytes <= budget)
-      std::printf("  the deck's model fits with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
-    else
-      std::printf("  the deck's model does NOT fit with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
-    constexpr std::int64_t kCap = std::int64_t{1} << 20;
-    if (shape.kind == "transformer")
-      std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", "strategy", "n_layers", "parameters", "d_model", "parameters", "batch_size");
-    else if (shape.kind == "mlp")
-      std::printf("  %-20s %-28s %16s  %10s\n", "strategy", "hidden_sizes", "parameters", "batch_size");
-    else
-      std::printf("  %-20s %10s   (the tutorial CNN has no size keys)\n", "strategy", "batch_size");
-    for (const auto& r : rows) {
-      if (!r.run) {
-        std::printf("  %-20s n/a\n", to_string(r.strategy));
-        continue;
-      }
-      auto fits = [&](const ModelShape& s, const RunShape& run_at) { return predict(s, run_at).total_bytes <= budget; };
-      const std::int64_t batch = largest_fitting(1, kCap, [&](std::int64_t b) {
-        RunShape x = *r.run;
-        x.batch = b;
-        return fits(shape, x);
-      });
-      if (shape.kind == "transformer") {
-        // Every block adds the same tensors, so beyond a few hundred layers the peak grows by the same
-        // amount per layer: extrapolate from 128 and 256 layers, then check exactly where affordable.
-        constexpr std::int64_t kExact = 256, kVerify = 4096;
-        bool extrapolated = false;
-        std::int64_t layers = largest_fitting(1, kExact, [&](std::int64_t n) { return fits(with_layers(shape, n), *r.run); });
-        if (layers == kExact) {
-          const auto m1 = predict(with_layers(shape, kExact / 2), *r.run).total_bytes, m2 = predict(with_layers(shape, kExact), *r.run).total_bytes;
-          const std::int64_t per_layer = std::max<std::int64_t>(1, (m2 - m1) / (kExact / 2));
-          layers = std::min(kCap, kExact + (budget - m2) / per_layer);
-          if (layers <= kVerify) {
-            while (layers > kExact && !fits(with_layers(shape, layers), *r.run)) --layers;
-            while (layers < kVerify && fits(with_layers(shape, layers + 1), *r.run)) ++layers;
-          } else {
-            extrapolated = true;
-          }
-        }
-        const std::int64_t heads = shape.gpt.n_heads;
-        const std::int64_t width = heads * largest_fitting(1, kCap, [&](std::int64_t k) { return fits(with_width(shape, k * heads), *r.run); });
-        std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", to_string(r.strategy),
-                    layers ? ((extrapolated ? "~" : "") + std::to_string(layers)).c_str() : "none",
-                    layers ? grouped(gpt_num_params(with_layers(shape, layers).gpt)).c_str() : "-", width ? std::to_string(width).c_str() : "none",
-                    width ? grouped(gpt_num_params(with_width(shape, width).gpt)).c_str() : "-", batch ? std::to_string(batch).c_str() : "none");
-      } else if (shape.kind == "mlp") {
-        const std::int64_t first = largest_fitting(1, kCap, [&](std::int64_t w) { return fits(with_width(shape, w), *r.run); });
-        const auto widest = with_width(shape, std::max<std::int64_t>(first, 1));
-        std::printf("  %-20s %-28s %16s  %10s\n", to_string(r.strategy), first ? join(widest.hidden_sizes).c_str() : "none",
-                    first ? grouped(mlp_num_params(widest.hidden_sizes)).c_str() : "-", batch ? std::to_string(batch).c_str() : "none");
-      } else {
-        std::printf("  %-20s %10s\n", to_string(r.strategy), batch ? std::to_string(batch).c_str() : "none");
-      }
-    }
-    if (shape.kind == "transformer")
-      std::printf(
-          "  (n_layers at d_model %lld, ~: extrapolated from 128 and 256 layers; d_model, a multiple of n_heads, at n_layers %lld;\n"
-          "   batch_size for the deck's model)\n",
-          static_cast<long long>(shape.gpt.d_model), static_cast<long long>(shape.gpt.n_layers));
-    else if (shape.kind == "mlp")
-      std::printf("  (every hidden width scaled by one factor; batch_size for the deck's model)\n");
-  }
+  const auto rows = strategy_rows(cfg, data, baseline_mib, heap_factor);
+  print_strategy_table(shape, rows, strategy, np);
+  if (memory_gib > 0) print_largest_fitting(shape, rows, p, memory_gib);
   return 0;
 }
 

@@ -106,23 +106,14 @@ void write_file(const fs::path& path, const std::string& text) {
   if (!out) throw std::runtime_error("cannot write '" + path.string() + "'");
 }
 
-int sweep(const std::string& deck_path, const std::vector<std::string>& grids, const std::vector<std::string>& sets, const std::string& out,
-          bool dry_run) {
-  std::vector<Axis> axes;
-  for (const auto& g : grids) {
-    axes.push_back(parse_grid(g));
-    for (std::size_t i = 0; i + 1 < axes.size(); ++i)
-      if (axes[i].key == axes.back().key) throw UsageError("--grid: " + axes.back().key + " is given twice");
-  }
-  const Deck base = Deck::from_file(deck_path, sets);
-
+/// Every point of the grid over `base`, each validated; a UsageError listing every invalid point
+/// (nothing is written then).
+std::vector<Point> grid_points(const Deck& base, const std::vector<Axis>& axes, const std::string& out) {
   std::size_t count = 1;
   for (const auto& a : axes) count *= a.values.size();
   const int digits = std::max<int>(4, static_cast<int>(std::to_string(count - 1).size()));
   bool grid_sets_out_dir = false;
   for (const auto& a : axes) grid_sets_out_dir |= a.key == "run.out_dir";
-
-  // Every point first: build and validate them all, write nothing unless all are good.
   std::vector<Point> points;
   std::vector<std::string> problems;
   std::vector<std::size_t> digit(axes.size(), 0);  // mixed-radix counter, the last axis fastest
@@ -157,19 +148,21 @@ int sweep(const std::string& deck_path, const std::vector<std::string>& grids, c
     for (const auto& line : problems) msg += "\n  " + line;
     throw UsageError(msg);
   }
+  return points;
+}
 
-  // The table of points.
+void print_points(const std::vector<Point>& points) {
   std::size_t wo = 9, wd = 4;
   for (const auto& p : points) wo = std::max(wo, joined(p.overrides).size()), wd = std::max(wd, p.deck_path.size());
   std::printf("%-5s  %-*s  %-*s  %s\n", "index", static_cast<int>(wo), "overrides", static_cast<int>(wd), "deck", "out_dir");
   for (std::size_t i = 0; i < points.size(); ++i)
     std::printf("%5zu  %-*s  %-*s  %s\n", i, static_cast<int>(wo), joined(points[i].overrides).c_str(), static_cast<int>(wd),
                 points[i].deck_path.c_str(), points[i].out_dir.c_str());
-  if (dry_run) {
-    std::printf("\n%zu point%s valid; nothing written (--dry-run)\n", count, count == 1 ? "" : "s");
-    return 0;
-  }
+}
 
+/// The points' decks and manifest.tsv under `out`, and how to run them as a Slurm job array.
+int write_points(const std::vector<Point>& points, const std::string& out) {
+  const std::size_t count = points.size();
   const fs::path manifest = fs::path(out) / "manifest.tsv";
   try {
     fs::create_directories(fs::path(out) / "decks");
@@ -192,6 +185,25 @@ int sweep(const std::string& deck_path, const std::vector<std::string>& grids, c
       "  srun fsdp-train \"$deck\"\n",
       count - 1, manifest.c_str());
   return 0;
+}
+
+int sweep(const std::string& deck_path, const std::vector<std::string>& grids, const std::vector<std::string>& sets, const std::string& out,
+          bool dry_run) {
+  std::vector<Axis> axes;
+  for (const auto& g : grids) {
+    axes.push_back(parse_grid(g));
+    for (std::size_t i = 0; i + 1 < axes.size(); ++i)
+      if (axes[i].key == axes.back().key) throw UsageError("--grid: " + axes.back().key + " is given twice");
+  }
+  const Deck base = Deck::from_file(deck_path, sets);
+  // Every point first: build and validate them all, write nothing unless all are good.
+  const std::vector<Point> points = grid_points(base, axes, out);
+  print_points(points);
+  if (dry_run) {
+    std::printf("\n%zu point%s valid; nothing written (--dry-run)\n", points.size(), points.size() == 1 ? "" : "s");
+    return 0;
+  }
+  return write_points(points, out);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 
 #include "fsdp/errors.hpp"
 #include "fsdp/io/tensor_naming.hpp"
+#include "choices.hpp"
 #include "gpt_config.hpp"
 
 namespace fsdp::app {
@@ -92,15 +93,19 @@ inline nlohmann::ordered_json hf_gpt2_config(const GptConfig& c, const std::stri
   return j;
 }
 
-/// The torch_dtype of config.json for an export dtype ("", fp32, bf16, fp16).
-inline std::string hf_torch_dtype(const std::string& export_dtype) {
-  if (export_dtype == "bf16") return "bfloat16";
-  if (export_dtype == "fp16") return "float16";
+/// The torch_dtype of config.json for an export dtype (fp32 training: as trained is fp32).
+inline std::string hf_torch_dtype(ExportDtype export_dtype) {
+  switch (export_dtype) {
+    case ExportDtype::kBf16: return "bfloat16";
+    case ExportDtype::kFp16: return "float16";
+    case ExportDtype::kFp32:
+    case ExportDtype::kAsTrained: break;
+  }
   return "float32";
 }
 
 /// Writes `folder`/config.json (under a temporary name, then renamed).
-inline void write_hf_gpt2_config(const std::filesystem::path& folder, const GptConfig& c, const std::string& export_dtype) {
+inline void write_hf_gpt2_config(const std::filesystem::path& folder, const GptConfig& c, ExportDtype export_dtype) {
   std::filesystem::create_directories(folder);
   const auto tmp = folder / ".config.json.tmp";
   {

@@ -17,6 +17,12 @@ std::string blame(const Deck& deck, const std::string& key) {
   return (where.empty() ? deck.path() : where) + ": " + key + ": ";
 }
 
+/// The enum value of choice key `key` (the deck has normalized it to one of the schema's names).
+template <DeckChoice E>
+E choice(const Deck& deck, const std::string& key) {
+  return parse_choice<E>(deck.get_string(key));
+}
+
 /// fsdp.overlap_grad_reduce = auto: the collective worker pays only with a core of its own, i.e. when
 /// the rank may run on more CPUs than its compute threads and the node's ranks leave cores idle. On
 /// NCCL there is no worker (the GPU's streams overlap): auto is on.
@@ -53,12 +59,12 @@ std::vector<std::string> transformer_layer_classes(const std::string& value, con
   if (value != "auto") return split_name_list(value);
   // An untied vocabulary-sized matrix in the root unit would stay gathered, with its gradient, from the
   // first forward to the end of backward; as its own unit it is gathered only while it is used.
-  if (model.kind == "transformer" && !model.tie_embeddings) return {"TransformerBlock", "Embedding", "LmHead"};
+  if (model.kind == ModelKind::kTransformer && !model.tie_embeddings) return {"TransformerBlock", "Embedding", "LmHead"};
   return {"TransformerBlock"};
 }
 
 void check_wrap_classes(const FsdpSection& fsdp, const std::set<std::string>& types, const std::set<std::string>& also_accepted) {
-  if (fsdp.auto_wrap_policy != "TRANSFORMER_BASED_WRAP") return;
+  if (fsdp.auto_wrap_policy != WrapPolicy::TRANSFORMER_BASED_WRAP) return;
   std::string known;
   for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
   for (const auto& n : fsdp.transformer_layer_cls_to_wrap)
@@ -75,15 +81,15 @@ RunSection resolve_run_section(const Deck& deck, const Placement& placement) {
   run.max_steps = deck.get_int("run.max_steps");
   run.out_dir = deck.out_dir();
   run.threads = resolve_threads(deck, placement);
-  run.malloc = deck.get_string("run.malloc");
+  run.malloc = choice<MallocPolicy>(deck, "run.malloc");
   run.skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
-  run.memory_check = deck.get_string("run.memory_check");
+  run.memory_check = choice<MemoryCheck>(deck, "run.memory_check");
   return run;
 }
 
 ModelSection resolve_model_section(const Deck& deck) {
   ModelSection model;
-  model.kind = deck.get_string("model.kind");
+  model.kind = choice<ModelKind>(deck, "model.kind");
   if (deck.is_set("model.dropout")) model.dropout = deck.get_float("model.dropout");
   model.hidden_sizes = deck.get_int_array("model.hidden_sizes");
   model.vocab_size = deck.get_int("model.vocab_size");
@@ -94,7 +100,7 @@ ModelSection resolve_model_section(const Deck& deck) {
   model.mlp_ratio = deck.get_int("model.mlp_ratio");
   model.tie_embeddings = deck.get_bool("model.tie_embeddings");
   model.vocab_pad_multiple = deck.get_int("model.vocab_pad_multiple");
-  model.activation = deck.get_string("model.activation");
+  model.activation = choice<Activation>(deck, "model.activation");
   return model;
 }
 
@@ -116,7 +122,7 @@ GptConfig gpt_config(const ModelSection& model) {
   c.mlp_ratio = model.mlp_ratio;
   c.vocab_pad_multiple = model.vocab_pad_multiple;
   c.dropout = model.dropout.value_or(0.1);
-  c.gelu_tanh = model.activation == "gelu_tanh";
+  c.gelu_tanh = model.activation == Activation::kGeluTanh;
   c.tie_embeddings = model.tie_embeddings;
   return c;
 }
@@ -124,10 +130,10 @@ GptConfig gpt_config(const ModelSection& model) {
 namespace {
 // fsdp.backend: auto is NCCL where this rank has a usable GPU and NCCL is built in, else MPI; "nccl"
 // where it cannot run is an error naming why.
-std::string resolve_backend(const std::string& asked, const std::string& where, const std::optional<Placement::Gpu>& gpu) {
-  if (!gpu) return asked == "nccl" ? "nccl" : "mpi";
-  if (asked == "mpi") return asked;
-  if (asked == "auto") return gpu->built_with_nccl && gpu->usable ? "nccl" : "mpi";
+Backend resolve_backend(Backend asked, const std::string& where, const std::optional<Placement::Gpu>& gpu) {
+  if (!gpu) return asked == Backend::kNccl ? Backend::kNccl : Backend::kMpi;
+  if (asked == Backend::kMpi) return asked;
+  if (asked == Backend::kAuto) return gpu->built_with_nccl && gpu->usable ? Backend::kNccl : Backend::kMpi;
   const std::string prefix = (where.empty() ? std::string() : where + ": ") + "fsdp.backend = \"nccl\": ";
   if (!gpu->usable) throw DeckError(prefix + "no CUDA device is usable on this rank (" + gpu->why_not + "); use \"mpi\" or \"auto\" on CPUs");
   if (!gpu->built_with_nccl)
@@ -136,19 +142,14 @@ std::string resolve_backend(const std::string& asked, const std::string& where, 
 }
 }  // namespace
 
-RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
-  RunConfig c;
-  c.placement = placement;
-  c.run = resolve_run_section(deck, placement);
-  const auto& run = c.run;
+namespace {
 
-  c.model = resolve_model_section(deck);
-
-  auto& data = c.data;
-  data.kind = deck.get_string("data.kind");
+DataSection resolve_data_section(const Deck& deck) {
+  DataSection data;
+  data.kind = choice<DataKind>(deck, "data.kind");
   data.path = deck.get_string("data.path");
   data.val_path = deck.get_string("data.val_path");
-  data.token_format = deck.get_string("data.token_format");
+  data.token_format = choice<TokenFormat>(deck, "data.token_format");
   data.batch_size = deck.get_int("data.batch_size");
   data.test_batch_size = deck.get_int("data.test_batch_size");
   data.shuffle = deck.get_bool("data.shuffle");
@@ -157,13 +158,18 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   data.test_samples = deck.get_int("data.test_samples");
   data.num_samples = deck.get_int("data.num_samples");
 
-  auto& optim = c.optim;
-  optim.kind = deck.get_string("optim.kind");
+  return data;
+}
+
+/// The optimizer; with data.global_batch_size, the micro-batch and accumulation over the world.
+OptimSection resolve_optim_section(const Deck& deck, const Placement& placement, DataSection& data) {
+  OptimSection optim;
+  optim.kind = choice<OptimizerKind>(deck, "optim.kind");
   optim.lr = deck.get_float("optim.lr");
   optim.weight_decay = deck.get_float("optim.weight_decay");
   optim.momentum = deck.get_float("optim.momentum");
   optim.betas = deck.get_float_array("optim.betas");
-  optim.schedule = deck.get_string("optim.schedule");
+  optim.schedule = choice<LrSchedule>(deck, "optim.schedule");
   optim.gamma = deck.get_float("optim.gamma");
   optim.warmup_steps = deck.get_int("optim.warmup_steps");
   optim.clip_grad_norm = deck.get_float("optim.clip_grad_norm");
@@ -175,9 +181,9 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   for (const auto& kind : optim.no_decay)
     if (kind != "bias" && kind != "norm" && kind != "embedding")
       throw DeckError(blame(deck, "optim.no_decay") + "'" + kind + "' is not one of bias, norm, embedding");
-  if (!optim.no_decay.empty() && optim.kind != "adamw")
-    throw DeckError(blame(deck, "optim.no_decay") + "takes parameters out of adamw's decoupled weight decay; optim.kind is \"" + optim.kind + "\"");
-  if (optim.lr_min >= optim.lr && optim.schedule != "constant")
+  if (!optim.no_decay.empty() && optim.kind != OptimizerKind::kAdamW)
+    throw DeckError(blame(deck, "optim.no_decay") + "takes parameters out of adamw's decoupled weight decay; optim.kind is \"" + to_string(optim.kind) + "\"");
+  if (optim.lr_min >= optim.lr && optim.schedule != LrSchedule::kConstant)
     throw DeckError(blame(deck, "optim.lr_min") + std::to_string(optim.lr_min) + " must be below optim.lr " + std::to_string(optim.lr));
   if (const auto global = deck.get_int("data.global_batch_size"); global > 0) {
     if (deck.entry("optim.grad_accum_steps").source != Source::kDefault)
@@ -191,21 +197,25 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
     data.batch_size = split->micro;
     optim.grad_accum_steps = split->accum;
   }
-  if (optim.kind != "sgd" && optim.betas.size() != 2)
+  if (optim.kind != OptimizerKind::kSgd && optim.betas.size() != 2)
     throw DeckError(blame(deck, "optim.betas") + "must have 2 values, got " + std::to_string(optim.betas.size()));
 
-  auto& f = c.fsdp;
+  return optim;
+}
+
+FsdpSection resolve_fsdp_section(const Deck& deck, const Placement& placement, const RunSection& run, const ModelSection& model) {
+  FsdpSection f;
   f.sharding_strategy = parse_sharding_strategy(deck.get_string("fsdp.sharding_strategy"));
-  f.auto_wrap_policy = deck.get_string("fsdp.auto_wrap_policy");
+  f.auto_wrap_policy = choice<WrapPolicy>(deck, "fsdp.auto_wrap_policy");
   f.min_num_params = deck.get_int("fsdp.min_num_params");
-  f.transformer_layer_cls_to_wrap = transformer_layer_classes(deck.get_string("fsdp.transformer_layer_cls_to_wrap"), c.model);
+  f.transformer_layer_cls_to_wrap = transformer_layer_classes(deck.get_string("fsdp.transformer_layer_cls_to_wrap"), model);
   f.transformer_layer_cls_where = deck.entry("fsdp.transformer_layer_cls_to_wrap").where;
-  f.backend = deck.get_string("fsdp.backend");
+  f.backend = choice<Backend>(deck, "fsdp.backend");
   f.cuda_device = static_cast<int>(deck.get_int("fsdp.cuda_device"));
   f.backend_where = deck.entry("fsdp.backend").where;
   f.backend_resolved = resolve_backend(f.backend, f.backend_where, placement.gpu);
   const bool overlap_auto =
-      overlap_pays(f.backend_resolved == "nccl", placement.rank_cpus, run.threads, placement.ranks_per_node, placement.node_cores);
+      overlap_pays(f.backend_resolved == Backend::kNccl, placement.rank_cpus, run.threads, placement.ranks_per_node, placement.node_cores);
   f.backward_prefetch_auto = deck.get_string("fsdp.backward_prefetch") == "auto";
   f.backward_prefetch_name = backward_prefetch_resolved(deck.get_string("fsdp.backward_prefetch"), overlap_auto);
   f.backward_prefetch = parse_backward_prefetch(f.backward_prefetch_name);
@@ -236,56 +246,78 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   if (const auto why = optimizer_sharding_problem(f.sharding_strategy, f.optimizer_sharding); !why.empty())
     throw DeckError(blame(deck, "fsdp.optimizer_sharding") + "world: " + why);
   f.offload_params = deck.get_bool("fsdp.offload_params");
-  f.mixed_precision = deck.get_string("fsdp.mixed_precision");
+  f.mixed_precision = choice<Precision>(deck, "fsdp.mixed_precision");
   f.activation_checkpointing = deck.get_bool("fsdp.activation_checkpointing");
   f.deferred_init = deck.get_bool("fsdp.deferred_init");
   f.sync_module_states = deck.get_bool("fsdp.sync_module_states");
   f.buffer_sync = parse_buffer_sync(deck.get_string("fsdp.buffer_sync"));
   // fsdp-plan probes no GPU (it may plan a GPU job on a login node): only a probed rank can refuse.
-  if (f.mixed_precision == "fp16" && placement.gpu && f.backend_resolved != "nccl")
+  if (f.mixed_precision == Precision::kFp16 && placement.gpu && f.backend_resolved != Backend::kNccl)
     throw DeckError(blame(deck, "fsdp.mixed_precision") +
                     "fp16 computes in half precision, which LibTorch's CPU kernels do not implement (matrix products, LayerNorm, "
                     "softmax); on CPU use bf16, or fp16_reduce (fp32 compute, gradients reduced in fp16)");
-  if ((f.mixed_precision == "fp16" || f.mixed_precision == "fp16_reduce") && deck.get_string("fsdp.loss_scale") == "dynamic")
+  if ((f.mixed_precision == Precision::kFp16 || f.mixed_precision == Precision::kFp16Reduce) && deck.get_string("fsdp.loss_scale") == "dynamic")
   {
     const double init = deck.get_float("fsdp.loss_scale_init");
     if (!std::isfinite(init)) throw DeckError(blame(deck, "fsdp.loss_scale_init") + "must be finite");
     f.loss_scale = fsdp::LossScaleOptions{.init_scale = init, .growth_interval = deck.get_int("fsdp.loss_scale_growth_interval")};
   }
 
-  c.comm.timeout_s = deck.get_float("comm.timeout_s");
-  c.comm.flight_recorder_entries = deck.get_int("comm.flight_recorder_entries");
+  return f;
+}
 
-  auto& ckpt = c.checkpoint;
+CheckpointSection resolve_checkpoint_section(const Deck& deck, const RunSection& run, const ModelSection& model, const CommSection& comm) {
+  CheckpointSection ckpt;
   ckpt.dir = deck.checkpoint_dir();
   ckpt.every_steps = deck.get_int("checkpoint.every_steps");
-  ckpt.state_dict_type = deck.get_string("checkpoint.state_dict_type");
+  ckpt.state_dict_type = choice<StateDictType>(deck, "checkpoint.state_dict_type");
   ckpt.keep_last = static_cast<int>(deck.get_int("checkpoint.keep_last"));
   ckpt.resume = deck.get_string("checkpoint.resume");
   ckpt.save_final = deck.get_bool("checkpoint.save_final");
   ckpt.asynchronous = deck.get_bool("checkpoint.async");
   ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
-  ckpt.collective_timeout_s = c.comm.timeout_s;
+  ckpt.collective_timeout_s = comm.timeout_s;
   ckpt.init_from = deck.get_string("checkpoint.init_from");
   ckpt.init_allow_missing = deck.get_bool("checkpoint.init_allow_missing");
-  ckpt.export_names = deck.get_string("checkpoint.export_names");
-  if (const auto dtype = deck.get_string("checkpoint.export_dtype"); dtype != "auto") ckpt.export_dtype = dtype;
+  ckpt.export_names = choice<ExportNames>(deck, "checkpoint.export_names");
+  ckpt.export_dtype = choice<ExportDtype>(deck, "checkpoint.export_dtype");
   if (const auto path = deck.get_string("checkpoint.export"); !path.empty()) {
     // Relative to the run's folder, like log.metrics_file: each run of a sweep exports its own model.
-    ckpt.export_path = std::filesystem::path(path).is_absolute() ? path : (std::filesystem::path(c.run.out_dir) / path).string();
+    ckpt.export_path = std::filesystem::path(path).is_absolute() ? path : (std::filesystem::path(run.out_dir) / path).string();
     if (path.back() == '/') ckpt.export_path += '/';
   }
-  if (ckpt.export_names == "hf-gpt2" && c.model.kind != "transformer")
-    throw DeckError(blame(deck, "checkpoint.export_names") + "hf-gpt2 names a GPT-2; model.kind is \"" + c.model.kind + "\"");
+  if (ckpt.export_names == ExportNames::kHfGpt2 && model.kind != ModelKind::kTransformer)
+    throw DeckError(blame(deck, "checkpoint.export_names") + "hf-gpt2 names a GPT-2; model.kind is \"" + to_string(model.kind) + "\"");
+
+  return ckpt;
+}
+
+LogSection resolve_log_section(const Deck& deck) {
+  LogSection log;
+  log.every_steps = deck.get_int("log.every_steps");
+  log.progress = choice<ProgressMode>(deck, "log.progress");
+  log.metrics_file = deck.get_string("log.metrics_file");
+  log.trace = deck.get_bool("log.trace");
+  return log;
+}
+
+}  // namespace
+
+RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
+  RunConfig c;
+  c.placement = placement;
+  c.run = resolve_run_section(deck, placement);
+  c.model = resolve_model_section(deck);
+  c.data = resolve_data_section(deck);
+  c.optim = resolve_optim_section(deck, placement, c.data);
+  c.fsdp = resolve_fsdp_section(deck, placement, c.run, c.model);
+  c.comm.timeout_s = deck.get_float("comm.timeout_s");
+  c.comm.flight_recorder_entries = deck.get_int("comm.flight_recorder_entries");
 
   c.eval.every_steps = deck.get_int("eval.every_steps");
   c.eval.max_batches = deck.get_int("eval.max_batches");
-
-  auto& log = c.log;
-  log.every_steps = deck.get_int("log.every_steps");
-  log.progress = deck.get_string("log.progress");
-  log.metrics_file = deck.get_string("log.metrics_file");
-  log.trace = deck.get_bool("log.trace");
+  c.checkpoint = resolve_checkpoint_section(deck, c.run, c.model, c.comm);
+  c.log = resolve_log_section(deck);
   return c;
 }
 

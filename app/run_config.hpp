@@ -10,10 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "choices.hpp"
 #include "deck.hpp"
 #include "gpt_config.hpp"
 #include "fsdp/core/loss_scale.hpp"
 #include "fsdp/core/strategy.hpp"
+#include "fsdp/io/checkpoint_options.hpp"
 
 namespace fsdp::app {
 
@@ -41,29 +43,29 @@ struct RunSection {
   std::int64_t max_steps = 0;  ///< 0: every epoch
   std::string out_dir;         ///< resolved: run.out_dir or runs/<run.name>
   int threads = 1;             ///< resolved: run.threads, or the node's cores over its ranks
-  std::string malloc;           ///< reuse, return, glibc: what malloc does with freed memory
+  MallocPolicy malloc = MallocPolicy::kReuse;  ///< what malloc does with freed memory
   bool skip_nonfinite = false;  ///< run.on_nonfinite = "skip"
-  std::string memory_check;     ///< refuse, warn, off
+  MemoryCheck memory_check = MemoryCheck::kRefuse;
 };
 
 struct ModelSection {
-  std::string kind;               ///< cnn, mlp, transformer
+  ModelKind kind = ModelKind::kCnn;
   std::optional<double> dropout;  ///< unset: each model's own
   std::vector<std::int64_t> hidden_sizes;
   std::int64_t vocab_size = 256, context = 64, d_model = 128, n_heads = 4, n_layers = 4, mlp_ratio = 4;
   bool tie_embeddings = true;
   std::int64_t vocab_pad_multiple = 1;
-  std::string activation = "gelu";  ///< transformer: gelu or gelu_tanh
+  Activation activation = Activation::kGelu;  ///< transformer
 };
 
 /// The transformer of the [model] section (fsdp-train builds it, fsdp-plan describes it).
 GptConfig gpt_config(const ModelSection& model);
 
 struct DataSection {
-  std::string kind;  ///< fashion-mnist, mnist, tokens, text, token-shards
+  DataKind kind = DataKind::kFashionMnist;
   std::string path;
   std::string val_path;      ///< token-shards: validation files (glob)
-  std::string token_format;  ///< token-shards: llmc, uint16, uint32
+  TokenFormat token_format = TokenFormat::kLlmc;  ///< token-shards
   std::int64_t batch_size = 64, test_batch_size = 1000;  ///< batch_size: resolved per-rank micro-batch
   std::int64_t global_batch_size = 0;                     ///< data.global_batch_size; 0: not fixed
   bool shuffle = true;
@@ -72,10 +74,10 @@ struct DataSection {
 };
 
 struct OptimSection {
-  std::string kind;  ///< sgd, adam, adamw, adadelta
+  OptimizerKind kind = OptimizerKind::kAdadelta;
   double lr = 1.0, weight_decay = 0, momentum = 0;
   std::vector<double> betas;
-  std::string schedule;  ///< constant, step, cosine, wsd
+  LrSchedule schedule = LrSchedule::kStep;
   double lr_min = 0, decay_fraction = 0.2;
   std::vector<std::string> no_decay;  ///< bias, norm, embedding
   double gamma = 0.7;
@@ -84,12 +86,12 @@ struct OptimSection {
   std::int64_t grad_accum_steps = 1;
   bool reduce_every_micro_batch = false;  ///< optim.accum_reduce = every
   /// Optimizer state tensors per parameter element (for the expected-memory estimate).
-  int state_copies() const { return kind == "sgd" ? (momentum > 0 ? 1 : 0) : 2; }
+  int state_copies() const { return kind == OptimizerKind::kSgd ? (momentum > 0 ? 1 : 0) : 2; }
 };
 
 struct FsdpSection {
   ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
-  std::string auto_wrap_policy;  ///< NO_WRAP, SIZE_BASED_WRAP, TRANSFORMER_BASED_WRAP
+  WrapPolicy auto_wrap_policy = WrapPolicy::NO_WRAP;
   std::int64_t min_num_params = 0;
   std::vector<std::string> transformer_layer_cls_to_wrap;  ///< the class names, split
   std::string transformer_layer_cls_where;                 ///< where they were set, for messages
@@ -108,17 +110,17 @@ struct FsdpSection {
   int shard_group_size_requested = 0;
   OptimizerSharding optimizer_sharding = OptimizerSharding::GROUP;
   bool offload_params = false;
-  std::string mixed_precision;  ///< no, bf16, fp16, fp16_reduce
+  Precision mixed_precision = Precision::kNo;
   /// fp16 or fp16_reduce with fsdp.loss_scale = dynamic: the scaler's settings; unset otherwise.
   std::optional<fsdp::LossScaleOptions> loss_scale;
   bool activation_checkpointing = false;
   bool deferred_init = false;
   bool sync_module_states = true;
   BufferSync buffer_sync = BufferSync::NONE;
-  std::string backend;  ///< as asked: auto, mpi, nccl
+  Backend backend = Backend::kAuto;  ///< as asked
   int cuda_device = -1;  ///< fsdp.cuda_device: -1 chooses from what the rank sees (fsdp::choose_device)
   std::string backend_where;
-  std::string backend_resolved;  ///< mpi or nccl (auto: nccl where a GPU is usable and NCCL built in)
+  Backend backend_resolved = Backend::kMpi;  ///< mpi or nccl (auto: nccl where a GPU is usable and NCCL built in)
 };
 
 struct CommSection {
@@ -129,7 +131,7 @@ struct CommSection {
 struct CheckpointSection {
   std::string dir;  ///< resolved: checkpoint.dir or <out_dir>/checkpoints
   std::int64_t every_steps = 0;
-  std::string state_dict_type;
+  StateDictType state_dict_type = StateDictType::SHARDED_STATE_DICT;
   int keep_last = 0;
   std::string resume;  ///< auto, none, or a path
   bool save_final = true;
@@ -139,8 +141,8 @@ struct CheckpointSection {
   std::string init_from;  ///< a fresh run's weights: a safetensors file or folder, or a checkpoint; empty: none
   bool init_allow_missing = false;
   std::string export_path;   ///< checkpoint.export: safetensors written at the end of training; empty: none
-  std::string export_names;  ///< native or hf-gpt2
-  std::string export_dtype;  ///< fp32, bf16 or fp16; empty: as trained
+  ExportNames export_names = ExportNames::kNative;
+  ExportDtype export_dtype = ExportDtype::kAsTrained;
 };
 
 struct EvalSection {
@@ -150,7 +152,7 @@ struct EvalSection {
 
 struct LogSection {
   std::int64_t every_steps = 10;
-  std::string progress;      ///< auto, live, plain, none
+  ProgressMode progress = ProgressMode::kAuto;
   std::string metrics_file;  ///< empty: none
   bool trace = false;
 };

@@ -317,7 +317,7 @@ int main(int argc, char** argv) {
         std::filesystem::create_directories(dir);
       }
     }
-    dir = fsdp::detail::broadcast_string(world, dir);
+    dir = fsdp::broadcast_string(world, dir);
 
     auto net = std::make_shared<StackImpl>(width, layers);
     fsdp::FsdpOptions options;

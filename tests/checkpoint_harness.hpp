@@ -144,7 +144,7 @@ struct TempDir {
       std::string templ = (fs::temp_directory_path() / "fsdp_ckpt_XXXXXX").string();
       name = mkdtemp(templ.data());
     }
-    path = fsdp::detail::broadcast_string(comm, name);
+    path = fsdp::broadcast_string(comm, name);
   }
   ~TempDir() {
     comm_.barrier();

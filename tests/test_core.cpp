@@ -14,6 +14,7 @@
 #include "fsdp/core/loss_scale.hpp"
 #include "fsdp/core/execution_order.hpp"
 #include "fsdp/core/strategy.hpp"
+#include "fsdp/core/text.hpp"
 #include "fsdp/core/unit_plan.hpp"
 #include "fsdp/io/run_lock.hpp"
 #include "fsdp/io/safetensors_format.hpp"
@@ -58,6 +59,22 @@ BOOST_AUTO_TEST_CASE(worked_example_from_design) {
   BOOST_TEST_REQUIRE(s1.size() == 1u);
   BOOST_TEST(s1[0].param_offset == 3);
   BOOST_TEST(s1[0].numel == 3);
+}
+
+BOOST_AUTO_TEST_CASE(a_parameter_inside_part_of_a_shard) {
+  const FlatLayout layout({6, 3, 1}, 2);  // shards [0, 5) and [5, 10)
+  // The second half of rank 1's shard, [7, 10) (a replica's part): parameter 1 from its element 1,
+  // parameter 2 whole, parameter 0 not at all.
+  const auto p1 = layout.slice_in(1, {7, 10});
+  BOOST_TEST(p1.param_offset == 1);
+  BOOST_TEST(p1.shard_offset == 0);
+  BOOST_TEST(p1.numel == 2);
+  const auto p2 = layout.slice_in(2, {7, 10});
+  BOOST_TEST(p2.param_offset == 0);
+  BOOST_TEST(p2.shard_offset == 2);
+  BOOST_TEST(p2.numel == 1);
+  BOOST_TEST(layout.slice_in(0, {7, 10}).numel == 0);
+  BOOST_TEST((layout.slices(1) == std::vector<fsdp::ParamSlice>{layout.slice_in(0, {5, 10}), layout.slice_in(1, {5, 10}), layout.slice_in(2, {5, 10})}));
 }
 
 BOOST_AUTO_TEST_CASE(slices_reassemble_every_parameter_at_any_world_size) {
@@ -110,6 +127,12 @@ BOOST_AUTO_TEST_CASE(hash_is_stable) {
   static_assert(fsdp::fnv1a64("") == 14695981039346656037ull);
   BOOST_TEST(fsdp::fnv1a64("a") == 0xaf63dc4c8601ec8cull);
   BOOST_TEST(fsdp::fnv1a64("fc1.weight") != fsdp::fnv1a64("fc1.bias"));
+}
+
+BOOST_AUTO_TEST_CASE(integers_are_joined_by_commas) {
+  BOOST_TEST(fsdp::comma_separated(std::vector<int>{}) == "");
+  BOOST_TEST(fsdp::comma_separated(std::vector<int>{7}) == "7");
+  BOOST_TEST(fsdp::comma_separated(std::vector<unsigned long long>{0, 2, 18446744073709551615ull}) == "0,2,18446744073709551615");
 }
 
 BOOST_AUTO_TEST_CASE(tracer_records_only_when_enabled_and_writes_chrome_json) {

@@ -570,7 +570,7 @@ BOOST_AUTO_TEST_CASE(resolved_config_decides_the_autos) {
   auto gpu_node = placement_of(4, 2, 8, 8);
   gpu_node.gpu = Placement::Gpu{.usable = true, .why_not = "", .built_with_nccl = true};
   const auto on_gpu = resolve_run_config(deck, gpu_node);
-  BOOST_TEST(on_gpu.fsdp.backend_resolved == "nccl");
+  BOOST_TEST((on_gpu.fsdp.backend_resolved == Backend::kNccl));
   BOOST_TEST(on_gpu.fsdp.overlap_grad_reduce);
   BOOST_TEST(on_gpu.fsdp.backward_prefetch_name == "BACKWARD_PRE");
   const auto off_on_gpu = resolve_run_config(

@@ -16,9 +16,9 @@ struct Case {
 };
 
 std::vector<Case> cases() {
-  fsdp::app::ModelShape cnn{.kind = "cnn"};
-  fsdp::app::ModelShape mlp{.kind = "mlp", .hidden_sizes = {96, 33, 7}};
-  fsdp::app::ModelShape gpt{.kind = "transformer"};
+  fsdp::app::ModelShape cnn{.kind = fsdp::app::ModelKind::kCnn};
+  fsdp::app::ModelShape mlp{.kind = fsdp::app::ModelKind::kMlp, .hidden_sizes = {96, 33, 7}};
+  fsdp::app::ModelShape gpt{.kind = fsdp::app::ModelKind::kTransformer};
   gpt.gpt.vocab_size = 61;
   gpt.gpt.context = 8;
   gpt.gpt.d_model = 16;
@@ -29,8 +29,8 @@ std::vector<Case> cases() {
   fsdp::app::ModelShape padded = untied;  // 61 tokens in 64 rows
   padded.gpt.vocab_pad_multiple = 16;
   const fsdp::app::WrapDesc none{};
-  const fsdp::app::WrapDesc blocks{.policy = "TRANSFORMER_BASED_WRAP", .types = {"TransformerBlock"}};
-  auto size = [](std::int64_t n) { return fsdp::app::WrapDesc{.policy = "SIZE_BASED_WRAP", .min_num_params = n}; };
+  const fsdp::app::WrapDesc blocks{.policy = fsdp::app::WrapPolicy::TRANSFORMER_BASED_WRAP, .types = {"TransformerBlock"}};
+  auto size = [](std::int64_t n) { return fsdp::app::WrapDesc{.policy = fsdp::app::WrapPolicy::SIZE_BASED_WRAP, .min_num_params = n}; };
   return {{"cnn none", cnn, none},
           {"cnn size", cnn, size(20000)},
           {"mlp none", mlp, none},
@@ -40,12 +40,12 @@ std::vector<Case> cases() {
           {"gpt size", gpt, size(1000)},
           {"untied gpt blocks", untied, blocks},
           {"padded untied gpt size", padded, size(1000)},
-          {"gpt linears", gpt, {.policy = "TRANSFORMER_BASED_WRAP", .types = {"Linear", "LayerNorm"}}}};
+          {"gpt linears", gpt, {.policy = fsdp::app::WrapPolicy::TRANSFORMER_BASED_WRAP, .types = {"Linear", "LayerNorm"}}}};
 }
 
 fsdp::AutoWrapPolicy policy_of(const fsdp::app::WrapDesc& w) {
-  if (w.policy == "SIZE_BASED_WRAP") return fsdp::AutoWrapPolicy::size_based(w.min_num_params);
-  if (w.policy == "TRANSFORMER_BASED_WRAP") return fsdp::AutoWrapPolicy::module_types(w.types);
+  if (w.policy == fsdp::app::WrapPolicy::SIZE_BASED_WRAP) return fsdp::AutoWrapPolicy::size_based(w.min_num_params);
+  if (w.policy == fsdp::app::WrapPolicy::TRANSFORMER_BASED_WRAP) return fsdp::AutoWrapPolicy::module_types(w.types);
   return fsdp::AutoWrapPolicy::none();
 }
 

@@ -166,7 +166,7 @@ class Cases {
         std::string pattern = (std::filesystem::temp_directory_path() / "fsdp_gpu_ckpt_XXXXXX").string();
         folder = mkdtemp(pattern.data());
       }
-      folder = fsdp::detail::broadcast_string(world_, folder);
+      folder = fsdp::broadcast_string(world_, folder);
       const auto whole = train(o);
       (void)train(o, 0, 2, "", folder);
       const auto resumed = train(o, 2, kSteps, saved_);

@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "choices.hpp"
 #include "fsdp/core/layout.hpp"
 #include "fsdp/core/unit_plan.hpp"
 #include "fsdp/errors.hpp"
@@ -46,7 +47,7 @@ struct ModuleDesc {
 
 /// A model's module tree in pre-order (what build_units visits), with every parameter's shape.
 struct ModelDesc {
-  std::string kind;  ///< cnn, mlp, transformer
+  ModelKind kind = ModelKind::kCnn;
   std::vector<ModuleDesc> modules;
 
   int add(int parent, const std::string& key, const std::string& type, const std::string& full_type) {
@@ -96,13 +97,16 @@ struct ModelDesc {
 
 /// fsdp.auto_wrap_policy and its parameters.
 struct WrapDesc {
-  std::string policy = "NO_WRAP";  ///< NO_WRAP, SIZE_BASED_WRAP, TRANSFORMER_BASED_WRAP
+  WrapPolicy policy = WrapPolicy::NO_WRAP;
   std::int64_t min_num_params = 100000;
   std::vector<std::string> types;
   /// The core's rule for this policy: the one the engine applies.
   WrapRule rule() const {
-    if (policy == "SIZE_BASED_WRAP") return WrapRule::size_based(min_num_params);
-    if (policy == "TRANSFORMER_BASED_WRAP") return WrapRule::module_types(types);
+    switch (policy) {
+      case WrapPolicy::SIZE_BASED_WRAP: return WrapRule::size_based(min_num_params);
+      case WrapPolicy::TRANSFORMER_BASED_WRAP: return WrapRule::module_types(types);
+      case WrapPolicy::NO_WRAP: break;
+    }
     return WrapRule::none();
   }
 };

@@ -23,7 +23,7 @@ namespace fsdp::app {
 
 /// The family and size of the deck's model (the keys of [model] that matter for memory).
 struct ModelShape {
-  std::string kind;                        ///< cnn, mlp, transformer
+  ModelKind kind = ModelKind::kCnn;
   std::vector<std::int64_t> hidden_sizes;  ///< mlp
   GptConfig gpt;                           ///< transformer
   std::optional<double> dropout;           ///< model.dropout; unset: each model's own
@@ -56,7 +56,7 @@ inline void layer_norm(ModelDesc& d, int parent, const std::string& key, std::in
 inline ModelDesc describe_model(const ModelShape& s) {
   ModelDesc d;
   d.kind = s.kind;
-  if (s.kind == "cnn") {
+  if (s.kind == ModelKind::kCnn) {
     const int root = d.add(-1, "", "TutorialCnn", "TutorialCnn");
     const int c1 = d.add(root, "conv1", "Conv2d", "torch::nn::Conv2d");
     d.param(c1, "weight", {32, 1, 3, 3});
@@ -68,7 +68,7 @@ inline ModelDesc describe_model(const ModelShape& s) {
     d.add(root, "dropout2", "Dropout", "torch::nn::Dropout");
     detail::linear(d, root, "fc1", 9216, 128);
     detail::linear(d, root, "fc2", 128, 10);
-  } else if (s.kind == "mlp") {
+  } else if (s.kind == ModelKind::kMlp) {
     const int root = d.add(-1, "", "Mlp", "Mlp");
     std::int64_t in = 784;
     for (std::size_t i = 0; i < s.hidden_sizes.size(); ++i) {
@@ -76,7 +76,7 @@ inline ModelDesc describe_model(const ModelShape& s) {
       in = s.hidden_sizes[i];
     }
     detail::linear(d, root, "out", in, 10);
-  } else if (s.kind == "transformer") {
+  } else if (s.kind == ModelKind::kTransformer) {
     const auto& c = s.gpt;
     const int root = d.add(-1, "", "Gpt", "Gpt");
     const int tok = d.add(root, "tok", "Embedding", "torch::nn::Embedding");
@@ -98,7 +98,7 @@ inline ModelDesc describe_model(const ModelShape& s) {
     const int head = d.add(root, "head", "LmHead", "LmHead");
     d.param(head, "weight", {c.padded_vocab(), c.d_model}, c.tie_embeddings ? "tok.weight" : "");
   } else {
-    throw ConfigError("plan: unknown model.kind '" + s.kind + "'", "fsdp.plan");
+    throw ConfigError("plan: unknown model.kind '" + to_string(s.kind) + "'", "fsdp.plan");
   }
   return d;
 }
@@ -120,8 +120,8 @@ inline std::int64_t gpt_num_params(const GptConfig& c) {
   return v * d + c.context * d + c.n_layers * block + 2 * d + (c.tie_embeddings ? 0 : v * d);
 }
 inline std::int64_t closed_form_num_params(const ModelShape& s) {
-  if (s.kind == "cnn") return kCnnNumParams;
-  if (s.kind == "mlp") return mlp_num_params(s.hidden_sizes);
+  if (s.kind == ModelKind::kCnn) return kCnnNumParams;
+  if (s.kind == ModelKind::kMlp) return mlp_num_params(s.hidden_sizes);
   return gpt_num_params(s.gpt);
 }
 

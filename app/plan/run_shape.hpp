@@ -69,9 +69,9 @@ inline std::optional<std::vector<std::int64_t>> find_idx(const std::string& dir,
 /// a warning (planning on a machine without the data) with the standard MNIST sizes assumed.
 inline DataFootprint data_footprint(const RunConfig& cfg) {
   DataFootprint f;
-  const std::string& kind = cfg.data.kind;
+  const DataKind kind = cfg.data.kind;
   const auto context = cfg.model.context;
-  if (kind == "fashion-mnist" || kind == "mnist") {
+  if (kind == DataKind::kFashionMnist || kind == DataKind::kMnist) {
     const std::string& dir = cfg.data.path;
     std::int64_t split_bytes[2] = {0, 0}, samples[2] = {60000, 10000};
     for (int train = 1; train >= 0; --train) {
@@ -92,14 +92,14 @@ inline DataFootprint data_footprint(const RunConfig& cfg) {
     f.train_samples = samples[0];
     f.test_samples = samples[1];
     f.note = "IDX images and labels, both splits";
-  } else if (kind == "tokens") {
+  } else if (kind == DataKind::kTokens) {
     const auto n = cfg.data.num_samples;
     const auto test = std::max<std::int64_t>(n / 10, 1);
     f.resident_bytes = (n + test) * (context + 1) * 4;  // int32 tokens
     f.train_samples = n;
     f.test_samples = test;
     f.note = "synthetic int32 token sequences";
-  } else if (kind == "token-shards") {
+  } else if (kind == DataKind::kTokenShards) {
     // Memory-mapped: the pages read are the kernel's file cache (reclaimable), not the process's heap.
     f.note = "token files memory-mapped (read pages are file cache); samples not counted without opening the files";
   } else {  // text
@@ -135,7 +135,7 @@ struct RunShape {
   int reshard_after_forward_group = 0;  ///< fsdp.reshard_after_forward = N: kept sharded over N ranks between forward and backward
   int param_bytes = 4;   ///< bytes per element of gathered parameters, activations and their gradients
   int reduce_bytes = 4;  ///< bytes per element of reduced gradients
-  std::string optimizer = "adam";
+  OptimizerKind optimizer = OptimizerKind::kAdam;
   int optimizer_copies = 2;  ///< shard-sized state tensors per parameter shard
   bool weight_decay = false;
   bool momentum = false;
@@ -159,16 +159,19 @@ struct RunShape {
 };
 
 /// The mmap threshold that run.malloc amounts to (0: glibc's dynamic one).
-inline std::int64_t mmap_threshold_of(const std::string& malloc_policy) {
-  if (malloc_policy == "return") return kReturnThresholdBytes;
-  if (malloc_policy == "glibc") return 0;
+inline std::int64_t mmap_threshold_of(MallocPolicy malloc_policy) {
+  switch (malloc_policy) {
+    case MallocPolicy::kReturn: return kReturnThresholdBytes;
+    case MallocPolicy::kGlibc: return 0;
+    case MallocPolicy::kReuse: break;
+  }
   return kNeverMapped;
 }
 
 /// The measured heap factor for an allocator policy (mmap_threshold_of) and model.kind.
-inline double default_heap_factor(std::int64_t mmap_threshold_bytes, const std::string& model_kind) {
+inline double default_heap_factor(std::int64_t mmap_threshold_bytes, ModelKind model_kind) {
   if (mmap_threshold_bytes != kNeverMapped) return kDefaultHeapFactor;
-  return model_kind == "transformer" ? kReuseHeapFactorGpt : kReuseHeapFactor;
+  return model_kind == ModelKind::kTransformer ? kReuseHeapFactorGpt : kReuseHeapFactor;
 }
 
 /// The shape of the deck's run (`cfg`, resolved for the planned placement) under `strategy`: the deck's
@@ -186,8 +189,8 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
   r.optimizer_over_world = cfg.fsdp.optimizer_sharding == OptimizerSharding::WORLD && is_hybrid(strategy) && r.replicas > 1;
   r.reshard_after_forward = cfg.fsdp.reshard_after_forward_asked.value_or(reshard_after_forward_default(strategy));
   r.reshard_after_forward_group = strategy == cfg.fsdp.sharding_strategy ? cfg.fsdp.reshard_after_forward_group : 0;
-  r.param_bytes = cfg.fsdp.mixed_precision == "no" || cfg.fsdp.mixed_precision == "fp16_reduce" ? 4 : 2;
-  r.reduce_bytes = cfg.fsdp.mixed_precision == "no" ? 4 : 2;
+  r.param_bytes = cfg.fsdp.mixed_precision == Precision::kNo || cfg.fsdp.mixed_precision == Precision::kFp16Reduce ? 4 : 2;
+  r.reduce_bytes = cfg.fsdp.mixed_precision == Precision::kNo ? 4 : 2;
   r.optimizer = cfg.optim.kind;
   r.optimizer_copies = cfg.optim.state_copies();
   r.weight_decay = cfg.optim.weight_decay > 0;

@@ -365,11 +365,11 @@ class RunSimulator {
   }
 
   std::int64_t input_bytes(std::int64_t batch) const {
-    if (shape_.kind == "transformer") return batch * shape_.gpt.context * 8;  // token ids (int64)
+    if (shape_.kind == ModelKind::kTransformer) return batch * shape_.gpt.context * 8;  // token ids (int64)
     return batch * 784 * 4;
   }
   std::int64_t target_bytes(std::int64_t batch) const {
-    if (shape_.kind == "transformer") return batch * shape_.gpt.context * 8;
+    if (shape_.kind == ModelKind::kTransformer) return batch * shape_.gpt.context * 8;
     return batch * 8;
   }
 
@@ -377,7 +377,7 @@ class RunSimulator {
     const std::int64_t B = run_.batch;
     int x = mem_.alloc(Mem::kData, input_bytes(B));
     int y = mem_.alloc(Mem::kData, target_bytes(B));
-    const bool cast = run_.param_bytes != 4 && shape_.kind != "transformer";
+    const bool cast = run_.param_bytes != 4 && shape_.kind != ModelKind::kTransformer;
     if (train_trace_.ops.empty()) train_trace_ = trace_forward(shape_, desc_, B, run_.param_bytes, true, cast);
     const Trace& t = train_trace_;
     handle_.assign(t.tensor_bytes.size(), -1);
@@ -455,12 +455,12 @@ class RunSimulator {
       auto& st = state_[static_cast<std::size_t>(u.index)];
       if (first)
         for (int c = 0; c < run_.optimizer_copies; ++c) st.push_back(mem_.alloc(Mem::kOptimizer, bytes));
-      const bool l2 = run_.weight_decay && run_.optimizer != "adamw";
+      const bool l2 = run_.weight_decay && run_.optimizer != OptimizerKind::kAdamW;
       int wd = l2 ? mem_.alloc(Mem::kStepTemps, bytes) : -1;
-      if (run_.optimizer == "adam" || run_.optimizer == "adamw" || run_.optimizer == "adadelta") {
+      if (run_.optimizer == OptimizerKind::kAdam || run_.optimizer == OptimizerKind::kAdamW || run_.optimizer == OptimizerKind::kAdadelta) {
         int t1 = mem_.alloc(Mem::kStepTemps, bytes);  // sqrt()
         int t2 = mem_.alloc(Mem::kStepTemps, bytes);  // / sqrt(bias_correction2)  (adadelta: the delta)
-        if (run_.optimizer != "adadelta") mem_.free(t1);
+        if (run_.optimizer != OptimizerKind::kAdadelta) mem_.free(t1);
         mem_.free(t2);
         mem_.free(t1);
       }
@@ -470,17 +470,17 @@ class RunSimulator {
 
   void evaluate() {
     // fsdp-train evaluates a language model's batch in chunks (GptConfig::eval_chunk): one chunk's forward.
-    const std::int64_t B = shape_.kind == "transformer" ? shape_.gpt.eval_chunk(run_.test_batch) : run_.test_batch;
+    const std::int64_t B = shape_.kind == ModelKind::kTransformer ? shape_.gpt.eval_chunk(run_.test_batch) : run_.test_batch;
     int idx = mem_.alloc(Mem::kData, (run_.data.test_samples + run_.world - 1) / run_.world * 8);
     int x = mem_.alloc(Mem::kData, input_bytes(B));
     int y = mem_.alloc(Mem::kData, target_bytes(B));
-    const bool cast = run_.param_bytes != 4 && shape_.kind != "transformer";
+    const bool cast = run_.param_bytes != 4 && shape_.kind != ModelKind::kTransformer;
     const Trace t = trace_forward(shape_, desc_, B, run_.param_bytes, false, cast);
     handle_.assign(t.tensor_bytes.size(), -1);
     refs_.assign(t.tensor_bytes.size(), 0);
     gather(0);
     forward_ops(t, 0, t.ops.size(), false, false, nullptr);
-    int argmax = mem_.alloc(Mem::kActivations, B * (shape_.kind == "transformer" ? shape_.gpt.context : 1) * 8);
+    int argmax = mem_.alloc(Mem::kActivations, B * (shape_.kind == ModelKind::kTransformer ? shape_.gpt.context : 1) * 8);
     for (std::size_t ui = 0; ui < units_.size(); ++ui) reshard(static_cast<int>(ui));
     for (auto& h : handle_) mem_.free(h);
     mem_.free(argmax);

@@ -4,6 +4,9 @@
 
 #include <fsdp/fsdp.hpp>
 #include <torch/torch.h>
+#ifdef FSDP_WITH_NCCL
+#include <fsdp/comm/nccl_comm.hpp>
+#endif
 
 #include <cmath>
 #include <cstdio>
@@ -11,6 +14,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "models.hpp"
@@ -24,11 +28,13 @@ namespace fsdp::app {
 // ---- model and optimizer --------------------------------------------------------------------------
 
 inline std::shared_ptr<AppModel> build_model(const RunConfig& cfg) {
-  const std::string kind = cfg.model.kind;
   const std::optional<double> dropout = cfg.model.dropout;
   const bool deferred = cfg.fsdp.deferred_init;
-  if (kind == "cnn") return std::make_shared<TutorialCnnImpl>(dropout, deferred);
-  if (kind == "mlp") return std::make_shared<MlpImpl>(cfg.model.hidden_sizes, dropout, deferred);
+  switch (cfg.model.kind) {
+    case ModelKind::kCnn: return std::make_shared<TutorialCnnImpl>(dropout, deferred);
+    case ModelKind::kMlp: return std::make_shared<MlpImpl>(cfg.model.hidden_sizes, dropout, deferred);
+    case ModelKind::kTransformer: break;
+  }
   GptConfig c = gpt_config(cfg.model);
   c.deferred = deferred;
   return std::make_shared<GptImpl>(c);
@@ -44,37 +50,57 @@ inline void check_layer_classes(const RunConfig& cfg, const torch::nn::Module& m
 inline fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
   fsdp::FsdpOptions o;
   o.sharding_strategy = cfg.fsdp.sharding_strategy;
-  const std::string policy = cfg.fsdp.auto_wrap_policy;
-  if (policy == "SIZE_BASED_WRAP")
-    o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(cfg.fsdp.min_num_params);
-  else if (policy == "TRANSFORMER_BASED_WRAP")
-    o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(cfg.fsdp.transformer_layer_cls_to_wrap);
+  switch (cfg.fsdp.auto_wrap_policy) {
+    case WrapPolicy::SIZE_BASED_WRAP: o.auto_wrap_policy = fsdp::AutoWrapPolicy::size_based(cfg.fsdp.min_num_params); break;
+    case WrapPolicy::TRANSFORMER_BASED_WRAP: o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types(cfg.fsdp.transformer_layer_cls_to_wrap); break;
+    case WrapPolicy::NO_WRAP: break;
+  }
   o.reshard_after_forward = cfg.fsdp.reshard_after_forward;
   o.reshard_after_forward_group = cfg.fsdp.reshard_after_forward_group;
   o.shard_group_size = cfg.fsdp.shard_group_size;
   o.optimizer_sharding = cfg.fsdp.optimizer_sharding;
   o.sync_module_states = cfg.fsdp.sync_module_states;
   o.buffer_sync = cfg.fsdp.buffer_sync;
-  const std::string mp = cfg.fsdp.mixed_precision;
-  if (mp == "bf16")
-    o.mixed_precision = fsdp::MixedPrecision::bf16();
-  else if (mp == "fp16")
-    o.mixed_precision = fsdp::MixedPrecision::fp16();
-  else if (mp == "fp16_reduce")
-    o.mixed_precision = fsdp::MixedPrecision::fp16_reduce();
+  switch (cfg.fsdp.mixed_precision) {
+    case Precision::kBf16: o.mixed_precision = fsdp::MixedPrecision::bf16(); break;
+    case Precision::kFp16: o.mixed_precision = fsdp::MixedPrecision::fp16(); break;
+    case Precision::kFp16Reduce: o.mixed_precision = fsdp::MixedPrecision::fp16_reduce(); break;
+    case Precision::kNo: break;
+  }
   o.activation_checkpointing = cfg.fsdp.activation_checkpointing;
   o.offload_params = cfg.fsdp.offload_params;
   o.backward_prefetch = cfg.fsdp.backward_prefetch;
   o.forward_prefetch = cfg.fsdp.forward_prefetch;
   o.limit_all_gathers = static_cast<int>(cfg.fsdp.limit_all_gathers);
   if (cfg.fsdp.deferred_init) {  // the layers were released as built: initialized unit by unit
-    const bool gpt = cfg.model.kind == "transformer";
+    const bool gpt = cfg.model.kind == ModelKind::kTransformer;
     o.param_init_fn = [gpt](torch::nn::Module& m, const std::string&) { init_module(m, gpt); };
     o.init_seed = cfg.run.seed;
     o.sync_module_states = false;  // every rank computes the same values: nothing to broadcast
   }
+  o.overlap_grad_reduce = cfg.fsdp.overlap_grad_reduce;  // agreed by every rank
   o.all_units_called_through_forward = true;  // every model here calls its children through fsdp::forward
   return o;
+}
+
+/// The engine over `net` with the deck's options: on MpiComm over `world`, or on NcclComm (this rank's
+/// GPU on its node; NCCL's own deadline is comm.timeout_s). Collective.
+template <class Engine>
+std::shared_ptr<Engine> make_engine(std::shared_ptr<AppModel> net, MpiComm& world, const RunConfig& cfg) {
+  auto options = fsdp_options(cfg);
+#ifdef FSDP_WITH_NCCL
+  if constexpr (std::is_same_v<typename Engine::communicator_type, fsdp::NcclComm>) {
+    fsdp::NcclOptions nccl;
+    nccl.timeout_s = cfg.comm.timeout_s;
+    nccl.device = cfg.fsdp.cuda_device;  // -1: fsdp::choose_device from what this rank sees
+    auto comm = fsdp::NcclComm::from_mpi(world, nccl);
+    options.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(comm.device()));
+    return std::make_shared<Engine>(net, comm, options);
+  } else
+#endif
+  {
+    return std::make_shared<Engine>(net, world, options);
+  }
 }
 
 #ifdef FSDP_WITH_NCCL
@@ -104,14 +130,18 @@ inline Placement::Gpu probe_gpu() {
 /// WeightDecayMask (weight_decay.hpp) applies it, element by element, before each step.
 template <class Engine>
 inline std::unique_ptr<torch::optim::Optimizer> build_optimizer(const RunConfig& cfg, Engine& model) {
-  const std::string kind = cfg.optim.kind;
   const double lr = cfg.optim.lr, wd = cfg.optim.no_decay.empty() ? cfg.optim.weight_decay : 0.0;
   const auto params = model.parameters();
-  if (kind == "sgd") return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(cfg.optim.momentum).weight_decay(wd));
   const auto& betas = cfg.optim.betas;
-  if (kind == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
-  if (kind == "adamw")
-    return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
+  switch (cfg.optim.kind) {
+    case OptimizerKind::kSgd:
+      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(cfg.optim.momentum).weight_decay(wd));
+    case OptimizerKind::kAdam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
+    case OptimizerKind::kAdamW:
+      return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
+    case OptimizerKind::kAdadelta: break;
+  }
   return std::make_unique<fsdp::optim::Adadelta>(params, fsdp::optim::AdadeltaOptions(lr).weight_decay(wd));
 }
 

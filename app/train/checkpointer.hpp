@@ -40,7 +40,7 @@ class Checkpointer {
         optimizer_(optimizer),
         out_dir_(cfg.run.out_dir),
         dir_(cfg.checkpoint.dir) {
-    options_.state_dict_type = fsdp::parse_state_dict_type(cfg.checkpoint.state_dict_type);
+    options_.state_dict_type = cfg.checkpoint.state_dict_type;
     options_.keep_last = static_cast<int>(cfg.checkpoint.keep_last);
     options_.rank0_only = cfg.checkpoint.rank0_only;
     options_.collective_timeout_s = cfg.checkpoint.collective_timeout_s;  // comm.timeout_s: a save or load some rank never enters fails in time
@@ -131,12 +131,17 @@ class Checkpointer {
   void export_model(bool quiet) {
     const auto& c = cfg_.checkpoint;
     if (c.export_path.empty()) return;
-    const bool hf = c.export_names == kHfGpt2Scheme;
+    const bool hf = c.export_names == ExportNames::kHfGpt2;
     const GptConfig gpt = gpt_config(cfg_.model);
     std::optional<TensorNaming> naming;
     if (hf) naming = hf_gpt2_naming(gpt);
     fsdp::SafetensorsSaveOptions options;
-    if (!c.export_dtype.empty()) options.dtype = c.export_dtype == "bf16" ? torch::kBFloat16 : c.export_dtype == "fp16" ? torch::kHalf : torch::kFloat;
+    switch (c.export_dtype) {
+      case ExportDtype::kBf16: options.dtype = torch::kBFloat16; break;
+      case ExportDtype::kFp16: options.dtype = torch::kHalf; break;
+      case ExportDtype::kFp32: options.dtype = torch::kFloat; break;
+      case ExportDtype::kAsTrained: break;
+    }
     options.naming = naming ? &*naming : nullptr;
     options.collective_timeout_s = c.collective_timeout_s;
     const auto file = export_file(c.export_path);
@@ -146,7 +151,7 @@ class Checkpointer {
       if (root_ && hf) write_hf_gpt2_config(file.parent_path(), gpt, c.export_dtype);
     });
     if (root_ && !quiet)
-      std::printf("exported %lld tensors (%s names) to %s (%.1f MiB, %.2f s)\n", static_cast<long long>(r.tensors), c.export_names.c_str(),
+      std::printf("exported %lld tensors (%s names) to %s (%.1f MiB, %.2f s)\n", static_cast<long long>(r.tensors), to_string(c.export_names).c_str(),
                   file.c_str(), r.bytes / 1048576.0, r.seconds);
   }
 
@@ -243,8 +248,8 @@ class Checkpointer {
       std::optional<TensorNaming> naming;
       on_all_ranks(world_, [&] {
         if (!has_hf_gpt2_names(fsdp::safetensors::open_source(path).names())) return;
-        if (cfg_.model.kind != "transformer")
-          throw DeckError("checkpoint.init_from: '" + path + "' holds a Hugging Face GPT-2; model.kind is \"" + cfg_.model.kind + "\"");
+        if (cfg_.model.kind != ModelKind::kTransformer)
+          throw DeckError("checkpoint.init_from: '" + path + "' holds a Hugging Face GPT-2; model.kind is \"" + to_string(cfg_.model.kind) + "\"");
         naming = hf_gpt2_naming(gpt_config(cfg_.model));
         names = kHfGpt2Scheme;
       });
@@ -283,7 +288,7 @@ class Checkpointer {
       deadline_aborts([&] { r = f(); });
       return r;
     } catch (const fsdp::CheckpointError& e) {
-      throw RankError("the checkpoint written in the background failed: " + fsdp::detail::message_of(e) + "; the previous checkpoint is kept as latest",
+      throw RankError("the checkpoint written in the background failed: " + fsdp::message_without_id(e) + "; the previous checkpoint is kept as latest",
                       true);
     }
   }

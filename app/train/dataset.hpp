@@ -44,7 +44,7 @@ struct Dataset {
 /// against model.vocab_size, each rank its 1/world of the stream (the failure is agreed by the caller).
 inline StreamSplit open_token_split(const RunConfig& cfg, const std::string& pattern, int rank, int world) {
   StreamSplit split;
-  auto stream = std::make_shared<TokenStream>(TokenStream::open(pattern, parse_token_format(cfg.data.token_format)));
+  auto stream = std::make_shared<TokenStream>(TokenStream::open(pattern, cfg.data.token_format));
   const std::int64_t total = stream->size();
   stream->check_vocab(total * rank / world, total * (rank + 1) / world, cfg.model.vocab_size);
   split.n = token_stream_samples(*stream, cfg.model.context);
@@ -59,22 +59,21 @@ inline StreamSplit open_token_split(const RunConfig& cfg, const std::string& pat
 /// Loads the run's data; `rank` of `world` scans its share of token files for ids past the vocabulary.
 inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
   Dataset d;
-  const std::string kind = cfg.data.kind;
-  const std::string model = cfg.model.kind;
+  const DataKind kind = cfg.data.kind;
   const bool lm = is_token_data(kind);
-  if (lm != (model == "transformer"))
-    throw DeckError("data.kind = \"" + kind + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" + model +
-                    "\")");
-  if (kind == "fashion-mnist" || kind == "mnist") {
+  if (lm != (cfg.model.kind == ModelKind::kTransformer))
+    throw DeckError("data.kind = \"" + to_string(kind) + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" +
+                    to_string(cfg.model.kind) + "\")");
+  if (kind == DataKind::kFashionMnist || kind == DataKind::kMnist) {
     d.train_images = load_mnist_split(cfg.data.path, true);
     d.test_images = load_mnist_split(cfg.data.path, false);
     if (d.train_images.rows != 28 || d.train_images.cols != 28)
       throw DataError("'" + cfg.data.path + "' holds " + std::to_string(d.train_images.rows) + "x" + std::to_string(d.train_images.cols) +
                       " images; the models take 28x28");
     // Normalization constants of the tutorial (MNIST) and the same statistics for Fashion-MNIST.
-    d.mean = kind == "mnist" ? 0.1307 : 0.2860;
-    d.stddev = kind == "mnist" ? 0.3081 : 0.3530;
-  } else if (kind == "tokens") {
+    d.mean = kind == DataKind::kMnist ? 0.1307 : 0.2860;
+    d.stddev = kind == DataKind::kMnist ? 0.3081 : 0.3530;
+  } else if (kind == DataKind::kTokens) {
     d.tokens = true;
     const auto n = cfg.data.num_samples;
     const auto context = cfg.model.context;
@@ -82,7 +81,7 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
     const auto seed = cfg.run.seed;
     d.train_tokens = make_synthetic_tokens(n, context, vocab, seed);
     d.test_tokens = make_synthetic_tokens(std::max<std::int64_t>(n / 10, 1), context, vocab, seed + 1000003);
-  } else if (kind == "token-shards") {
+  } else if (kind == DataKind::kTokenShards) {
     d.tokens = d.streamed = true;
     d.train_stream = open_token_split(cfg, cfg.data.path, rank, world);
     d.has_test = !cfg.data.val_path.empty();

@@ -19,14 +19,14 @@ inline double lr_at(const RunConfig& cfg, std::int64_t step, std::int64_t epoch,
   const double base = cfg.optim.lr, floor = cfg.optim.lr_min;
   const auto warmup = cfg.optim.warmup_steps;
   if (step < warmup) return base * static_cast<double>(step + 1) / static_cast<double>(warmup);
-  const std::string& schedule = cfg.optim.schedule;
-  if (schedule == "step") return std::max(floor, base * std::pow(cfg.optim.gamma, static_cast<double>(epoch)));  // StepLR(step_size=1) per epoch
-  if (schedule == "cosine") {
+  const LrSchedule schedule = cfg.optim.schedule;
+  if (schedule == LrSchedule::kStep) return std::max(floor, base * std::pow(cfg.optim.gamma, static_cast<double>(epoch)));  // StepLR(step_size=1) per epoch
+  if (schedule == LrSchedule::kCosine) {
     const double span = static_cast<double>(std::max<std::int64_t>(1, total_steps - warmup - 1));
     const double progress = std::min(1.0, static_cast<double>(step - warmup) / span);
     return floor + (base - floor) * 0.5 * (1 + std::cos(M_PI * progress));
   }
-  if (schedule == "wsd") {
+  if (schedule == LrSchedule::kWsd) {
     const auto decay_steps = std::max<std::int64_t>(1, std::llround(cfg.optim.decay_fraction * static_cast<double>(total_steps)));
     const auto decay_start = std::max(warmup, total_steps - decay_steps);
     if (step < decay_start) return base;

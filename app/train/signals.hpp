@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "choices.hpp"
 #include "plan/measured.hpp"
 
 namespace fsdp::app {
@@ -89,9 +90,12 @@ extern "C" inline void dump_flight_and_die(int signo) {
 /// run.malloc. "reuse": no block gets its own mapping (M_MMAP_MAX = 0) and the heap is never trimmed, so
 /// what a step frees serves the next step without a page fault; "return": blocks of 1 MiB or more are
 /// mapped and unmapped (peak RSS follows the live bytes); "glibc": untouched. False if glibc refused.
-inline bool apply_malloc_policy(const std::string& policy) {
-  if (policy == "reuse") return mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
-  if (policy == "return") return mallopt(M_MMAP_THRESHOLD, static_cast<int>(kReturnThresholdBytes)) == 1;
+inline bool apply_malloc_policy(MallocPolicy policy) {
+  switch (policy) {
+    case MallocPolicy::kReuse: return mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
+    case MallocPolicy::kReturn: return mallopt(M_MMAP_THRESHOLD, static_cast<int>(kReturnThresholdBytes)) == 1;
+    case MallocPolicy::kGlibc: break;
+  }
   return true;
 }
 

@@ -64,131 +64,176 @@ inline double median_of(std::vector<double> values) {
   return values.empty() ? 0 : values[values.size() / 2];
 }
 
+/// What summary.json reports across ranks, gathered by every rank (collective) before rank 0 writes.
+struct RunStatsAcrossRanks {
+  fsdp::CommCounters comm;  ///< rank 0's counters at the end
+  double all_gather_s = 0, reduce_scatter_s = 0, all_reduce_s = 0;
+  std::vector<std::pair<std::string, Stats>> phases;
+  fsdp::OverlapStats overlap;  ///< this rank's
+  Stats exposed_all_gather, exposed_reduce;
+  std::vector<double> peak_rss_mb;  ///< per rank
+  double total_samples = 0;
+  double train_s = 0;  ///< training only: without checkpoints and evaluation
+  double rate = 0;     ///< samples per second over all ranks
+};
+
+template <class Engine>
+RunStatsAcrossRanks gather_run_stats(MpiComm& world, Engine& model, const RunTotals& t) {
+  RunStatsAcrossRanks r;
+  r.comm = model.comm_counters();
+  r.all_gather_s = r.comm.all_gather_seconds - t.comm_start.all_gather_seconds;
+  r.reduce_scatter_s = r.comm.reduce_scatter_seconds - t.comm_start.reduce_scatter_seconds;
+  r.all_reduce_s = r.comm.all_reduce_seconds - t.comm_start.all_reduce_seconds;
+  const std::vector<std::pair<std::string, double>> phase_list = {
+      {"data", t.phases.data},           {"forward", t.phases.forward},        {"backward", t.phases.backward},
+      {"all_gather", r.all_gather_s},    {"reduce_scatter", r.reduce_scatter_s}, {"all_reduce", r.all_reduce_s},
+      {"optimizer", t.phases.optimizer}, {"checkpoint", t.phases.checkpoint},  {"eval", t.phases.eval}};
+  for (const auto& [n, v] : phase_list) r.phases.emplace_back(n, across_ranks(world, v));
+  r.overlap = model.overlap_stats();
+  r.exposed_all_gather = across_ranks(world, r.overlap.exposed_all_gather_seconds);
+  r.exposed_reduce = across_ranks(world, r.overlap.exposed_reduce_seconds);
+  r.peak_rss_mb.resize(static_cast<std::size_t>(world.size()));
+  const double my_rss = peak_rss_mb();
+  world.all_gather(&my_rss, r.peak_rss_mb.data(), 1, fsdp::DType::kFloat64);
+  r.total_samples = static_cast<double>(t.samples_trained);
+  world.all_reduce(&r.total_samples, &r.total_samples, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+  r.train_s = t.train_elapsed_s - t.phases.checkpoint - t.phases.eval;
+  r.rate = r.total_samples / std::max(r.train_s, 1e-9);
+  return r;
+}
+
+inline nlohmann::ordered_json min_avg_max(const Stats& st) { return nlohmann::ordered_json{{"min", st.min}, {"avg", st.avg}, {"max", st.max}}; }
+
+/// Rank 0's saves: training held per save (copy to the host and waiting for the previous write when
+/// asynchronous; the whole save otherwise) and each write's duration.
+inline nlohmann::ordered_json checkpoints_json(const CheckpointTotals& c) {
+  nlohmann::ordered_json js;
+  js["async"] = c.asynchronous;
+  js["saves"] = c.held_s.size();
+  js["held_s"] = c.held_s;
+  js["write_s"] = c.write_s;
+  if (c.asynchronous) {
+    js["reserve_s"] = c.reserve_s;
+    js["steps_while_writing"] = c.step_ms_while_writing.size();
+    js["step_ms_median_while_writing"] = median_of(c.step_ms_while_writing);
+  }
+  return js;
+}
+
+/// Rank 0's collectives over the same span as the phases (training, evaluation, checkpoints): bytes as
+/// the engine counts them (all_gather: this rank's shard; reduce_scatter: the full input buffer;
+/// all_reduce, broadcast: the buffer) and wall seconds inside the blocking calls.
+inline nlohmann::ordered_json comm_json(const RunConfig& cfg, const RunTotals& t, const RunStatsAcrossRanks& r) {
+  nlohmann::ordered_json js;
+  const auto& comm = r.comm;
+  js["rank"] = 0;
+  js["calls"] = comm.calls - t.comm_start.calls;
+  auto comm_kind = [&](const char* n, std::uint64_t bytes, double seconds) { js[n] = {{"bytes", bytes}, {"seconds", seconds}}; };
+  comm_kind("all_gather", comm.all_gather_bytes - t.comm_start.all_gather_bytes, r.all_gather_s);
+  comm_kind("reduce_scatter", comm.reduce_scatter_bytes - t.comm_start.reduce_scatter_bytes, r.reduce_scatter_s);
+  comm_kind("all_reduce", comm.all_reduce_bytes - t.comm_start.all_reduce_bytes, r.all_reduce_s);
+  if (cfg.fsdp.reshard_after_forward_group > 0) {
+    // fsdp.reshard_after_forward = N: backward's all-gathers inside the groups of N ranks (a node:
+    // they never leave it), part of all_gather above; the rest of all_gather crosses the shard group.
+    const auto steps = static_cast<std::uint64_t>(std::max<std::int64_t>(1, t.steps - t.resumed_from_step));
+    const auto& g = t.step_all_gather;
+    js["reshard_group"] = {{"size", cfg.fsdp.reshard_after_forward_group},
+                           {"all_gather_bytes_per_step_inside_group", g.inside_reshard_group / steps},
+                           {"all_gather_bytes_per_step_across_shard_group", (g.total - g.inside_reshard_group) / steps}};
+  }
+  comm_kind("broadcast", comm.broadcast_bytes - t.comm_start.broadcast_bytes, comm.broadcast_seconds - t.comm_start.broadcast_seconds);
+  js["skew_s"] = comm.skew_seconds - t.comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
+  return js;
+}
+
+/// Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the
+/// computing thread waited for unit all-gathers (across ranks): the exposed communication. Gradient
+/// reductions run on the worker while backward went on, and the time the computing thread then waited
+/// for them (end of backward, or the in-flight bound). NCCL reduces on its own stream: the setting is
+/// not used there.
+inline nlohmann::ordered_json overlap_json(const RunConfig& cfg, const RunTotals& t, const RunStatsAcrossRanks& r) {
+  nlohmann::ordered_json js;
+  js["backward_prefetch"] = cfg.fsdp.backward_prefetch_name;
+  js["forward_prefetch"] = cfg.fsdp.forward_prefetch;
+  js["prefetched"] = r.overlap.prefetched;
+  js["gathered_on_demand"] = r.overlap.gathered_on_demand;
+  js["exposed_all_gather_s"] = min_avg_max(r.exposed_all_gather);
+  js["overlap_grad_reduce"] = t.overlap_grad_reduce;
+  js["reductions_overlapped"] = r.overlap.reductions_overlapped;
+  js["reductions_synchronous"] = r.overlap.reductions_synchronous;
+  js["exposed_reduce_s"] = min_avg_max(r.exposed_reduce);
+  return js;
+}
+
+/// summary.json's document (rank 0's view).
+template <class Engine>
+nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& placement, const RunConfig& cfg, Engine& model, const RunTotals& t,
+                                    const RunStatsAcrossRanks& r) {
+  nlohmann::ordered_json js;
+  js["name"] = cfg.run.name;
+  js["world_size"] = world.size();
+  js["nodes"] = placement.nodes;
+  js["ranks_per_node"] = placement.local_size;
+  js["threads_per_rank"] = cfg.run.threads;
+  js["backend"] = t.backend;
+  js["strategy"] = to_string(model.sharding_strategy());
+  js["shard_group_size"] = model.shard_group_size();
+  js["replica_groups"] = world.size() / model.shard_group_size();
+  js["optimizer_sharding"] = cfg.fsdp.optimizer_sharding == OptimizerSharding::WORLD ? "world" : "group";
+  js["params"] = model.num_params();
+  js["steps"] = t.steps;
+  js["resumed_from_step"] = t.resumed_from_step;
+  js["skipped_steps"] = t.skipped_steps;
+  if (t.loss_scale) {
+    js["overflow_steps"] = t.overflow_steps;
+    js["loss_scale"] = *t.loss_scale;
+  }
+  js["final_train_loss"] = std::isnan(t.last_loss) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(t.last_loss);
+  if (t.eval) {
+    js["test_loss"] = t.eval->loss;
+    js["test_accuracy"] = t.eval->accuracy;
+    js["eval_step"] = t.eval_step;
+    if (t.tokens_per_sample > 0) js["eval_perplexity"] = std::exp(t.eval->loss);
+  }
+  js["wall_s"] = t.wall_s;
+  js["train_s"] = r.train_s;
+  js["step_ms_median"] = median_of(t.step_ms);
+  js[t.tokens_per_sample > 0 ? "tokens_per_s" : "samples_per_s"] = t.tokens_per_sample > 0 ? r.rate * static_cast<double>(t.tokens_per_sample) : r.rate;
+  if (t.flops_per_token > 0) {
+    // Achieved model FLOP/s: nanoGPT's and llm.c's estimate (forward and backward of every parameter,
+    // plus attention), from the training throughput; hardware-independent, no recomputation counted.
+    js["model_flops_per_token"] = t.flops_per_token;
+    js["model_flops_per_s"] = t.flops_per_token * r.rate * static_cast<double>(t.tokens_per_sample);
+  }
+  js["peak_rss_mb"] = r.peak_rss_mb;
+  js["checkpoints"] = checkpoints_json(t.checkpoints);
+  auto& phases_js = js["phases"] = nlohmann::ordered_json::object();
+  for (const auto& [n, st] : r.phases) phases_js[n] = min_avg_max(st);
+  js["comm"] = comm_json(cfg, t, r);
+  js["overlap"] = overlap_json(cfg, t, r);
+  return js;
+}
+
+/// The end-of-run table: phases across ranks, peak memory, steps and throughput.
+inline void print_summary(int world_size, const RunTotals& t, const RunStatsAcrossRanks& r) {
+  std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n", world_size);
+  for (const auto& [n, s] : r.phases) std::printf("%-14s %8.3f  %8.3f  %8.3f\n", n.c_str(), s.min, s.avg, s.max);
+  std::printf("peak RSS per rank (MiB):");
+  for (double rss : r.peak_rss_mb) std::printf(" %.0f", rss);
+  const bool tokens = t.tokens_per_sample > 0;
+  std::printf("\n%lld steps, median step %.1f ms, %.0f %s, wall %.1f s\n", static_cast<long long>(t.steps), median_of(t.step_ms),
+              tokens ? r.rate * static_cast<double>(t.tokens_per_sample) : r.rate, tokens ? "tokens/s" : "samples/s", t.wall_s);
+  if (t.eval) std::printf("test accuracy %.2f%%, test loss %.4f\n", 100 * t.eval->accuracy, t.eval->loss);
+  std::printf("wrote %s%s%s\n", (t.out_dir / "summary.json").c_str(), t.metrics_path.empty() ? "" : " and ", t.metrics_path.c_str());
+}
+
 /// Writes <out_dir>/summary.json and prints the phase table (rank 0). Collective: every rank calls it.
 template <class Engine>
 void write_summary(MpiComm& world, const MpiComm::Placement& placement, const RunConfig& cfg, Engine& model, const RunTotals& t) {
-  const double wall = t.wall_s;
-  const auto comm = model.comm_counters();
-  const double all_gather_s = comm.all_gather_seconds - t.comm_start.all_gather_seconds;
-  const double reduce_scatter_s = comm.reduce_scatter_seconds - t.comm_start.reduce_scatter_seconds;
-  const double all_reduce_s = comm.all_reduce_seconds - t.comm_start.all_reduce_seconds;
-  const std::vector<std::pair<std::string, double>> phase_list = {
-      {"data", t.phases.data},           {"forward", t.phases.forward},        {"backward", t.phases.backward},
-      {"all_gather", all_gather_s},      {"reduce_scatter", reduce_scatter_s}, {"all_reduce", all_reduce_s},
-      {"optimizer", t.phases.optimizer}, {"checkpoint", t.phases.checkpoint},  {"eval", t.phases.eval}};
-  std::vector<std::pair<std::string, Stats>> phase_stats;
-  for (const auto& [n, v] : phase_list) phase_stats.emplace_back(n, across_ranks(world, v));
-  const auto overlap = model.overlap_stats();
-  const Stats exposed_all_gather = across_ranks(world, overlap.exposed_all_gather_seconds);
-  const Stats exposed_reduce = across_ranks(world, overlap.exposed_reduce_seconds);
-  std::vector<double> rss(static_cast<std::size_t>(world.size()));
-  const double my_rss = peak_rss_mb();
-  world.all_gather(&my_rss, rss.data(), 1, fsdp::DType::kFloat64);
-  double total_samples = static_cast<double>(t.samples_trained);
-  world.all_reduce(&total_samples, &total_samples, 1, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
-  const double train_s = t.train_elapsed_s - t.phases.checkpoint - t.phases.eval;  // training only
-  const double median_ms = median_of(t.step_ms);
-  if (world.rank() == 0) {
-    const double rate = total_samples / std::max(train_s, 1e-9);
-    auto min_avg_max = [](const Stats& st) { return nlohmann::ordered_json{{"min", st.min}, {"avg", st.avg}, {"max", st.max}}; };
-    nlohmann::ordered_json js;
-    js["name"] = cfg.run.name;
-    js["world_size"] = world.size();
-    js["nodes"] = placement.nodes;
-    js["ranks_per_node"] = placement.local_size;
-    js["threads_per_rank"] = cfg.run.threads;
-    js["backend"] = t.backend;
-    js["strategy"] = to_string(model.sharding_strategy());
-    js["shard_group_size"] = model.shard_group_size();
-    js["replica_groups"] = world.size() / model.shard_group_size();
-    js["optimizer_sharding"] = cfg.fsdp.optimizer_sharding == OptimizerSharding::WORLD ? "world" : "group";
-    js["params"] = model.num_params();
-    js["steps"] = t.steps;
-    js["resumed_from_step"] = t.resumed_from_step;
-    js["skipped_steps"] = t.skipped_steps;
-    if (t.loss_scale) {
-      js["overflow_steps"] = t.overflow_steps;
-      js["loss_scale"] = *t.loss_scale;
-    }
-    js["final_train_loss"] = std::isnan(t.last_loss) ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(t.last_loss);
-    if (t.eval) {
-      js["test_loss"] = t.eval->loss;
-      js["test_accuracy"] = t.eval->accuracy;
-      js["eval_step"] = t.eval_step;
-      if (t.tokens_per_sample > 0) js["eval_perplexity"] = std::exp(t.eval->loss);
-    }
-    js["wall_s"] = wall;
-    js["train_s"] = train_s;
-    js["step_ms_median"] = median_ms;
-    js[t.tokens_per_sample > 0 ? "tokens_per_s" : "samples_per_s"] = t.tokens_per_sample > 0 ? rate * static_cast<double>(t.tokens_per_sample) : rate;
-    if (t.flops_per_token > 0) {
-      // Achieved model FLOP/s: nanoGPT's and llm.c's estimate (forward and backward of every parameter,
-      // plus attention), from the training throughput; hardware-independent, no recomputation counted.
-      js["model_flops_per_token"] = t.flops_per_token;
-      js["model_flops_per_s"] = t.flops_per_token * rate * static_cast<double>(t.tokens_per_sample);
-    }
-    js["peak_rss_mb"] = rss;
-    // Rank 0's saves: training held per save (copy to the host and waiting for the previous write when
-    // asynchronous; the whole save otherwise) and each write's duration.
-    auto& ckpt_js = js["checkpoints"];
-    ckpt_js["async"] = t.checkpoints.asynchronous;
-    ckpt_js["saves"] = t.checkpoints.held_s.size();
-    ckpt_js["held_s"] = t.checkpoints.held_s;
-    ckpt_js["write_s"] = t.checkpoints.write_s;
-    if (t.checkpoints.asynchronous) {
-      ckpt_js["reserve_s"] = t.checkpoints.reserve_s;
-      ckpt_js["steps_while_writing"] = t.checkpoints.step_ms_while_writing.size();
-      ckpt_js["step_ms_median_while_writing"] = median_of(t.checkpoints.step_ms_while_writing);
-    }
-    auto& phases_js = js["phases"] = nlohmann::ordered_json::object();
-    for (const auto& [n, st] : phase_stats) phases_js[n] = min_avg_max(st);
-    // Rank 0's collectives over the same span as the phases (training, evaluation, checkpoints): bytes
-    // as the engine counts them (all_gather: this rank's shard; reduce_scatter: the full input buffer;
-    // all_reduce, broadcast: the buffer) and wall seconds inside the blocking calls.
-    auto& comm_js = js["comm"];
-    comm_js["rank"] = 0;
-    comm_js["calls"] = comm.calls - t.comm_start.calls;
-    auto comm_kind = [&](const char* n, std::uint64_t bytes, double seconds) { comm_js[n] = {{"bytes", bytes}, {"seconds", seconds}}; };
-    comm_kind("all_gather", comm.all_gather_bytes - t.comm_start.all_gather_bytes, all_gather_s);
-    comm_kind("reduce_scatter", comm.reduce_scatter_bytes - t.comm_start.reduce_scatter_bytes, reduce_scatter_s);
-    comm_kind("all_reduce", comm.all_reduce_bytes - t.comm_start.all_reduce_bytes, all_reduce_s);
-    if (cfg.fsdp.reshard_after_forward_group > 0) {
-      // fsdp.reshard_after_forward = N: backward's all-gathers inside the groups of N ranks (a node:
-      // they never leave it), part of all_gather above; the rest of all_gather crosses the shard group.
-      const auto steps = static_cast<std::uint64_t>(std::max<std::int64_t>(1, t.steps - t.resumed_from_step));
-      const auto& g = t.step_all_gather;
-      comm_js["reshard_group"] = {{"size", cfg.fsdp.reshard_after_forward_group},
-                                  {"all_gather_bytes_per_step_inside_group", g.inside_reshard_group / steps},
-                                  {"all_gather_bytes_per_step_across_shard_group", (g.total - g.inside_reshard_group) / steps}};
-    }
-    comm_kind("broadcast", comm.broadcast_bytes - t.comm_start.broadcast_bytes, comm.broadcast_seconds - t.comm_start.broadcast_seconds);
-    comm_js["skew_s"] = comm.skew_seconds - t.comm_start.skew_seconds;  // FSDP_COMM_SKEW_PROBE=1 only
-    // Overlap: unit all-gathers issued ahead on the worker vs run on demand (rank 0), and the time the
-    // computing thread waited for unit all-gathers (across ranks): the exposed communication.
-    auto& overlap_js = js["overlap"];
-    overlap_js["backward_prefetch"] = cfg.fsdp.backward_prefetch_name;
-    overlap_js["forward_prefetch"] = cfg.fsdp.forward_prefetch;
-    overlap_js["prefetched"] = overlap.prefetched;
-    overlap_js["gathered_on_demand"] = overlap.gathered_on_demand;
-    overlap_js["exposed_all_gather_s"] = min_avg_max(exposed_all_gather);
-    // Gradient reductions run on the worker while backward went on, and the time the computing
-    // thread then waited for them (end of backward, or the in-flight bound).
-    // NCCL reduces on its own stream: the setting is not used there.
-    overlap_js["overlap_grad_reduce"] = t.overlap_grad_reduce;
-    overlap_js["reductions_overlapped"] = overlap.reductions_overlapped;
-    overlap_js["reductions_synchronous"] = overlap.reductions_synchronous;
-    overlap_js["exposed_reduce_s"] = min_avg_max(exposed_reduce);
-    std::ofstream(t.out_dir / "summary.json") << js.dump(2) << "\n";
-    std::printf("\nphase            min s     avg s     max s   (across %d ranks; the collectives run inside the other phases)\n", world.size());
-    for (const auto& [n, s] : phase_stats) std::printf("%-14s %8.3f  %8.3f  %8.3f\n", n.c_str(), s.min, s.avg, s.max);
-    std::printf("peak RSS per rank (MiB):");
-    for (double r : rss) std::printf(" %.0f", r);
-    std::printf("\n%lld steps, median step %.1f ms, %.0f %s, wall %.1f s\n", static_cast<long long>(t.steps), median_ms,
-                t.tokens_per_sample > 0 ? rate * static_cast<double>(t.tokens_per_sample) : rate, t.tokens_per_sample > 0 ? "tokens/s" : "samples/s",
-                wall);
-    if (t.eval) std::printf("test accuracy %.2f%%, test loss %.4f\n", 100 * t.eval->accuracy, t.eval->loss);
-    std::printf("wrote %s%s%s\n", (t.out_dir / "summary.json").c_str(), t.metrics_path.empty() ? "" : " and ", t.metrics_path.c_str());
-  }
+  const RunStatsAcrossRanks r = gather_run_stats(world, model, t);
+  if (world.rank() != 0) return;
+  std::ofstream(t.out_dir / "summary.json") << summary_json(world, placement, cfg, model, t, r).dump(2) << "\n";
+  print_summary(world.size(), t, r);
 }
 
 }  // namespace fsdp::app

@@ -36,4 +36,15 @@ class CheckpointError : public Error {
   explicit CheckpointError(const std::string& what, const std::string& id = "fsdp.ckpt") : Error(id, what) {}
 };
 
+/// The message of an exception without the "[id] " prefix of fsdp errors (for a sentence that
+/// carries its own context).
+inline std::string message_without_id(const std::exception& e) {
+  std::string m = e.what();
+  if (!m.empty() && m[0] == '[') {
+    const auto close = m.find("] ");
+    if (close != std::string::npos) m = m.substr(close + 2);
+  }
+  return m;
+}
+
 }  // namespace fsdp

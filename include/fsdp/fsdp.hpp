@@ -11,6 +11,7 @@
 #include "fsdp/core/layout.hpp"
 #include "fsdp/core/loss_scale.hpp"
 #include "fsdp/core/strategy.hpp"
+#include "fsdp/core/text.hpp"
 #include "fsdp/core/unit_plan.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/io/checkpoint.hpp"

@@ -11,7 +11,6 @@
 #include "fsdp/comm/communicator.hpp"
 
 namespace fsdp {
-namespace detail {
 
 /// Rank `root`'s `text` on every rank. Collective.
 template <Communicator Comm>
@@ -22,8 +21,6 @@ std::string broadcast_string(Comm& comm, std::string text, int root = 0) {
   if (n > 0) comm.broadcast(text.data(), n, DType::kUInt8, root);
   return text;
 }
-
-}  // namespace detail
 
 /// What the ranks agreed after a step some of them failed.
 struct AgreedFailure {
@@ -45,7 +42,7 @@ std::optional<AgreedFailure> agree_on_failure(Comm& comm, const std::optional<st
   comm.all_reduce(&failed, &failed, 1, DType::kInt64, ReduceOp::kSum);
   AgreedFailure f;
   f.rank = comm.size() - static_cast<int>(key[0]);
-  f.message = detail::broadcast_string(comm, error ? *error : std::string(), f.rank);
+  f.message = broadcast_string(comm, error ? *error : std::string(), f.rank);
   f.failed_ranks = static_cast<int>(failed);
   f.flagged = key[1] != 0;
   return f;

@@ -122,8 +122,9 @@ concept CommRequest = std::movable<R> && requires(R r) {
 ///  - the non-blocking forms i*(...) -> a CommRequest; counters() -> the bytes and seconds so far
 ///
 /// Optional capabilities: the engine and the checkpoints probe for these with `requires` and fall
-/// back as said when a communicator lacks them (MpiComm has every one but kMovesDeviceMemory; NcclComm
-/// has kMovesDeviceMemory, split_node() and mpi()).
+/// back as said when a communicator lacks them (MpiComm has every one but kMovesDeviceMemory,
+/// kProgressesOnItsOwn, synchronize() and set_compute_stream_order(); NcclComm has kMovesDeviceMemory,
+/// split_node(), mpi(), synchronize() and set_compute_stream_order()).
 ///  - `static constexpr bool kMovesDeviceMemory`: true when the buffers are device (GPU) memory; the
 ///    engine then computes on the communicator's device and overlaps on its streams instead of a
 ///    worker thread. Absent: false (fsdp::comm_moves_device_memory).
@@ -141,6 +142,17 @@ concept CommRequest = std::movable<R> && requires(R r) {
 ///    communicator parallel HDF5 writes checkpoints through (one of the two is needed to checkpoint).
 ///  - `barrier_within(seconds, what)`: a barrier that gives up with CommError (fsdp.comm.deadline), so
 ///    a checkpoint called on some ranks only fails instead of hanging. Absent: a plain barrier().
+///  - `synchronize()`: the host waits until every collective issued on the communicator has completed
+///    (a GPU communicator's are stream-ordered: they may still run after the call returned). Its
+///    presence is what FullyShardedDataParallel::kCollectivesMayBePending means: the engine settles
+///    them before the optimizer reads gradients, the checkpoints before they read the state, and a
+///    failure caught there is agreed between the ranks. Absent: every collective is complete when its
+///    call (or its request's wait()) returns.
+///  - `set_compute_stream_order(record, wait)`: two callbacks over a device event (`void*`): `record`
+///    marks the compute stream's position, `wait` makes the compute stream wait for one; the
+///    communicator orders its stream after the compute stream's work and the compute stream after its
+///    collectives with them. The engine passes LibTorch's current stream (torch/current_stream_order.hpp)
+///    when it computes on a GPU. Absent: not called (host memory needs no stream order).
 template <class C>
 concept Communicator = std::copy_constructible<C> &&
     requires(C c, const C cc, const void* src, void* dst, std::int64_t n, DType t, ReduceOp op, int root) {

@@ -32,6 +32,8 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/core/text.hpp"
+
 namespace fsdp {
 
 struct FlightRecord {
@@ -50,9 +52,7 @@ struct FlightComm {
   std::string name;
   std::vector<int> world_ranks;  ///< its members, by world rank
   std::string key() const {
-    std::string k = name + "{";
-    for (std::size_t i = 0; i < world_ranks.size(); ++i) k += (i ? "," : "") + std::to_string(world_ranks[i]);
-    return k + "}";
+    return name + "{" + comma_separated(world_ranks) + "}";
   }
 };
 
@@ -316,21 +316,16 @@ inline std::string first_disagreement(const std::vector<FlightDump>& dumps) {
         issued[entry.kind + " of " + std::to_string(entry.bytes) + " bytes"].push_back(r);
       }
       if (missing.empty() && issued.size() <= 1) continue;
-      auto list = [](const std::vector<int>& v) {
-        std::string s;
-        for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
-        return s;
-      };
       std::string text = "flight recorder: collective #" + std::to_string(seq) + " of communicator " + key + ": ";
       if (issued.size() > 1) {
         bool first = true;
         for (const auto& [what, rs] : issued) {
-          text += (first ? "" : " while ") + std::string("rank(s) ") + list(rs) + " issued " + what;
+          text += (first ? "" : " while ") + std::string("rank(s) ") + comma_separated(rs) + " issued " + what;
           first = false;
         }
         text += " (different collectives at the same place)";
       } else {
-        text += "rank(s) " + list(issued.begin()->second) + " issued " + detail::describe_entry(*any) + "; rank(s) " + list(missing) +
+        text += "rank(s) " + comma_separated(issued.begin()->second) + " issued " + detail::describe_entry(*any) + "; rank(s) " + comma_separated(missing) +
                 " never did";
         for (int r : missing) {
           const auto it = by_rank.find(r);

@@ -20,7 +20,7 @@
 
 #include "fsdp/comm/nccl_calls.hpp"
 #include "fsdp/core/device_choice.hpp"
-#include "fsdp/core/layout.hpp"  // fnv1a64
+#include "fsdp/core/text.hpp"  // fnv1a64
 
 namespace fsdp {
 namespace detail {

@@ -54,6 +54,27 @@
 
 namespace fsdp {
 
+namespace detail {
+/// The NCCL handshake over MPI: rank 0 of `group` makes the unique id and broadcasts it together with
+/// whether that worked, so a failure there fails every rank alike (CommError `failure`, with NCCL's
+/// reason on rank 0). Collective over `group`.
+inline ncclUniqueId unique_id_over_mpi(MpiComm& group, const std::string& failure) {
+  struct {
+    std::int32_t ok;
+    ncclUniqueId id;
+  } message{};
+  std::string problem;
+  if (group.rank() == 0) {
+    const ncclResult_t rc = ncclGetUniqueId(&message.id);
+    message.ok = rc == ncclSuccess ? 1 : 0;
+    if (rc != ncclSuccess) problem = nccl_error_text(rc, nullptr);
+  }
+  group.broadcast(&message, static_cast<std::int64_t>(sizeof message), DType::kUInt8, 0);
+  if (message.ok != 1) throw CommError(failure + (problem.empty() ? std::string() : ": " + problem));
+  return message.id;
+}
+}  // namespace detail
+
 
 /// Communicator over NCCL for CUDA device buffers. Copies share the same NCCL communicator, streams,
 /// options and counters. Use it from one host thread at a time. Every collective must be called by
@@ -97,24 +118,10 @@ class NcclComm {
                                                   ": give each rank its own (srun --gpus-per-task=1, or as many visible devices as ranks per node)"));
     agree(m, failure, "could not select a CUDA device");
 
-    struct {
-      std::int32_t ok;
-      ncclUniqueId id;
-    } message{};
-    std::string problem;
-    if (m.rank() == 0) {
-      const ncclResult_t rc = ncclGetUniqueId(&message.id);
-      message.ok = rc == ncclSuccess ? 1 : 0;
-      if (rc != ncclSuccess) problem = detail::nccl_error_text(rc, nullptr);
-    }
-    m.broadcast(&message, static_cast<std::int64_t>(sizeof message), DType::kUInt8, 0);
-    if (message.ok != 1)
-      throw CommError("rank " + std::to_string(detail::process_rank()) + ": ncclGetUniqueId failed on rank 0" +
-                      (problem.empty() ? std::string() : ": " + problem));
-
+    const ncclUniqueId id = detail::unique_id_over_mpi(m, "rank " + std::to_string(detail::process_rank()) + ": ncclGetUniqueId failed on rank 0");
     auto state = std::make_shared<detail::NcclState>(device, options);
     state->mpi = m;
-    state->init(message.id, m.size(), m.rank());
+    state->init(id, m.size(), m.rank());
     NcclComm comm(std::move(state));
     comm.register_flight("nccl:" + m.flight_name(), m.world_ranks());
     return comm;
@@ -228,20 +235,8 @@ class NcclComm {
     if (state_->mpi) sub->mpi = state_->mpi->split(color, key);  // same ranks, same order as NCCL's split
     if (method == NcclSplit::kMpi) {
       MpiComm group = *sub->mpi;
-      struct {
-        std::int32_t ok;
-        ncclUniqueId id;
-      } message{};
-      std::string problem;
-      if (group.rank() == 0) {
-        const ncclResult_t rc = ncclGetUniqueId(&message.id);
-        message.ok = rc == ncclSuccess ? 1 : 0;
-        if (rc != ncclSuccess) problem = detail::nccl_error_text(rc, nullptr);
-      }
-      group.broadcast(&message, static_cast<std::int64_t>(sizeof message), DType::kUInt8, 0);
-      if (message.ok != 1)
-        throw CommError(state_->who() + ": split: ncclGetUniqueId failed on the group's first rank" + (problem.empty() ? "" : ": " + problem));
-      sub->init(message.id, group.size(), group.rank());
+      const ncclUniqueId id = detail::unique_id_over_mpi(group, state_->who() + ": split: ncclGetUniqueId failed on the group's first rank");
+      sub->init(id, group.size(), group.rank());
     } else {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
       const detail::CudaDeviceGuard on(state_->device);

@@ -54,7 +54,7 @@ constexpr FlatRange intersect(FlatRange a, FlatRange b) noexcept {
   return hi > lo ? FlatRange{lo, hi} : FlatRange{lo, lo};
 }
 
-/// The part of one parameter that lies in one rank's shard.
+/// The part of one parameter that lies in one rank's shard (or in a part of it).
 struct ParamSlice {
   std::int64_t param_index = 0;   ///< which parameter of the unit
   std::int64_t param_offset = 0;  ///< first element inside the parameter (flattened)
@@ -95,15 +95,20 @@ class FlatLayout {
   /// Elements of `rank`'s shard that are real (not padding).
   constexpr std::int64_t real_numel(std::int64_t rank) const { return intersect(rank_range(rank), {0, numel_}).numel(); }
 
+  /// The part of parameter `i` inside the flat range `range` (a shard, or the part of one a replica
+  /// owns); shard_offset counts from range.begin; numel 0 when they do not meet.
+  constexpr ParamSlice slice_in(std::int64_t i, FlatRange range) const {
+    const FlatRange hit = intersect(range, param_range(i));
+    if (hit.empty()) return {i, 0, 0, 0};
+    return {i, hit.begin - param_offset(i), hit.begin - range.begin, hit.numel()};
+  }
+
   /// The parameter slices that lie in `rank`'s shard, in flat order.
   constexpr std::vector<ParamSlice> slices(std::int64_t rank) const {
     const FlatRange mine = rank_range(rank);
     std::vector<ParamSlice> out;
-    for (std::int64_t i = 0; i < num_params(); ++i) {
-      const FlatRange hit = intersect(mine, param_range(i));
-      if (hit.empty()) continue;
-      out.push_back({i, hit.begin - param_offset(i), hit.begin - mine.begin, hit.numel()});
-    }
+    for (std::int64_t i = 0; i < num_params(); ++i)
+      if (const ParamSlice s = slice_in(i, mine); s.numel > 0) out.push_back(s);
     return out;
   }
 
@@ -114,16 +119,6 @@ class FlatLayout {
   std::int64_t numel_ = 0;
   std::int64_t shard_ = 0;
 };
-
-/// 64-bit FNV-1a, constexpr; used for plan hashes that must agree across ranks and runs.
-constexpr std::uint64_t fnv1a64(std::string_view text, std::uint64_t seed = 14695981039346656037ull) noexcept {
-  std::uint64_t h = seed;
-  for (char c : text) {
-    h ^= static_cast<unsigned char>(c);
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 // Compile-time checks of the worked example in docs/design.md: numels 6 + 3 + 1 at G = 4.
 static_assert(shard_numel(10, 4) == 3);

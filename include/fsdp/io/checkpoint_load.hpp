@@ -26,9 +26,9 @@ inline StagedUnit read_unit_range(hid_t file, const std::string& path, const Sha
                          h5::element_type_name(element_type_of(dtype)) + ")");
       return;
     }
-    const Piece p = piece_of(u.layout, i, lo, hi);
-    char* out = static_cast<char*>(dst.data_ptr()) + p.offset * static_cast<std::int64_t>(dst.element_size());
-    h5::read_flat_range(ds, u.shapes[i], p.begin, p.end, stored, out, "checkpoint '" + path + "' dataset " + ds_path);
+    const ParamSlice p = u.layout.slice_in(static_cast<std::int64_t>(i), {lo, hi});
+    char* out = static_cast<char*>(dst.data_ptr()) + p.shard_offset * static_cast<std::int64_t>(dst.element_size());
+    h5::read_flat_range(ds, u.shapes[i], p.param_offset, p.param_offset + p.numel, stored, out, "checkpoint '" + path + "' dataset " + ds_path);
   };
   for (std::size_t i = 0; i < u.param_names.size(); ++i) {
     const std::string p = model_path(u.param_names[i]);
@@ -363,7 +363,7 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
       try {
         staged.optimizer_states[i] = make_optimizer_state(*optimizer, view);
       } catch (const ConfigError& e) {
-        throw CheckpointError("checkpoint '" + path + "': " + detail::message_of(e), detail::kMismatchId);
+        throw CheckpointError("checkpoint '" + path + "': " + message_without_id(e), detail::kMismatchId);
       }
     }
   });
@@ -404,7 +404,7 @@ ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimiz
   auto share = [&](std::vector<std::string>& lines) {
     std::string text;
     for (const auto& l : lines) text += l + "\n";
-    text = detail::broadcast_string(world, text);
+    text = broadcast_string(world, text);
     lines.clear();
     for (std::size_t at = 0; at < text.size();) {
       const auto end = text.find('\n', at);
@@ -426,9 +426,9 @@ ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimiz
       // another model, optimizer or plan: stop, the folder belongs to another run.
       if (e.id() == detail::kMismatchId)
         throw CheckpointError(
-            detail::message_of(e) + ". The checkpoint folder '" + dir + "' holds another run: use another folder, or start fresh without resuming",
+            message_without_id(e) + ". The checkpoint folder '" + dir + "' holds another run: use another folder, or start fresh without resuming",
             detail::kMismatchId);
-      result.skipped.push_back(name + ": " + detail::message_of(e));
+      result.skipped.push_back(name + ": " + message_without_id(e));
       continue;
     }
     result.path = path;

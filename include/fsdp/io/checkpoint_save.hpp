@@ -38,9 +38,10 @@ std::int64_t write_sharded_file(Engine& engine, const torch::optim::Optimizer* o
       const TensorTarget t{prefix.empty() ? model_path(u.param_names[i]) : optim_path(u.param_names[i]) + "/" + prefix, u.shapes[i], et};
       step([&] {
         h5::Id ds = create_tensor_dataset(file, t, kind);
-        const Piece p = writer ? piece_of(u.layout, i, lo, hi) : Piece{};
-        const char* data = static_cast<const char*>(src.data_ptr()) + p.offset * static_cast<std::int64_t>(src.element_size());
-        h5::write_flat_range(ds, t.shape, p.begin, p.end, et, data, dxpl, t.path);
+        // Only the writer writes its piece; every rank takes part in the collective write.
+        const ParamSlice p = writer ? u.layout.slice_in(static_cast<std::int64_t>(i), {lo, hi}) : ParamSlice{};
+        const char* data = static_cast<const char*>(src.data_ptr()) + p.shard_offset * static_cast<std::int64_t>(src.element_size());
+        h5::write_flat_range(ds, t.shape, p.param_offset, p.param_offset + p.numel, et, data, dxpl, t.path);
       });
       ++tensors;
     }
@@ -316,7 +317,7 @@ std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* 
 }
 }  // namespace detail
 
-template <class Engine>
+template <CheckpointSource Engine>
 SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimizer, const std::string& dir, const TrainState& state,
                            const CheckpointOptions& options = {}) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -358,7 +359,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
       std::filesystem::remove_all(path, ignored);
     }
   } cleanup{tmp, world.rank() == 0};
-  const std::string created = detail::broadcast_string(world, ckpt::utc_now());
+  const std::string created = broadcast_string(world, ckpt::utc_now());
   switch (options.state_dict_type) {
     case StateDictType::SHARDED_STATE_DICT: detail::write_sharded_file(engine, optimizer, tmp.string(), written, options, created, rows); break;
     case StateDictType::FULL_STATE_DICT: detail::write_full_file(engine, optimizer, tmp.string(), written, options, created, written.deck, rows); break;
@@ -381,7 +382,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
       try {
         result.pruned = ckpt::prune(folder, options.keep_last, [](const std::filesystem::path& p) { return ckpt::verify(p.string()).ok(); });
       } catch (const std::exception& e) {
-        result.warnings.push_back(detail::message_of(e));
+        result.warnings.push_back(message_without_id(e));
       }
     }
   }

@@ -123,6 +123,10 @@ class CheckpointSnapshot {
   std::vector<ShardedUnit> sharded_units() const { return units_; }
   const std::vector<std::pair<std::string, torch::Tensor>>& checkpoint_buffers() const noexcept { return buffers_; }
   const detail::RngState& checkpoint_rng_state() const noexcept { return rng_; }
+  /// The copies are current and complete once captured: nothing to bring in or to settle.
+  static constexpr bool kCollectivesMayBePending = false;
+  void synchronize_shards() noexcept {}
+  void synchronize_collectives() noexcept {}
 
   /// The padded flat tensor of unit `unit` from every shard rank's `shard_like`. Collective over the shard group.
   torch::Tensor gather_flat(int unit, const torch::Tensor& shard_like) {

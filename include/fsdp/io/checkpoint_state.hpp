@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "fsdp/comm/agree.hpp"
+#include "fsdp/core/text.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/io/checkpoint_files.hpp"
 #include "fsdp/io/checkpoint_options.hpp"
@@ -35,6 +36,33 @@
 #include "fsdp/version.hpp"
 
 namespace fsdp {
+
+/// What a checkpoint is saved from: a live FullyShardedDataParallel, or a CheckpointSnapshot (its
+/// host copy, written in the background). Both declare all of it; a save reads nothing else.
+///  - comm(), shard_comm(), replica_comm(): the world and the groups the shards live on;
+///  - world_size(), shard_group_size(), sharding_strategy(), plan_hash(): the root attributes;
+///  - sharded_units(), tied_parameter_aliases(), gather_flat(unit, shard_like): the model's shards;
+///  - checkpoint_buffers(), checkpoint_rng_state(): buffers in their own dtype and the generators;
+///  - synchronize_shards(), synchronize_collectives() and kCollectivesMayBePending: what must be
+///    brought in or settled before the state is read (nothing, for a snapshot).
+template <class S>
+concept CheckpointSource = requires(S& s, const S& cs, const torch::Tensor& t) {
+  s.comm();
+  s.shard_comm();
+  s.replica_comm();
+  { cs.world_size() } -> std::convertible_to<int>;
+  { cs.shard_group_size() } -> std::convertible_to<int>;
+  { cs.sharding_strategy() } -> std::same_as<ShardingStrategy>;
+  { cs.plan_hash() } -> std::convertible_to<std::uint64_t>;
+  { cs.sharded_units() } -> std::convertible_to<std::vector<ShardedUnit>>;
+  cs.tied_parameter_aliases();
+  { s.gather_flat(0, t) } -> std::convertible_to<torch::Tensor>;
+  { cs.checkpoint_buffers() } -> std::convertible_to<std::vector<std::pair<std::string, torch::Tensor>>>;
+  { cs.checkpoint_rng_state() } -> std::convertible_to<detail::RngState>;
+  s.synchronize_shards();
+  s.synchronize_collectives();
+  { S::kCollectivesMayBePending } -> std::convertible_to<bool>;
+};
 
 namespace detail {
 
@@ -50,16 +78,6 @@ inline h5::ElementType element_type_of(c10::ScalarType t) {
     case c10::ScalarType::Bool: return h5::ElementType::kBool;
     default: throw CheckpointError(std::string("cannot store tensors of dtype ") + c10::toString(t));
   }
-}
-
-/// The message of an exception without the "[id] " prefix of fsdp errors.
-inline std::string message_of(const std::exception& e) {
-  std::string m = e.what();
-  if (!m.empty() && m[0] == '[') {
-    const auto close = m.find("] ");
-    if (close != std::string::npos) m = m.substr(close + 2);
-  }
-  return m;
 }
 
 /// Runs f; an exception becomes its what() ("[id] message" for fsdp errors, so agree() keeps the id).
@@ -152,15 +170,10 @@ inline std::vector<RankRow> rng_rows(const RngState& state) {
   return rows;
 }
 
-/// The RNG state a save writes: the one a snapshot captured with the model, else the generators' now.
-template <class Engine>
-RngState saved_rng_state(Engine& engine) {
-  if constexpr (requires { engine.checkpoint_rng_state(); })
-    return engine.checkpoint_rng_state();
-  else if constexpr (requires { engine.compute_device(); })
-    return capture_rng_state(engine.compute_device());
-  else
-    return capture_rng_state(torch::kCPU);
+/// The RNG state a save writes: the one a snapshot captured with the model, a live engine's generators now.
+template <class Source>
+RngState saved_rng_state(Source& source) {
+  return source.checkpoint_rng_state();
 }
 
 /// Puts back the generators whose rows `rows` holds: the CPU's, and `compute`'s when it is a GPU and
@@ -215,7 +228,7 @@ std::vector<RankRow> rank_local_buffer_rows(Comm& comm, const std::vector<std::p
 // Shared with the offline tools: "[2, 3]" and the logical shape of a stored tensor (0-d tensors are
 // stored with dims {1} and attribute scalar=1).
 using ckpt::detail::logical_shape;
-using ckpt::detail::shape_text;
+using ckpt::shape_text;
 
 /// The element type of a stored tensor (uint8 datasets with attribute dtype = "bool" are bool).
 inline h5::ElementType tensor_element_type(hid_t dataset, const std::string& where) {
@@ -244,20 +257,6 @@ inline torch::Tensor read_buffer(hid_t file, const std::string& path, const std:
   auto t = torch::empty(like.sizes(), like.options().device(torch::kCPU).requires_grad(false));  // staged on the host
   h5::read_flat_range(ds, shape, 0, t.numel(), wanted, t.data_ptr(), "checkpoint '" + path + "' dataset " + ds_path);
   return t;
-}
-
-/// The part of parameter `i` of unit `u` inside the flat range [lo, hi) of the unit's padded
-/// flat buffer: param-local flat range [begin, end) and where it starts in the range.
-struct Piece {
-  std::int64_t begin = 0, end = 0;  // within the parameter's flattened elements
-  std::int64_t offset = 0;          // of `begin` relative to `lo`
-};
-inline Piece piece_of(const FlatLayout& layout, std::size_t i, std::int64_t lo, std::int64_t hi) {
-  const auto i64 = static_cast<std::int64_t>(i);
-  const std::int64_t p0 = layout.param_offset(i64), p1 = p0 + layout.param_numel(i64);
-  const std::int64_t a = std::max(lo, p0), b = std::min(hi, p1);
-  if (a >= b) return {};
-  return {a - p0, b - p0, a - lo};
 }
 
 inline std::string model_path(const std::string& fqn) { return "/model/" + fqn; }
@@ -296,20 +295,11 @@ inline void use_rank_local_buffers(const std::vector<std::pair<std::string, torc
 }
 
 /// The module's buffers by name, as checkpoints hold them: in their own dtype (before mixed
-/// precision's buffer_dtype). Loading copies the value back into the live buffer.
-template <class Engine>
-std::vector<std::pair<std::string, torch::Tensor>> named_buffers_of(Engine& engine) {
-  if constexpr (requires { engine.checkpoint_buffers(); }) {
-    return engine.checkpoint_buffers();  // a snapshot's copies
-  } else {
-    std::vector<std::pair<std::string, torch::Tensor>> out;
-    for (const auto& b : engine.module()->named_buffers(/*recurse=*/true)) {
-      if (!b.value().defined()) continue;
-      const auto dtype = engine.checkpoint_buffer_dtype(b.key(), b.value());
-      out.emplace_back(b.key(), dtype == b.value().scalar_type() ? b.value() : b.value().detach().to(dtype));
-    }
-    return out;
-  }
+/// precision's buffer_dtype): a live engine's, or a snapshot's copies. Loading copies the value back
+/// into the live buffer.
+template <class Source>
+std::vector<std::pair<std::string, torch::Tensor>> named_buffers_of(Source& source) {
+  return source.checkpoint_buffers();
 }
 
 /// The live buffers, in the order of named_buffers_of().
@@ -394,23 +384,23 @@ std::optional<OptimizerStateView> shard_optimizer_state(Engine& engine, const to
 
 /// The engine's shards made current before they are read for a checkpoint or an export (the optimizer
 /// may have updated replica parts of them, see FullyShardedDataParallel::synchronize_shards). Collective.
-template <class Engine>
-void synchronize_shards_of(Engine& engine) {
-  if constexpr (requires { engine.synchronize_shards(); }) engine.synchronize_shards();
+template <class Source>
+void synchronize_shards_of(Source& source) {
+  source.synchronize_shards();
 }
 
-/// Whether the engine's collectives can be pending when it returns (a GPU communicator's are
+/// Whether the source's collectives can be pending when it returns (a GPU communicator's are
 /// stream-ordered), so that they must be settled before the state is read.
-template <class Engine>
+template <class Source>
 constexpr bool collectives_may_be_pending() {
-  return requires { requires Engine::kCollectivesMayBePending; };  // FullyShardedDataParallel's; not a snapshot's
+  return Source::kCollectivesMayBePending;
 }
 
-/// The engine's collectives settled (a failed one throws) before the state is read, so that a
+/// The source's collectives settled (a failed one throws) before the state is read, so that a
 /// checkpoint never holds what an aborted collective left (FullyShardedDataParallel::synchronize_collectives). Local.
-template <class Engine>
-void synchronize_collectives_of(Engine& engine) {
-  if constexpr (collectives_may_be_pending<Engine>()) engine.synchronize_collectives();
+template <class Source>
+void synchronize_collectives_of(Source& source) {
+  if constexpr (collectives_may_be_pending<Source>()) source.synchronize_collectives();
 }
 
 /// The MPI communicator over the same ranks as `comm` (itself, or a GPU communicator's bootstrap).

@@ -39,6 +39,16 @@ struct FileInfo {
   std::vector<TensorEntry> tensors;
 };
 
+/// A tensor shape as messages and tables print it: "[3, 4]".
+inline std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
 namespace detail {
 
 inline std::vector<std::int64_t> logical_shape(hid_t ds) {
@@ -52,11 +62,6 @@ inline std::int64_t numel(const std::vector<std::int64_t>& shape) {
   return n;
 }
 
-inline std::string shape_text(const std::vector<std::int64_t>& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
 
 /// An attribute as text: strings as is, numbers and arrays of them comma separated.
 inline std::string attribute_text(hid_t obj, const std::string& name, const std::string& where) {
@@ -460,7 +465,7 @@ inline std::vector<TensorDiff> diff(const std::string& a_path, const std::string
     else {
       h5::Id da = h5::open_dataset(a, p, a_path), db = h5::open_dataset(b, p, b_path);
       if (detail::logical_shape(da) != detail::logical_shape(db)) {
-        d.status = "shape " + detail::shape_text(detail::logical_shape(da)) + " vs " + detail::shape_text(detail::logical_shape(db));
+        d.status = "shape " + shape_text(detail::logical_shape(da)) + " vs " + shape_text(detail::logical_shape(db));
       } else {
         const auto va = detail::read_all_as_double(da, "checkpoint '" + a_path + "' dataset " + p);
         const auto vb = detail::read_all_as_double(db, "checkpoint '" + b_path + "' dataset " + p);

@@ -449,8 +449,7 @@ inline std::vector<hsize_t> chunk_shape(const std::vector<hsize_t>& dims, std::s
 /// Creates dataset `path` (parents included) of `dims`, chunked with the Fletcher32 checksum filter.
 /// A 0-d tensor is stored with dims {1}; an empty one unchunked (HDF5 cannot chunk a 0 extent).
 inline Id create_dataset(hid_t loc, const std::string& path, ElementType t, const std::vector<std::int64_t>& shape) {
-  std::vector<hsize_t> dims(shape.begin(), shape.end());
-  if (dims.empty()) dims.push_back(1);
+  const std::vector<hsize_t> dims = shape.empty() ? std::vector<hsize_t>{1} : std::vector<hsize_t>(shape.begin(), shape.end());
   Id space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), "H5Screate_simple(" + path + ")");
   Id dcpl = untimed_creation(H5P_DATASET_CREATE);
   const bool empty = std::any_of(dims.begin(), dims.end(), [](hsize_t d) { return d == 0; });

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "fsdp/core/slab.hpp"
+#include "fsdp/core/text.hpp"
 #include "fsdp/io/h5.hpp"
 
 namespace fsdp::h5 {
@@ -77,9 +78,7 @@ inline void write_flat_range(hid_t dataset, const std::vector<std::int64_t>& sha
 }
 
 inline std::string coordinates_text(const std::vector<hsize_t>& at) {
-  std::string text = "[";
-  for (std::size_t d = 0; d < at.size(); ++d) text += (d ? "," : "") + std::to_string(at[d]);
-  return text + "]";
+  return "[" + comma_separated(at) + "]";
 }
 
 /// Refuses a chunked dataset whose stored chunks cannot be what a checkpoint writer produced before

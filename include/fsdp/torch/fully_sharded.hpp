@@ -37,6 +37,7 @@
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/core/layout.hpp"
 #include "fsdp/core/strategy.hpp"
+#include "fsdp/core/text.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/torch/deferred_init.hpp"
 #include "fsdp/torch/flat_unit.hpp"
@@ -73,6 +74,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   using Runtime::world_;
 
  public:
+  using communicator_type = Comm;
   FullyShardedDataParallel(std::shared_ptr<ModuleImpl> module, Comm comm, FsdpOptions options = {})
       : torch::nn::Module("FullyShardedDataParallel"), Runtime(std::move(comm), std::move(options)), module_(std::move(module)) {
     if (!module_) throw ConfigError("FullyShardedDataParallel: module is null");
@@ -391,6 +393,19 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
     const auto it = buffer_dtypes_.find(name);
     return it == buffer_dtypes_.end() ? buffer.scalar_type() : it->second;
   }
+  /// The module's buffers by name as checkpoints hold them: in their own dtype (a cast copy under
+  /// MixedPrecision::buffer_dtype, else the live buffer). Local.
+  std::vector<std::pair<std::string, torch::Tensor>> checkpoint_buffers() const {
+    std::vector<std::pair<std::string, torch::Tensor>> out;
+    for (const auto& b : module_->named_buffers(/*recurse=*/true)) {
+      if (!b.value().defined()) continue;
+      const auto dtype = checkpoint_buffer_dtype(b.key(), b.value());
+      out.emplace_back(b.key(), dtype == b.value().scalar_type() ? b.value() : b.value().detach().to(dtype));
+    }
+    return out;
+  }
+  /// The generators a checkpoint stores: the CPU's and the compute device's, as they are now. Local.
+  detail::RngState checkpoint_rng_state() const { return detail::capture_rng_state(compute_device_); }
 
   /// The core's plan the units were built from (units, ownership, layouts over the shard group). Local.
   const UnitPlan& unit_plan() const noexcept { return plan_; }
