@@ -3,7 +3,7 @@
 # idempotent and silent when everything is present: apt runs only for what is missing.
 set -euo pipefail
 packages=(
-  build-essential cmake make ccache pkg-config clang libclang-rt-14-dev
+  build-essential cmake make ccache pkg-config clang clang-format libclang-rt-14-dev
   libtorch-dev libopenblas0-pthread
   libopenmpi-dev openmpi-bin
   libhdf5-openmpi-dev hdf5-tools
