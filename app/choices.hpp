@@ -22,7 +22,9 @@ template <class E>
 struct ChoiceNames;
 
 template <class E>
-concept DeckChoice = requires { ChoiceNames<E>::kNames; };
+concept DeckChoice = requires {
+  ChoiceNames<E>::kNames;
+};
 
 /// Every name of `E`, in the table's order (the schema's choices).
 template <DeckChoice E>
@@ -101,17 +103,17 @@ struct ChoiceNames<TokenFormat> {
 enum class OptimizerKind { kSgd, kAdam, kAdamW, kAdadelta };
 template <>
 struct ChoiceNames<OptimizerKind> {
-  static constexpr std::array kNames{std::pair{OptimizerKind::kSgd, std::string_view("sgd")}, std::pair{OptimizerKind::kAdam, std::string_view("adam")},
-                                     std::pair{OptimizerKind::kAdamW, std::string_view("adamw")},
-                                     std::pair{OptimizerKind::kAdadelta, std::string_view("adadelta")}};
+  static constexpr std::array kNames{
+      std::pair{OptimizerKind::kSgd, std::string_view("sgd")}, std::pair{OptimizerKind::kAdam, std::string_view("adam")},
+      std::pair{OptimizerKind::kAdamW, std::string_view("adamw")}, std::pair{OptimizerKind::kAdadelta, std::string_view("adadelta")}};
 };
 
 enum class LrSchedule { kConstant, kStep, kCosine, kWsd };
 template <>
 struct ChoiceNames<LrSchedule> {
-  static constexpr std::array kNames{std::pair{LrSchedule::kConstant, std::string_view("constant")},
-                                     std::pair{LrSchedule::kStep, std::string_view("step")}, std::pair{LrSchedule::kCosine, std::string_view("cosine")},
-                                     std::pair{LrSchedule::kWsd, std::string_view("wsd")}};
+  static constexpr std::array kNames{
+      std::pair{LrSchedule::kConstant, std::string_view("constant")}, std::pair{LrSchedule::kStep, std::string_view("step")},
+      std::pair{LrSchedule::kCosine, std::string_view("cosine")}, std::pair{LrSchedule::kWsd, std::string_view("wsd")}};
 };
 
 /// fsdp.auto_wrap_policy (PyTorch's names, as users type them).
@@ -152,17 +154,18 @@ struct ChoiceNames<ExportNames> {
 enum class ExportDtype { kAsTrained, kFp32, kBf16, kFp16 };
 template <>
 struct ChoiceNames<ExportDtype> {
-  static constexpr std::array kNames{std::pair{ExportDtype::kAsTrained, std::string_view("auto")}, std::pair{ExportDtype::kFp32, std::string_view("fp32")},
-                                     std::pair{ExportDtype::kBf16, std::string_view("bf16")}, std::pair{ExportDtype::kFp16, std::string_view("fp16")}};
+  static constexpr std::array kNames{std::pair{ExportDtype::kAsTrained, std::string_view("auto")},
+                                     std::pair{ExportDtype::kFp32, std::string_view("fp32")}, std::pair{ExportDtype::kBf16, std::string_view("bf16")},
+                                     std::pair{ExportDtype::kFp16, std::string_view("fp16")}};
 };
 
 /// log.progress: a live line on a terminal (auto decides), one line per log step, or nothing.
 enum class ProgressMode { kAuto, kLive, kPlain, kNone };
 template <>
 struct ChoiceNames<ProgressMode> {
-  static constexpr std::array kNames{std::pair{ProgressMode::kAuto, std::string_view("auto")}, std::pair{ProgressMode::kLive, std::string_view("live")},
-                                     std::pair{ProgressMode::kPlain, std::string_view("plain")},
-                                     std::pair{ProgressMode::kNone, std::string_view("none")}};
+  static constexpr std::array kNames{
+      std::pair{ProgressMode::kAuto, std::string_view("auto")}, std::pair{ProgressMode::kLive, std::string_view("live")},
+      std::pair{ProgressMode::kPlain, std::string_view("plain")}, std::pair{ProgressMode::kNone, std::string_view("none")}};
 };
 
 /// checkpoint.state_dict_type: the library's enum, PyTorch's names.

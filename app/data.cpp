@@ -403,8 +403,8 @@ TokenFormat parse_token_format(const std::string& name) {
 namespace {
 
 std::int32_t le_int32(const unsigned char* p) {
-  return static_cast<std::int32_t>(static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 |
-                                   static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24);
+  return static_cast<std::int32_t>(static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 | static_cast<std::uint32_t>(p[2]) << 16 |
+                                   static_cast<std::uint32_t>(p[3]) << 24);
 }
 
 }  // namespace
@@ -545,8 +545,8 @@ void TokenStream::check_vocab(std::int64_t first, std::int64_t last, std::int64_
     const std::int64_t begin = std::max(first, f.first) - f.first, end = std::min(last, f.first + f.tokens) - f.first;
     const unsigned char* p = f.map + f.data_offset;
     for (std::int64_t t = begin; t < end; ++t) {
-      const std::uint32_t v = f.token_bytes == 2 ? static_cast<std::uint32_t>(p[2 * t] | p[2 * t + 1] << 8)
-                                                 : static_cast<std::uint32_t>(le_int32(p + 4 * t));
+      const std::uint32_t v =
+          f.token_bytes == 2 ? static_cast<std::uint32_t>(p[2 * t] | p[2 * t + 1] << 8) : static_cast<std::uint32_t>(le_int32(p + 4 * t));
       if (v >= limit)
         throw DataError("token " + std::to_string(v) + " in " + where(f.first + t) + " is not below model.vocab_size " + std::to_string(vocab));
     }

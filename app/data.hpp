@@ -203,9 +203,7 @@ class TokenStream {
 
 /// Next-token samples over a token stream: sample i is tokens [i*T, i*T + T] (T + 1 tokens: inputs
 /// the first T, targets the last T); floor((size - 1) / T) samples.
-inline std::int64_t token_stream_samples(const TokenStream& s, std::int64_t context) {
-  return s.size() > 1 ? (s.size() - 1) / context : 0;
-}
+inline std::int64_t token_stream_samples(const TokenStream& s, std::int64_t context) { return s.size() > 1 ? (s.size() - 1) / context : 0; }
 
 // ---- background loading -------------------------------------------------------------------------
 

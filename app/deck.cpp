@@ -93,12 +93,14 @@ void check_value(const KeySpec& spec, Value& v, std::vector<Issue>& issues, int 
     size(fa->size());
     for (std::size_t k = 0; k < fa->size(); ++k) range((*fa)[k], spec.key + "[" + std::to_string(k) + "]");
   } else if (auto* s = std::get_if<std::string>(&v)) {
-    const bool count = spec.count_choice && !s->empty() && s->size() < 10 && std::all_of(s->begin(), s->end(), [](char c) { return c >= '0' && c <= '9'; });
+    const bool count =
+        spec.count_choice && !s->empty() && s->size() < 10 && std::all_of(s->begin(), s->end(), [](char c) { return c >= '0' && c <= '9'; });
     if (count && std::stoll(*s) < 2) issues.push_back({spec.key + ": " + *s + " is below the minimum group size 2", line});
     if (!spec.choices.empty() && !count) {
       const auto it = std::find_if(spec.choices.begin(), spec.choices.end(), [&](const std::string& c) { return lower(c) == lower(*s); });
       if (it == spec.choices.end()) {
-        std::string msg = spec.key + ": " + toml_string(*s) + " is not one of " + join(spec.choices, ", ") + (spec.count_choice ? " or a group size" : "");
+        std::string msg =
+            spec.key + ": " + toml_string(*s) + " is not one of " + join(spec.choices, ", ") + (spec.count_choice ? " or a group size" : "");
         if (auto near = closest_of(*s, spec.choices); !near.empty()) msg += " (did you mean " + near + "?)";
         issues.push_back({msg, line});
       } else {
@@ -293,8 +295,8 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
     const bool blame_model = explicit_(model) && (!explicit_(data) || (model.source == Source::kSet && data.source != Source::kSet));
     if (blame_model) {
       problems.push_back(where(model) + ": model.kind: " + format_value(model.value) + " needs data.kind " +
-                         (transformer ? "\"tokens\", \"text\" or \"token-shards\"" : "\"fashion-mnist\" or \"mnist\"") + " (data.kind is " + format_value(data.value) +
-                         ")");
+                         (transformer ? "\"tokens\", \"text\" or \"token-shards\"" : "\"fashion-mnist\" or \"mnist\"") + " (data.kind is " +
+                         format_value(data.value) + ")");
     } else {
       problems.push_back(where(data) + ": data.kind: " + format_value(data.value) + " needs model.kind " +
                          (token_data ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (model.kind is " + format_value(model.value) + ")");

@@ -55,7 +55,8 @@ fsdp::app::GptConfig model_of_checkpoint(const std::string& checkpoint) {
   if (deck_text.empty()) throw fsdp::CheckpointError("checkpoint '" + file + "' stores no deck: it does not say which GPT it holds");
   const auto model = fsdp::app::resolve_model_section(fsdp::app::Deck::parse(deck_text, file + " (its deck)"));
   if (model.kind != fsdp::app::ModelKind::kTransformer)
-    throw fsdp::CheckpointError("checkpoint '" + file + "' holds a " + fsdp::app::to_string(model.kind) + " model; --names hf-gpt2 exports a transformer");
+    throw fsdp::CheckpointError("checkpoint '" + file + "' holds a " + fsdp::app::to_string(model.kind) +
+                                " model; --names hf-gpt2 exports a transformer");
   return fsdp::app::gpt_config(model);
 }
 
@@ -88,8 +89,8 @@ void print_file(const fsdp::ckpt::FileInfo& info, bool show_deck) {
   std::printf("\n  %-*s  %-20s %-9s %12s %12s\n", static_cast<int>(width), "tensor", "shape", "dtype", "bytes", "on disk");
   std::int64_t total = 0, stored = 0;
   for (const auto& t : info.tensors) {
-    std::printf("  %-*s  %-20s %-9s %12lld %12lld", static_cast<int>(width), t.path.c_str(), fsdp::ckpt::shape_text(t.shape).c_str(),
-                t.dtype.c_str(), static_cast<long long>(t.bytes), static_cast<long long>(t.stored_bytes));
+    std::printf("  %-*s  %-20s %-9s %12lld %12lld", static_cast<int>(width), t.path.c_str(), fsdp::ckpt::shape_text(t.shape).c_str(), t.dtype.c_str(),
+                static_cast<long long>(t.bytes), static_cast<long long>(t.stored_bytes));
     for (const auto& a : t.aliases) std::printf("  (also %s)", a.c_str());
     std::printf("\n");
     total += t.bytes;
@@ -135,8 +136,9 @@ int export_command(const std::string& path, const std::string& out, const std::s
   }
   const auto result = fsdp::ckpt::export_safetensors(source, file.string(), {.dtype = export_dtype, .naming = naming ? &*naming : nullptr});
   if (gpt)  // --dtype's names are the deck's checkpoint.export_dtype names; none given: as stored
-    fsdp::app::write_hf_gpt2_config(file.parent_path(), *gpt,
-                                    export_dtype.empty() ? fsdp::app::ExportDtype::kAsTrained : fsdp::app::parse_choice<fsdp::app::ExportDtype>(export_dtype));
+    fsdp::app::write_hf_gpt2_config(
+        file.parent_path(), *gpt,
+        export_dtype.empty() ? fsdp::app::ExportDtype::kAsTrained : fsdp::app::parse_choice<fsdp::app::ExportDtype>(export_dtype));
   std::printf("exported %lld tensors of %s to %s (%s names, %s)\n", static_cast<long long>(result.tensors), source.c_str(), result.path.c_str(),
               export_names.c_str(), human_bytes(result.bytes).c_str());
   return 0;

@@ -63,12 +63,15 @@ std::string join(const std::vector<std::int64_t>& v) {
 
 void print_prediction(const RunConfig& cfg, const ModelShape& shape, const RunShape& run, const Prediction& p, bool list_units) {
   std::printf("  model %s: %s parameters (closed form), %zu unit(s) under %s, largest unit %s (%s padded elements)\n", to_string(shape.kind).c_str(),
-              grouped(p.num_params).c_str(), p.units, to_string(run.wrap.policy).c_str(), p.largest_unit_path.c_str(), grouped(p.largest_unit).c_str());
-  const std::string updated = run.optimizer_over_world ? "1/" + std::to_string(run.replicas) + " of a shard, optimizer state over the world" : "shard";
+              grouped(p.num_params).c_str(), p.units, to_string(run.wrap.policy).c_str(), p.largest_unit_path.c_str(),
+              grouped(p.largest_unit).c_str());
+  const std::string updated =
+      run.optimizer_over_world ? "1/" + std::to_string(run.replicas) + " of a shard, optimizer state over the world" : "shard";
   std::printf("  strategy %s, shard group %lld, %lld replica group(s), %s, optimizer %s (%d state tensor(s) per %s), batch %lld per rank%s\n",
               to_string(run.strategy), static_cast<long long>(run.group), static_cast<long long>(run.replicas),
-              run.param_bytes == 4 ? "fp32" : ("mixed precision " + to_string(cfg.fsdp.mixed_precision)).c_str(), to_string(run.optimizer).c_str(), run.optimizer_copies,
-              updated.c_str(), static_cast<long long>(run.batch), run.activation_checkpointing ? ", activation checkpointing" : "");
+              run.param_bytes == 4 ? "fp32" : ("mixed precision " + to_string(cfg.fsdp.mixed_precision)).c_str(), to_string(run.optimizer).c_str(),
+              run.optimizer_copies, updated.c_str(), static_cast<long long>(run.batch),
+              run.activation_checkpointing ? ", activation checkpointing" : "");
   std::printf("  parameters %lld\n", static_cast<long long>(p.num_params));
   std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
               static_cast<long long>(p.shard_elements), static_cast<long long>(p.padding), mib(p.state_bytes));
@@ -215,7 +218,8 @@ void print_largest_gpt(const ModelShape& shape, const StrategyRow& r, std::int64
   }
   const std::int64_t heads = shape.gpt.n_heads;
   const std::int64_t width = heads * largest_fitting(1, kCap, [&](std::int64_t k) { return fits(with_width(shape, k * heads)); });
-  std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", to_string(r.strategy), layers ? ((extrapolated ? "~" : "") + std::to_string(layers)).c_str() : "none",
+  std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", to_string(r.strategy),
+              layers ? ((extrapolated ? "~" : "") + std::to_string(layers)).c_str() : "none",
               layers ? grouped(gpt_num_params(with_layers(shape, layers).gpt)).c_str() : "-", width ? std::to_string(width).c_str() : "none",
               width ? grouped(gpt_num_params(with_width(shape, width).gpt)).c_str() : "-", batch ? std::to_string(batch).c_str() : "none");
 }
@@ -223,7 +227,8 @@ void print_largest_gpt(const ModelShape& shape, const StrategyRow& r, std::int64
 /// --memory-gib: the largest model of the deck's family and the largest batch per strategy that fit.
 void print_largest_fitting(const ModelShape& shape, const std::vector<StrategyRow>& rows, const Prediction& p, double memory_gib) {
   const auto budget = static_cast<std::int64_t>(memory_gib * 1073741824.0);
-  std::printf("\nLargest model of the %s family that fits %.2f GiB per rank (predicted peak RSS, baseline included)\n", to_string(shape.kind).c_str(), memory_gib);
+  std::printf("\nLargest model of the %s family that fits %.2f GiB per rank (predicted peak RSS, baseline included)\n", to_string(shape.kind).c_str(),
+              memory_gib);
   if (p.total_bytes <= budget)
     std::printf("  the deck's model fits with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
   else
@@ -283,7 +288,8 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
               ranks_per_node > 0 ? (", " + std::to_string(ranks_per_node) + " per node").c_str() : " on one node");
   for (const auto& o : deck.overrides()) std::printf("  %s\n", o.c_str());
   for (const auto& w : data.warnings) std::printf("warning: %s\n", w.c_str());
-  if (cfg.fsdp.backend == Backend::kNccl) std::printf("note: fsdp.backend = \"nccl\": this plan is of host memory with MPI (the GPU path is not modelled)\n");
+  if (cfg.fsdp.backend == Backend::kNccl)
+    std::printf("note: fsdp.backend = \"nccl\": this plan is of host memory with MPI (the GPU path is not modelled)\n");
 
   RunShape run = run_shape(cfg, strategy, data);
   run.baseline_mib = baseline_mib;
@@ -313,7 +319,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1 << 24));
   cli.add_option("--baseline-mib", baseline_mib, "resident MiB of a rank before data and model (LibTorch + MPI); default measured here")
       ->check(CLI::Range(0.0, 1e9));
-  cli.add_option("--heap-factor", heap_factor, "resident heap per byte of its live high-water mark (glibc fragmentation); default measured here for run.malloc's policy")
+  cli.add_option("--heap-factor", heap_factor,
+                 "resident heap per byte of its live high-water mark (glibc fragmentation); default measured here for run.malloc's policy")
       ->check(CLI::Range(1.0, 100.0));
   cli.add_flag("--units", list_units, "list the FSDP units");
   try {

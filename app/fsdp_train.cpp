@@ -62,7 +62,8 @@ RunConfig resolve_on_every_rank(MpiComm& world, const MpiComm::Placement& placem
     resolved = resolve_run_config(deck, here);
   });
   auto& f = resolved->fsdp;
-  double no_spare[2] = {f.overlap_grad_reduce ? 0.0 : 1.0, f.backward_prefetch_auto && f.backward_prefetch == fsdp::BackwardPrefetch::NO_PREFETCH ? 1.0 : 0.0};
+  double no_spare[2] = {f.overlap_grad_reduce ? 0.0 : 1.0,
+                        f.backward_prefetch_auto && f.backward_prefetch == fsdp::BackwardPrefetch::NO_PREFETCH ? 1.0 : 0.0};
   world.all_reduce(no_spare, no_spare, 2, fsdp::DType::kFloat64, fsdp::ReduceOp::kMax);
   f.overlap_grad_reduce = no_spare[0] == 0.0;
   if (f.backward_prefetch_auto && no_spare[1] != 0.0) {
@@ -166,7 +167,8 @@ int main(int argc, char** argv) {
     return e.code ? e.code : e.bad_input ? kExitBadInput : kExitFailure;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fsdp-train: error on rank %d: %s\n", world.rank(), e.what());
-    if (const auto path = fsdp::FlightRecorder::instance().dump()) std::fprintf(stderr, "fsdp-train: rank %d's last collectives: %s\n", world.rank(), path->c_str());
+    if (const auto path = fsdp::FlightRecorder::instance().dump())
+      std::fprintf(stderr, "fsdp-train: rank %d's last collectives: %s\n", world.rank(), path->c_str());
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, kExitFailure);  // other ranks may be waiting in a collective
     return kExitFailure;

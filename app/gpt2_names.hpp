@@ -45,10 +45,9 @@ inline TensorNaming hf_gpt2_naming(const GptConfig& c) {
     if (name == "ln_f.weight" || name == "ln_f.bias") return hf(name);
     if (std::regex_match(name, mask)) return std::nullopt;  // transformers rebuilds the causal mask
     std::smatch m;
-    if (!std::regex_match(name, m, block))
-      throw ConfigError("hf-gpt2 names: the GPT has no tensor '" + name + "' in GPT-2's layout", "fsdp.names");
-    static const std::map<std::string, std::string> module = {{"ln1", "ln_1"},          {"ln2", "ln_2"},   {"attn.qkv", "attn.c_attn"},
-                                                              {"attn.proj", "attn.c_proj"}, {"fc", "mlp.c_fc"}, {"out", "mlp.c_proj"}};
+    if (!std::regex_match(name, m, block)) throw ConfigError("hf-gpt2 names: the GPT has no tensor '" + name + "' in GPT-2's layout", "fsdp.names");
+    static const std::map<std::string, std::string> module = {
+        {"ln1", "ln_1"}, {"ln2", "ln_2"}, {"attn.qkv", "attn.c_attn"}, {"attn.proj", "attn.c_proj"}, {"fc", "mlp.c_fc"}, {"out", "mlp.c_proj"}};
     const std::string& part = m[2].str();
     const bool conv1d = part != "ln1" && part != "ln2";
     return hf("h." + m[1].str() + "." + module.at(part) + "." + m[3].str(), -1, conv1d && m[3].str() == "weight");

@@ -106,7 +106,8 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   /// that bypass the version counter (collectives into its memory) rewrite the same constant mask.
   const torch::Tensor& blocked(std::int64_t t) {
     const torch::Tensor mask = named_buffers(/*recurse=*/false)["mask"];
-    if (!blocked_.defined() || blocked_.size(-1) != t || blocked_.device() != mask.device() || blocked_source_ != mask.data_ptr() || blocked_version_ != mask._version()) {
+    if (!blocked_.defined() || blocked_.size(-1) != t || blocked_.device() != mask.device() || blocked_source_ != mask.data_ptr() ||
+        blocked_version_ != mask._version()) {
       blocked_ = mask.slice(2, 0, t).slice(3, 0, t) == 0;
       blocked_source_ = mask.data_ptr();
       blocked_version_ = mask._version();

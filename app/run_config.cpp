@@ -182,13 +182,14 @@ OptimSection resolve_optim_section(const Deck& deck, const Placement& placement,
     if (kind != "bias" && kind != "norm" && kind != "embedding")
       throw DeckError(blame(deck, "optim.no_decay") + "'" + kind + "' is not one of bias, norm, embedding");
   if (!optim.no_decay.empty() && optim.kind != OptimizerKind::kAdamW)
-    throw DeckError(blame(deck, "optim.no_decay") + "takes parameters out of adamw's decoupled weight decay; optim.kind is \"" + to_string(optim.kind) + "\"");
+    throw DeckError(blame(deck, "optim.no_decay") + "takes parameters out of adamw's decoupled weight decay; optim.kind is \"" +
+                    to_string(optim.kind) + "\"");
   if (optim.lr_min >= optim.lr && optim.schedule != LrSchedule::kConstant)
     throw DeckError(blame(deck, "optim.lr_min") + std::to_string(optim.lr_min) + " must be below optim.lr " + std::to_string(optim.lr));
   if (const auto global = deck.get_int("data.global_batch_size"); global > 0) {
     if (deck.entry("optim.grad_accum_steps").source != Source::kDefault)
-      throw DeckError(blame(deck, "optim.grad_accum_steps") + "is derived from data.global_batch_size (" + deck.entry("data.global_batch_size").where +
-                      "); set one or the other");
+      throw DeckError(blame(deck, "optim.grad_accum_steps") + "is derived from data.global_batch_size (" +
+                      deck.entry("data.global_batch_size").where + "); set one or the other");
     const auto split = split_global_batch(global, placement.world_size, data.batch_size);
     if (!split)
       throw DeckError(blame(deck, "data.global_batch_size") + std::to_string(global) + " samples do not divide over " +
@@ -240,7 +241,8 @@ FsdpSection resolve_fsdp_section(const Deck& deck, const Placement& placement, c
   if (keep_group) {
     f.reshard_after_forward_group = reshard == "node" ? placement.ranks_per_node : std::stoi(reshard);
     if (const auto why = reshard_group_problem(f.shard_group_size, f.reshard_after_forward_group); !why.empty())
-      throw DeckError(blame(deck, "fsdp.reshard_after_forward") + (reshard == "node" ? "node (" + std::to_string(placement.ranks_per_node) + " ranks): " : "") + why);
+      throw DeckError(blame(deck, "fsdp.reshard_after_forward") +
+                      (reshard == "node" ? "node (" + std::to_string(placement.ranks_per_node) + " ranks): " : "") + why);
   }
   f.optimizer_sharding = parse_optimizer_sharding(deck.get_string("fsdp.optimizer_sharding"));
   if (const auto why = optimizer_sharding_problem(f.sharding_strategy, f.optimizer_sharding); !why.empty())
@@ -256,8 +258,7 @@ FsdpSection resolve_fsdp_section(const Deck& deck, const Placement& placement, c
     throw DeckError(blame(deck, "fsdp.mixed_precision") +
                     "fp16 computes in half precision, which LibTorch's CPU kernels do not implement (matrix products, LayerNorm, "
                     "softmax); on CPU use bf16, or fp16_reduce (fp32 compute, gradients reduced in fp16)");
-  if ((f.mixed_precision == Precision::kFp16 || f.mixed_precision == Precision::kFp16Reduce) && deck.get_string("fsdp.loss_scale") == "dynamic")
-  {
+  if ((f.mixed_precision == Precision::kFp16 || f.mixed_precision == Precision::kFp16Reduce) && deck.get_string("fsdp.loss_scale") == "dynamic") {
     const double init = deck.get_float("fsdp.loss_scale_init");
     if (!std::isfinite(init)) throw DeckError(blame(deck, "fsdp.loss_scale_init") + "must be finite");
     f.loss_scale = fsdp::LossScaleOptions{.init_scale = init, .growth_interval = deck.get_int("fsdp.loss_scale_growth_interval")};

@@ -40,11 +40,11 @@ struct RunSection {
   std::string name;
   std::uint64_t seed = 1;
   std::int64_t epochs = 2;
-  std::int64_t max_steps = 0;  ///< 0: every epoch
-  std::string out_dir;         ///< resolved: run.out_dir or runs/<run.name>
-  int threads = 1;             ///< resolved: run.threads, or the node's cores over its ranks
+  std::int64_t max_steps = 0;                  ///< 0: every epoch
+  std::string out_dir;                         ///< resolved: run.out_dir or runs/<run.name>
+  int threads = 1;                             ///< resolved: run.threads, or the node's cores over its ranks
   MallocPolicy malloc = MallocPolicy::kReuse;  ///< what malloc does with freed memory
-  bool skip_nonfinite = false;  ///< run.on_nonfinite = "skip"
+  bool skip_nonfinite = false;                 ///< run.on_nonfinite = "skip"
   MemoryCheck memory_check = MemoryCheck::kRefuse;
 };
 
@@ -64,10 +64,10 @@ GptConfig gpt_config(const ModelSection& model);
 struct DataSection {
   DataKind kind = DataKind::kFashionMnist;
   std::string path;
-  std::string val_path;      ///< token-shards: validation files (glob)
-  TokenFormat token_format = TokenFormat::kLlmc;  ///< token-shards
+  std::string val_path;                                  ///< token-shards: validation files (glob)
+  TokenFormat token_format = TokenFormat::kLlmc;         ///< token-shards
   std::int64_t batch_size = 64, test_batch_size = 1000;  ///< batch_size: resolved per-rank micro-batch
-  std::int64_t global_batch_size = 0;                     ///< data.global_batch_size; 0: not fixed
+  std::int64_t global_batch_size = 0;                    ///< data.global_batch_size; 0: not fixed
   bool shuffle = true;
   int num_workers = 0;
   std::int64_t train_samples = 0, test_samples = 0, num_samples = 0;
@@ -96,7 +96,7 @@ struct FsdpSection {
   std::vector<std::string> transformer_layer_cls_to_wrap;  ///< the class names, split
   std::string transformer_layer_cls_where;                 ///< where they were set, for messages
   BackwardPrefetch backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
-  std::string backward_prefetch_name;  ///< resolved (auto decided), as summary.json reports it
+  std::string backward_prefetch_name;   ///< resolved (auto decided), as summary.json reports it
   bool backward_prefetch_auto = false;  ///< the deck said auto (fsdp-train makes the ranks agree)
   bool forward_prefetch = false;
   int limit_all_gathers = 0;
@@ -118,7 +118,7 @@ struct FsdpSection {
   bool sync_module_states = true;
   BufferSync buffer_sync = BufferSync::NONE;
   Backend backend = Backend::kAuto;  ///< as asked
-  int cuda_device = -1;  ///< fsdp.cuda_device: -1 chooses from what the rank sees (fsdp::choose_device)
+  int cuda_device = -1;              ///< fsdp.cuda_device: -1 chooses from what the rank sees (fsdp::choose_device)
   std::string backend_where;
   Backend backend_resolved = Backend::kMpi;  ///< mpi or nccl (auto: nccl where a GPU is usable and NCCL built in)
 };
@@ -138,9 +138,9 @@ struct CheckpointSection {
   bool asynchronous = false;  ///< checkpoint.async: written on an I/O thread from a host copy
   bool rank0_only = false;
   double collective_timeout_s = 600;  ///< comm.timeout_s
-  std::string init_from;  ///< a fresh run's weights: a safetensors file or folder, or a checkpoint; empty: none
+  std::string init_from;              ///< a fresh run's weights: a safetensors file or folder, or a checkpoint; empty: none
   bool init_allow_missing = false;
-  std::string export_path;   ///< checkpoint.export: safetensors written at the end of training; empty: none
+  std::string export_path;  ///< checkpoint.export: safetensors written at the end of training; empty: none
   ExportNames export_names = ExportNames::kNative;
   ExportDtype export_dtype = ExportDtype::kAsTrained;
 };

@@ -203,9 +203,8 @@ void load_on_rank0_and_broadcast(Engine& engine, const std::string& path) {
   }
 }
 
-const std::map<std::string, std::string> kLoadMethods = {
-    {"ranges", "fsdp safetensors, weights only (each rank its byte ranges)"},
-    {"rank0", "safetensors weights, rank 0 reads the file and broadcasts (Accelerate's way)"}};
+const std::map<std::string, std::string> kLoadMethods = {{"ranges", "fsdp safetensors, weights only (each rank its byte ranges)"},
+                                                         {"rank0", "safetensors weights, rank 0 reads the file and broadcasts (Accelerate's way)"}};
 
 template <class Engine>
 void load_weights(const std::string& how, Engine& engine, const std::string& path) {

@@ -195,8 +195,8 @@ struct Trained {
   std::map<std::string, torch::Tensor> params;
   std::vector<double> norms;  ///< gradient norms returned by clipping, per step
   fsdp::OverlapStats overlap;
-  fsdp::CommCounters comm;           ///< every collective of the engine
-  fsdp::CommCounters forward_group;  ///< of those, the all-gathers inside reshard_after_forward_group's groups
+  fsdp::CommCounters comm;                 ///< every collective of the engine
+  fsdp::CommCounters forward_group;        ///< of those, the all-gathers inside reshard_after_forward_group's groups
   std::int64_t optimizer_state_bytes = 0;  ///< this rank's, after the last step
   std::int64_t optimized_elements = 0;     ///< elements of this rank's optimizer parameters
 };

@@ -19,7 +19,8 @@ class IssuingComm : public fsdp::MpiComm {
   void synchronize() {
     ++host_waits;
     if (rank() == fail_on_rank)
-      throw fsdp::CommError("rank " + std::to_string(rank()) + ": all_reduce did not complete within 2 s; the NCCL communicator was aborted", "fsdp.comm.deadline");
+      throw fsdp::CommError("rank " + std::to_string(rank()) + ": all_reduce did not complete within 2 s; the NCCL communicator was aborted",
+                            "fsdp.comm.deadline");
   }
   static inline int host_waits = 0;
   static inline int fail_on_rank = -1;

@@ -247,7 +247,8 @@ BOOST_AUTO_TEST_CASE(buffers_stay_each_ranks_own_and_every_kind_of_checkpoint_gi
         BOOST_TEST(!state.rng_restored);
         const auto got = full_state(*smaller, nullptr);
         for (const auto& name : {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"})
-          BOOST_TEST(torch::equal(got.at(std::string("buffer/") + name), rank0.at(std::string("buffer/") + name)), "at another world size: rank 0's " << name);
+          BOOST_TEST(torch::equal(got.at(std::string("buffer/") + name), rank0.at(std::string("buffer/") + name)),
+                     "at another world size: rank 0's " << name);
         fewer.barrier();
       }
     }
@@ -407,7 +408,8 @@ BOOST_AUTO_TEST_CASE(optimizer_state_sharded_over_the_world_round_trips_and_resu
               auto loaded = fsdp::make_fsdp(make_net(99), sub_comm, options_for(strategy, k, k % 2 == 0));
               auto opt3 = make_adam(*loaded);
               fsdp::load_checkpoint(*loaded, opt3.get(), saved.path, nullptr, o);
-              check_equal(k == world.size() ? at_save : at_save_elsewhere, full_state(*loaded, opt3.get()), "parameters, buffers and optimizer state");
+              check_equal(k == world.size() ? at_save : at_save_elsewhere, full_state(*loaded, opt3.get()),
+                          "parameters, buffers and optimizer state");
             }
           }
           // ... and back: a checkpoint of another strategy into the world-sharded optimizer.
@@ -419,7 +421,8 @@ BOOST_AUTO_TEST_CASE(optimizer_state_sharded_over_the_world_round_trips_and_resu
           auto back = world_sharded(sub_comm, 7, 1);
           auto opt5 = make_adam(*back);
           fsdp::load_checkpoint(*back, opt5.get(), resaved.path, nullptr, o);
-          check_equal(k == world.size() ? at_save : at_save_elsewhere, full_state(*back, opt5.get()), "from FULL_SHARD into optimizer_sharding = world");
+          check_equal(k == world.size() ? at_save : at_save_elsewhere, full_state(*back, opt5.get()),
+                      "from FULL_SHARD into optimizer_sharding = world");
         }
       }
     }

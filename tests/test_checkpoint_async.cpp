@@ -68,7 +68,8 @@ BOOST_AUTO_TEST_CASE(async_save_writes_the_bytes_a_sync_save_writes_while_traini
   };
   for (const auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
     for (const auto& [strategy, over_world] : cases) {
-      BOOST_TEST_CONTEXT(fsdp::to_string(type) << " " << strategy << (over_world ? " (optimizer over the world)" : "") << " at world size " << world.size()) {
+      BOOST_TEST_CONTEXT(fsdp::to_string(type) << " " << strategy << (over_world ? " (optimizer over the world)" : "") << " at world size "
+                                               << world.size()) {
         TempDir dir(world);
         torch::manual_seed(99 + world.rank());
         auto model = fsdp::make_fsdp(make_net(3), world, options_of(strategy, over_world));
@@ -249,7 +250,9 @@ BOOST_AUTO_TEST_CASE(checkpoints_and_exports_wait_for_the_engines_stream_ordered
 
   // The last rank's communicator was aborted: every rank's save fails with its message, nothing is committed.
   IssuingComm::fail_on_rank = world.size() - 1;
-  const auto names_the_abort = [](const fsdp::CheckpointError& e) { return std::string(e.what()).find("the NCCL communicator was aborted") != std::string::npos; };
+  const auto names_the_abort = [](const fsdp::CheckpointError& e) {
+    return std::string(e.what()).find("the NCCL communicator was aborted") != std::string::npos;
+  };
   BOOST_CHECK_EXCEPTION(fsdp::save_checkpoint(*model, &opt, dir.path, {.step = 4}), fsdp::CheckpointError, names_the_abort);
   BOOST_CHECK_EXCEPTION(async.save(*model, &opt, dir.path, {.step = 5}), fsdp::CheckpointError, names_the_abort);
   BOOST_CHECK_EXCEPTION(fsdp::save_safetensors(*model, dir / "later.safetensors"), fsdp::CheckpointError, names_the_abort);

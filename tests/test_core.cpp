@@ -74,7 +74,8 @@ BOOST_AUTO_TEST_CASE(a_parameter_inside_part_of_a_shard) {
   BOOST_TEST(p2.shard_offset == 2);
   BOOST_TEST(p2.numel == 1);
   BOOST_TEST(layout.slice_in(0, {7, 10}).numel == 0);
-  BOOST_TEST((layout.slices(1) == std::vector<fsdp::ParamSlice>{layout.slice_in(0, {5, 10}), layout.slice_in(1, {5, 10}), layout.slice_in(2, {5, 10})}));
+  BOOST_TEST(
+      (layout.slices(1) == std::vector<fsdp::ParamSlice>{layout.slice_in(0, {5, 10}), layout.slice_in(1, {5, 10}), layout.slice_in(2, {5, 10})}));
 }
 
 BOOST_AUTO_TEST_CASE(slices_reassemble_every_parameter_at_any_world_size) {
@@ -473,8 +474,7 @@ BOOST_AUTO_TEST_CASE(flight_recorder_keeps_the_last_collectives_per_communicator
   try {
     fsdp::FlightRecorder::Scope s(shard, "all_gather", 64, 2, 5);
     throw std::runtime_error("deadline");
-  } catch (const std::runtime_error&) {
-  }
+  } catch (const std::runtime_error&) {}
   BOOST_TEST(fr.records().back().end_s < 0);
   BOOST_TEST(fr.oldest_unfinished()->first.step == 5);
   fr.configure(0, "", 0, 1);
@@ -493,9 +493,10 @@ BOOST_AUTO_TEST_CASE(flight_recorder_names_where_the_ranks_part) {
       {2, comms, {entry(4, "all_reduce", 16, true), entry(5, "all_reduce", 16, false)}},
   };
   const auto a = fsdp::first_disagreement(skipped);
-  BOOST_TEST(a.find("collective #5 of communicator world{0,1,2}: rank(s) 0,2 issued all_reduce (16 bytes, step 7, not finished); rank(s) 1 never did") ==
-                 std::string("flight recorder: ").size(),
-             a);
+  BOOST_TEST(
+      a.find("collective #5 of communicator world{0,1,2}: rank(s) 0,2 issued all_reduce (16 bytes, step 7, not finished); rank(s) 1 never did") ==
+          std::string("flight recorder: ").size(),
+      a);
   BOOST_TEST(a.find("rank 1's last there: #4 all_reduce") != std::string::npos, a);
   // Rank 2 issued a barrier where the others issued an all-gather.
   std::vector<fsdp::FlightDump> other = {
@@ -678,7 +679,8 @@ BOOST_AUTO_TEST_CASE(a_watcher_thread_ends_a_hung_collective_the_host_is_blocked
   } lane;
   const auto is_done = [](const FakeCollective& c) { return c.complete->load(); };
   const auto fault_of = [](const FakeCollective& c) {
-    return Clock::now() < c.deadline ? std::optional<std::string>() : std::optional<std::string>("collective " + std::to_string(c.id) + " passed its deadline");
+    return Clock::now() < c.deadline ? std::optional<std::string>()
+                                     : std::optional<std::string>("collective " + std::to_string(c.id) + " passed its deadline");
   };
   std::vector<std::shared_ptr<std::atomic<bool>>> ended_outside_the_lock;
   const auto mark_aborted = [&](const std::string& why) {  // under the lock: mark, and hand the work over
@@ -724,7 +726,7 @@ BOOST_AUTO_TEST_CASE(a_watcher_thread_ends_a_hung_collective_the_host_is_blocked
   BOOST_TEST(watcher.stop());
   BOOST_TEST(behind->load());
   BOOST_TEST(hung->load());
-  BOOST_TEST(aborts.load() == 1);  // once: an aborted lane's work is complete
+  BOOST_TEST(aborts.load() == 1);                                 // once: an aborted lane's work is complete
   BOOST_TEST(found_fault == "collective 1 passed its deadline");  // the oldest pending one, not the completed one before it
   BOOST_TEST(lane.pending.size() == 3u);
   BOOST_CHECK_EXCEPTION(issue(3, 60s), std::runtime_error,
@@ -745,7 +747,7 @@ BOOST_AUTO_TEST_CASE(a_periodic_thread_whose_tick_does_not_return_is_let_go) {
   while (!entered->load()) std::this_thread::sleep_for(1ms);
   BOOST_TEST(!thread->stop(50ms));  // let go, not joined
   BOOST_TEST(!thread->running());
-  thread.reset();                   // its owner is gone
-  release->store(true);             // the tick returns, then the thread ends on its own state
+  thread.reset();        // its owner is gone
+  release->store(true);  // the tick returns, then the thread ends on its own state
   std::this_thread::sleep_for(20ms);
 }

@@ -565,7 +565,8 @@ BOOST_AUTO_TEST_CASE(token_shards_of_every_format_read_as_one_stream) {
   // nanoGPT's headerless files, uint16 and uint32, hold the same tokens.
   write_raw(dir / "train.bin", headerless(iota_tokens(0, 17, 97), false));
   write_raw(dir / "wide.bin", headerless(iota_tokens(0, 17, 97), true));
-  for (const auto& [name, format] : {std::pair{std::string("train.bin"), TokenFormat::kUint16}, std::pair{std::string("wide.bin"), TokenFormat::kUint32}}) {
+  for (const auto& [name, format] :
+       {std::pair{std::string("train.bin"), TokenFormat::kUint16}, std::pair{std::string("wide.bin"), TokenFormat::kUint32}}) {
     const auto h = TokenStream::open(dir / name, format);
     BOOST_TEST(h.size() == 17);
     for (std::int64_t i = 0; i < 17; ++i) BOOST_TEST(h.at(i) == s.at(i));

@@ -354,8 +354,9 @@ BOOST_AUTO_TEST_CASE(set_overrides) {
 }
 
 BOOST_AUTO_TEST_CASE(checks_between_keys) {
-  BOOST_TEST(problem_of("[model]\nkind = 'transformer'\n") ==
-             "inputs/a.toml:2: model.kind: \"transformer\" needs data.kind \"tokens\", \"text\" or \"token-shards\" (data.kind is \"fashion-mnist\")");
+  BOOST_TEST(
+      problem_of("[model]\nkind = 'transformer'\n") ==
+      "inputs/a.toml:2: model.kind: \"transformer\" needs data.kind \"tokens\", \"text\" or \"token-shards\" (data.kind is \"fashion-mnist\")");
   BOOST_TEST(problem_of("[data]\nkind = 'tokens'\n") ==
              "inputs/a.toml:2: data.kind: \"tokens\" needs model.kind \"transformer\" (model.kind is \"cnn\")");
   BOOST_TEST(problem_of("[model]\nkind = 'transformer'\nd_model = 130\n[data]\nkind = 'tokens'\n") ==
@@ -563,7 +564,8 @@ BOOST_AUTO_TEST_CASE(resolved_config_decides_the_autos) {
   // given is kept.
   BOOST_TEST(cfg.fsdp.backward_prefetch_name == "NO_PREFETCH");
   BOOST_TEST(spare.fsdp.backward_prefetch_name == "BACKWARD_PRE");
-  const auto asked = resolve_run_config(Deck::parse("[fsdp]\nbackward_prefetch = \"BACKWARD_POST\"\n", "inputs/a.toml", {}), placement_of(4, 2, 8, 8));
+  const auto asked =
+      resolve_run_config(Deck::parse("[fsdp]\nbackward_prefetch = \"BACKWARD_POST\"\n", "inputs/a.toml", {}), placement_of(4, 2, 8, 8));
   BOOST_TEST(asked.fsdp.backward_prefetch_name == "BACKWARD_POST");
   // On NCCL both overlaps are the GPU's streams (no worker thread): auto turns them on without a
   // spare core; a value given is kept.
@@ -573,8 +575,8 @@ BOOST_AUTO_TEST_CASE(resolved_config_decides_the_autos) {
   BOOST_TEST((on_gpu.fsdp.backend_resolved == Backend::kNccl));
   BOOST_TEST(on_gpu.fsdp.overlap_grad_reduce);
   BOOST_TEST(on_gpu.fsdp.backward_prefetch_name == "BACKWARD_PRE");
-  const auto off_on_gpu = resolve_run_config(
-      Deck::parse("[fsdp]\noverlap_grad_reduce = false\nbackward_prefetch = \"NO_PREFETCH\"\n", "inputs/a.toml", {}), gpu_node);
+  const auto off_on_gpu =
+      resolve_run_config(Deck::parse("[fsdp]\noverlap_grad_reduce = false\nbackward_prefetch = \"NO_PREFETCH\"\n", "inputs/a.toml", {}), gpu_node);
   BOOST_TEST(!off_on_gpu.fsdp.overlap_grad_reduce);
   BOOST_TEST(off_on_gpu.fsdp.backward_prefetch_name == "NO_PREFETCH");
 }
@@ -751,9 +753,10 @@ BOOST_AUTO_TEST_CASE(memory_limits_from_cgroups_slurm_and_meminfo) {
 }
 
 BOOST_AUTO_TEST_CASE(a_run_that_does_not_fit_is_told_what_would) {
-  const auto deck = Deck::parse("[model]\nkind = \"transformer\"\nd_model = 512\nn_layers = 8\n[data]\nkind = \"tokens\"\nbatch_size = 32\n"
-                                "[fsdp]\nsharding_strategy = \"NO_SHARD\"\n",
-                                "inputs/a.toml", {});
+  const auto deck = Deck::parse(
+      "[model]\nkind = \"transformer\"\nd_model = 512\nn_layers = 8\n[data]\nkind = \"tokens\"\nbatch_size = 32\n"
+      "[fsdp]\nsharding_strategy = \"NO_SHARD\"\n",
+      "inputs/a.toml", {});
   const auto cfg = resolve_run_config(deck, placement_of(2, 2));
   const auto roomy = fsdp::app::check_memory_fit(deck, cfg, {{std::int64_t{64} << 30, "test"}});
   BOOST_TEST(roomy.fits);

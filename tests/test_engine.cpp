@@ -226,7 +226,8 @@ BOOST_AUTO_TEST_CASE(bf16_mixed_precision_tracks_fp32_and_halves_the_bytes) {
     if (strategy == ShardingStrategy::HYBRID_SHARD && group < n) cases.emplace_back(strategy, group, fsdp::OptimizerSharding::WORLD);
   }
   for (const auto& [strategy, group, optimizer_sharding] : cases) {
-    BOOST_TEST_CONTEXT("np=" << n << " strategy=" << fsdp::to_string(strategy) << " group=" << group << " optimizer over " << fsdp::to_string(optimizer_sharding)) {
+    BOOST_TEST_CONTEXT("np=" << n << " strategy=" << fsdp::to_string(strategy) << " group=" << group << " optimizer over "
+                             << fsdp::to_string(optimizer_sharding)) {
       const auto fp32 = train({}, strategy, group, optimizer_sharding);
       const auto bf16 = train(fsdp::MixedPrecision::bf16(), strategy, group, optimizer_sharding);
       // Documented tolerance: the bf16 loss stays within 5% (+1e-3) of the fp32 loss at every step.
@@ -252,8 +253,8 @@ BOOST_AUTO_TEST_CASE(reshard_after_forward_group_gathers_backward_inside_the_gro
   // divisor (1, 2 and 3 ranks) refuse it.
   const int world = MpiComm::world().size();
   for (const auto kind : {ModelKind::kMlp, ModelKind::kCnn}) {
-    for (const auto& [prefetch, bf16, checkpointing] : {std::tuple{false, false, false}, std::tuple{true, false, false},
-                                                        std::tuple{false, true, false}, std::tuple{true, false, true}}) {
+    for (const auto& [prefetch, bf16, checkpointing] :
+         {std::tuple{false, false, false}, std::tuple{true, false, false}, std::tuple{false, true, false}, std::tuple{true, false, true}}) {
       BOOST_TEST_CONTEXT("np=" << world << " model=" << name_of(kind) << " prefetch=" << prefetch << " bf16=" << bf16
                                << " activation checkpointing=" << checkpointing) {
         FsdpOptions options;
@@ -319,7 +320,8 @@ BOOST_AUTO_TEST_CASE(optimizer_state_sharded_over_the_world_matches_single_proce
                 BOOST_TEST(compare(by_world.params, ref.params) <= 1e-5);
                 check_ranks_agree(by_world.params);
                 BOOST_TEST_REQUIRE(by_world.norms.size() == ref.norms.size());
-                for (std::size_t i = 0; i < by_world.norms.size(); ++i) BOOST_TEST(by_world.norms[i] == ref.norms[i], boost::test_tools::tolerance(1e-5));
+                for (std::size_t i = 0; i < by_world.norms.size(); ++i)
+                  BOOST_TEST(by_world.norms[i] == ref.norms[i], boost::test_tools::tolerance(1e-5));
                 // Each replica updates ceil(shard / replicas) elements of each unit's group shard.
                 const std::int64_t replicas = world / group;
                 BOOST_TEST(by_world.optimized_elements * replicas >= by_group.optimized_elements);
@@ -360,9 +362,9 @@ BOOST_AUTO_TEST_CASE(a_slice_kept_for_a_backward_that_never_came_is_not_used_aft
     auto batch = global_batch(ModelKind::kMlp, 0, kLocalRows * world);
     auto x = batch.x.narrow(0, r * kLocalRows, kLocalRows), y = batch.y.narrow(0, r * kLocalRows, kLocalRows);
     loss_of(ModelKind::kMlp, model->forward(x), y).backward();
-    opt->step();                                        // momentum established
+    opt->step();                                           // momentum established
     (void)loss_of(ModelKind::kMlp, model->forward(x), y);  // slices kept, no backward
-    opt->step();                                        // zero gradients, but momentum moves the weights
+    opt->step();                                           // zero gradients, but momentum moves the weights
     opt->zero_grad();
     loss_of(ModelKind::kMlp, model->forward(x), y).backward();
     opt->step();

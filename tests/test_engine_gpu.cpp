@@ -107,7 +107,8 @@ class Cases {
     for (int step = from; step < to; ++step) {
       auto [x, y] = batch(step, kLocalRows * n, device_);
       opt.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(model->forward(x.narrow(0, r * kLocalRows, kLocalRows)), y.narrow(0, r * kLocalRows, kLocalRows));
+      auto loss =
+          torch::nn::functional::cross_entropy(model->forward(x.narrow(0, r * kLocalRows, kLocalRows)), y.narrow(0, r * kLocalRows, kLocalRows));
       loss.backward();
       out.losses.push_back(loss.template item<double>());
       opt.step();
@@ -177,7 +178,8 @@ class Cases {
     int total = 0;
     world_.all_reduce(&failures_, &total, 1, fsdp::DType::kInt32, fsdp::ReduceOp::kSum);
     if (world_.rank() == 0)
-      std::printf(total == 0 ? "engine on %s matches single-process training\n" : "engine on %s: %d failure(s)\n", device_.is_cuda() ? "CUDA" : "CPU", total);
+      std::printf(total == 0 ? "engine on %s matches single-process training\n" : "engine on %s: %d failure(s)\n", device_.is_cuda() ? "CUDA" : "CPU",
+                  total);
     return total == 0 ? 0 : 1;
   }
 

@@ -368,7 +368,8 @@ struct BlockImpl : torch::nn::Module {
     if (!parent_computes) return torch::tanh(fsdp::forward(head, x));
     auto z = fc->forward(x);
     // Its gradient comes after the head's recomputed backward, before this unit's own node.
-    if (throw_in_backward && z.requires_grad()) z.register_hook([](const torch::Tensor& g) -> torch::Tensor { throw std::runtime_error("injected"); });
+    if (throw_in_backward && z.requires_grad())
+      z.register_hook([](const torch::Tensor& g) -> torch::Tensor { throw std::runtime_error("injected"); });
     auto h = torch::tanh(z);
     return h + fsdp::forward(head, torch::dropout(h, 0.0, is_training()));
   }

@@ -28,7 +28,7 @@ BOOST_AUTO_TEST_CASE(overlap_without_a_worker_as_on_gpus_trains_like_one_process
         auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
         IssuingComm::host_waits = 0;
         const auto trained = train_fsdp_typed(ModelKind::kMlp, OptimKind::kAdam, options, net, setup, IssuingComm(MpiComm::world()));
-        BOOST_TEST(IssuingComm::host_waits == 0);  // stream-ordered to the end: the host waits only where it reads
+        BOOST_TEST(IssuingComm::host_waits == 0);   // stream-ordered to the end: the host waits only where it reads
         compare(trained.params, reference.params);  // the whole model: see compare()
         for (std::size_t i = 0; i < trained.norms.size(); ++i) BOOST_TEST(trained.norms[i] == reference.norms[i], boost::test_tools::tolerance(1e-5));
         if (n > 1) {  // a world of one reduces nothing

@@ -61,26 +61,26 @@ BOOST_AUTO_TEST_CASE(summon_full_params_reads_and_writes_back) {
   cases.emplace_back("HYBRID_SHARD group 1, optimizer over the world", world_parts);
   for (auto& [name, options] : cases) {
     BOOST_TEST_CONTEXT(name << " at np=" << world.size()) {
-  auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
-  const auto fc2_before = net->fc2->weight.detach().clone();
-  options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
-  auto model = fsdp::make_fsdp(net, world, options);
-  {
-    auto scope = model->summon_full_params(/*writeback=*/true);
-    BOOST_TEST(torch::equal(net->fc2->weight.detach(), fc2_before));
-    torch::NoGradGuard no_grad;
-    net->fc2->bias.fill_(1.5);
-  }
-  BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);
-  {
-    auto scope = model->summon_full_params();
-    BOOST_TEST(net->fc2->bias.detach().eq(1.5).all().item<bool>());
-    torch::NoGradGuard no_grad;
-    net->fc2->bias.fill_(-7);  // not written back
-  }
-  const auto params = model->full_parameters();
-  for (const auto& [param, t] : params)
-    if (param == "fc2.bias") BOOST_TEST(t.eq(1.5).all().item<bool>());
+      auto net = std::static_pointer_cast<MlpImpl>(make_model(ModelKind::kMlp));
+      const auto fc2_before = net->fc2->weight.detach().clone();
+      options.auto_wrap_policy = AutoWrapPolicy::size_based(200);
+      auto model = fsdp::make_fsdp(net, world, options);
+      {
+        auto scope = model->summon_full_params(/*writeback=*/true);
+        BOOST_TEST(torch::equal(net->fc2->weight.detach(), fc2_before));
+        torch::NoGradGuard no_grad;
+        net->fc2->bias.fill_(1.5);
+      }
+      BOOST_TEST(model->memory_stats().gathered_param_bytes == 0);
+      {
+        auto scope = model->summon_full_params();
+        BOOST_TEST(net->fc2->bias.detach().eq(1.5).all().item<bool>());
+        torch::NoGradGuard no_grad;
+        net->fc2->bias.fill_(-7);  // not written back
+      }
+      const auto params = model->full_parameters();
+      for (const auto& [param, t] : params)
+        if (param == "fc2.bias") BOOST_TEST(t.eq(1.5).all().item<bool>());
     }
   }
 }
@@ -183,9 +183,8 @@ BOOST_AUTO_TEST_CASE(compute_device_must_suit_the_communicator) {
   const auto before = model->full_parameters();
   for (const auto& attempt : std::vector<std::function<void()>>{[&] { model->to(torch::kDouble); }, [&] { model->to(torch::Device(torch::kCPU)); },
                                                                 [&] { model->to(torch::Device(torch::kCPU), torch::kHalf); }})
-    BOOST_CHECK_EXCEPTION(attempt(), fsdp::ConfigError, [](const fsdp::ConfigError& e) {
-      return std::string(e.what()).find("cannot move or change dtype") != std::string::npos;
-    });
+    BOOST_CHECK_EXCEPTION(attempt(), fsdp::ConfigError,
+                          [](const fsdp::ConfigError& e) { return std::string(e.what()).find("cannot move or change dtype") != std::string::npos; });
   const auto after = model->full_parameters();
   for (std::size_t i = 0; i < before.size(); ++i) BOOST_TEST(torch::equal(before[i].second, after[i].second));
 }
@@ -358,9 +357,7 @@ BOOST_AUTO_TEST_CASE(graphs_kept_within_a_step_stay_usable) {
       // A read-only summon between a forward and its backward.
       opt->zero_grad();
       auto kept = model->forward(x).pow(2).sum();
-      {
-        auto scope = model->summon_full_params();
-      }
+      { auto scope = model->summon_full_params(); }
       BOOST_CHECK_NO_THROW(kept.backward());
     }
   }

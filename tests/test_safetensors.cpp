@@ -358,7 +358,8 @@ BOOST_AUTO_TEST_CASE(an_index_folder_loads_tensors_from_several_files) {
     }
     write_file(dir + "/split/model-00001-of-00002.safetensors", first);
     write_file(dir + "/split/model-00002-of-00002.safetensors", second);
-    std::ofstream(dir + "/split/model.safetensors.index.json") << nlohmann::json{{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}}.dump();
+    std::ofstream(dir + "/split/model.safetensors.index.json")
+        << nlohmann::json{{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}}.dump();
     // An index that places a tensor in a file without it.
     fs::create_directories(dir + "/wrong");
     fs::copy(dir + "/split/model-00001-of-00002.safetensors", dir + "/wrong/model-00001-of-00002.safetensors");

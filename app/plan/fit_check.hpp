@@ -83,8 +83,7 @@ inline FitVerdict check_memory_fit(const Deck& deck, const RunConfig& cfg, const
       x.test_batch = std::min(run.test_batch, b);
       return predict(shape, x).total_bytes * rpn <= budget;
     });
-    if (both > 0 && v.suggestions.empty())
-      v.suggestions.push_back("data.batch_size and data.test_batch_size at most " + std::to_string(both));
+    if (both > 0 && v.suggestions.empty()) v.suggestions.push_back("data.batch_size and data.test_batch_size at most " + std::to_string(both));
   }
   // More nodes (the same ranks per node), or fewer ranks on each node.
   auto placed = [&](int nodes, int ranks_per_node) -> std::optional<std::int64_t> {
@@ -117,8 +116,8 @@ inline FitVerdict check_memory_fit(const Deck& deck, const RunConfig& cfg, const
 /// One line for the echo: "predicted peak 812 MiB per rank x 2 ranks = 1624 MiB on this node; limit
 /// 23710 MiB (MemAvailable ...)".
 inline std::string fit_summary(const FitVerdict& v, int ranks_per_node) {
-  return "predicted peak " + detail::mib_text(v.per_rank) + " per rank (" + v.phase + ") x " + std::to_string(ranks_per_node) + " rank(s) = " +
-         detail::mib_text(v.per_node) + " on this node; " +
+  return "predicted peak " + detail::mib_text(v.per_rank) + " per rank (" + v.phase + ") x " + std::to_string(ranks_per_node) +
+         " rank(s) = " + detail::mib_text(v.per_node) + " on this node; " +
          (v.limit ? "limit " + detail::mib_text(v.limit->bytes) + " (" + v.limit->source + ")" : std::string("no memory limit found"));
 }
 

@@ -51,8 +51,7 @@ inline std::optional<MemoryLimit> cgroup_limit(const std::filesystem::path& root
       try {
         const long long v = std::stoll(*w);
         if (v > 0 && v < (1LL << 60) && (!best || v < best->bytes)) best = MemoryLimit{v, "cgroup " + version + " limit " + p.string()};
-      } catch (const std::exception&) {
-      }
+      } catch (const std::exception&) {}
     }
     if (relative.empty() || relative == "/" || relative == ".") break;
     relative = relative.parent_path();
@@ -102,8 +101,8 @@ inline std::vector<MemoryLimit> memory_limits(const MemoryProbe& probe = {}) {
     out.push_back({*mem << 20, "Slurm --mem (SLURM_MEM_PER_NODE=" + std::to_string(*mem) + " MiB)"});
   if (const auto per_cpu = detail::env_int(probe, "SLURM_MEM_PER_CPU")) {
     const auto cpus = detail::env_int(probe, "SLURM_CPUS_ON_NODE").value_or(1);
-    out.push_back({(*per_cpu * cpus) << 20, "Slurm --mem-per-cpu (SLURM_MEM_PER_CPU=" + std::to_string(*per_cpu) + " MiB x " + std::to_string(cpus) +
-                                                " CPUs on the node)"});
+    out.push_back({(*per_cpu * cpus) << 20,
+                   "Slurm --mem-per-cpu (SLURM_MEM_PER_CPU=" + std::to_string(*per_cpu) + " MiB x " + std::to_string(cpus) + " CPUs on the node)"});
   }
   std::ifstream meminfo(probe.proc / "meminfo");
   for (std::string line; std::getline(meminfo, line);)

@@ -172,10 +172,10 @@ inline std::int64_t training_state_bytes(std::int64_t shard_elements, std::int64
 /// The prediction for one rank (all ranks hold the same: shards are padded to equal size).
 struct Prediction {
   std::int64_t num_params = 0;
-  std::int64_t shard_elements = 0;  ///< sum of the units' shard_numel (fsdp-train's "shard elements")
+  std::int64_t shard_elements = 0;      ///< sum of the units' shard_numel (fsdp-train's "shard elements")
   std::int64_t optimized_elements = 0;  ///< of those, what the optimizer updates (replica parts with optimizer_sharding = world)
-  std::int64_t padding = 0;         ///< padding in all units
-  std::int64_t state_bytes = 0;     ///< params + grads + optimizer state: fsdp-train's "expected ... MiB"
+  std::int64_t padding = 0;             ///< padding in all units
+  std::int64_t state_bytes = 0;         ///< params + grads + optimizer state: fsdp-train's "expected ... MiB"
   std::size_t units = 0;
   std::int64_t largest_unit = 0;  ///< padded elements
   std::string largest_unit_path;

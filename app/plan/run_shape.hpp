@@ -128,13 +128,13 @@ struct RunShape {
   int world = 1;
   int ranks_per_node = 0;  ///< 0: all ranks on one node
   ShardingStrategy strategy = ShardingStrategy::FULL_SHARD;
-  std::int64_t group = 1;     ///< shard group size G
-  std::int64_t replicas = 1;  ///< R = world / G
+  std::int64_t group = 1;             ///< shard group size G
+  std::int64_t replicas = 1;          ///< R = world / G
   bool optimizer_over_world = false;  ///< fsdp.optimizer_sharding = world (hybrid, R > 1): optimizer state, master gradients over all ranks
   bool reshard_after_forward = true;
   int reshard_after_forward_group = 0;  ///< fsdp.reshard_after_forward = N: kept sharded over N ranks between forward and backward
-  int param_bytes = 4;   ///< bytes per element of gathered parameters, activations and their gradients
-  int reduce_bytes = 4;  ///< bytes per element of reduced gradients
+  int param_bytes = 4;                  ///< bytes per element of gathered parameters, activations and their gradients
+  int reduce_bytes = 4;                 ///< bytes per element of reduced gradients
   OptimizerKind optimizer = OptimizerKind::kAdam;
   int optimizer_copies = 2;  ///< shard-sized state tensors per parameter shard
   bool weight_decay = false;

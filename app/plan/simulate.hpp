@@ -307,7 +307,7 @@ class RunSimulator {
       grow_scratch(overlapped ? worker_shard_scratch_ : shard_scratch_, overlapped ? worker_shard_scratch_bytes_ : shard_scratch_bytes_,
                    2 * u.shard * run_.reduce_bytes);
     }
-    int reduced = shard_grad;  // the gradient handed back: the shard's, or its replica part's
+    int reduced = shard_grad;         // the gradient handed back: the shard's, or its replica part's
     if (run_.optimizer_over_world) {  // reduce-scatter across the replicas into this rank's part
       reduced = mem_.alloc(Mem::kGradFlight, part * run_.reduce_bytes);
       grow_scratch(overlapped ? worker_replica_scratch_ : replica_scratch_, overlapped ? worker_replica_scratch_bytes_ : replica_scratch_bytes_,

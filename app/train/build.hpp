@@ -79,7 +79,7 @@ inline fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
     o.sync_module_states = false;  // every rank computes the same values: nothing to broadcast
   }
   o.overlap_grad_reduce = cfg.fsdp.overlap_grad_reduce;  // agreed by every rank
-  o.all_units_called_through_forward = true;  // every model here calls its children through fsdp::forward
+  o.all_units_called_through_forward = true;             // every model here calls its children through fsdp::forward
   return o;
 }
 

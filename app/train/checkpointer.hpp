@@ -57,7 +57,8 @@ class Checkpointer {
       };
     }
     // Without any save planned there is nothing to write in the background (a stop signal saves synchronously).
-    if (cfg.checkpoint.asynchronous && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.save_final)) on_all_ranks(world_, [&] { async_.emplace(model_); });
+    if (cfg.checkpoint.asynchronous && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.save_final))
+      on_all_ranks(world_, [&] { async_.emplace(model_); });
   }
 
   /// Holds the run directory (a second run on it stops here, exit 2, naming the holder) and writes the
@@ -178,8 +179,9 @@ class Checkpointer {
       on_all_ranks(world_, [&] { deadline_aborts([&] { started = async_->save(model_, optimizer_, dir_.string(), state, options_); }); });
       held_s_.push_back(seconds_since(start));
       if (root_ && !quiet)
-        std::printf("checkpoint %s: writing in the background (training held %.2f s: %.2f s copying the state, %.2f s waiting for the previous save)\n",
-                    fsdp::ckpt::checkpoint_name(state.step).c_str(), held_s_.back(), started.copy_seconds, waited_s);
+        std::printf(
+            "checkpoint %s: writing in the background (training held %.2f s: %.2f s copying the state, %.2f s waiting for the previous save)\n",
+            fsdp::ckpt::checkpoint_name(state.step).c_str(), held_s_.back(), started.copy_seconds, waited_s);
       return;
     }
     fsdp::SaveResult r;
@@ -232,8 +234,8 @@ class Checkpointer {
     if (path.empty()) return;
     namespace fs = std::filesystem;
     const fs::path p(path);
-    const bool checkpoint = p.extension() == ".h5" || (fs::is_directory(p) && !fs::exists(p / "model.safetensors") &&
-                                                       !fs::exists(p / "model.safetensors.index.json"));
+    const bool checkpoint =
+        p.extension() == ".h5" || (fs::is_directory(p) && !fs::exists(p / "model.safetensors") && !fs::exists(p / "model.safetensors.index.json"));
     std::string names = "native";
     fsdp::SafetensorsLoadResult r;
     if (checkpoint) {
@@ -268,7 +270,6 @@ class Checkpointer {
     }
   }
 
-
   /// A rank that never arrived cannot agree on the failure either: abort (main) instead of waiting.
   template <class F>
   static void deadline_aborts(F&& f) {
@@ -288,8 +289,8 @@ class Checkpointer {
       deadline_aborts([&] { r = f(); });
       return r;
     } catch (const fsdp::CheckpointError& e) {
-      throw RankError("the checkpoint written in the background failed: " + fsdp::message_without_id(e) + "; the previous checkpoint is kept as latest",
-                      true);
+      throw RankError(
+          "the checkpoint written in the background failed: " + fsdp::message_without_id(e) + "; the previous checkpoint is kept as latest", true);
     }
   }
 
@@ -310,9 +311,9 @@ class Checkpointer {
   std::filesystem::path out_dir_, dir_;
   fsdp::CheckpointOptions options_;
   bool skip_save_ = false;
-  std::filesystem::path loaded_from_;  // checkpoint.resume = <path>: the checkpoint loaded
-  std::optional<fsdp::RunLock> lock_;             // held until the run ends
-  std::optional<fsdp::RunLock> checkpoint_lock_;  // checkpoint.dir outside run.out_dir
+  std::filesystem::path loaded_from_;                     // checkpoint.resume = <path>: the checkpoint loaded
+  std::optional<fsdp::RunLock> lock_;                     // held until the run ends
+  std::optional<fsdp::RunLock> checkpoint_lock_;          // checkpoint.dir outside run.out_dir
   std::optional<fsdp::AsyncCheckpointer<Engine>> async_;  // checkpoint.async
   std::vector<double> held_s_, write_s_;
   bool staging_reserved_ = false;

@@ -50,8 +50,8 @@ inline StreamSplit open_token_split(const RunConfig& cfg, const std::string& pat
   split.n = token_stream_samples(*stream, cfg.model.context);
   split.length = cfg.model.context + 1;
   if (split.n == 0)
-    throw DataError("the token files of '" + pattern + "' hold " + std::to_string(total) + " tokens, fewer than one sample of model.context + 1 = " +
-                    std::to_string(split.length));
+    throw DataError("the token files of '" + pattern + "' hold " + std::to_string(total) +
+                    " tokens, fewer than one sample of model.context + 1 = " + std::to_string(split.length));
   split.stream = std::move(stream);
   return split;
 }
@@ -193,7 +193,8 @@ inline EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, 
   // Every rank runs the same number of (collective) forwards, the last ones possibly empty: as many
   // pieces per batch as the fullest rank's batch needs (not data.test_batch_size's, which may be far
   // larger than a rank's share of the test set).
-  std::int64_t most[2] = {(static_cast<std::int64_t>(idx.size()) + batch - 1) / batch, std::min<std::int64_t>(batch, static_cast<std::int64_t>(idx.size()))};
+  std::int64_t most[2] = {(static_cast<std::int64_t>(idx.size()) + batch - 1) / batch,
+                          std::min<std::int64_t>(batch, static_cast<std::int64_t>(idx.size()))};
   world.all_reduce(most, most, 2, fsdp::DType::kInt64, fsdp::ReduceOp::kMax);
   std::int64_t batches = most[0];
   if (max_batches > 0) batches = std::min(batches, max_batches);

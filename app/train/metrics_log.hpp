@@ -39,12 +39,14 @@ class MetricsLog {
     out_ << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,"
             "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults,loss_scale,skipped_in_window\n";
     // Rows of a file written before the later columns existed get them empty.
-    for (const auto& l : kept) out_ << l << std::string(static_cast<std::size_t>(std::max<long>(0, kColumns - 1 - std::count(l.begin(), l.end(), ','))), ',') << "\n";
+    for (const auto& l : kept)
+      out_ << l << std::string(static_cast<std::size_t>(std::max<long>(0, kColumns - 1 - std::count(l.begin(), l.end(), ','))), ',') << "\n";
     out_.flush();
   }
   /// A logged step: the window's loss and rate, and this step's time and its breakdown on rank 0.
   void row(std::int64_t step, std::int64_t epoch, double loss, double lr, double rate, double step_ms, double elapsed_s, const StepBreakdown& parts,
-           std::optional<double> loss_scale, std::int64_t skipped, const std::optional<EvalResult>& eval = std::nullopt, bool language_model = false) {
+           std::optional<double> loss_scale, std::int64_t skipped, const std::optional<EvalResult>& eval = std::nullopt,
+           bool language_model = false) {
     out_ << step << "," << epoch << "," << loss << "," << lr << "," << rate << "," << step_ms << "," << elapsed_s << ",";
     eval_cells(eval, language_model);
     out_ << "," << parts.forward_ms << "," << parts.backward_ms << "," << parts.optimizer_ms << "," << parts.all_gather_ms << ","

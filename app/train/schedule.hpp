@@ -20,7 +20,8 @@ inline double lr_at(const RunConfig& cfg, std::int64_t step, std::int64_t epoch,
   const auto warmup = cfg.optim.warmup_steps;
   if (step < warmup) return base * static_cast<double>(step + 1) / static_cast<double>(warmup);
   const LrSchedule schedule = cfg.optim.schedule;
-  if (schedule == LrSchedule::kStep) return std::max(floor, base * std::pow(cfg.optim.gamma, static_cast<double>(epoch)));  // StepLR(step_size=1) per epoch
+  if (schedule == LrSchedule::kStep)
+    return std::max(floor, base * std::pow(cfg.optim.gamma, static_cast<double>(epoch)));  // StepLR(step_size=1) per epoch
   if (schedule == LrSchedule::kCosine) {
     const double span = static_cast<double>(std::max<std::int64_t>(1, total_steps - warmup - 1));
     const double progress = std::min(1.0, static_cast<double>(step - warmup) / span);

@@ -55,8 +55,7 @@ class TerminateDumper {
     auto& recorder = fsdp::FlightRecorder::instance();
     for (;;) {
       int rc;
-      while ((rc = sem_wait(&g_terminate_posted)) != 0 && errno == EINTR) {
-      }
+      while ((rc = sem_wait(&g_terminate_posted)) != 0 && errno == EINTR) {}
       if (rc != 0) return;
       // A SIGTERM that came just before the run ended is still dumped.
       if (g_terminate_pending) {
@@ -70,7 +69,8 @@ class TerminateDumper {
     const auto waiting = recorder.oldest_unfinished();
     const auto path = recorder.dump();
     if (path && waiting)  // a rank inside a collective at SIGTERM: the likely sign that a peer is gone
-      std::fprintf(stderr, "fsdp-train: rank %d: SIGTERM while in collective #%llu %s of %s (%lld bytes, step %lld) for %.1f s; last collectives in %s\n",
+      std::fprintf(stderr,
+                   "fsdp-train: rank %d: SIGTERM while in collective #%llu %s of %s (%lld bytes, step %lld) for %.1f s; last collectives in %s\n",
                    recorder.rank(), static_cast<unsigned long long>(waiting->first.seq), waiting->first.kind, waiting->second.c_str(),
                    static_cast<long long>(waiting->first.bytes), static_cast<long long>(waiting->first.step), recorder.now() - waiting->first.start_s,
                    path->c_str());

@@ -40,8 +40,9 @@ inline bool test_hook_at(const char* name, int rank, std::int64_t step) {
 /// fail as an aborted GPU communicator's do.
 template <class Engine, class Compute>
 std::optional<std::string> comm_failure_of(Compute&& compute, bool fail_collectives, int rank) {
-  const std::string test_failure = "rank " + std::to_string(rank) +
-                                   ": all_reduce did not complete within its deadline; the NCCL communicator was aborted (test hook FSDP_TEST_FAIL_COLLECTIVES)";
+  const std::string test_failure =
+      "rank " + std::to_string(rank) +
+      ": all_reduce did not complete within its deadline; the NCCL communicator was aborted (test hook FSDP_TEST_FAIL_COLLECTIVES)";
   std::optional<std::string> comm_failure;
   if constexpr (Engine::kCollectivesMayBePending) {
     // A GPU communicator's collectives are stream-ordered: one its watcher aborted (deadline, NCCL

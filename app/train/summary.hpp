@@ -42,8 +42,8 @@ struct RunTotals {
   std::filesystem::path out_dir;
   std::filesystem::path metrics_path;  ///< "" when metrics.csv was not written
   std::int64_t steps = 0, resumed_from_step = 0, skipped_steps = 0, samples_trained = 0;
-  std::int64_t overflow_steps = 0;        ///< of skipped_steps: fp16 gradients overflowed (the loss scale backed off)
-  std::optional<double> loss_scale;       ///< fp16's loss scale at the end; unset without loss scaling
+  std::int64_t overflow_steps = 0;     ///< of skipped_steps: fp16 gradients overflowed (the loss scale backed off)
+  std::optional<double> loss_scale;    ///< fp16's loss scale at the end; unset without loss scaling
   std::int64_t tokens_per_sample = 0;  ///< language models: tokens predicted per sequence; 0 otherwise
   double flops_per_token = 0;          ///< language models: training FLOPs per token (6 N + 12 L d T); 0 otherwise
   double last_loss = std::nan("");
@@ -85,9 +85,9 @@ RunStatsAcrossRanks gather_run_stats(MpiComm& world, Engine& model, const RunTot
   r.reduce_scatter_s = r.comm.reduce_scatter_seconds - t.comm_start.reduce_scatter_seconds;
   r.all_reduce_s = r.comm.all_reduce_seconds - t.comm_start.all_reduce_seconds;
   const std::vector<std::pair<std::string, double>> phase_list = {
-      {"data", t.phases.data},           {"forward", t.phases.forward},        {"backward", t.phases.backward},
+      {"data", t.phases.data},           {"forward", t.phases.forward},          {"backward", t.phases.backward},
       {"all_gather", r.all_gather_s},    {"reduce_scatter", r.reduce_scatter_s}, {"all_reduce", r.all_reduce_s},
-      {"optimizer", t.phases.optimizer}, {"checkpoint", t.phases.checkpoint},  {"eval", t.phases.eval}};
+      {"optimizer", t.phases.optimizer}, {"checkpoint", t.phases.checkpoint},    {"eval", t.phases.eval}};
   for (const auto& [n, v] : phase_list) r.phases.emplace_back(n, across_ranks(world, v));
   r.overlap = model.overlap_stats();
   r.exposed_all_gather = across_ranks(world, r.overlap.exposed_all_gather_seconds);
@@ -198,7 +198,8 @@ nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& pl
   js["wall_s"] = t.wall_s;
   js["train_s"] = r.train_s;
   js["step_ms_median"] = median_of(t.step_ms);
-  js[t.tokens_per_sample > 0 ? "tokens_per_s" : "samples_per_s"] = t.tokens_per_sample > 0 ? r.rate * static_cast<double>(t.tokens_per_sample) : r.rate;
+  js[t.tokens_per_sample > 0 ? "tokens_per_s" : "samples_per_s"] =
+      t.tokens_per_sample > 0 ? r.rate * static_cast<double>(t.tokens_per_sample) : r.rate;
   if (t.flops_per_token > 0) {
     // Achieved model FLOP/s: nanoGPT's and llm.c's estimate (forward and backward of every parameter,
     // plus attention), from the training throughput; hardware-independent, no recomputation counted.

@@ -57,7 +57,7 @@ inline long minor_page_faults() {
 
 /// Where one step's time went on this rank: metrics.csv's breakdown columns.
 struct StepBreakdown {
-  double forward_ms = 0, backward_ms = 0, optimizer_ms = 0;         ///< forward includes the loss; optimizer includes clipping
+  double forward_ms = 0, backward_ms = 0, optimizer_ms = 0;            ///< forward includes the loss; optimizer includes clipping
   double all_gather_ms = 0, reduce_scatter_ms = 0, all_reduce_ms = 0;  ///< inside blocking collectives (within the phases above)
   long minor_faults = 0;
 };

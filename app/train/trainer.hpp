@@ -149,8 +149,9 @@ class Trainer {
     std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, s_.deck_path.c_str(), s_.deck.echo_table().c_str());
     std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", world_.size(), placement.nodes, placement.local_size,
                 cfg_.run.threads);
-    std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", to_string(cfg_.fsdp.backend_resolved).c_str(), to_string(cfg_.fsdp.backend).c_str(),
-                model_->compute_device().str().c_str(), cfg_.fsdp.offload_params ? ", parameter shards offloaded to host memory" : "");
+    std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", to_string(cfg_.fsdp.backend_resolved).c_str(),
+                to_string(cfg_.fsdp.backend).c_str(), model_->compute_device().str().c_str(),
+                cfg_.fsdp.offload_params ? ", parameter shards offloaded to host memory" : "");
     if (s_.fit) std::printf("  memory: %s\n", fit_summary(*s_.fit, cfg_.placement.ranks_per_node).c_str());
     std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model_->sharding_strategy()), model_->shard_group_size(),
                 units.size(), static_cast<long long>(model_->num_params()));
@@ -172,13 +173,15 @@ class Trainer {
     sampler_.emplace(data_.train_size(), world_.size(), world_.rank(), cfg_.data.shuffle, cfg_.run.seed);
     p.steps_per_epoch = (sampler_->num_samples() + p.batch - 1) / p.batch / p.accum;
     if (p.steps_per_epoch == 0)
-      throw RankError("data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(sampler_->num_samples()) + ")", true);
+      throw RankError("data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(sampler_->num_samples()) + ")",
+                      true);
     p.global_batch = p.batch * p.accum * world_.size();
     if (start_.sample_index % p.global_batch != 0)
       throw RankError("the checkpoint resumed from stopped " + std::to_string(start_.sample_index) + " samples into epoch " +
-                          std::to_string(start_.epoch + 1) + ", not a whole number of this run's global batches of " + std::to_string(p.global_batch) +
-                          " (data.batch_size " + std::to_string(p.batch) + " x " + std::to_string(world_.size()) + " ranks x optim.grad_accum_steps " +
-                          std::to_string(p.accum) + "): set data.global_batch_size to the global batch it was trained with",
+                          std::to_string(start_.epoch + 1) + ", not a whole number of this run's global batches of " +
+                          std::to_string(p.global_batch) + " (data.batch_size " + std::to_string(p.batch) + " x " + std::to_string(world_.size()) +
+                          " ranks x optim.grad_accum_steps " + std::to_string(p.accum) +
+                          "): set data.global_batch_size to the global batch it was trained with",
                       true);
     const std::int64_t all_epochs = p.steps_per_epoch * cfg_.run.epochs;
     p.total_steps = cfg_.run.max_steps > 0 ? std::min(cfg_.run.max_steps, all_epochs) : all_epochs;
@@ -393,7 +396,8 @@ class Trainer {
       ++window_.skipped;
     }
     if (outcome.overflowed) ++overflow_steps_;
-    if (outcome.nonfinite && root_) std::printf("warning: non-finite loss or gradient norm at step %lld: step skipped\n", static_cast<long long>(step_ + 1));
+    if (outcome.nonfinite && root_)
+      std::printf("warning: non-finite loss or gradient norm at step %lld: step skipped\n", static_cast<long long>(step_ + 1));
   }
 
   /// The progress line and metrics.csv row of the window ending at this step. Collective.
@@ -416,9 +420,9 @@ class Trainer {
       const char* unit = data_.tokens ? "tokens/s" : "samples/s";
       const double shown_rate = data_.tokens ? rate * static_cast<double>(data_.sequence_length() - 1) : rate;
       if (!progress_.quiet) {
-        std::printf("%sepoch %lld step %lld/%lld  loss %.4f  lr %.3g  %.0f %s  ETA %s%s", progress_.live ? "\r" : "", static_cast<long long>(epoch + 1),
-                    static_cast<long long>(step_), static_cast<long long>(schedule_.total_steps), loss_avg, lr, shown_rate, unit,
-                    format_duration(eta).c_str(), progress_.live ? "   " : "\n");
+        std::printf("%sepoch %lld step %lld/%lld  loss %.4f  lr %.3g  %.0f %s  ETA %s%s", progress_.live ? "\r" : "",
+                    static_cast<long long>(epoch + 1), static_cast<long long>(step_), static_cast<long long>(schedule_.total_steps), loss_avg, lr,
+                    shown_rate, unit, format_duration(eta).c_str(), progress_.live ? "   " : "\n");
         std::fflush(stdout);
       }
       if (write_metrics_)

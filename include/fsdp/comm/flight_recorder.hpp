@@ -51,9 +51,7 @@ struct FlightRecord {
 struct FlightComm {
   std::string name;
   std::vector<int> world_ranks;  ///< its members, by world rank
-  std::string key() const {
-    return name + "{" + comma_separated(world_ranks) + "}";
-  }
+  std::string key() const { return name + "{" + comma_separated(world_ranks) + "}"; }
 };
 
 class FlightRecorder {
@@ -260,8 +258,8 @@ inline FlightDump parse_flight_dump(const nlohmann::json& j) {
 
 namespace detail {
 inline std::string describe_entry(const FlightDump::Entry& e) {
-  return e.kind + " (" + std::to_string(e.bytes) + " bytes, step " + std::to_string(e.step) + (e.unit >= 0 ? ", unit " + std::to_string(e.unit) : "") +
-         (e.finished ? "" : ", not finished") + ")";
+  return e.kind + " (" + std::to_string(e.bytes) + " bytes, step " + std::to_string(e.step) +
+         (e.unit >= 0 ? ", unit " + std::to_string(e.unit) : "") + (e.finished ? "" : ", not finished") + ")";
 }
 }  // namespace detail
 
@@ -325,8 +323,8 @@ inline std::string first_disagreement(const std::vector<FlightDump>& dumps) {
         }
         text += " (different collectives at the same place)";
       } else {
-        text += "rank(s) " + comma_separated(issued.begin()->second) + " issued " + detail::describe_entry(*any) + "; rank(s) " + comma_separated(missing) +
-                " never did";
+        text += "rank(s) " + comma_separated(issued.begin()->second) + " issued " + detail::describe_entry(*any) + "; rank(s) " +
+                comma_separated(missing) + " never did";
         for (int r : missing) {
           const auto it = by_rank.find(r);
           if (it != by_rank.end() && !it->second.by_seq.empty()) {

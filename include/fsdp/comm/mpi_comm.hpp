@@ -281,7 +281,8 @@ class MpiComm {
     if (op == ReduceOp::kMax) throw CommError("reduce_scatter supports sum and avg only");
     count(&CommCounters::reduce_scatter_bytes, n * size(), t);
     probe_skew();
-    const Stopwatch timed(state_->counters, &CommCounters::reduce_scatter_seconds, "reduce_scatter", n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
+    const Stopwatch timed(state_->counters, &CommCounters::reduce_scatter_seconds, "reduce_scatter",
+                          n * static_cast<std::int64_t>(dtype_bytes(t)) * size());
     const CollectiveWatchdog::Scope watched("reduce_scatter");
     const auto flown = flight("reduce_scatter", n * size() * static_cast<std::int64_t>(dtype_bytes(t)));
     ring_reduce_scatter(send, recv, n, t);
@@ -468,7 +469,9 @@ class MpiComm {
     return FlightRecorder::Scope(state_->flight_id, kind, bytes, w.unit(), w.step());
   }
 
-  void count(std::uint64_t CommCounters::*field, std::int64_t n, DType t) { state_->counters.add_call(field, static_cast<std::uint64_t>(n) * dtype_bytes(t)); }
+  void count(std::uint64_t CommCounters::*field, std::int64_t n, DType t) {
+    state_->counters.add_call(field, static_cast<std::uint64_t>(n) * dtype_bytes(t));
+  }
 
   static void copy_if_distinct(const void* send, void* recv, std::int64_t n, DType t) {
     if (send != recv && n > 0) std::memmove(recv, send, static_cast<std::size_t>(n) * dtype_bytes(t));

@@ -53,7 +53,8 @@ inline int pick_device(int requested, int local_rank) {
   const std::string visible_text = visible ? std::string(", CUDA_VISIBLE_DEVICES=") + visible : std::string();
   if (rc != cudaSuccess || count == 0)
     throw CommError(who + "no CUDA device for NCCL (cudaGetDeviceCount: " +
-                    (rc == cudaSuccess ? std::string("0 devices") : std::string(cudaGetErrorName(rc)) + ": " + cudaGetErrorString(rc)) + visible_text + ")");
+                    (rc == cudaSuccess ? std::string("0 devices") : std::string(cudaGetErrorName(rc)) + ": " + cudaGetErrorString(rc)) +
+                    visible_text + ")");
   try {
     return choose_device(requested, local_rank, count);
   } catch (const ConfigError& e) {

@@ -75,7 +75,6 @@ inline ncclUniqueId unique_id_over_mpi(MpiComm& group, const std::string& failur
 }
 }  // namespace detail
 
-
 /// Communicator over NCCL for CUDA device buffers. Copies share the same NCCL communicator, streams,
 /// options and counters. Use it from one host thread at a time. Every collective must be called by
 /// all ranks of the communicator in the same order with the same counts and dtypes; counts are
@@ -112,9 +111,9 @@ class NcclComm {
     std::vector<std::string> identities;
     for (int r = 0; r < node.size(); ++r) identities.emplace_back(all.data() + static_cast<std::size_t>(r) * identity.size());
     if (const auto shared = first_shared_device(identities); shared && !failure && (local_rank == shared->first || local_rank == shared->second))
-      failure = std::make_exception_ptr(CommError("rank " + std::to_string(detail::process_rank()) + ": node-local ranks " + std::to_string(shared->first) +
-                                                  " and " + std::to_string(shared->second) + " both chose the GPU at PCI bus " +
-                                                  identities[static_cast<std::size_t>(shared->first)] +
+      failure = std::make_exception_ptr(CommError("rank " + std::to_string(detail::process_rank()) + ": node-local ranks " +
+                                                  std::to_string(shared->first) + " and " + std::to_string(shared->second) +
+                                                  " both chose the GPU at PCI bus " + identities[static_cast<std::size_t>(shared->first)] +
                                                   ": give each rank its own (srun --gpus-per-task=1, or as many visible devices as ranks per node)"));
     agree(m, failure, "could not select a CUDA device");
 
@@ -386,7 +385,8 @@ class NcclComm {
     count(&CommCounters::all_gather_bytes, n, t);
     if (c == 0) return {};
     return issue(
-        "iall_gather", bytes(n, t) * size(), [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->lane->stream); },
+        "iall_gather", bytes(n, t) * size(),
+        [&] { return ncclAllGather(send, recv, c, detail::nccl_datatype(t), state_->comm, state_->lane->stream); },
         "ncclAllGather(send, recv, n, type, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -409,7 +409,8 @@ class NcclComm {
     count(&CommCounters::all_reduce_bytes, n, t);
     if (c == 0) return {};
     return issue(
-        "iall_reduce", bytes(n, t), [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->lane->stream); },
+        "iall_reduce", bytes(n, t),
+        [&] { return ncclAllReduce(send, recv, c, detail::nccl_datatype(t), detail::nccl_op(op), state_->comm, state_->lane->stream); },
         "ncclAllReduce(send, recv, n, type, op, comm, stream)", __FILE__, __LINE__);
   }
 
@@ -508,7 +509,9 @@ class NcclComm {
     if (out > 0) FSDP_CUDA_CHECK(cudaMemcpy(recv, result, out, cudaMemcpyDefault));
   }
 
-  void count(std::uint64_t CommCounters::*field, std::int64_t n, DType t) { state_->counters.add_call(field, static_cast<std::uint64_t>(n) * dtype_bytes(t)); }
+  void count(std::uint64_t CommCounters::*field, std::int64_t n, DType t) {
+    state_->counters.add_call(field, static_cast<std::uint64_t>(n) * dtype_bytes(t));
+  }
 
   /// Names this communicator for the flight recorder (collectives before this are not recorded).
   void register_flight(std::string name, std::vector<int> world_ranks) {
@@ -534,7 +537,8 @@ class NcclComm {
   /// deadline and errors), or, inside HostReads, the host waits for it. With `seconds`, the host's
   /// time in the call is added there and traced as `op` moving `bytes` (as MpiComm does).
   template <class Launch>
-  void blocking(const char* op, double CommCounters::*seconds, std::int64_t bytes, Launch&& launch, const char* call, const char* file, int line) const {
+  void blocking(const char* op, double CommCounters::*seconds, std::int64_t bytes, Launch&& launch, const char* call, const char* file,
+                int line) const {
     std::optional<Stopwatch> timed;
     if (seconds != nullptr) timed.emplace(state_->counters, seconds, op, bytes);
     const auto flown = flight(op, bytes);  // ends when the host has queued it (or, reading it, seen it complete)

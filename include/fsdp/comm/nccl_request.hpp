@@ -72,7 +72,7 @@ class NcclRequest {
   void complete_quietly() noexcept {
     try {
       wait();
-    } catch (...) {  // a destructor must not throw; the communicator is aborted and the next call reports it
+    } catch (...) {   // a destructor must not throw; the communicator is aborted and the next call reports it
       done_.reset();  // no host wait here: the event may sit behind another communicator's hung collective
     }
   }

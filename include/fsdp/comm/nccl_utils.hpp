@@ -78,24 +78,24 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
     NcclState* owner;  // whose collective; cleared when that communicator is destroyed
     const char* op;
     Deadline deadline;
-    int unit;           // the FSDP unit and training step it was issued in, for the deadline's message
+    int unit;  // the FSDP unit and training step it was issued in, for the deadline's message
     std::int64_t step;
   };
 
   int device = 0;
   cudaStream_t stream = nullptr;
-  cudaEvent_t ready = nullptr;                    // recorded on the compute stream before each collective
-  cudaStream_t compute_stream = nullptr;          // 0: the default stream; used unless the hooks below are set
-  std::function<void(void*)> record_on_compute;   // records a cudaEvent_t on the compute stream (the engine's: LibTorch's current stream)
-  std::function<void(void*)> compute_waits_for;   // makes the compute stream wait for a cudaEvent_t
+  cudaEvent_t ready = nullptr;                   // recorded on the compute stream before each collective
+  cudaStream_t compute_stream = nullptr;         // 0: the default stream; used unless the hooks below are set
+  std::function<void(void*)> record_on_compute;  // records a cudaEvent_t on the compute stream (the engine's: LibTorch's current stream)
+  std::function<void(void*)> compute_waits_for;  // makes the compute stream wait for a cudaEvent_t
   // Guards `pending`, `spare`, `members`, `fault` and the members' NCCL handles and abort state: the
   // issuing thread and the watcher share them. Recursive: an abort found while issuing aborts every member.
   std::recursive_mutex mutex;
   InOrderCompletions<Pending> pending;
-  std::vector<cudaEvent_t> spare;      // completion events to reuse
-  std::vector<NcclState*> members;     // the live communicators with an NCCL handle on this lane
-  std::optional<NcclFault> fault;      // set once the lane's communicators were aborted
-  PeriodicThread watcher;              // last member: stopped first
+  std::vector<cudaEvent_t> spare;   // completion events to reuse
+  std::vector<NcclState*> members;  // the live communicators with an NCCL handle on this lane
+  std::optional<NcclFault> fault;   // set once the lane's communicators were aborted
+  PeriodicThread watcher;           // last member: stopped first
 
   NcclLane(int dev, double timeout_s) : device(dev) {
     const CudaDeviceGuard on(device);
@@ -115,7 +115,7 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
     if (!watcher.stop(std::chrono::seconds(30))) return;
     int previous = -1;
     const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device && cudaSetDevice(device) == cudaSuccess;
-    cudaStreamSynchronize(stream);  // every communicator of the lane is finalized or aborted by now
+    cudaStreamSynchronize(stream);        // every communicator of the lane is finalized or aborted by now
     pending.release_all([](Pending) {});  // the events are destroyed: this lane is gone for them
     for (cudaEvent_t e : spare) cudaEventDestroy(e);
     cudaEventDestroy(ready);
@@ -172,9 +172,7 @@ struct NcclLane : std::enable_shared_from_this<NcclLane> {
 
   /// Entries neither thread watches: complete (or their event failed: the issuing thread's release
   /// reports that), or of a communicator destroyed since (its collective ends with it).
-  static bool not_watched(const Pending& p) noexcept {
-    return p.owner == nullptr || cudaEventQuery(p.done->event) != cudaErrorNotReady;
-  }
+  static bool not_watched(const Pending& p) noexcept { return p.owner == nullptr || cudaEventQuery(p.done->event) != cudaErrorNotReady; }
 };
 
 CompletionEvent::~CompletionEvent() {
@@ -186,7 +184,6 @@ CompletionEvent::~CompletionEvent() {
   }
 }
 
-
 struct NcclState : std::enable_shared_from_this<NcclState> {
   ncclComm_t comm = nullptr;  // under lane->mutex once registered (add_to_lane)
   int rank = 0;
@@ -194,13 +191,13 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
   int device = 0;
   void* scratch = nullptr;  // device memory for host staging, barrier and split_node
   std::size_t scratch_bytes = 0;
-  int host_reads = 0;       // > 0 while a collective's result is read by the host (staging): it waits
+  int host_reads = 0;  // > 0 while a collective's result is read by the host (staging): it waits
   NcclOptions options;
   std::shared_ptr<NcclLane> lane;  // the stream, shared with the communicators split from this one
-  std::optional<MpiComm> mpi;  // the same ranks in the same order, when bootstrapped over MPI
+  std::optional<MpiComm> mpi;      // the same ranks in the same order, when bootstrapped over MPI
   SharedCounters counters;
   std::atomic<bool> aborted{false};
-  NcclFault fault;            // why it was aborted (under lane->mutex)
+  NcclFault fault;          // why it was aborted (under lane->mutex)
   std::string flight_name;  // the flight recorder's name: "nccl:" and the lineage ("nccl:world/split#0")
   int flight_id = -1;       // the flight recorder's index of this communicator
 
@@ -317,7 +314,8 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     const ncclResult_t rc = ncclCommGetAsyncError(comm, &state);
     if (rc != ncclSuccess) return NcclFault{who() + ": " + op + ": ncclCommGetAsyncError failed: " + nccl_error_text(rc, comm) + where(file, line)};
     if (state != ncclSuccess && state != ncclInProgress)
-      return NcclFault{who() + ": " + op + ": asynchronous NCCL error: " + nccl_error_text(state, comm) + "; the communicator was aborted" + where(file, line)};
+      return NcclFault{who() + ": " + op + ": asynchronous NCCL error: " + nccl_error_text(state, comm) + "; the communicator was aborted" +
+                       where(file, line)};
     return std::nullopt;
   }
 
@@ -385,7 +383,7 @@ struct NcclState : std::enable_shared_from_this<NcclState> {
     for (;;) {
       {
         const std::lock_guard<std::recursive_mutex> lock(lane->mutex);  // not while pausing: the watcher looks too
-        check_usable(op);  // an aborted collective's event completes too: it must not look done
+        check_usable(op);                                               // an aborted collective's event completes too: it must not look done
         const cudaError_t q = cudaEventQuery(event);
         if (q == cudaSuccess) return;
         if (q != cudaErrorNotReady) throw_cuda_error("cudaEventQuery(completion event)", q, __FILE__, __LINE__);
@@ -531,7 +529,7 @@ void NcclLane::abort_all(const NcclFault& why, NcclState* first) {
 
 void NcclLane::watch_once() {
   const int dev = device;  // after the abort below nothing of the lane is touched (stop() may have let this thread go)
-  cudaSetDevice(dev);       // this thread's; the events and communicators are of this device
+  cudaSetDevice(dev);      // this thread's; the events and communicators are of this device
   std::vector<ncclComm_t> taken;
   NcclState* owner = nullptr;  // of the collective that failed: aborted first
   const auto found = watch_oldest_pending(

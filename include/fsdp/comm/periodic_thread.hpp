@@ -33,8 +33,7 @@ class PeriodicThread {
         lock.unlock();
         try {
           tick();
-        } catch (...) {
-        }
+        } catch (...) {}
         lock.lock();
       }
       shared->finished = true;

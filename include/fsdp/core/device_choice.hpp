@@ -26,7 +26,8 @@ inline int choose_device(int requested, int local_rank, int visible_count) {
     return requested;
   }
   if (visible_count == 1) return 0;
-  if (local_rank < 0) throw ConfigError("this rank sees " + std::to_string(visible_count) + " devices and has no node-local rank to choose one (set the device)");
+  if (local_rank < 0)
+    throw ConfigError("this rank sees " + std::to_string(visible_count) + " devices and has no node-local rank to choose one (set the device)");
   return local_rank % visible_count;
 }
 

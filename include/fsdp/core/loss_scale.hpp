@@ -15,9 +15,9 @@
 namespace fsdp {
 
 struct LossScaleOptions {
-  double init_scale = 65536.0;         ///< 2^16
-  double growth_factor = 2.0;          ///< applied after growth_interval good steps in a row
-  double backoff_factor = 0.5;         ///< applied after a step with an inf or NaN gradient
+  double init_scale = 65536.0;          ///< 2^16
+  double growth_factor = 2.0;           ///< applied after growth_interval good steps in a row
+  double backoff_factor = 0.5;          ///< applied after a step with an inf or NaN gradient
   std::int64_t growth_interval = 2000;  ///< good steps in a row before the scale grows
   /// The floor: an overflow at this scale is not a range problem that backing off can cure (DeepSpeed's
   /// and Megatron's min_loss_scale); at_floor() tells the caller to treat it as a non-finite step.
@@ -60,7 +60,8 @@ class DynamicLossScale {
   /// The state a checkpoint kept. A run resumed with a shorter growth interval than the saved count
   /// starts counting again.
   void restore(double scale, std::int64_t good_steps) {
-    if (!(scale > 0) || !std::isfinite(scale)) throw ConfigError("loss scale: a saved scale must be positive and finite, got " + std::to_string(scale));
+    if (!(scale > 0) || !std::isfinite(scale))
+      throw ConfigError("loss scale: a saved scale must be positive and finite, got " + std::to_string(scale));
     if (good_steps < 0) throw ConfigError("loss scale: saved good steps " + std::to_string(good_steps) + " is negative");
     scale_ = std::max(scale, options_.min_scale);
     good_steps_ = good_steps < options_.growth_interval ? good_steps : 0;

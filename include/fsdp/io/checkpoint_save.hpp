@@ -362,7 +362,9 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
   const std::string created = broadcast_string(world, ckpt::utc_now());
   switch (options.state_dict_type) {
     case StateDictType::SHARDED_STATE_DICT: detail::write_sharded_file(engine, optimizer, tmp.string(), written, options, created, rows); break;
-    case StateDictType::FULL_STATE_DICT: detail::write_full_file(engine, optimizer, tmp.string(), written, options, created, written.deck, rows); break;
+    case StateDictType::FULL_STATE_DICT:
+      detail::write_full_file(engine, optimizer, tmp.string(), written, options, created, written.deck, rows);
+      break;
     case StateDictType::LOCAL_STATE_DICT: {
       const auto file = tmp / ckpt::local_rank_file(world.rank());
       error = detail::write_local_file(engine, optimizer, file.string(), written, options, created, written.deck, rows);

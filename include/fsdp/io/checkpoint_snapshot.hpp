@@ -164,7 +164,8 @@ class CheckpointSnapshot {
     }
     if (optimizer_->param_groups().size() != live->param_groups().size())
       throw CheckpointError("checkpoint snapshot: the optimizer's parameter groups changed since the first capture");
-    for (std::size_t g = 0; g < live->param_groups().size(); ++g) optimizer_->param_groups()[g].set_options(live->param_groups()[g].options().clone());
+    for (std::size_t g = 0; g < live->param_groups().size(); ++g)
+      optimizer_->param_groups()[g].set_options(live->param_groups()[g].options().clone());
     optimizer_->state().clear();
     for (std::size_t k = 0; k < live_units.size(); ++k) {
       auto view = detail::unit_optimizer_state(live, live_units[k]);
@@ -205,7 +206,7 @@ class CheckpointSnapshot {
   }
 
   MpiComm world_, shard_, replica_;
-  std::vector<ShardedUnit> units_;                            // the engine's, with staged shards
+  std::vector<ShardedUnit> units_;                                   // the engine's, with staged shards
   std::vector<std::map<std::string, torch::Tensor>> optim_staging_;  // per unit: state name -> staged tensor
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   bool has_optimizer_ = false;

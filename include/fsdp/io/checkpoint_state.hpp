@@ -208,15 +208,16 @@ std::vector<RankRow> rank_local_buffer_rows(Comm& comm, const std::vector<std::p
   const auto n = static_cast<std::int64_t>(buffers.size());
   std::vector<torch::Tensor> bytes;
   std::vector<std::int64_t> high(static_cast<std::size_t>(2 * n));  // max of the hash, then max of its negation
-  agree(comm, capture_error([&] {  // a failed copy on one rank: every rank stops here, none waits below
-    for (std::int64_t i = 0; i < n; ++i) {
-      bytes.push_back(bytes_of(buffers[static_cast<std::size_t>(i)].second));
-      const auto& b = bytes.back();
-      const auto hash = static_cast<std::int64_t>(fnv1a64(std::string_view(static_cast<const char*>(b.data_ptr()), static_cast<std::size_t>(b.numel()))) >> 1);
-      high[static_cast<std::size_t>(i)] = hash;
-      high[static_cast<std::size_t>(n + i)] = -hash;
-    }
-  }));
+  agree(comm, capture_error([&] {                                   // a failed copy on one rank: every rank stops here, none waits below
+          for (std::int64_t i = 0; i < n; ++i) {
+            bytes.push_back(bytes_of(buffers[static_cast<std::size_t>(i)].second));
+            const auto& b = bytes.back();
+            const auto hash = static_cast<std::int64_t>(
+                fnv1a64(std::string_view(static_cast<const char*>(b.data_ptr()), static_cast<std::size_t>(b.numel()))) >> 1);
+            high[static_cast<std::size_t>(i)] = hash;
+            high[static_cast<std::size_t>(n + i)] = -hash;
+          }
+        }));
   comm.all_reduce(high.data(), high.data(), 2 * n, DType::kInt64, ReduceOp::kMax);
   for (std::int64_t i = 0; i < n; ++i)
     if (high[static_cast<std::size_t>(i)] != -high[static_cast<std::size_t>(n + i)])
@@ -224,11 +225,10 @@ std::vector<RankRow> rank_local_buffer_rows(Comm& comm, const std::vector<std::p
   return rows;
 }
 
-
 // Shared with the offline tools: "[2, 3]" and the logical shape of a stored tensor (0-d tensors are
 // stored with dims {1} and attribute scalar=1).
-using ckpt::detail::logical_shape;
 using ckpt::shape_text;
+using ckpt::detail::logical_shape;
 
 /// The element type of a stored tensor (uint8 datasets with attribute dtype = "bool" are bool).
 inline h5::ElementType tensor_element_type(hid_t dataset, const std::string& where) {

@@ -62,7 +62,6 @@ inline std::int64_t numel(const std::vector<std::int64_t>& shape) {
   return n;
 }
 
-
 /// An attribute as text: strings as is, numbers and arrays of them comma separated.
 inline std::string attribute_text(hid_t obj, const std::string& name, const std::string& where) {
   h5::Id attr = h5::open_attribute(obj, name, where);
@@ -106,8 +105,8 @@ inline std::vector<double> read_all_as_double(hid_t ds, const std::string& where
 /// Reads `ds` block by block (at most ~64 MiB at a time) so every chunk's checksum is verified.
 /// The per-rank datasets' layout (/rng/..., /rank_local/...): one row of `n` bytes per rank, in rank
 /// order, [world, n] uint8. Creates `dataset` and writes rows [first_row, first_row + rows) from `bytes`.
-inline void write_rank_rows_bytes(hid_t file, const std::string& dataset, std::int64_t world, std::int64_t n, std::int64_t first_row, std::int64_t rows,
-                                  const void* bytes, hid_t dxpl) {
+inline void write_rank_rows_bytes(hid_t file, const std::string& dataset, std::int64_t world, std::int64_t n, std::int64_t first_row,
+                                  std::int64_t rows, const void* bytes, hid_t dxpl) {
   h5::Id ds = h5::create_dataset(file, dataset, h5::ElementType::kUInt8, {world, n});
   h5::write_flat_range(ds, {world, n}, first_row * n, (first_row + rows) * n, h5::ElementType::kUInt8, bytes, dxpl, dataset);
 }
@@ -412,8 +411,10 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
         for (std::int64_t r = 0; r < world; ++r) {
           const std::string pr = dir + "/" + local_rank_file(static_cast<int>(r));
           h5::Id ds = h5::open_dataset(all[static_cast<std::size_t>(r)], dataset, pr);
-          if (h5::dataset_dims(ds) != std::vector<std::int64_t>{1, n}) throw CheckpointError("checkpoint '" + pr + "' dataset " + dataset + " has another size than rank 0's");
-          h5::read_flat_range(ds, {1, n}, 0, n, h5::ElementType::kUInt8, rows[static_cast<std::size_t>(r)].data(), "checkpoint '" + pr + "' dataset " + dataset);
+          if (h5::dataset_dims(ds) != std::vector<std::int64_t>{1, n})
+            throw CheckpointError("checkpoint '" + pr + "' dataset " + dataset + " has another size than rank 0's");
+          h5::read_flat_range(ds, {1, n}, 0, n, h5::ElementType::kUInt8, rows[static_cast<std::size_t>(r)].data(),
+                              "checkpoint '" + pr + "' dataset " + dataset);
         }
         write_rows(dataset, n, rows);
       }

@@ -77,9 +77,7 @@ inline void write_flat_range(hid_t dataset, const std::vector<std::int64_t>& sha
   check(H5Dwrite(dataset, mem_type, sel.mem_space, sel.file_space, dxpl, base), "cannot write " + where);
 }
 
-inline std::string coordinates_text(const std::vector<hsize_t>& at) {
-  return "[" + comma_separated(at) + "]";
-}
+inline std::string coordinates_text(const std::vector<hsize_t>& at) { return "[" + comma_separated(at) + "]"; }
 
 /// Refuses a chunked dataset whose stored chunks cannot be what a checkpoint writer produced before
 /// HDF5 decodes them: libhdf5 1.10's Fletcher32 filter reads out of bounds on a chunk shorter than its
@@ -126,8 +124,8 @@ inline void check_stored_chunks(hid_t dataset, const std::vector<Box>& boxes, co
         check(H5Dget_chunk_info_by_coord(dataset, offset.data(), &filter_mask, &address, &stored), "cannot read " + where + " (corrupt chunk index)");
         const bool allocated = address != HADDR_UNDEF;  // a stored size of 0 at an address is damage too
         if (allocated && (filter_mask != 0 || stored < checksum_bytes || (filters == 1 && stored != chunk_bytes + checksum_bytes)))
-          throw CheckpointError("cannot read " + where + ": the chunk at " + coordinates_text(offset) + " is stored as " +
-                                std::to_string(stored) + " bytes with filter mask " + std::to_string(filter_mask) + ", expected " +
+          throw CheckpointError("cannot read " + where + ": the chunk at " + coordinates_text(offset) + " is stored as " + std::to_string(stored) +
+                                " bytes with filter mask " + std::to_string(filter_mask) + ", expected " +
                                 std::to_string(chunk_bytes + checksum_bytes) + " checksummed bytes (corrupt file)");
       }
       std::size_t d = chunk.size();

@@ -31,7 +31,7 @@ struct FlatUnit {
   torch::Tensor shard;      // this rank's part of the flat parameter over the shard group (gathered from)
   torch::Tensor optimized;  // leaf, requires grad: what the optimizer updates; `shard`, or its replica part (optimizer sharded over the world)
   std::int64_t replicas_synced_version = -1;  // shard's version counter when the replicas' parts were last all-gathered into it
-  torch::Tensor full;   // padded flat buffer; storage freed while resharded (group size > 1)
+  torch::Tensor full;                         // padded flat buffer; storage freed while resharded (group size > 1)
   bool gathered = false;
   std::int64_t gathered_version = 0;  // shard's version counter when `full` was last gathered
   int pending_backward = 0;           // UnitGather nodes of this unit not yet run in backward

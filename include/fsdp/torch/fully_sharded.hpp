@@ -253,7 +253,8 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   /// case the caller skips the optimizer step. Call after backward, before clip_grad_norm. Collective
   /// over all ranks, which all get the same answer.
   bool unscale_grads(double scale) {
-    if (!(scale > 0) || !std::isfinite(scale)) throw ConfigError("unscale_grads: the loss scale must be positive and finite, got " + std::to_string(scale));
+    if (!(scale > 0) || !std::isfinite(scale))
+      throw ConfigError("unscale_grads: the loss scale must be positive and finite, got " + std::to_string(scale));
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> finite;  // per unit, read once at the end: one host sync, not one per unit
     for (auto& u : units_) {
@@ -386,7 +387,7 @@ class FullyShardedDataParallel : public torch::nn::Module, private detail::Shard
   }
   /// Whether collectives can still run when a call returns (a GPU communicator's are stream-ordered),
   /// so that synchronize_collectives() must settle them before their results are read on the host.
-  static constexpr bool kCollectivesMayBePending = requires(Comm& c) { c.synchronize(); };
+  static constexpr bool kCollectivesMayBePending = requires(Comm & c) { c.synchronize(); };
 
   /// The dtype buffer `name` is checkpointed in: its own, from before MixedPrecision::buffer_dtype.
   c10::ScalarType checkpoint_buffer_dtype(const std::string& name, const torch::Tensor& buffer) const {

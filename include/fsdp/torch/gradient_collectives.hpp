@@ -20,8 +20,8 @@ namespace fsdp::detail {
 // `shard_grad` (null group: not sharded, `shard_grad` is `flat`), then across the replicas an
 // all-reduce of it, or with `part_grad` (optimizer sharded over the world) a reduce-scatter into that.
 template <class Comm>
-void reduce_gradient(Comm* shard_group, Comm* replica_group, const torch::Tensor& flat, const torch::Tensor& shard_grad,
-                     std::int64_t shard_numel, const torch::Tensor& part_grad, DType dt) {
+void reduce_gradient(Comm* shard_group, Comm* replica_group, const torch::Tensor& flat, const torch::Tensor& shard_grad, std::int64_t shard_numel,
+                     const torch::Tensor& part_grad, DType dt) {
   if (shard_group) shard_group->reduce_scatter(flat.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg);
   if (!replica_group) return;
   if (part_grad.defined())
@@ -49,9 +49,11 @@ std::shared_future<void> issue_gradient_reduction(Comm* shard_group, Comm* repli
     else
       requests->push_back(replica_group->iall_reduce(shard_grad.data_ptr(), shard_grad.data_ptr(), shard_numel, dt, ReduceOp::kAvg));
   }
-  return std::async(std::launch::deferred, [requests, flat, shard_grad, part_grad] {
-           for (auto& r : *requests) r.wait();
-         }).share();
+  return std::async(std::launch::deferred,
+                    [requests, flat, shard_grad, part_grad] {
+                      for (auto& r : *requests) r.wait();
+                    })
+      .share();
 }
 
 }  // namespace fsdp::detail

@@ -70,7 +70,9 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     if (const auto why = optimizer_sharding_problem(options_.sharding_strategy, options_.optimizer_sharding); !why.empty())
       throw ConfigError("optimizer_sharding = WORLD: " + why);
     if (optimizer_sharded_over_replicas() && options_.offload_params && comm_moves_device_memory<Comm>())
-      throw ConfigError("optimizer_sharding = WORLD with offload_params: the replicas' parts would be all-gathered in host memory, which this communicator cannot move");
+      throw ConfigError(
+          "optimizer_sharding = WORLD with offload_params: the replicas' parts would be all-gathered in host memory, which this communicator cannot "
+          "move");
     const int kept = options_.reshard_after_forward_group;
     if (kept != 0) {
       if (!reshard_after_forward())
@@ -197,8 +199,8 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       source = u.shard.detach().to(u.full.device(), u.full.scalar_type(), /*non_blocking=*/u.offloaded);
     }
     Comm& comm = from_kept ? *forward_group_comm_ : shard_comm_;
-    auto* worker_comm = from_kept ? (worker_forward_group_comm_ ? &*worker_forward_group_comm_ : nullptr)
-                                  : (worker_shard_comm_ ? &*worker_shard_comm_ : nullptr);
+    auto* worker_comm =
+        from_kept ? (worker_forward_group_comm_ ? &*worker_forward_group_comm_ : nullptr) : (worker_shard_comm_ ? &*worker_shard_comm_ : nullptr);
     const std::int64_t count = source.numel();
     if (u.layout.group_size() == 1) {
       torch::NoGradGuard no_grad;
@@ -210,12 +212,12 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       u.in_flight = std::async(std::launch::deferred, [request, source] { request->wait(); }).share();  // runs in finish_prefetch
     } else if (ahead) {
       ++overlap_.prefetched;
-      u.in_flight = worker_->submit([comm = worker_comm, source, out = u.full.data_ptr(), n = count,
-                                     dt = to_comm_dtype(u.full.scalar_type()), unit = u.info.index] {
-        CollectiveWatchdog::instance().set_unit(unit);
-        comm->all_gather(source.data_ptr(), out, n, dt);
-        CollectiveWatchdog::instance().set_unit(-1);
-      });
+      u.in_flight = worker_->submit(
+          [comm = worker_comm, source, out = u.full.data_ptr(), n = count, dt = to_comm_dtype(u.full.scalar_type()), unit = u.info.index] {
+            CollectiveWatchdog::instance().set_unit(unit);
+            comm->all_gather(source.data_ptr(), out, n, dt);
+            CollectiveWatchdog::instance().set_unit(-1);
+          });
     } else {
       ++overlap_.gathered_on_demand;
       const auto began = std::chrono::steady_clock::now();
@@ -274,7 +276,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     for (auto& u : units_) {
       u->entered = false;
       u->grafted_by_root = false;
-      u->kept_slice = torch::Tensor();  // kept for a backward that never came: the shard may have changed since
+      u->kept_slice = torch::Tensor();       // kept for a backward that never came: the shard may have changed since
       u->recomputed_grad = torch::Tensor();  // kept by a backward that threw before the unit's own node ran
     }
     // The root unit and every nested unit not known to be called through fsdp::forward (frozen
@@ -477,16 +479,19 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       Comm* shard_group = sharded && worker_shard_comm_ ? &*worker_shard_comm_ : nullptr;
       Comm* replica_group = worker_replica_comm_ ? &*worker_replica_comm_ : nullptr;
       if (worker_)
-        reductions_->submit(unit, sharded, [=] { reduce_gradient(shard_group, replica_group, flat, shard_grad, shard_numel, part_grad, dt); }, result);
+        reductions_->submit(
+            unit, sharded, [=] { reduce_gradient(shard_group, replica_group, flat, shard_grad, shard_numel, part_grad, dt); }, result);
       else
-        reductions_->submit_issued(unit, sharded, issue_gradient_reduction(shard_group, replica_group, flat, shard_grad, shard_numel, part_grad, dt), result);
+        reductions_->submit_issued(unit, sharded, issue_gradient_reduction(shard_group, replica_group, flat, shard_grad, shard_numel, part_grad, dt),
+                                   result);
       release_after_backward(u);
       trace_unit_span(u.backward_began_us, "backward ", u);
       return torch::Tensor();
     }
     ++overlap_.reductions_synchronous;
     CollectiveWatchdog::instance().set_unit(u.info.index);
-    reduce_gradient(sharded ? &shard_comm_ : nullptr, replica_comm_.size() > 1 ? &replica_comm_ : nullptr, flat, shard_grad, shard_numel, part_grad, dt);
+    reduce_gradient(sharded ? &shard_comm_ : nullptr, replica_comm_.size() > 1 ? &replica_comm_ : nullptr, flat, shard_grad, shard_numel, part_grad,
+                    dt);
     CollectiveWatchdog::instance().set_unit(-1);
     release_after_backward(u);
     trace_unit_span(u.backward_began_us, "backward ", u);
@@ -576,7 +581,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   // (as PyTorch's collectives use the caller's current stream), not the legacy default stream. Every
   // group shares the world's stream, so setting it there sets it for all.
   void order_collectives_with_current_stream() {
-    if constexpr (requires(Comm& c, std::function<void(void*)> f) { c.set_compute_stream_order(f, f); }) {
+    if constexpr (requires(Comm & c, std::function<void(void*)> f) { c.set_compute_stream_order(f, f); }) {
       if (!compute_device_.is_cuda()) return;
       auto order = current_stream_order(compute_device_);
       world_.set_compute_stream_order(std::move(order.record), std::move(order.wait));
@@ -614,13 +619,13 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   Comm replica_comm_ = world_;
   FsdpOptions options_;
   torch::Device compute_device_{torch::kCPU};
-  std::optional<Comm> worker_shard_comm_;                   // the worker's duplicate of the shard group
-  std::optional<Comm> worker_replica_comm_;                 // the worker's duplicate of the replica group
-  std::optional<Comm> forward_group_comm_;                  // reshard_after_forward_group: this rank's group inside the shard group
-  std::optional<Comm> worker_forward_group_comm_;           // ... and the worker's duplicate of it
-  std::unique_ptr<CollectiveWorker> worker_;                // runs prefetched all-gathers and overlapped reductions
+  std::optional<Comm> worker_shard_comm_;             // the worker's duplicate of the shard group
+  std::optional<Comm> worker_replica_comm_;           // the worker's duplicate of the replica group
+  std::optional<Comm> forward_group_comm_;            // reshard_after_forward_group: this rank's group inside the shard group
+  std::optional<Comm> worker_forward_group_comm_;     // ... and the worker's duplicate of it
+  std::unique_ptr<CollectiveWorker> worker_;          // runs prefetched all-gathers and overlapped reductions
   std::unique_ptr<OverlappedReductions> reductions_;  // ... and wait there until the end of backward
-  ExecutionOrder order_;                                    // which unit to prefetch next
+  ExecutionOrder order_;                              // which unit to prefetch next
   OverlapStats overlap_;
   std::vector<std::unique_ptr<FlatUnit>> units_;
   std::int64_t engine_id_ = 0;
