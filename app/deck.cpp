@@ -302,15 +302,6 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
                          (token_data ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (model.kind is " + format_value(model.value) + ")");
     }
   }
-  {
-    const Entry& group = deck.entry("fsdp.shard_group_size");
-    const std::string& strategy = deck.get_string("fsdp.sharding_strategy");
-    const auto& names = find_key("fsdp.sharding_strategy")->choices;
-    const bool known = std::find(names.begin(), names.end(), strategy) != names.end();  // else its own problem is reported
-    if (deck.get_int("fsdp.shard_group_size") != 0 && known && !fsdp::is_hybrid(fsdp::parse_sharding_strategy(strategy)))
-      problems.push_back(where(group) + ": fsdp.shard_group_size: applies to HYBRID_SHARD and HYBRID_SHARD_ZERO2 only (fsdp.sharding_strategy is \"" +
-                         strategy + "\"); leave it at 0");
-  }
   if (transformer) {
     const std::int64_t d = deck.get_int("model.d_model"), h = deck.get_int("model.n_heads");
     if (d % h != 0) {

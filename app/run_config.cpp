@@ -230,7 +230,9 @@ FsdpSection resolve_fsdp_section(const Deck& deck, const Placement& placement, c
   f.reshard_after_forward = f.reshard_after_forward_asked.value_or(reshard_after_forward_default(f.sharding_strategy));
   f.shard_group_size_requested = static_cast<int>(deck.get_int("fsdp.shard_group_size"));
   const int group = f.shard_group_size_requested;
-  if (group > 0 && placement.world_size % group != 0)
+  // Which strategies take a group size, and what it must be, is the core's rule (shard_group_size());
+  // a hybrid group that does not divide the world is said here in the deck's words.
+  if (is_hybrid(f.sharding_strategy) && group > 0 && placement.world_size % group != 0)
     throw DeckError(blame(deck, "fsdp.shard_group_size") + std::to_string(group) + " does not divide the world size " +
                     std::to_string(placement.world_size));
   try {

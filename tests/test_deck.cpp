@@ -605,6 +605,21 @@ BOOST_AUTO_TEST_CASE(resolved_config_names_a_shard_group_that_does_not_divide_th
   }
 }
 
+BOOST_AUTO_TEST_CASE(a_group_size_for_a_strategy_that_takes_none_follows_the_cores_rule) {
+  // The core's rule (shard_group_size()): FULL_SHARD's shard group is the world, so the world size
+  // itself is accepted and any other size refused, named by its key; the deck alone says nothing.
+  const auto deck = Deck::parse("[fsdp]\nsharding_strategy = \"FULL_SHARD\"\nshard_group_size = 2\n", "inputs/a.toml", {});
+  BOOST_TEST(resolve_run_config(deck, placement_of(2, 2)).fsdp.shard_group_size == 2);
+  try {
+    resolve_run_config(deck, placement_of(4, 4));
+    BOOST_FAIL("FULL_SHARD with a shard group of 2 in a world of 4 resolved");
+  } catch (const DeckError& e) {
+    const std::string what = e.what();
+    BOOST_TEST(what.find("inputs/a.toml:3: fsdp.shard_group_size:") != std::string::npos, what);
+    BOOST_TEST(what.find("applies to the hybrid strategies only (strategy is FULL_SHARD)") != std::string::npos, what);
+  }
+}
+
 BOOST_AUTO_TEST_CASE(resolved_config_splits_the_layer_classes) {
   const auto deck = Deck::parse("[fsdp]\ntransformer_layer_cls_to_wrap = \"A, B ,C\"\n", "inputs/a.toml", {});
   const auto cfg = resolve_run_config(deck, placement_of(1, 1));
