@@ -228,6 +228,17 @@ std::string unknown_key_message(const std::string& key) {
 }
 
 /// Parses one "section.key=value" override into (spec, value); issues are "<key>: <message>".
+/// Whether `raw` holds a run of 19 digits or more (underscores allowed): called once TOML refused the
+/// value, that is a number too large for a 64-bit integer, which --set would otherwise call a string.
+bool has_overlong_integer(const std::string& raw) {
+  std::size_t run = 0;
+  for (char c : raw) {
+    run = std::isdigit(static_cast<unsigned char>(c)) ? run + 1 : (c == '_' ? run : 0);
+    if (run >= 19) return true;
+  }
+  return false;
+}
+
 std::optional<std::pair<const KeySpec*, Value>> parse_override(const std::string& text, std::vector<Issue>& issues) {
   const auto eq = text.find('=');
   if (eq == std::string::npos) {
@@ -260,6 +271,11 @@ std::optional<std::pair<const KeySpec*, Value>> parse_override(const std::string
     }
   } catch (const toml::parse_error&) {}
   if (!parsed) {
+    if ((spec->type == KeyType::kInt || spec->type == KeyType::kIntArray) && has_overlong_integer(raw)) {
+      issues.push_back({spec->key + ": " + raw + ": a number too large for a 64-bit integer" +
+                        (spec->max ? " (at most " + format_number(*spec->max) + " here)" : std::string())});
+      return std::nullopt;
+    }
     if (spec->type != KeyType::kString) {
       issues.push_back({spec->key + ": expected " + expected(spec->type) + ", got a string (" + toml_string(raw) + ")"});
       return std::nullopt;

@@ -36,11 +36,12 @@ void add_run_keys(std::vector<KeySpec>& s) {
                .default_value = I{1},
                .min = 0,
                .description = "random seed: initial weights (the same on every rank), data order, dropout"});
-  s.push_back({.key = "run.epochs", .type = T::kInt, .default_value = I{2}, .min = 1, .description = "passes over the training data"});
+  s.push_back({.key = "run.epochs", .type = T::kInt, .default_value = I{2}, .min = 1, .max = 1e6, .description = "passes over the training data"});
   s.push_back({.key = "run.max_steps",
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1e12,
                .description = "stop after this many optimizer steps; 0: run all of run.epochs"});
   s.push_back({.key = "run.out_dir",
                .type = T::kString,
@@ -50,6 +51,7 @@ void add_run_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 4096,
                .description = "intra-op threads per rank; 0: the node's cores divided by the ranks on the node"});
   s.push_back({.key = "run.malloc",
                .type = T::kString,
@@ -95,21 +97,35 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .type = T::kIntArray,
                .default_value = Ints{512, 256},
                .min = 1,
+               .max = 1e8,
                .description = "mlp: widths of the hidden layers"});
+  s.push_back({.key = "model.vocab_size",
+               .type = T::kInt,
+               .default_value = I{256},
+               .min = 1,
+               .max = 1e9,
+               .description = "transformer: vocabulary size (256: bytes)"});
   s.push_back(
-      {.key = "model.vocab_size", .type = T::kInt, .default_value = I{256}, .min = 1, .description = "transformer: vocabulary size (256: bytes)"});
-  s.push_back({.key = "model.context", .type = T::kInt, .default_value = I{64}, .min = 1, .description = "transformer: tokens per sequence"});
+      {.key = "model.context", .type = T::kInt, .default_value = I{64}, .min = 1, .max = 1e7, .description = "transformer: tokens per sequence"});
   s.push_back({.key = "model.d_model",
                .type = T::kInt,
                .default_value = I{128},
                .min = 1,
+               .max = 1e6,
                .description = "transformer: width of the residual stream, a multiple of model.n_heads"});
-  s.push_back({.key = "model.n_heads", .type = T::kInt, .default_value = I{4}, .min = 1, .description = "transformer: attention heads per block"});
-  s.push_back({.key = "model.n_layers", .type = T::kInt, .default_value = I{4}, .min = 1, .description = "transformer: number of blocks"});
+  s.push_back({.key = "model.n_heads",
+               .type = T::kInt,
+               .default_value = I{4},
+               .min = 1,
+               .max = 1e5,
+               .description = "transformer: attention heads per block"});
+  s.push_back(
+      {.key = "model.n_layers", .type = T::kInt, .default_value = I{4}, .min = 1, .max = 1e5, .description = "transformer: number of blocks"});
   s.push_back({.key = "model.mlp_ratio",
                .type = T::kInt,
                .default_value = I{4},
                .min = 1,
+               .max = 1000,
                .description = "transformer: width of each block's MLP as a multiple of model.d_model"});
   s.push_back({.key = "model.tie_embeddings",
                .type = T::kBool,
@@ -119,6 +135,7 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{1},
                .min = 1,
+               .max = 1e6,
                .description = "transformer: the embedding and output rows are model.vocab_size rounded up to this multiple (llm.c: 50257 "
                               "-> 50304 with 64); the padding is cut from the logits, so it never enters the loss, and from exports"});
   s.push_back({.key = "model.activation",
@@ -145,18 +162,24 @@ void add_data_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{64},
                .min = 1,
+               .max = 1e8,
                .description = "training samples per rank and micro-batch (the global batch is batch_size x ranks x "
                               "optim.grad_accum_steps); with data.global_batch_size, the largest micro-batch per rank"});
   s.push_back({.key = "data.global_batch_size",
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1e12,
                .description = "samples per optimizer step over all ranks, whatever the world size (torchtitan's name): each rank "
                               "takes micro-batches of at most data.batch_size and accumulates as many as needed, so a run resumed "
                               "on fewer or more ranks continues the same training; 0: data.batch_size x ranks x "
                               "optim.grad_accum_steps"});
-  s.push_back(
-      {.key = "data.test_batch_size", .type = T::kInt, .default_value = I{1000}, .min = 1, .description = "evaluation samples per rank and batch"});
+  s.push_back({.key = "data.test_batch_size",
+               .type = T::kInt,
+               .default_value = I{1000},
+               .min = 1,
+               .max = 1e8,
+               .description = "evaluation samples per rank and batch"});
   s.push_back({.key = "data.shuffle",
                .type = T::kBool,
                .default_value = true,
@@ -165,19 +188,26 @@ void add_data_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1024,
                .description = "background loading threads per rank; 0: load on the training thread"});
   s.push_back({.key = "data.train_samples",
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1e15,
                .description = "use only the first this many training samples (sequences for tokens and text); 0: all"});
   s.push_back({.key = "data.test_samples",
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1e15,
                .description = "use only the first this many test samples; 0: all"});
-  s.push_back(
-      {.key = "data.num_samples", .type = T::kInt, .default_value = I{4096}, .min = 1, .description = "tokens: number of synthetic sequences"});
+  s.push_back({.key = "data.num_samples",
+               .type = T::kInt,
+               .default_value = I{4096},
+               .min = 1,
+               .max = 1e9,
+               .description = "tokens: number of synthetic sequences"});
   s.push_back({.key = "data.val_path",
                .type = T::kString,
                .default_value = "",
@@ -253,6 +283,7 @@ void add_optimizer_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1e12,
                .description = "linear warmup from 0 to optim.lr over this many optimizer steps"});
   s.push_back({.key = "optim.clip_grad_norm",
                .type = T::kFloat,
@@ -267,6 +298,7 @@ void add_gradient_accumulation_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{1},
                .min = 1,
+               .max = 1e6,
                .description = "micro-batches accumulated per optimizer step"});
   s.push_back({.key = "optim.accum_reduce",
                .type = T::kString,
@@ -296,6 +328,7 @@ void add_sharding_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{100000},
                .min = 1,
+               .max = 1e15,
                .description = "SIZE_BASED_WRAP: wrap a submodule holding at least this many parameters"});
   s.push_back({.key = "fsdp.transformer_layer_cls_to_wrap",
                .type = T::kString,
@@ -322,6 +355,7 @@ void add_sharding_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{1},
                .min = 0,
+               .max = 1e6,
                .description = "at most this many prefetched units in flight or gathered ahead of use (bounds the memory "
                               "prefetching adds); 0: no limit"});
   s.push_back({.key = "fsdp.overlap_grad_reduce",
@@ -347,6 +381,7 @@ void add_sharding_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1e6,
                .description = "hybrid strategies: ranks per shard group; 0: the ranks of a node"});
   s.push_back({.key = "fsdp.optimizer_sharding",
                .type = T::kString,
@@ -393,6 +428,7 @@ void add_precision_and_backend_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{2000},
                .min = 1,
+               .max = 1e12,
                .description = "fp16: good steps in a row before the loss scale doubles"});
   s.push_back({.key = "fsdp.activation_checkpointing",
                .type = T::kBool,
@@ -428,6 +464,7 @@ void add_precision_and_backend_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{-1},
                .min = -1,
+               .max = 1024,
                .description = "backend nccl: the CUDA device index every rank uses (after CUDA_VISIBLE_DEVICES); -1: the only "
                               "visible device when a rank sees one (srun --gpus-per-task=1, --gpu-bind), else the node-local rank "
                               "modulo the visible devices (mpirun, srun showing every GPU)"});
@@ -439,6 +476,7 @@ void add_comm_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{2000},
                .min = 0,
+               .max = 1e8,
                .description = "each rank keeps its last this many collectives and dumps them to <run.out_dir>/flight_rank<R>.json "
                               "when a collective deadline fires, a fatal signal arrives or the job ends on an error; the deadline's "
                               "message names the first collective at which the ranks parted (docs/reliability.md); 0: off"});
@@ -458,6 +496,7 @@ void add_checkpoint_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1e12,
                .description = "save every this many optimizer steps; 0: only at the end (checkpoint.save_final)"});
   s.push_back({.key = "checkpoint.state_dict_type",
                .type = T::kString,
@@ -469,6 +508,7 @@ void add_checkpoint_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1e6,
                .description = "keep the newest this many checkpoints; 0: keep all"});
   s.push_back({.key = "checkpoint.resume",
                .type = T::kString,
@@ -524,18 +564,24 @@ void add_eval_keys(std::vector<KeySpec>& s) {
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1e12,
                .description = "evaluate every this many optimizer steps and after the last; 0: after every epoch"});
   s.push_back({.key = "eval.max_batches",
                .type = T::kInt,
                .default_value = I{0},
                .min = 0,
+               .max = 1e12,
                .description = "evaluate on at most this many batches (data.test_batch_size per rank) of the evaluation split; 0: all"});
 }
 
 void add_log_keys(std::vector<KeySpec>& s) {
   using T = KeyType;
-  s.push_back(
-      {.key = "log.every_steps", .type = T::kInt, .default_value = I{10}, .min = 1, .description = "print the loss every this many optimizer steps"});
+  s.push_back({.key = "log.every_steps",
+               .type = T::kInt,
+               .default_value = I{10},
+               .min = 1,
+               .max = 1e12,
+               .description = "print the loss every this many optimizer steps"});
   s.push_back({.key = "log.progress",
                .type = T::kString,
                .default_value = "auto",

@@ -2,6 +2,7 @@
 #include "run_config.hpp"
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 
 #include <algorithm>
@@ -295,6 +296,53 @@ CheckpointSection resolve_checkpoint_section(const Deck& deck, const RunSection&
   return ckpt;
 }
 
+/// Whether a model and batch of these sizes can be addressed at all: the parameters' training state
+/// and a step's activations, estimated in long double before any 64-bit arithmetic (the planner's,
+/// the engine's, the data's). Past 2^60 bytes (an exbibyte) no run is possible and that arithmetic
+/// would overflow: a DeckError naming the keys instead.
+void check_sizes_are_addressable(const Deck& deck, const ModelSection& model, const DataSection& data) {
+  constexpr long double kLimit = 1152921504606846976.0L;  // 2^60
+  const long double batch = static_cast<long double>(std::max(data.batch_size, data.test_batch_size));
+  long double params = 0, activations = 0;  // elements
+  std::string sizes;
+  switch (model.kind) {
+    case ModelKind::kCnn: return;  // fixed sizes; the batch's own cap keeps it small
+    case ModelKind::kMlp: {
+      long double in = 784;
+      for (const auto h : model.hidden_sizes) {
+        params += in * static_cast<long double>(h) + static_cast<long double>(h);
+        activations += 4 * batch * static_cast<long double>(h);
+        in = static_cast<long double>(h);
+      }
+      params += in * 10 + 10;
+      sizes = "model.hidden_sizes";
+      break;
+    }
+    case ModelKind::kTransformer: {
+      const GptConfig c = gpt_config(model);
+      const long double V = static_cast<long double>(c.padded_vocab()), T = static_cast<long double>(c.context),
+                        D = static_cast<long double>(c.d_model), L = static_cast<long double>(c.n_layers), R = static_cast<long double>(c.mlp_ratio),
+                        H = static_cast<long double>(c.n_heads);
+      params = V * D * (c.tie_embeddings ? 1 : 2) + T * D + L * ((4 + 2 * R) * D * D + (9 + R) * D) + 2 * D;
+      activations = batch * T * (L * (12 + 2 * R) * D + 3 * L * H * T + 2 * V);
+      sizes = "model.vocab_size, model.context, model.d_model, model.n_layers, model.mlp_ratio";
+      break;
+    }
+  }
+  char text[160];
+  if (16 * params > kLimit) {
+    std::snprintf(text, sizeof text, "about %.3Lg parameters, whose training state would take %.3Lg bytes", params, 16 * params);
+    throw DeckError(deck.path() + ": [model]: the deck's " + to_string(model.kind) + " has " + text + " (" + sizes +
+                    "): more than the 2^60 bytes any program here can address");
+  }
+  if (4 * activations > kLimit) {
+    std::snprintf(text, sizeof text, "about %.3Lg bytes of activations per rank", 4 * activations);
+    throw DeckError(blame(deck, "data.batch_size") + std::to_string(data.batch_size) + " (data.test_batch_size " +
+                    std::to_string(data.test_batch_size) + ") with this model needs " + text +
+                    ": more than the 2^60 bytes any program here can address");
+  }
+}
+
 LogSection resolve_log_section(const Deck& deck) {
   LogSection log;
   log.every_steps = deck.get_int("log.every_steps");
@@ -312,6 +360,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   c.run = resolve_run_section(deck, placement);
   c.model = resolve_model_section(deck);
   c.data = resolve_data_section(deck);
+  check_sizes_are_addressable(deck, c.model, c.data);
   c.optim = resolve_optim_section(deck, placement, c.data);
   c.fsdp = resolve_fsdp_section(deck, placement, c.run, c.model);
   c.comm.timeout_s = deck.get_float("comm.timeout_s");

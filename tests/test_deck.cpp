@@ -789,3 +789,38 @@ BOOST_AUTO_TEST_CASE(a_run_that_does_not_fit_is_told_what_would) {
   BOOST_TEST(text.find("fsdp.sharding_strategy = \"FULL_SHARD\"") != std::string::npos, text);  // sharding the state saves its copies
   BOOST_TEST(text.find("data.batch_size = ") != std::string::npos, text);
 }
+
+// No number, however large, crashes a program: every size key has a maximum, a number past 64 bits is
+// said to be one (not "a string"), and a model or batch past what can be addressed is refused by key
+// before any 64-bit arithmetic (fsdp-plan crashed in its memory planner on data.batch_size = 2^62).
+BOOST_AUTO_TEST_CASE(huge_numbers_are_refused_by_key_before_any_arithmetic) {
+  BOOST_TEST(problem_of("", {"data.batch_size=4611686018427387904"}) ==
+             "--set data.batch_size=4611686018427387904: data.batch_size: 4611686018427387904 is above the maximum 100000000");
+  BOOST_TEST(problem_of("", {"data.batch_size=46116860184273879040"}) ==
+             "--set data.batch_size=46116860184273879040: data.batch_size: 46116860184273879040: a number too large for a 64-bit integer (at most "
+             "100000000 here)");
+  BOOST_TEST(starts_with(problem_of("", {"model.hidden_sizes=[12, 46116860184273879040]"}),
+                         "--set model.hidden_sizes=[12, 46116860184273879040]: model.hidden_sizes: [12, 46116860184273879040]: a number too large"));
+  BOOST_TEST(problem_of("[model]\nhidden_sizes = [4.6e18]\n") ==
+             "inputs/a.toml:2: model.hidden_sizes[0]: expected an integer, got a float (4.6e+18)");
+  for (const auto& s : deck_schema())
+    if (s.type == KeyType::kInt && s.key != "run.seed") BOOST_TEST(s.max.has_value(), s.key << " has no maximum");
+  auto resolve_error = [](const std::string& text) -> std::string {
+    try {
+      resolve_run_config(Deck::parse(text, "inputs/a.toml", {}), Placement{});
+    } catch (const DeckError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  auto gpt = [](const std::string& model, const std::string& data) {
+    return "[model]\nkind = \"transformer\"\n" + model + "[data]\nkind = \"tokens\"\n" + data;
+  };
+  const auto model = resolve_error(gpt("d_model = 1000000\nn_layers = 100000\n", ""));
+  BOOST_TEST(model.find("inputs/a.toml: [model]: the deck's transformer has about 1.2e+18 parameters") != std::string::npos, model);
+  BOOST_TEST(model.find("more than the 2^60 bytes") != std::string::npos, model);
+  const auto batch = resolve_error(gpt("context = 10000000\n", "batch_size = 100000\n"));
+  BOOST_TEST(batch.find("inputs/a.toml:6: data.batch_size: 100000 (data.test_batch_size 1000) with this model needs about") != std::string::npos,
+             batch);
+  BOOST_TEST(resolve_error(gpt("", "")).empty());
+}
