@@ -17,6 +17,7 @@
 
 #include "deck.hpp"
 #include "run_config.hpp"
+#include "fsdp/output_file.hpp"
 #include "fsdp/version.hpp"
 
 namespace fs = std::filesystem;
@@ -99,13 +100,6 @@ std::string joined(const std::vector<std::string>& v) {
   return out;
 }
 
-void write_file(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-  out.close();
-  if (!out) throw std::runtime_error("cannot write '" + path.string() + "'");
-}
-
 /// Every point of the grid over `base`, each validated; a UsageError listing every invalid point
 /// (nothing is written then).
 std::vector<Point> grid_points(const Deck& base, const std::vector<Axis>& axes, const std::string& out) {
@@ -168,10 +162,10 @@ int write_points(const std::vector<Point>& points, const std::string& out) {
     fs::create_directories(fs::path(out) / "decks");
     std::string tsv = "index\toverrides\tdeck\tout_dir\n";
     for (std::size_t i = 0; i < points.size(); ++i) {
-      write_file(points[i].deck_path, points[i].toml);
+      fsdp::write_file_atomically(points[i].deck_path, points[i].toml);
       tsv += std::to_string(i) + "\t" + joined(points[i].overrides) + "\t" + points[i].deck_path + "\t" + points[i].out_dir + "\n";
     }
-    write_file(manifest, tsv);
+    fsdp::write_file_atomically(manifest, tsv);  // last: a manifest names decks that exist
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fsdp-sweep: %s\n", e.what());
     return 1;

@@ -119,7 +119,10 @@ int run(MpiComm& world, const std::string& deck_path, const std::vector<std::str
     Trainer<Comm> trainer(setup);
     trainer.build();
     if (dry_run) return trainer.dry_run();
-    if (!trainer.resume()) return 0;
+    if (!trainer.resume()) {
+      trainer.finish_completed_run();
+      return 0;
+    }
     trainer.train();
     trainer.finish();
     return 0;
@@ -150,6 +153,7 @@ int main(int argc, char** argv) {
       return kExitBadInput;
     }
   }
+  end_with_the_launcher();
   std::unique_ptr<fsdp::MpiEnvironment> env;
   try {
     // MPI_THREAD_MULTIPLE: prefetched all-gathers run on the engine's collective worker thread.

@@ -17,6 +17,7 @@
 
 #include "fsdp/errors.hpp"
 #include "fsdp/io/tensor_naming.hpp"
+#include "fsdp/output_file.hpp"
 #include "choices.hpp"
 #include "gpt_config.hpp"
 
@@ -103,17 +104,11 @@ inline std::string hf_torch_dtype(ExportDtype export_dtype) {
   return "float32";
 }
 
-/// Writes `folder`/config.json (under a temporary name, then renamed).
+/// Writes `folder`/config.json (atomically; OutputError on failure); an empty `folder` is the current one.
 inline void write_hf_gpt2_config(const std::filesystem::path& folder, const GptConfig& c, ExportDtype export_dtype) {
-  std::filesystem::create_directories(folder);
-  const auto tmp = folder / ".config.json.tmp";
-  {
-    std::ofstream out(tmp);
-    out << hf_gpt2_config(c, hf_torch_dtype(export_dtype)).dump(2) << "\n";
-    out.flush();
-    if (!out) throw CheckpointError("cannot write '" + tmp.string() + "': " + std::strerror(errno));
-  }
-  std::filesystem::rename(tmp, folder / "config.json");
+  const std::filesystem::path dir = folder.empty() ? std::filesystem::path(".") : folder;  // a bare file name: the current folder
+  std::filesystem::create_directories(dir);
+  fsdp::write_file_atomically(dir / "config.json", hf_gpt2_config(c, hf_torch_dtype(export_dtype)).dump(2) + "\n");
 }
 
 /// Where an export goes: `path` itself when it names a .safetensors file, else model.safetensors in

@@ -79,6 +79,11 @@ run(2 ${train2} ${WORK_DIR}/missing.toml)
 expect_in("${last_output}" "missing.toml")
 run(2 ${train2} ${DECK} --set fsdp.backward_prefetch=SOMETIMES)
 expect_in("${last_output}" "fsdp.backward_prefetch")
+# A run directory or the `latest` file given as a checkpoint is named as what it is.
+run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/from_run --set checkpoint.init_from=${WORK_DIR}/smoke)
+expect_in("${last_output}" "checkpoint.init_from: '[^']*smoke' is a run directory, not a checkpoint; its checkpoints are in '[^']*smoke/checkpoints'")
+run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/from_latest --set checkpoint.resume=${WORK_DIR}/smoke/checkpoints/latest)
+expect_in("${last_output}" "checkpoint.resume: '[^']*latest' is the pointer file `latest`, not a checkpoint")
 
 # 6. A rerun of a finished job trains nothing and keeps its summary; a deck of another model in the
 #    same folder is refused instead of silently starting a second run there.
@@ -89,6 +94,20 @@ file(READ ${WORK_DIR}/smoke/summary.json after)
 if(NOT before STREQUAL after)
   message(FATAL_ERROR "a rerun of a finished job changed its summary.json")
 endif()
+# ... and finishes what the run's end did not write (a full disk, a killed job): the export and
+#    summary.json, from the last checkpoint, saying so; a second rerun finds them all there.
+file(REMOVE ${WORK_DIR}/smoke/summary.json)
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set checkpoint.export=model.safetensors)
+expect_in("${last_output}" "already reached step 24 of 24; wrote the missing export [^\n]*model.safetensors; wrote the missing summary.json")
+foreach(f summary.json model.safetensors)
+  if(NOT EXISTS ${WORK_DIR}/smoke/${f})
+    message(FATAL_ERROR "the rerun of a finished job did not write ${WORK_DIR}/smoke/${f}")
+  endif()
+endforeach()
+file(READ ${WORK_DIR}/smoke/summary.json rewritten)
+expect_in("${rewritten}" "\"steps\": 24,")
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set checkpoint.export=model.safetensors)
+expect_in("${last_output}" "already reached step 24 of 24; its outputs are all there")
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set run.max_steps=40 --set model.hidden_sizes=[48])
 expect_in("${last_output}" "holds another run")
 

@@ -39,6 +39,26 @@ expect_in("${last_output}" "/model/fc2.weight +ok")
 # ... and differs from an older one.
 run(FALSE ${CKPT_TOOL} diff ${WORK_DIR}/SHARDED/step_00000003.h5 ${WORK_DIR}/SHARDED/step_00000006.h5)
 expect_in("${last_output}" "/model/fc2.weight +differs")
+# ... within a tolerance that covers the difference: the verdict and every tensor's status agree.
+run(TRUE ${CKPT_TOOL} diff ${WORK_DIR}/SHARDED/step_00000003.h5 ${WORK_DIR}/SHARDED/step_00000006.h5 --rtol 1e6)
+expect_in("${last_output}" "/model/fc2.weight +within")
+expect_in("${last_output}" "checkpoints match")
+if(last_output MATCHES " differs ")
+  message(FATAL_ERROR "diff within tolerance still calls a tensor 'differs':\n${last_output}")
+endif()
+
+# What is not a checkpoint is named as what it is, with a non-zero exit: a folder without one, the
+# `latest` pointer, a run directory, a missing file.
+file(MAKE_DIRECTORY ${WORK_DIR}/empty_folder ${WORK_DIR}/a_run/checkpoints)
+file(WRITE ${WORK_DIR}/a_run/deck.toml "")
+run(FALSE ${CKPT_TOOL} inspect ${WORK_DIR}/empty_folder)
+expect_in("${last_output}" "empty_folder' holds no checkpoint to read")
+run(FALSE ${CKPT_TOOL} verify ${WORK_DIR}/SHARDED/latest)
+expect_in("${last_output}" "is the pointer file `latest`, not a checkpoint: give its folder '[^']*SHARDED' or the checkpoint it names, '[^']*step_00000006.h5'")
+run(FALSE ${CKPT_TOOL} inspect ${WORK_DIR}/a_run)
+expect_in("${last_output}" "a_run' is a run directory, not a checkpoint; its checkpoints are in '[^']*a_run/checkpoints'")
+run(FALSE ${CKPT_TOOL} inspect ${WORK_DIR}/missing.h5)
+expect_in("${last_output}" "missing.h5' does not exist")
 
 # A truncated file fails verify with a message naming it.
 execute_process(COMMAND head -c 20000 ${WORK_DIR}/SHARDED/step_00000006.h5 OUTPUT_FILE ${WORK_DIR}/truncated.h5)

@@ -751,3 +751,56 @@ BOOST_AUTO_TEST_CASE(a_periodic_thread_whose_tick_does_not_return_is_let_go) {
   release->store(true);  // the tick returns, then the thread ends on its own state
   std::this_thread::sleep_for(20ms);
 }
+
+#include <sys/resource.h>
+
+#include <csignal>
+
+#include "fsdp/output_file.hpp"
+
+// A full disk, as a file size limit (ulimit -f) in a child process: a whole file written by
+// write_file_atomically is either all there or its old content, with no temporary left; an append
+// that does not fit is cut back, so the file ends with a complete line. Exit code 0: all held.
+BOOST_AUTO_TEST_CASE(output_files_are_whole_or_absent_on_a_full_disk) {
+  const auto dir = std::filesystem::temp_directory_path() / ("fsdp_output_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const auto summary = dir / "summary.json", metrics = dir / "metrics.csv";
+  fsdp::write_file_atomically(summary, "{\"old\": true}\n");
+  const pid_t child = ::fork();
+  if (child == 0) {
+    std::signal(SIGXFSZ, SIG_IGN);  // past the limit a write fails with EFBIG instead of killing the process
+    const rlimit limit{4096, 4096};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    int failures = 0;
+    try {
+      fsdp::write_file_atomically(summary, std::string(10000, 'x'));  // larger than the limit
+    } catch (const fsdp::OutputError& e) {
+      if (std::string(e.what()).find(summary.string()) == std::string::npos || std::string(e.what()).find("File too large") == std::string::npos)
+        ++failures;
+    }
+    std::ifstream in(summary);
+    std::string kept((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (kept != "{\"old\": true}\n") failures += 2;
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      if (e.path().filename().string().find(".tmp") != std::string::npos) failures += 4;
+    fsdp::LineAppendFile log;
+    log.open(metrics, "step,loss\n");
+    bool refused = false;
+    try {
+      for (int i = 0; i < 1000; ++i) log.append(std::to_string(i) + "," + std::string(90, '7') + "\n");
+    } catch (const fsdp::OutputError& e) {
+      refused = std::string(e.what()).find("the incomplete line was removed") != std::string::npos;
+    }
+    if (!refused) failures += 8;
+    std::ifstream rows(metrics);
+    std::string all((std::istreambuf_iterator<char>(rows)), std::istreambuf_iterator<char>());
+    if (all.empty() || all.back() != '\n' || all.size() > 4096) failures += 16;
+    ::_exit(failures);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  BOOST_TEST(WIFEXITED(status));
+  BOOST_TEST(WEXITSTATUS(status) == 0, "failed checks (bit mask): " << WEXITSTATUS(status));
+  std::filesystem::remove_all(dir);
+}

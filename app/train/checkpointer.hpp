@@ -75,9 +75,7 @@ class Checkpointer {
     on_all_ranks(world_, [&] {
       if (!root_) return;
       std::filesystem::create_directories(out_dir_);
-      std::ofstream out(out_dir_ / "deck.toml");
-      out << deck_text_;
-      if (!out) throw DeckError("cannot write '" + (out_dir_ / "deck.toml").string() + "'");
+      fsdp::write_file_atomically(out_dir_ / "deck.toml", deck_text_);  // an OutputError stops every rank (exit 1)
     });
   }
 
@@ -99,11 +97,11 @@ class Checkpointer {
       return state;
     }
     if (resume != "none") {
-      std::string path = resume;
-      if (std::filesystem::is_directory(path) && std::filesystem::exists(std::filesystem::path(path) / fsdp::ckpt::kLatestName)) {
-        if (const auto name = fsdp::ckpt::read_latest(path)) path = (std::filesystem::path(path) / *name).string();  // a folder: its latest
-      }
-      on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, optimizer_, path, &state, options_); });
+      std::string path;
+      on_all_ranks(world_, [&] {
+        path = checkpoint_named_by("checkpoint.resume", resume);
+        fsdp::load_checkpoint(model_, optimizer_, path, &state, options_);
+      });
       loaded_from_ = path;
       if (root_) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
     }
@@ -227,6 +225,16 @@ class Checkpointer {
   const std::filesystem::path& dir() const noexcept { return dir_; }
 
  private:
+  /// The checkpoint the deck's `key` names (a file, a LOCAL folder, a folder's `latest`); a run
+  /// directory, the `latest` file itself or a missing file is a DeckError saying what it is instead.
+  static std::string checkpoint_named_by(const char* key, const std::filesystem::path& path) {
+    try {
+      return fsdp::ckpt::checkpoint_at(path).string();
+    } catch (const fsdp::CheckpointError& e) {
+      throw DeckError(std::string(key) + ": " + fsdp::message_without_id(e));
+    }
+  }
+
   /// checkpoint.init_from for a run that starts fresh: the weights only (the optimizer, step, data
   /// position and RNG stay those of a fresh run). Each rank reads only its shards. Collective.
   void initialize_from_pretrained() {
@@ -234,18 +242,15 @@ class Checkpointer {
     if (path.empty()) return;
     namespace fs = std::filesystem;
     const fs::path p(path);
-    const bool checkpoint =
-        p.extension() == ".h5" || (fs::is_directory(p) && !fs::exists(p / "model.safetensors") && !fs::exists(p / "model.safetensors.index.json"));
+    const bool checkpoint = p.extension() == ".h5" || p.filename() == fsdp::ckpt::kLatestName ||
+                            (fs::is_directory(p) && !fs::exists(p / "model.safetensors") && !fs::exists(p / "model.safetensors.index.json"));
     std::string names = "native";
     fsdp::SafetensorsLoadResult r;
     if (checkpoint) {
-      std::string file = path;
-      if (fs::is_directory(p) && fs::exists(p / fsdp::ckpt::kLatestName))
-        if (const auto name = fsdp::ckpt::read_latest(path)) file = (p / *name).string();  // a checkpoint folder: its latest
       auto options = options_;
       options.rank0_only = false;  // every rank reads its own part: no rank holds the whole model
       options.load_rng_state = false;
-      on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, nullptr, file, nullptr, options); });
+      on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, nullptr, checkpoint_named_by("checkpoint.init_from", p), nullptr, options); });
     } else {
       std::optional<TensorNaming> naming;
       on_all_ranks(world_, [&] {

@@ -8,10 +8,12 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "fsdp/output_file.hpp"
 #include "train/dataset.hpp"
 #include "train/timing.hpp"
 
@@ -24,7 +26,9 @@ namespace fsdp::app {
 class MetricsLog {
  public:
   /// Starts the file at `path`; resuming at `resumed_step` > 0 keeps the rows up to that step (a crashed
-  /// run may have logged past it).
+  /// run may have logged past it). The file is replaced atomically, then every row is appended and
+  /// checked at once (LineAppendFile): a full disk stops the run with an OutputError naming the file,
+  /// and the file still ends with a complete row.
   static constexpr long kColumns = 18;
   void open(const std::filesystem::path& path, std::int64_t resumed_step) {
     std::filesystem::create_directories(path.parent_path());
@@ -34,45 +38,46 @@ class MetricsLog {
       for (std::string line; std::getline(old, line);)
         if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= resumed_step) kept.push_back(line);
     }
-    out_.open(path, std::ios::trunc);
-    if (!out_) throw std::runtime_error("cannot write '" + path.string() + "'");
-    out_ << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,"
+    std::ostringstream text;
+    text << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,"
             "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults,loss_scale,skipped_in_window\n";
     // Rows of a file written before the later columns existed get them empty.
     for (const auto& l : kept)
-      out_ << l << std::string(static_cast<std::size_t>(std::max<long>(0, kColumns - 1 - std::count(l.begin(), l.end(), ','))), ',') << "\n";
-    out_.flush();
+      text << l << std::string(static_cast<std::size_t>(std::max<long>(0, kColumns - 1 - std::count(l.begin(), l.end(), ','))), ',') << "\n";
+    out_.open(path, text.str());
   }
   /// A logged step: the window's loss and rate, and this step's time and its breakdown on rank 0.
   void row(std::int64_t step, std::int64_t epoch, double loss, double lr, double rate, double step_ms, double elapsed_s, const StepBreakdown& parts,
            std::optional<double> loss_scale, std::int64_t skipped, const std::optional<EvalResult>& eval = std::nullopt,
            bool language_model = false) {
-    out_ << step << "," << epoch << "," << loss << "," << lr << "," << rate << "," << step_ms << "," << elapsed_s << ",";
-    eval_cells(eval, language_model);
-    out_ << "," << parts.forward_ms << "," << parts.backward_ms << "," << parts.optimizer_ms << "," << parts.all_gather_ms << ","
-         << parts.reduce_scatter_ms << "," << parts.all_reduce_ms << "," << parts.minor_faults << ",";
-    if (loss_scale) out_ << *loss_scale;
-    out_ << "," << skipped << "\n";
-    out_.flush();
+    std::ostringstream r;
+    r << step << "," << epoch << "," << loss << "," << lr << "," << rate << "," << step_ms << "," << elapsed_s << ",";
+    eval_cells(r, eval, language_model);
+    r << "," << parts.forward_ms << "," << parts.backward_ms << "," << parts.optimizer_ms << "," << parts.all_gather_ms << ","
+      << parts.reduce_scatter_ms << "," << parts.all_reduce_ms << "," << parts.minor_faults << ",";
+    if (loss_scale) r << *loss_scale;
+    r << "," << skipped << "\n";
+    out_.append(r.str());
   }
   /// An evaluation after a step that logged no row.
   void eval_row(std::int64_t step, std::int64_t epoch, const EvalResult& eval, bool language_model) {
-    out_ << step << "," << epoch << ",,,,,,";
-    eval_cells(eval, language_model);
-    out_ << ",,,,,,,,,\n";
-    out_.flush();
+    std::ostringstream r;
+    r << step << "," << epoch << ",,,,,,";
+    eval_cells(r, eval, language_model);
+    r << ",,,,,,,,,\n";
+    out_.append(r.str());
   }
 
  private:
-  void eval_cells(const std::optional<EvalResult>& eval, bool language_model) {
+  static void eval_cells(std::ostream& out, const std::optional<EvalResult>& eval, bool language_model) {
     if (eval) {
-      out_ << eval->loss << ",";
-      if (language_model) out_ << std::exp(eval->loss);
+      out << eval->loss << ",";
+      if (language_model) out << std::exp(eval->loss);
     } else {
-      out_ << ",";
+      out << ",";
     }
   }
-  std::ofstream out_;
+  fsdp::LineAppendFile out_;
 };
 
 }  // namespace fsdp::app

@@ -6,6 +6,8 @@
 #include <fsdp/fsdp.hpp>
 #include <malloc.h>
 #include <semaphore.h>
+#include <sys/prctl.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -17,6 +19,7 @@
 
 #include "choices.hpp"
 #include "plan/measured.hpp"
+#include "train/ranks.hpp"
 
 namespace fsdp::app {
 
@@ -85,6 +88,17 @@ extern "C" inline void dump_flight_and_die(int signo) {
   fsdp::FlightRecorder::instance().dump();
   std::signal(signo, SIG_DFL);
   std::raise(signo);
+}
+
+/// Under mpirun (Open MPI starts the local ranks as its children, each in a process group of its own,
+/// so a terminal's Ctrl-C reaches mpirun only): when mpirun is gone (a second Ctrl-C or a kill makes it
+/// return at once) this rank ends too, instead of training and writing checkpoints on its own after
+/// the job was reported over. The last committed checkpoint stays the one to resume from.
+inline void end_with_the_launcher() {
+  if (!std::getenv("OMPI_COMM_WORLD_SIZE")) return;
+  const pid_t launcher = ::getppid();
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher) ::_exit(kExitFailure);  // it went before the request was in place
 }
 
 /// run.malloc. "reuse": no block gets its own mapping (M_MMAP_MAX = 0) and the heap is never trimmed, so

@@ -228,13 +228,16 @@ inline void print_summary(int world_size, const RunTotals& t, const RunStatsAcro
   std::printf("wrote %s%s%s\n", (t.out_dir / "summary.json").c_str(), t.metrics_path.empty() ? "" : " and ", t.metrics_path.c_str());
 }
 
-/// Writes <out_dir>/summary.json and prints the phase table (rank 0). Collective: every rank calls it.
+/// Writes <out_dir>/summary.json (atomically; a failed write stops every rank, exit 1) and, with
+/// `print_table`, prints the phase table (rank 0). Collective: every rank calls it.
 template <class Engine>
-void write_summary(MpiComm& world, const MpiComm::Placement& placement, const RunConfig& cfg, Engine& model, const RunTotals& t) {
+void write_summary(MpiComm& world, const MpiComm::Placement& placement, const RunConfig& cfg, Engine& model, const RunTotals& t,
+                   bool print_table = true) {
   const RunStatsAcrossRanks r = gather_run_stats(world, model, t);
-  if (world.rank() != 0) return;
-  std::ofstream(t.out_dir / "summary.json") << summary_json(world, placement, cfg, model, t, r).dump(2) << "\n";
-  print_summary(world.size(), t, r);
+  on_all_ranks(world, [&] {
+    if (world.rank() == 0) fsdp::write_file_atomically(t.out_dir / "summary.json", summary_json(world, placement, cfg, model, t, r).dump(2) + "\n");
+  });
+  if (world.rank() == 0 && print_table) print_summary(world.size(), t, r);
 }
 
 }  // namespace fsdp::app

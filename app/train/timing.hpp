@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 namespace fsdp::app {
@@ -92,10 +93,11 @@ struct TraceWriter {
       std::filesystem::create_directories(dir, ec);
       const auto trace = dir / ("trace_rank" + std::to_string(rank) + ".json");
       tracer.write_json(trace.string(), rank);
-      std::ofstream csv(dir / ("memory_rank" + std::to_string(rank) + ".csv"), std::ios::trunc);
+      std::ostringstream csv;
       csv << "time_s,counter,mib\n";
       for (const auto& e : tracer.events())
         if (e.phase == 'C' && !e.args.empty()) csv << e.start_us / 1e6 << "," << e.name << "," << e.args.front().second << "\n";
+      fsdp::write_file_atomically(dir / ("memory_rank" + std::to_string(rank) + ".csv"), csv.str());
       if (rank == 0) std::printf("wrote %s (and one per rank; open them in https://ui.perfetto.dev)\n", trace.c_str());
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fsdp-train: warning: cannot write the trace: %s\n", e.what());

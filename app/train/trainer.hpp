@@ -82,7 +82,7 @@ class Trainer {
     on_all_ranks(world_, [&] {
       if (!root_ || std::filesystem::exists(out_dir / "deck.toml")) return;
       std::filesystem::create_directories(out_dir);
-      std::ofstream(out_dir / "deck.toml") << s_.deck.to_toml();
+      fsdp::write_file_atomically(out_dir / "deck.toml", s_.deck.to_toml());
       wrote = true;
     });
     if (root_)
@@ -98,16 +98,33 @@ class Trainer {
     checkpointer_->take_run_directory();
     start_ = checkpointer_->resume();
     plan_schedule();
-    if (start_.step > 0 && start_.step >= schedule_.total_steps) {
-      // A rerun of a finished job: nothing to do, and its results stay as they are.
-      if (root_)
-        std::printf(
-            "nothing to train: the run in %s already reached step %lld of %lld; its summary.json is kept (train again with a new "
-            "run.out_dir or checkpoint.resume = \"none\")\n",
-            cfg_.run.out_dir.c_str(), static_cast<long long>(start_.step), static_cast<long long>(schedule_.total_steps));
-      return false;
-    }
-    return true;
+    return !(start_.step > 0 && start_.step >= schedule_.total_steps);  // else a rerun of a finished job
+  }
+
+  /// A rerun of a finished job (resume() said so): trains nothing; what the run's end did not write
+  /// (the export, summary.json: a full disk, a killed job) is written now from the last checkpoint,
+  /// what exists is kept, and the line says which. Collective.
+  void finish_completed_run() {
+    namespace fs = std::filesystem;
+    const fs::path summary = fs::path(cfg_.run.out_dir) / "summary.json";
+    const std::string export_path = cfg_.checkpoint.export_path.empty() ? "" : export_file(cfg_.checkpoint.export_path).string();
+    std::int64_t missing[2] = {0, 0};  // rank 0's view of the folder decides for all
+    if (root_) missing[0] = !export_path.empty() && !fs::exists(export_path), missing[1] = !fs::exists(summary);
+    world_.broadcast(missing, 2, fsdp::DType::kInt64, 0);
+    progress_ = ProgressStyle::of(cfg_.log.progress);
+    step_ = start_.step;
+    train_start_ = Clock::now();
+    comm_start_ = model_->comm_counters();
+    if (missing[0]) checkpointer_->export_model(/*quiet=*/true);
+    if (missing[1]) write_summary(world_, s_.placement, cfg_, *model_, totals(), /*print_table=*/false);
+    if (!root_) return;
+    std::string did;
+    if (missing[0]) did += "; wrote the missing export " + export_path;
+    if (missing[1]) did += "; wrote the missing summary.json";
+    if (did.empty()) did = "; its outputs are all there";
+    std::printf(
+        "nothing to train: the run in %s already reached step %lld of %lld%s (train again with a new run.out_dir or checkpoint.resume = \"none\")\n",
+        cfg_.run.out_dir.c_str(), static_cast<long long>(start_.step), static_cast<long long>(schedule_.total_steps), did.c_str());
   }
 
   /// Every epoch from the resumed position to the last step, stopping early on a signal (exit 3).
@@ -205,9 +222,11 @@ class Trainer {
     restore_loss_scale();
     next_epoch_ = start_.epoch;
     next_sample_index_ = start_.sample_index;
-    // SIGTERM (Slurm's time limit, scancel) and SIGUSR1 (sbatch --signal): finish the step, save, exit 3.
+    // SIGTERM (Slurm's time limit, scancel), SIGUSR1 (sbatch --signal) and SIGINT (Ctrl-C): finish the
+    // step, save, exit 3.
     std::signal(SIGTERM, request_stop);
     std::signal(SIGUSR1, request_stop);
+    std::signal(SIGINT, request_stop);
     // Past a file size limit (ulimit -f) a write then fails with EFBIG and the save reports it, instead
     // of SIGXFSZ killing the rank in the middle of a checkpoint.
     std::signal(SIGXFSZ, SIG_IGN);
@@ -471,7 +490,7 @@ class Trainer {
   [[noreturn]] void stop_on_signal(std::int64_t signo) {
     save();
     checkpointer_->wait_background(progress_.quiet);
-    const std::string name = signo == SIGTERM ? "SIGTERM" : signo == SIGUSR1 ? "SIGUSR1" : std::to_string(signo);
+    const std::string name = signo == SIGTERM ? "SIGTERM" : signo == SIGUSR1 ? "SIGUSR1" : signo == SIGINT ? "SIGINT" : std::to_string(signo);
     throw RankError("stopped by signal " + name + " after step " + std::to_string(step_) + "; checkpoint saved in " + checkpointer_->dir().string() +
                         ": rerun the same command to continue",
                     kExitStopped);

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <fstream>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <mutex>
 #include <string>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "fsdp/errors.hpp"
+#include "fsdp/output_file.hpp"
 
 namespace fsdp {
 
@@ -83,9 +85,9 @@ class Tracer {
 
   /// Writes {"traceEvents": [...]} with process id `rank` (one trace per rank; Perfetto merges
   /// several files opened together), one event per line. Throws Error when the file cannot be written.
+  /// Writes the timeline to `path` (atomically: never a truncated trace); OutputError on failure.
   void write_json(const std::string& path, int rank) const {
-    std::ofstream out(path, std::ios::trunc);
-    if (!out) throw Error("fsdp.trace", "cannot write trace '" + path + "'");
+    std::ostringstream out;
     out << R"({"displayTimeUnit":"ms","traceEvents":[)" << '\n';
     write_event(out, {{"name", "process_name"}, {"ph", "M"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});
     out << ",\n";
@@ -101,8 +103,7 @@ class Tracer {
       write_event(out, event);
     }
     out << "\n]}\n";
-    out.flush();
-    if (!out) throw Error("fsdp.trace", "cannot write trace '" + path + "'");
+    write_file_atomically(path, out.str());
   }
 
  private:
@@ -122,7 +123,7 @@ class Tracer {
   using Json = nlohmann::ordered_json;  // keys in the order written: name, cat, ph, ts, ...
 
   /// One event, compact; a name that is not valid UTF-8 gets U+FFFD rather than failing the write.
-  static void write_event(std::ofstream& out, const Json& event) { out << event.dump(-1, ' ', false, Json::error_handler_t::replace); }
+  static void write_event(std::ostream& out, const Json& event) { out << event.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
   /// Whole numbers (bytes, unit indices) as JSON integers, others as doubles; NaN and infinities
   /// become null, as JSON has no spelling for them.

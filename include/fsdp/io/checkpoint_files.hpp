@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "fsdp/errors.hpp"
+#include "fsdp/output_file.hpp"
 
 namespace fsdp {
 
@@ -123,20 +124,14 @@ inline void reserve_space(const std::filesystem::path& path, std::int64_t bytes,
     fail("only " + std::to_string(static_cast<long long>(static_cast<long double>(fs.f_bavail) * fs.f_frsize / 1048576)) + " MiB are free");
 }
 
-/// Writes `text` to `path` atomically: temporary file, fsync, rename, fsync of the directory.
+/// Writes `text` to `path` atomically (fsdp::write_file_atomically), as a checkpoint's file: a failure
+/// is a CheckpointError.
 inline void write_file_atomically(const std::filesystem::path& path, const std::string& text) {
-  const auto tmp = path.parent_path() / temporary_name(path.filename().string());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) throw CheckpointError("cannot write '" + tmp.string() + "'");
+  try {
+    fsdp::write_file_atomically(path, text);
+  } catch (const OutputError& e) {
+    throw CheckpointError(message_without_id(e));
   }
-  fsync_path(tmp);
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) throw CheckpointError("cannot rename '" + tmp.string() + "' to '" + path.string() + "': " + ec.message());
-  fsync_path(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
 }
 
 /// The checkpoint name `latest` points to, if the pointer exists.
@@ -161,6 +156,34 @@ inline std::vector<std::pair<std::int64_t, std::string>> list_checkpoints(const 
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   return out;
+}
+
+/// The checkpoint `path` names as users give one: a checkpoint file, a LOCAL_STATE_DICT folder (its
+/// rank files), or a folder with `latest` (the checkpoint it names). Anything else is a CheckpointError
+/// that says what `path` is instead: missing, a run directory (its checkpoints are in checkpoints/), the
+/// `latest` pointer itself, an empty `latest`, or a folder without checkpoints.
+inline std::filesystem::path checkpoint_at(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string quoted = "'" + path.string() + "'";
+  if (!fs::exists(path, ec)) throw CheckpointError(quoted + " does not exist");
+  if (!fs::is_directory(path, ec)) {
+    if (path.filename() != kLatestName) return path;
+    const auto name = read_latest(path.parent_path().empty() ? fs::path(".") : path.parent_path());
+    throw CheckpointError(quoted + " is the pointer file `latest`, not a checkpoint: give its folder '" + path.parent_path().string() + "'" +
+                          (name ? " or the checkpoint it names, '" + (path.parent_path() / *name).string() + "'" : std::string()));
+  }
+  if (fs::exists(path / kLatestName, ec)) {
+    const auto name = read_latest(path);
+    if (!name) throw CheckpointError("'" + (path / kLatestName).string() + "' is empty: it names no checkpoint");
+    return path / *name;
+  }
+  if (fs::exists(path / local_rank_file(0), ec)) return path;  // a LOCAL_STATE_DICT checkpoint
+  if (fs::exists(path / "checkpoints" / kLatestName, ec) || fs::exists(path / "deck.toml", ec))
+    throw CheckpointError(quoted + " is a run directory, not a checkpoint; its checkpoints are in '" + (path / "checkpoints").string() + "'");
+  const auto found = list_checkpoints(path);
+  throw CheckpointError(quoted + " holds no checkpoint to read: no `latest`" +
+                        (found.empty() ? std::string(" and no step_*.h5") : ", though it has " + found.front().second + ": name that file"));
 }
 
 /// Moves the fully written `dir/.name.tmp` to `dir/name` and points `latest` at it. Rank 0 only.
