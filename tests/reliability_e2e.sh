@@ -105,15 +105,19 @@ expect 0 "test accuracy" "$WORK/straight.log"
 
 # 5. SIGUSR1 (sbatch --signal) to mpirun, SIGTERM (Slurm's time limit) to the ranks: every rank
 #    finishes its step, a checkpoint is saved, exit 3; rerunning the command ends with the same weights.
+start_until_step_20() {  # start_until_step_20 NAME CMD...: CMD in the background (NAME.log, NAME.log.rc), back once it logged step 20
+  local name=$1; shift
+  ( timeout 300 "$@" >"$WORK/$name.log" 2>&1
+    echo $? >"$WORK/$name.log.rc" ) &
+  background_job=$!
+  for _ in $(seq 1000); do grep -q "step 20/" "$WORK/$name.log" 2>/dev/null && break; sleep 0.05; done
+}
 interrupt() {  # interrupt NAME SIGNAL TARGET_PATTERN
   local name=$1 sig=$2 pattern=$3
   local start=$SECONDS
-  ( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/$name" "${long[@]}" >"$WORK/$name.log" 2>&1
-    echo $? >"$WORK/$name.log.rc" ) &
-  local job=$!
-  for _ in $(seq 1000); do grep -q "step 20/" "$WORK/$name.log" 2>/dev/null && break; sleep 0.05; done
+  start_until_step_20 "$name" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/$name" "${long[@]}"
   pkill "-$sig" -f "$pattern"
-  wait $job
+  wait $background_job
   expect 3 "stopped by signal SIG$sig after step [0-9]+; checkpoint saved" "$WORK/$name.log"
   echo "ok: exited $((SECONDS - start)) s after the start"
   "$CKPT" verify "$WORK/$name/checkpoints" >/dev/null || fail "$name: the checkpoint does not verify"
@@ -130,12 +134,9 @@ interrupt term TERM "^[^ ]*fsdp-train .*$WORK/term"
 #     ends with the weights of an uninterrupted single-process run.
 run "$WORK/straight1.log" "$TRAIN" "$DECK" --set run.out_dir="$WORK/straight1" "${long[@]}"
 expect 0 "test accuracy" "$WORK/straight1.log"
-( timeout 300 "$TRAIN" "$DECK" --set run.out_dir="$WORK/ctrlc" "${long[@]}" >"$WORK/ctrlc.log" 2>&1
-  echo $? >"$WORK/ctrlc.log.rc" ) &
-ctrlc_job=$!
-for _ in $(seq 1000); do grep -q "step 20/" "$WORK/ctrlc.log" 2>/dev/null && break; sleep 0.05; done
+start_until_step_20 ctrlc "$TRAIN" "$DECK" --set run.out_dir="$WORK/ctrlc" "${long[@]}"
 pkill -INT -f "^[^ ]*fsdp-train .*run.out_dir=$WORK/ctrlc "
-wait $ctrlc_job
+wait $background_job
 expect 3 "stopped by signal SIGINT after step [0-9]+; checkpoint saved" "$WORK/ctrlc.log"
 run "$WORK/ctrlc.2.log" "$TRAIN" "$DECK" --set run.out_dir="$WORK/ctrlc" "${long[@]}"
 expect 0 "resumed from .* at step [0-9]+" "$WORK/ctrlc.2.log"
@@ -146,12 +147,9 @@ echo "ok: ctrlc resumed to the straight single-process run's weights, bit for bi
 #     reaches mpirun only): mpirun sends the ranks SIGTERM, they finish the step and save when that fits
 #     before mpirun kills them; mpirun's own exit code is 1. A second Ctrl-C makes mpirun return at once: the ranks then end with it
 #     (PR_SET_PDEATHSIG) instead of training and writing checkpoints on their own.
-( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/mpirun_int" "${long[@]}" >"$WORK/mpirun_int.log" 2>&1
-  echo $? >"$WORK/mpirun_int.log.rc" ) &
-int_job=$!
-for _ in $(seq 1000); do grep -q "step 20/" "$WORK/mpirun_int.log" 2>/dev/null && break; sleep 0.05; done
+start_until_step_20 mpirun_int "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/mpirun_int" "${long[@]}"
 pkill -INT -f "^mpirun.*run.out_dir=$WORK/mpirun_int "
-wait $int_job
+wait $background_job
 # mpirun kills what is left a few seconds after its SIGTERM: on a loaded machine the save may not fit
 # in that time, so only mpirun's code and an intact `latest` are certain.
 [[ $(cat "$WORK/mpirun_int.log.rc") == 1 ]] || { cat "$WORK/mpirun_int.log"; fail "mpirun after Ctrl-C: exit $(cat "$WORK/mpirun_int.log.rc"), expected 1"; }
@@ -160,14 +158,11 @@ if [[ -e "$WORK/mpirun_int/checkpoints/latest" ]]; then
   "$CKPT" verify "$WORK/mpirun_int/checkpoints" >/dev/null || fail "mpirun_int: latest does not verify"
 fi
 echo "ok: Ctrl-C to mpirun: exit 1, the ranks told (SIGTERM), latest intact"
-( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice" "${long[@]}" >"$WORK/twice.log" 2>&1
-  echo $? >"$WORK/twice.log.rc" ) &
-twice_job=$!
-for _ in $(seq 1000); do grep -q "step 20/" "$WORK/twice.log" 2>/dev/null && break; sleep 0.05; done
+start_until_step_20 twice "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice" "${long[@]}"
 pkill -INT -f "^mpirun.*run.out_dir=$WORK/twice "
 sleep 0.05
 pkill -INT -f "^mpirun.*run.out_dir=$WORK/twice "
-wait $twice_job
+wait $background_job
 sleep 1
 pgrep -f "fsdp-train .*run.out_dir=$WORK/twice " >/dev/null && fail "ranks still run 1 s after mpirun returned"
 echo "ok: two Ctrl-Cs: mpirun returned and no rank was left"

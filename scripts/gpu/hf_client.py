@@ -9,24 +9,14 @@ evaluation of the same tokens is what the logits are held to. fp32, TF32 off.
   hf_client.py FOLDER --data GLOB --context T --expect LOSS [--rtol 1e-4] [--device cuda] [--batch 32]
 
 Prints one JSON line (loss, expected, relative difference, tokens, versions); exit 0 within --rtol."""
-import argparse, glob, json, sys
+import argparse, json, os, sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-def read_tokens(pattern):
-    """llm.c shards in name order: 256 int32 header (magic 20240520: uint16 tokens, 20240801: uint32)."""
-    files = sorted(glob.glob(pattern))
-    if not files:
-        sys.exit("no files match " + pattern)
-    parts = []
-    for path in files:
-        header = np.fromfile(path, dtype="<i4", count=256)
-        width = {20240520: "<u2", 20240801: "<u4"}[int(header[0])]
-        parts.append(np.fromfile(path, dtype=width, count=int(header[2]), offset=1024).astype(np.int64))
-    return torch.from_numpy(np.concatenate(parts))
+# The token reader the project's PyTorch reference uses (llm.c shards in name order, as fsdp-train reads them).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+from pytorch_reference import read_tokens  # noqa: E402
 
 
 def main():

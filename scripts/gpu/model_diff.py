@@ -7,19 +7,19 @@ Needs numpy only (reads the format itself: 8-byte header length, JSON header, ra
   model_diff.py A B --bitwise       exit 0 when every tensor is equal bit for bit
 
 Prints one line: the error, the tensor with the largest error of its own, and bitwise equality."""
-import argparse, json, struct, sys
+import argparse, os, sys
 
 import numpy as np
+
+# The header reader of the project's own safetensors comparison (no torch, no safetensors package needed).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+from safetensors_diff import read as read_safetensors  # noqa: E402
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "U8": np.uint8}
 
 
 def read(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    header.pop("__metadata__", None)
+    header, data = read_safetensors(path)
     out = {}
     for name, e in header.items():
         begin, end = e["data_offsets"]
