@@ -176,6 +176,14 @@ struct ChoiceNames<StateDictType> {
                                      std::pair{StateDictType::LOCAL_STATE_DICT, std::string_view("LOCAL_STATE_DICT")}};
 };
 
+/// checkpoint.resume_changed: a resume whose deck changed a key that decides the training.
+enum class ResumeChanged { kRefuse, kAllow };
+template <>
+struct ChoiceNames<ResumeChanged> {
+  static constexpr std::array kNames{std::pair{ResumeChanged::kRefuse, std::string_view("refuse")},
+                                     std::pair{ResumeChanged::kAllow, std::string_view("allow")}};
+};
+
 /// run.malloc: what glibc's malloc does with freed memory (signals.hpp, apply_malloc_policy).
 enum class MallocPolicy { kReuse, kReturn, kGlibc };
 template <>

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -227,7 +228,6 @@ std::string unknown_key_message(const std::string& key) {
   return msg + " (keys belong in a section: " + join(deck_sections(), ", ") + ")";
 }
 
-/// Parses one "section.key=value" override into (spec, value); issues are "<key>: <message>".
 /// Whether `raw` holds a run of 19 digits or more (underscores allowed): called once TOML refused the
 /// value, that is a number too large for a 64-bit integer, which --set would otherwise call a string.
 bool has_overlong_integer(const std::string& raw) {
@@ -239,6 +239,7 @@ bool has_overlong_integer(const std::string& raw) {
   return false;
 }
 
+/// Parses one "section.key=value" override into (spec, value); issues are "<key>: <message>".
 std::optional<std::pair<const KeySpec*, Value>> parse_override(const std::string& text, std::vector<Issue>& issues) {
   const auto eq = text.find('=');
   if (eq == std::string::npos) {
@@ -330,6 +331,23 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
 }
 
 }  // namespace
+
+bool changes_the_trajectory(const std::string& key) {
+  static const std::set<std::string> evaluation_or_loading = {"data.test_batch_size", "data.test_samples", "data.val_path", "data.num_workers"};
+  if (evaluation_or_loading.count(key)) return false;
+  const std::string section = key.substr(0, key.find('.'));
+  return section == "model" || section == "data" || section == "optim" || key == "run.seed";
+}
+
+std::vector<KeyChange> trajectory_changes(const Deck& before, const Deck& now) {
+  std::vector<KeyChange> out;
+  for (const auto& spec : deck_schema()) {
+    if (!changes_the_trajectory(spec.key)) continue;
+    const std::string a = format_value(before.entry(spec.key).value), b = format_value(now.entry(spec.key).value);
+    if (a != b) out.push_back({spec.key, a, b});
+  }
+  return out;
+}
 
 std::string format_value(const Value& v) {
   struct {
@@ -524,8 +542,11 @@ std::string Deck::out_dir() const {
 }
 
 std::string Deck::checkpoint_dir() const {
-  const auto& dir = get_string("checkpoint.dir");
-  return dir.empty() ? (std::filesystem::path(out_dir()) / "checkpoints").string() : dir;
+  // Outputs resolve against run.out_dir, as checkpoint.export and log.metrics_file do: each point of a
+  // sweep gets its own checkpoints, whatever folder it was started from.
+  const std::filesystem::path dir = get_string("checkpoint.dir");
+  if (dir.empty()) return (std::filesystem::path(out_dir()) / "checkpoints").string();
+  return dir.is_absolute() ? dir.string() : (std::filesystem::path(out_dir()) / dir).string();
 }
 
 std::string Deck::echo_table() const {

@@ -143,6 +143,18 @@ inline bool is_token_data(const std::string& kind) {
 
 /// A value as TOML writes it: 1, 0.5, true, "text", [1, 2]; "(unset)" for monostate.
 std::string format_value(const Value& v);
+
+/// Whether `key` decides the training trajectory: [model], [data] (but its evaluation and loading
+/// keys), [optim] and run.seed. A resume compares these with the checkpoint's stored deck.
+bool changes_the_trajectory(const std::string& key);
+
+/// One key whose value differs between two decks, as TOML writes each value.
+struct KeyChange {
+  std::string key, before, now;
+};
+/// The keys that decide the trajectory whose values differ between `before` (a checkpoint's stored
+/// deck) and `now`, in schema order.
+std::vector<KeyChange> trajectory_changes(const Deck& before, const Deck& now);
 /// The full content of docs/deck_reference.md, generated from deck_schema().
 std::string reference_markdown();
 

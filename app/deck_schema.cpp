@@ -490,8 +490,12 @@ void add_comm_keys(std::vector<KeySpec>& s) {
 
 void add_checkpoint_keys(std::vector<KeySpec>& s) {
   using T = KeyType;
-  s.push_back(
-      {.key = "checkpoint.dir", .type = T::kString, .default_value = "", .description = "checkpoint folder; empty: <run.out_dir>/checkpoints"});
+  s.push_back({.key = "checkpoint.dir",
+               .type = T::kString,
+               .default_value = "",
+               .description = "checkpoint folder; empty: <run.out_dir>/checkpoints; a relative path is relative to run.out_dir (as every "
+                              "output's: checkpoint.export, log.metrics_file; inputs such as data.path and checkpoint.init_from are "
+                              "relative to the current folder)"});
   s.push_back({.key = "checkpoint.every_steps",
                .type = T::kInt,
                .default_value = I{0},
@@ -516,6 +520,15 @@ void add_checkpoint_keys(std::vector<KeySpec>& s) {
                .description = "auto: continue from the newest readable checkpoint in checkpoint.dir, if any (one of another model or optimizer "
                               "is an error; a finished run trains nothing); none: start fresh; anything else: a checkpoint file, LOCAL "
                               "folder, or checkpoint folder (its latest) to load"});
+  s.push_back({.key = "checkpoint.resume_changed",
+               .type = T::kString,
+               .default_value = "refuse",
+               .choices = choice_names<ResumeChanged>(),
+               .description = "resuming with a deck whose keys that decide the training differ from the checkpoint's stored deck "
+                              "([model], [data] but its evaluation and loading keys, [optim], run.seed): refuse (exit 2 naming each key "
+                              "with both values) or allow (each printed as a warning and listed in summary.json's resume_changed); "
+                              "other keys (logging, run.max_steps, evaluation and checkpoint cadence, performance settings) may "
+                              "always change"});
   s.push_back({.key = "checkpoint.save_final", .type = T::kBool, .default_value = true, .description = "save a checkpoint after the last step"});
   s.push_back({.key = "checkpoint.async",
                .type = T::kBool,

@@ -12,6 +12,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -92,7 +94,41 @@ struct Point {
   std::string deck_path;               // DIR/decks/point_0003.toml
   std::string toml;
   std::string out_dir;
+  std::string checkpoint_dir;  // resolved: checkpoint.dir, relative to out_dir
 };
+
+/// Two points that would share a run folder or a checkpoint folder would resume each other's
+/// checkpoints: a UsageError naming them (nothing is written).
+void refuse_shared_folders(const std::vector<Point>& points) {
+  std::map<std::string, std::string> owner;  // folder -> the first point using it
+  std::vector<std::string> clashes;
+  auto claim = [&](const std::string& folder, const Point& p, const char* what) {
+    const std::string key = fs::weakly_canonical(fs::absolute(folder)).string();
+    const auto [it, fresh] = owner.emplace(key, p.name);
+    if (!fresh && it->second != p.name) clashes.push_back(it->second + " and " + p.name + " share the " + what + " " + folder);
+  };
+  for (const auto& p : points) {
+    claim(p.out_dir, p, "run folder");
+    if (fs::weakly_canonical(fs::absolute(p.checkpoint_dir)) != fs::weakly_canonical(fs::absolute(fs::path(p.out_dir) / "checkpoints")))
+      claim(p.checkpoint_dir, p, "checkpoint folder");
+  }
+  if (clashes.empty()) return;
+  std::string msg = "points would share folders (each would resume the other's checkpoints); nothing was written:";
+  for (const auto& c : clashes) msg += "\n  " + c;
+  throw UsageError(msg);
+}
+
+/// `out` may hold this grid's points (a rerun of the same sweep, which continues them) but not
+/// another grid's, unless `continue_other`: a UsageError naming the manifest otherwise.
+void refuse_another_grids_folder(const std::string& out, const std::string& manifest_text, bool continue_other) {
+  const fs::path manifest = fs::path(out) / "manifest.tsv";
+  std::ifstream in(manifest);
+  if (!in) return;
+  const std::string existing((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (existing == manifest_text || continue_other) return;
+  throw UsageError("'" + manifest.string() + "' lists another grid's points (other keys, values or decks); their runs under '" + out +
+                   "' would be reported under this grid's decks. Use another --out, or --continue to write this grid there anyway");
+}
 
 std::string joined(const std::vector<std::string>& v) {
   std::string out;
@@ -122,6 +158,7 @@ std::vector<Point> grid_points(const Deck& base, const std::vector<Axis>& axes, 
       d.apply_overrides(p.overrides, "--grid");
       if (!grid_sets_out_dir) d.set("run.out_dir", (fs::path(out) / "runs" / p.name).string());
       p.out_dir = resolve_run_section(d).out_dir;
+      p.checkpoint_dir = d.checkpoint_dir();
       p.toml = d.to_toml();
       for (const auto& field : {joined(p.overrides), p.deck_path, p.out_dir})
         if (field.find_first_of("\t\n\r") != std::string::npos) throw DeckError("a tab or line break in '" + field + "' would break manifest.tsv");
@@ -154,18 +191,22 @@ void print_points(const std::vector<Point>& points) {
                 points[i].deck_path.c_str(), points[i].out_dir.c_str());
 }
 
+/// manifest.tsv's text: one line a point.
+std::string manifest_of(const std::vector<Point>& points) {
+  std::string tsv = "index\toverrides\tdeck\tout_dir\n";
+  for (std::size_t i = 0; i < points.size(); ++i)
+    tsv += std::to_string(i) + "\t" + joined(points[i].overrides) + "\t" + points[i].deck_path + "\t" + points[i].out_dir + "\n";
+  return tsv;
+}
+
 /// The points' decks and manifest.tsv under `out`, and how to run them as a Slurm job array.
 int write_points(const std::vector<Point>& points, const std::string& out) {
   const std::size_t count = points.size();
   const fs::path manifest = fs::path(out) / "manifest.tsv";
   try {
     fs::create_directories(fs::path(out) / "decks");
-    std::string tsv = "index\toverrides\tdeck\tout_dir\n";
-    for (std::size_t i = 0; i < points.size(); ++i) {
-      fsdp::write_file_atomically(points[i].deck_path, points[i].toml);
-      tsv += std::to_string(i) + "\t" + joined(points[i].overrides) + "\t" + points[i].deck_path + "\t" + points[i].out_dir + "\n";
-    }
-    fsdp::write_file_atomically(manifest, tsv);  // last: a manifest names decks that exist
+    for (const auto& p : points) fsdp::write_file_atomically(p.deck_path, p.toml);
+    fsdp::write_file_atomically(manifest, manifest_of(points));  // last: a manifest names decks that exist
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fsdp-sweep: %s\n", e.what());
     return 1;
@@ -182,7 +223,7 @@ int write_points(const std::vector<Point>& points, const std::string& out) {
 }
 
 int sweep(const std::string& deck_path, const std::vector<std::string>& grids, const std::vector<std::string>& sets, const std::string& out,
-          bool dry_run) {
+          bool dry_run, bool continue_other) {
   std::vector<Axis> axes;
   for (const auto& g : grids) {
     axes.push_back(parse_grid(g));
@@ -192,6 +233,8 @@ int sweep(const std::string& deck_path, const std::vector<std::string>& grids, c
   const Deck base = Deck::from_file(deck_path, sets);
   // Every point first: build and validate them all, write nothing unless all are good.
   const std::vector<Point> points = grid_points(base, axes, out);
+  refuse_shared_folders(points);
+  refuse_another_grids_folder(out, manifest_of(points), continue_other);
   print_points(points);
   if (dry_run) {
     std::printf("\n%zu point%s valid; nothing written (--dry-run)\n", points.size(), points.size() == 1 ? "" : "s");
@@ -207,12 +250,13 @@ int main(int argc, char** argv) {
                "fsdp-sweep"};
   std::string deck_path, out;
   std::vector<std::string> grids, sets;
-  bool dry_run = false, print_reference = false;
+  bool dry_run = false, print_reference = false, continue_other = false;
   app.add_option("deck", deck_path, "the base deck (TOML)");
   app.add_option("--grid", grids, "KEY=V1,V2,...: one axis of the grid; values are read like --set values (repeatable)")->allow_extra_args(false);
   app.add_option("--set", sets, "KEY=VALUE: override the base deck for every point (repeatable)")->allow_extra_args(false);
   app.add_option("--out", out, "output folder: DIR/decks/point_NNNN.toml, DIR/manifest.tsv, runs in DIR/runs/point_NNNN");
   app.add_flag("--dry-run", dry_run, "validate every point and print the table; write nothing");
+  app.add_flag("--continue", continue_other, "write this grid into an --out that holds another grid's points");
   app.add_flag("--print-reference", print_reference, "print docs/deck_reference.md")->group("");
   try {
     app.parse(argc, argv);
@@ -227,7 +271,7 @@ int main(int argc, char** argv) {
     }
     if (deck_path.empty()) throw UsageError("the base deck is missing (fsdp-sweep DECK --grid key=v1,v2 --out DIR)");
     if (out.empty()) throw UsageError("--out DIR is missing");
-    return sweep(deck_path, grids, sets, out, dry_run);
+    return sweep(deck_path, grids, sets, out, dry_run, continue_other);
   } catch (const DeckError& e) {
     std::fprintf(stderr, "fsdp-sweep: %s\n", e.what());
     return 2;

@@ -239,7 +239,7 @@ FsdpSection resolve_fsdp_section(const Deck& deck, const Placement& placement, c
   try {
     f.shard_group_size = shard_group_size(f.sharding_strategy, placement.world_size, group, placement.ranks_per_node);
   } catch (const ConfigError& e) {
-    throw DeckError(blame(deck, "fsdp.shard_group_size") + e.what());
+    throw DeckError(blame(deck, "fsdp.shard_group_size") + message_without_id(e));
   }
   if (keep_group) {
     f.reshard_after_forward_group = reshard == "node" ? placement.ranks_per_node : std::stoi(reshard);
@@ -277,6 +277,7 @@ CheckpointSection resolve_checkpoint_section(const Deck& deck, const RunSection&
   ckpt.state_dict_type = choice<StateDictType>(deck, "checkpoint.state_dict_type");
   ckpt.keep_last = static_cast<int>(deck.get_int("checkpoint.keep_last"));
   ckpt.resume = deck.get_string("checkpoint.resume");
+  ckpt.resume_changed = choice<ResumeChanged>(deck, "checkpoint.resume_changed");
   ckpt.save_final = deck.get_bool("checkpoint.save_final");
   ckpt.asynchronous = deck.get_bool("checkpoint.async");
   ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");

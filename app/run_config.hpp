@@ -134,6 +134,7 @@ struct CheckpointSection {
   StateDictType state_dict_type = StateDictType::SHARDED_STATE_DICT;
   int keep_last = 0;
   std::string resume;  ///< auto, none, or a path
+  ResumeChanged resume_changed = ResumeChanged::kRefuse;
   bool save_final = true;
   bool asynchronous = false;  ///< checkpoint.async: written on an I/O thread from a host copy
   bool rank0_only = false;

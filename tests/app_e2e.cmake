@@ -111,6 +111,18 @@ expect_in("${last_output}" "already reached step 24 of 24; its outputs are all t
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set run.max_steps=40 --set model.hidden_sizes=[48])
 expect_in("${last_output}" "holds another run")
 
+# 6b. A resume with a deck that changed keys deciding the training is refused, naming each key with
+#     both values; checkpoint.resume_changed = "allow" goes on and lists them in summary.json; keys that
+#     do not decide the training (logging, max_steps) change freely.
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/changed --set run.max_steps=8)
+run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/changed --set run.max_steps=16 --set optim.lr=0.002 --set data.shuffle=false)
+expect_in("${last_output}" "was trained with another deck; these keys decide the training:\n  data.shuffle: true in the checkpoint, false now\n  optim.lr: 0.001 in the checkpoint, 0.002 now")
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/changed --set run.max_steps=12 --set log.every_steps=2)
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/changed --set run.max_steps=16 --set optim.lr=0.002 --set checkpoint.resume_changed=allow)
+expect_in("${last_output}" "warning: resuming [^\n]* with changed keys \\(checkpoint.resume_changed = \"allow\"\\):\n  optim.lr: 0.001 in the checkpoint, 0.002 now")
+file(READ ${WORK_DIR}/changed/summary.json changed)
+expect_in("${changed}" "\"resume_changed\": \\[\n *\"optim.lr: 0.001 -> 0.002\"")
+
 # 7. Nested units inside the GPT's blocks (every child is called through fsdp::forward).
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/gpt --set model.kind=transformer --set data.kind=tokens
     --set data.num_samples=256 --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set run.max_steps=6

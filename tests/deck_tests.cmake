@@ -76,6 +76,15 @@ if(DEFINED DECK_SWEEP_CASE)
     run_sweep(0 ${base} --grid run.out_dir=/scratch/a --out ${out}/single)
     file(READ ${out}/single/decks/point_0000.toml deck)
     expect_in("${deck}" "out_dir = \"/scratch/a\"\n")
+    # Points that would share a checkpoint folder are refused; a relative checkpoint.dir is each run's own.
+    run_sweep(2 ${base} --grid optim.lr=0.5,0.25 --set checkpoint.dir=${out}/shared_ckpt --out ${out}/shared)
+    expect_in("${sweep_err}" "point_0000 and point_0001 share the checkpoint folder ${out}/shared_ckpt")
+    run_sweep(0 ${base} --grid optim.lr=0.5,0.25 --set checkpoint.dir=ckpt --out ${out}/own)
+    # The same grid again continues it; another grid in the same --out is refused unless --continue.
+    run_sweep(0 ${base} --grid optim.lr=0.5,0.25 --set checkpoint.dir=ckpt --out ${out}/own)
+    run_sweep(2 ${base} --grid optim.lr=0.5,0.125 --out ${out}/own)
+    expect_in("${sweep_err}" "manifest.tsv' lists another grid's points")
+    run_sweep(0 ${base} --grid optim.lr=0.5,0.125 --out ${out}/own --continue)
   elseif(DECK_SWEEP_CASE STREQUAL "invalid_point")
     # optim.lr=-1 makes 3 of the 6 points invalid: exit 2, every bad point named, nothing written.
     run_sweep(2 ${base} --grid optim.lr=0.5,-1 --grid data.batch_size=16,32,64 --out ${out})

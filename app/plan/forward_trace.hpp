@@ -247,7 +247,7 @@ inline void trace_gpt(detail::TraceBuilder& b, const ModelShape& s, std::int64_t
   constexpr int input = 0;
   const auto& c = s.gpt;
   const double p = training ? c.dropout : 0.0;
-  const std::int64_t T = c.context, D = c.d_model, H = c.n_heads, R = c.mlp_ratio, V = c.padded_vocab();
+  const std::int64_t T = c.context, D = c.d_model, H = c.n_heads, V = c.padded_vocab();
   const std::int64_t btd = B * T * D * eb, scores = B * H * T * T * eb, stats = 2 * B * T * 4, logits = B * T * V * eb;
   b.enter("tok", input);
   const int e = b.op(btd, {}, {}, {"tok.weight"}, btd);

@@ -33,6 +33,7 @@ class Checkpointer {
  public:
   Checkpointer(const RunConfig& cfg, const Deck& deck, MpiComm& world, Engine& model, torch::optim::Optimizer* optimizer)
       : cfg_(cfg),
+        deck_(deck),
         deck_text_(deck.to_toml()),
         world_(world),
         root_(world.rank() == 0),
@@ -93,17 +94,18 @@ class Checkpointer {
         for (const auto& why : r.skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
         if (!r.path.empty()) std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
       }
-      if (r.path.empty()) initialize_from_pretrained();
+      if (r.path.empty())
+        initialize_from_pretrained();
+      else
+        compare_with_the_deck_of(r.path, state.deck);
       return state;
     }
     if (resume != "none") {
-      std::string path;
-      on_all_ranks(world_, [&] {
-        path = checkpoint_named_by("checkpoint.resume", resume);
-        fsdp::load_checkpoint(model_, optimizer_, path, &state, options_);
-      });
+      const std::string path = checkpoint_named_on_rank0("checkpoint.resume", resume);
+      on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, optimizer_, path, &state, options_); });
       loaded_from_ = path;
       if (root_) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
+      compare_with_the_deck_of(path, state.deck);
     }
     // Those past the step this run starts from belong to another trajectory; all of them do for a fresh
     // start or a checkpoint taken from another folder.
@@ -224,15 +226,52 @@ class Checkpointer {
 
   const std::filesystem::path& dir() const noexcept { return dir_; }
 
+  /// The keys that decide the training which this run changed against its checkpoint's deck
+  /// (checkpoint.resume_changed = "allow"), "key: before -> now"; summary.json lists them.
+  const std::vector<std::string>& resume_changes() const noexcept { return resume_changes_; }
+
  private:
-  /// The checkpoint the deck's `key` names (a file, a LOCAL folder, a folder's `latest`); a run
-  /// directory, the `latest` file itself or a missing file is a DeckError saying what it is instead.
-  static std::string checkpoint_named_by(const char* key, const std::filesystem::path& path) {
+  /// A resume whose deck changed a key that decides the training ([model], [data], [optim], run.seed)
+  /// is refused on every rank naming each key with both values, unless checkpoint.resume_changed =
+  /// "allow" (then each is a warning, kept for summary.json). A stored deck this version cannot read is
+  /// a warning: there is nothing to compare. Collective (every rank compares the same texts).
+  void compare_with_the_deck_of(const std::string& checkpoint, const std::string& stored) {
+    if (stored.empty()) return;
+    std::vector<KeyChange> changes;
     try {
-      return fsdp::ckpt::checkpoint_at(path).string();
-    } catch (const fsdp::CheckpointError& e) {
-      throw DeckError(std::string(key) + ": " + fsdp::message_without_id(e));
+      changes = trajectory_changes(Deck::parse(stored, checkpoint + " (its stored deck)"), deck_);
+    } catch (const DeckError& e) {
+      if (root_) std::printf("warning: the deck stored in %s cannot be compared with this one: %s\n", checkpoint.c_str(), e.what());
+      return;
     }
+    if (changes.empty()) return;
+    std::string list;
+    for (const auto& c : changes) list += "\n  " + c.key + ": " + c.before + " in the checkpoint, " + c.now + " now";
+    on_all_ranks(world_, [&] {
+      if (cfg_.checkpoint.resume_changed == ResumeChanged::kRefuse)
+        throw DeckError("checkpoint " + checkpoint + " was trained with another deck; these keys decide the training:" + list +
+                        "\ncheckpoint.resume_changed = \"allow\" continues with the new values; a new run.out_dir (or checkpoint.resume = "
+                        "\"none\") starts a new run");
+    });
+    if (root_) std::printf("warning: resuming %s with changed keys (checkpoint.resume_changed = \"allow\"):%s\n", checkpoint.c_str(), list.c_str());
+    for (const auto& c : changes) resume_changes_.push_back(c.key + ": " + c.before + " -> " + c.now);
+  }
+
+  /// The checkpoint the deck's `key` names (a file, a LOCAL folder, a folder's `latest`), as rank 0
+  /// sees it (a FULL file may live on its node-local disk only; the load decides what the others
+  /// read); a run directory, the `latest` file itself or a missing file is a DeckError on every rank
+  /// saying what it is instead. Collective.
+  std::string checkpoint_named_on_rank0(const char* key, const std::filesystem::path& path) {
+    std::string resolved;
+    on_all_ranks(world_, [&] {
+      if (!root_) return;
+      try {
+        resolved = fsdp::ckpt::checkpoint_at(path).string();
+      } catch (const fsdp::CheckpointError& e) {
+        throw DeckError(std::string(key) + ": " + fsdp::message_without_id(e));
+      }
+    });
+    return fsdp::broadcast_string(world_, resolved);
   }
 
   /// checkpoint.init_from for a run that starts fresh: the weights only (the optimizer, step, data
@@ -250,7 +289,8 @@ class Checkpointer {
       auto options = options_;
       options.rank0_only = false;  // every rank reads its own part: no rank holds the whole model
       options.load_rng_state = false;
-      on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, nullptr, checkpoint_named_by("checkpoint.init_from", p), nullptr, options); });
+      const std::string file = checkpoint_named_on_rank0("checkpoint.init_from", p);
+      on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, nullptr, file, nullptr, options); });
     } else {
       std::optional<TensorNaming> naming;
       on_all_ranks(world_, [&] {
@@ -308,7 +348,9 @@ class Checkpointer {
   }
 
   const RunConfig& cfg_;
+  const Deck& deck_;
   std::string deck_text_;
+  std::vector<std::string> resume_changes_;  // checkpoint.resume_changed = "allow": the keys changed against the checkpoint
   MpiComm& world_;
   bool root_;
   Engine& model_;

@@ -29,6 +29,13 @@ inline volatile std::sig_atomic_t g_stop_signal = 0;
 inline sem_t g_terminate_posted;
 inline volatile std::sig_atomic_t g_terminate_pending = 0;
 extern "C" inline void request_stop(int signo) {
+  // A second Ctrl-C while the first one's stop is pending (a long evaluation, a save, a wait) ends the
+  // process at once, as Ctrl-C does elsewhere; the last committed checkpoint is the one to resume from.
+  if (signo == SIGINT && g_stop_signal == SIGINT) {
+    std::signal(SIGINT, SIG_DFL);
+    std::raise(SIGINT);
+    return;
+  }
   g_stop_signal = signo;
   if (signo == SIGTERM) {
     g_terminate_pending = 1;

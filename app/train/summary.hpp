@@ -42,10 +42,11 @@ struct RunTotals {
   std::filesystem::path out_dir;
   std::filesystem::path metrics_path;  ///< "" when metrics.csv was not written
   std::int64_t steps = 0, resumed_from_step = 0, skipped_steps = 0, samples_trained = 0;
-  std::int64_t overflow_steps = 0;     ///< of skipped_steps: fp16 gradients overflowed (the loss scale backed off)
-  std::optional<double> loss_scale;    ///< fp16's loss scale at the end; unset without loss scaling
-  std::int64_t tokens_per_sample = 0;  ///< language models: tokens predicted per sequence; 0 otherwise
-  double flops_per_token = 0;          ///< language models: training FLOPs per token (6 N + 12 L d T); 0 otherwise
+  std::vector<std::string> resume_changed;  ///< keys deciding the training changed at the resume ("key: before -> now")
+  std::int64_t overflow_steps = 0;          ///< of skipped_steps: fp16 gradients overflowed (the loss scale backed off)
+  std::optional<double> loss_scale;         ///< fp16's loss scale at the end; unset without loss scaling
+  std::int64_t tokens_per_sample = 0;       ///< language models: tokens predicted per sequence; 0 otherwise
+  double flops_per_token = 0;               ///< language models: training FLOPs per token (6 N + 12 L d T); 0 otherwise
   double last_loss = std::nan("");
   std::optional<EvalResult> eval;  ///< the last evaluation, if any ran
   std::int64_t eval_step = 0;      ///< the step it followed
@@ -183,6 +184,7 @@ nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& pl
   js["params"] = model.num_params();
   js["steps"] = t.steps;
   js["resumed_from_step"] = t.resumed_from_step;
+  if (!t.resume_changed.empty()) js["resume_changed"] = t.resume_changed;
   js["skipped_steps"] = t.skipped_steps;
   if (t.loss_scale) {
     js["overflow_steps"] = t.overflow_steps;

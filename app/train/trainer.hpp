@@ -109,7 +109,10 @@ class Trainer {
     const fs::path summary = fs::path(cfg_.run.out_dir) / "summary.json";
     const std::string export_path = cfg_.checkpoint.export_path.empty() ? "" : export_file(cfg_.checkpoint.export_path).string();
     std::int64_t missing[2] = {0, 0};  // rank 0's view of the folder decides for all
-    if (root_) missing[0] = !export_path.empty() && !fs::exists(export_path), missing[1] = !fs::exists(summary);
+    if (root_) {
+      missing[0] = !export_path.empty() && !fs::exists(export_path);
+      missing[1] = !fs::exists(summary);
+    }
     world_.broadcast(missing, 2, fsdp::DType::kInt64, 0);
     progress_ = ProgressStyle::of(cfg_.log.progress);
     step_ = start_.step;
@@ -505,6 +508,7 @@ class Trainer {
     if (write_metrics_) t.metrics_path = metrics_path_;
     t.steps = step_;
     t.resumed_from_step = start_.step;
+    t.resume_changed = checkpointer_->resume_changes();
     t.skipped_steps = skipped_steps_;
     t.overflow_steps = overflow_steps_;
     if (scaler_) t.loss_scale = scaler_->scale();

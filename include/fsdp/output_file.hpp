@@ -62,7 +62,7 @@ inline void write_file_atomically(const std::filesystem::path& path, std::string
     std::filesystem::remove(tmp, ignored);
     throw OutputError("cannot write '" + path.string() + "': " + what + ": " + std::strerror(err));
   };
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);  // the umask decides, as for any new file
   if (fd < 0) {
     const int err = errno;
     throw OutputError("cannot write '" + path.string() + "': cannot create '" + tmp.string() + "': " + std::strerror(err));

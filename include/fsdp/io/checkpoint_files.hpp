@@ -178,7 +178,10 @@ inline std::filesystem::path checkpoint_at(const std::filesystem::path& path) {
     if (!name) throw CheckpointError("'" + (path / kLatestName).string() + "' is empty: it names no checkpoint");
     return path / *name;
   }
-  if (fs::exists(path / local_rank_file(0), ec)) return path;  // a LOCAL_STATE_DICT checkpoint
+  for (const auto& entry : fs::directory_iterator(path, ec)) {  // a LOCAL_STATE_DICT checkpoint (verify and load name a missing rank)
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("rank_", 0) == 0 && entry.path().extension() == ".h5") return path;
+  }
   if (fs::exists(path / "checkpoints" / kLatestName, ec) || fs::exists(path / "deck.toml", ec))
     throw CheckpointError(quoted + " is a run directory, not a checkpoint; its checkpoints are in '" + (path / "checkpoints").string() + "'");
   const auto found = list_checkpoints(path);
