@@ -157,4 +157,12 @@ inline const char* expected(KeyType t) {
 /// Schema key -> its index in deck_schema().
 const std::map<std::string, std::size_t>& key_index();
 
+/// The schema's keys of [comm], [checkpoint] (saves, then weights in and out), [eval] and [log], in the
+/// reference's order (deck_schema_outputs.cpp; make_schema in deck_schema.cpp calls them).
+void add_comm_keys(std::vector<KeySpec>& s);
+void add_checkpoint_keys(std::vector<KeySpec>& s);
+void add_weights_in_and_out_keys(std::vector<KeySpec>& s);
+void add_eval_keys(std::vector<KeySpec>& s);
+void add_log_keys(std::vector<KeySpec>& s);
+
 }  // namespace fsdp::app::detail
