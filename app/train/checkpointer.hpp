@@ -5,8 +5,10 @@
 
 #include <fsdp/fsdp.hpp>
 #include <fsdp/io/async_checkpoint.hpp>
+#include <fsdp/io/checkpoint_tools.hpp>
 #include <fsdp/io/run_lock.hpp>
 #include <fsdp/io/safetensors.hpp>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -102,7 +104,9 @@ class Checkpointer {
     }
     if (resume != "none") {
       const std::string path = checkpoint_named_on_rank0("checkpoint.resume", resume);
-      on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, optimizer_, path, &state, options_); });
+      on_all_ranks(world_, [&] {
+        loading_into_the_decks_model("checkpoint.resume", path, [&] { fsdp::load_checkpoint(model_, optimizer_, path, &state, options_); });
+      });
       loaded_from_ = path;
       if (root_) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
       compare_with_the_deck_of(path, state.deck);
@@ -231,6 +235,63 @@ class Checkpointer {
   const std::vector<std::string>& resume_changes() const noexcept { return resume_changes_; }
 
  private:
+  /// Runs `load` of `file` (named by the deck's `key`); a file that does not fit the deck's model is a
+  /// DeckError that says so with the model sizes that differ first (model_size_differences), then the
+  /// library's list of tensors, one a line. Other errors pass unchanged.
+  template <class Load>
+  void loading_into_the_decks_model(const char* key, const std::string& file, Load&& load) const {
+    try {
+      load();
+    } catch (const fsdp::CheckpointError& e) {
+      if (e.id() != "fsdp.ckpt.mismatch") throw;
+      std::string text = std::string(key) + ": '" + file + "' holds another model than the deck's";
+      for (const auto& d : model_size_differences(file)) text += "\n  " + d;
+      throw DeckError(text + "\n" + fsdp::message_without_id(e));
+    }
+  }
+
+  /// The [model] sizes in which `file` differs from the deck: a checkpoint's stored deck, or the
+  /// config.json beside a safetensors file (Hugging Face GPT-2's names). Empty when neither tells:
+  /// the list of tensors is the error then.
+  std::vector<std::string> model_size_differences(const std::filesystem::path& file) const {
+    namespace fs = std::filesystem;
+    std::vector<std::string> out;
+    try {
+      if (file.extension() == ".h5" || fs::exists(file / fsdp::ckpt::local_rank_file(0))) {
+        const fs::path h5 = fs::is_directory(file) ? file / fsdp::ckpt::local_rank_file(0) : file;  // LOCAL: every rank file stores the deck
+        std::string text;
+        for (const auto& [name, value] : fsdp::ckpt::inspect_file(h5.string()).attributes)
+          if (name == "deck") text = value;
+        if (text.empty()) return out;
+        const Deck stored = Deck::parse(text, h5.string() + " (its stored deck)");
+        for (const auto& spec : deck_schema()) {
+          if (spec.section() != "model") continue;
+          const std::string a = format_value(stored.entry(spec.key).value), b = format_value(deck_.entry(spec.key).value);
+          if (a != b) out.push_back(spec.key + ": " + a + " in the file, " + b + " in the deck");
+        }
+        return out;
+      }
+      std::ifstream in((fs::is_directory(file) ? file : file.parent_path()) / "config.json");
+      if (!in) return out;
+      const auto config = nlohmann::json::parse(in);
+      const std::pair<const char*, std::pair<const char*, std::int64_t>> sizes[] = {{"n_embd", {"model.d_model", cfg_.model.d_model}},
+                                                                                    {"n_layer", {"model.n_layers", cfg_.model.n_layers}},
+                                                                                    {"n_head", {"model.n_heads", cfg_.model.n_heads}},
+                                                                                    {"n_positions", {"model.context", cfg_.model.context}},
+                                                                                    {"vocab_size", {"model.vocab_size", cfg_.model.vocab_size}}};
+      for (const auto& [name, ours] : sizes) {
+        if (!config.contains(name) || !config[name].is_number_integer()) continue;
+        const std::int64_t theirs = config[name].template get<std::int64_t>();
+        if (theirs != ours.second)
+          out.push_back(std::string(ours.first) + ": " + std::to_string(theirs) + " in the file's config.json (" + name + "), " +
+                        std::to_string(ours.second) + " in the deck");
+      }
+    } catch (const std::exception&) {
+      // The sizes only help; the tensors the library named are the error.
+    }
+    return out;
+  }
+
   /// A resume whose deck changed a key that decides the training ([model], [data], [optim], run.seed)
   /// is refused on every rank naming each key with both values, unless checkpoint.resume_changed =
   /// "allow" (then each is a warning, kept for summary.json). A stored deck this version cannot read is
@@ -290,7 +351,9 @@ class Checkpointer {
       options.rank0_only = false;  // every rank reads its own part: no rank holds the whole model
       options.load_rng_state = false;
       const std::string file = checkpoint_named_on_rank0("checkpoint.init_from", p);
-      on_all_ranks(world_, [&] { fsdp::load_checkpoint(model_, nullptr, file, nullptr, options); });
+      on_all_ranks(world_, [&] {
+        loading_into_the_decks_model("checkpoint.init_from", file, [&] { fsdp::load_checkpoint(model_, nullptr, file, nullptr, options); });
+      });
     } else {
       std::optional<TensorNaming> naming;
       on_all_ranks(world_, [&] {
@@ -304,7 +367,8 @@ class Checkpointer {
       options.allow_missing = cfg_.checkpoint.init_allow_missing;
       options.naming = naming ? &*naming : nullptr;
       options.collective_timeout_s = cfg_.checkpoint.collective_timeout_s;
-      on_all_ranks(world_, [&] { r = fsdp::load_safetensors(model_, path, options); });
+      on_all_ranks(world_,
+                   [&] { loading_into_the_decks_model("checkpoint.init_from", path, [&] { r = fsdp::load_safetensors(model_, path, options); }); });
     }
     if (!root_) return;
     std::printf("initialized the model from %s (%s names)\n", path.c_str(), names.c_str());

@@ -120,7 +120,7 @@ Staged read_own_parts(Engine& engine, const torch::optim::Optimizer* opt, const 
   }
   for (const auto& [name, b] : named_buffers_of(engine)) s.buffers.push_back(read_buffer(file, path, model_path(name), b, problems));
   for (auto& p : unexpected_model_tensors(file, engine)) problems.push_back(std::move(p));
-  if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems), kMismatchId);
+  if (!problems.empty()) throw CheckpointError(checkpoint_mismatch_message(path, problems), kMismatchId);
   const auto world = h5::read_int_attribute(file, "world_size", "checkpoint '" + path + "'");
   s.meta = read_meta(file, path, engine.rank(), world == engine.world_size() ? world : -1);
   use_rank_local_buffers(named_buffers_of(engine), s.buffers, s.meta, path);
@@ -142,7 +142,7 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
       file = h5::open_file_readonly(path);
       check_root(file, path, engine, StateDictType::FULL_STATE_DICT);
       auto unexpected = unexpected_model_tensors(file, engine);
-      if (!unexpected.empty()) throw CheckpointError(mismatch_message(path, unexpected), kMismatchId);
+      if (!unexpected.empty()) throw CheckpointError(checkpoint_mismatch_message(path, unexpected), kMismatchId);
       const auto saved_world = h5::read_int_attribute(file, "world_size", "checkpoint '" + path + "'");
       meta_bytes = pack_meta(read_meta(file, path, -1, 0));
       (void)saved_world;
@@ -159,7 +159,7 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
     if (reader) {
       error = capture_error([&] {
         full = read_unit_range(file, path, u, 0, u.layout.padded_numel(), opt, problems);
-        if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems), kMismatchId);
+        if (!problems.empty()) throw CheckpointError(checkpoint_mismatch_message(path, problems), kMismatchId);
       });
     }
     agree(world, error);
@@ -193,7 +193,7 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
       error = capture_error([&] {
         std::vector<std::string> buffer_problems;
         auto value = read_buffer(file, path, model_path(name), b, buffer_problems);
-        if (!buffer_problems.empty()) throw CheckpointError(mismatch_message(path, buffer_problems), kMismatchId);
+        if (!buffer_problems.empty()) throw CheckpointError(checkpoint_mismatch_message(path, buffer_problems), kMismatchId);
         t.copy_(value);
       });
     }
@@ -270,7 +270,7 @@ Staged read_local_file(Engine& engine, const torch::optim::Optimizer* opt, const
   }
   std::vector<std::string> problems;
   for (const auto& [name, b] : named_buffers_of(engine)) s.buffers.push_back(read_buffer(file, path, model_path(name), b, problems));
-  if (!problems.empty()) throw CheckpointError(mismatch_message(path, problems), kMismatchId);
+  if (!problems.empty()) throw CheckpointError(checkpoint_mismatch_message(path, problems), kMismatchId);
   s.meta = read_meta(file, path, 0, 1);
   return s;
 }

@@ -572,11 +572,16 @@ void arrive_together(Comm& comm, const CheckpointOptions& options, const char* w
     comm.barrier();
 }
 
-inline std::string mismatch_message(const std::string& path, const std::vector<std::string>& problems) {
-  std::string m = "checkpoint '" + path + "' does not match the model: ";
-  for (std::size_t i = 0; i < problems.size() && i < 20; ++i) m += (i ? "; " : "") + problems[i];
-  if (problems.size() > 20) m += "; ... and " + std::to_string(problems.size() - 20) + " more";
+/// What does not match between a file and the model, one problem a line (at most 20 named).
+/// `source` says what was read: a checkpoint's path, or a description such as "safetensors file '...'".
+inline std::string mismatch_message(const std::string& source, const std::vector<std::string>& problems) {
+  std::string m = source + " does not match the model:";
+  for (std::size_t i = 0; i < problems.size() && i < 20; ++i) m += "\n  " + problems[i];
+  if (problems.size() > 20) m += "\n  ... and " + std::to_string(problems.size() - 20) + " more";
   return m;
+}
+inline std::string checkpoint_mismatch_message(const std::string& path, const std::vector<std::string>& problems) {
+  return mismatch_message("checkpoint '" + path + "'", problems);
 }
 
 }  // namespace detail

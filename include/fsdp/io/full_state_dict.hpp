@@ -65,7 +65,7 @@ inline StateDictReport load_full_state_dict(torch::nn::Module& module, const std
     for (const auto& n : report.missing) problems.push_back("missing " + n);
     for (const auto& n : report.unexpected) problems.push_back("unexpected " + n);
     for (const auto& n : report.mismatched) problems.push_back("mismatched " + n);
-    throw CheckpointError(detail::mismatch_message(path, problems));
+    throw CheckpointError(detail::checkpoint_mismatch_message(path, problems));
   }
   torch::NoGradGuard no_grad;
   for (auto& [dst, value] : staged) dst.copy_(value);
