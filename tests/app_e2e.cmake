@@ -130,6 +130,12 @@ run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/gpt --set model.kind=trans
 expect_in("${last_output}" "5 unit\\(s\\)")
 run(2 ${train2} ${DECK} --set fsdp.auto_wrap_policy=TRANSFORMER_BASED_WRAP --set fsdp.transformer_layer_cls_to_wrap=Foo)
 expect_in("${last_output}" "no module of type \"Foo\"")
+# bf16 weights (an export in bf16) load into the fp32 model: said once, with how many were widened.
+run(0 ${CKPT_TOOL} export ${WORK_DIR}/gpt/checkpoints ${WORK_DIR}/gpt_bf16.safetensors --dtype bf16)
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/gpt_from_bf16 --set model.kind=transformer --set data.kind=tokens
+    --set data.num_samples=256 --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set run.max_steps=2
+    --set checkpoint.init_from=${WORK_DIR}/gpt_bf16.safetensors)
+expect_in("${last_output}" "note: [0-9]+ tensor\\(s\\) of the file widened from BF16 to Float on load")
 # A checkpoint of another model given as checkpoint.init_from: the model sizes that differ first, then
 # each tensor on a line of its own.
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/gpt48 --set model.kind=transformer --set data.kind=tokens

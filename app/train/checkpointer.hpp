@@ -372,6 +372,8 @@ class Checkpointer {
     }
     if (!root_) return;
     std::printf("initialized the model from %s (%s names)\n", path.c_str(), names.c_str());
+    for (const auto& [widening, count] : r.widened)  // said once: the weights train in the model's precision from here on
+      std::printf("note: %lld tensor(s) of the file widened from %s on load\n", static_cast<long long>(count), widening.c_str());
     if (!r.missing.empty()) {
       std::string list;
       for (const auto& m : r.missing) list += (list.empty() ? "" : ", ") + m;

@@ -94,6 +94,9 @@ struct SafetensorsLoadResult {
   std::vector<std::string> missing;     ///< parameters not in the file (allow_missing)
   std::vector<std::string> unexpected;  ///< tensors of the file that no parameter or buffer claims
   std::int64_t bytes_read = 0;          ///< by this rank
+  /// Tensors stored in a narrower floating-point type than the model's (e.g. BF16 into fp32 master
+  /// weights), widened on load: "BF16 to Float" -> how many. The same on every rank.
+  std::map<std::string, std::int64_t> widened;
 };
 
 namespace detail {
@@ -404,6 +407,7 @@ SafetensorsLoadResult load_safetensors(Engine& engine, const std::string& path, 
         problems.push_back("tensor '" + e->name + "': dtype " + e->dtype + " cannot be loaded into " + c10::toString(into));
         return std::nullopt;
       }
+      if (c10::isFloatingType(*dtype) && c10::elementSize(*dtype) < c10::elementSize(into)) ++result.widened[e->dtype + " to " + c10::toString(into)];
       return hit;
     };
     std::vector<std::vector<std::optional<detail::SourceTensor>>> found(units.size());
