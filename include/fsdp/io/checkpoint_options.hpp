@@ -3,12 +3,15 @@
 // the options of saves and loads, and their results.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "fsdp/core/strategy.hpp"
 #include "fsdp/errors.hpp"
 
 namespace fsdp {
@@ -29,16 +32,11 @@ inline const char* to_string(StateDictType t) noexcept {
   return "?";
 }
 
-/// Parses "SHARDED_STATE_DICT", "sharded", "FULL", "local_state_dict", ...
-inline StateDictType parse_state_dict_type(const std::string& text) {
-  std::string up = text;
-  std::transform(up.begin(), up.end(), up.begin(), [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
-  for (auto t : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
-    const std::string name = to_string(t);
-    if (up == name || up == name.substr(0, name.find('_'))) return t;
-  }
-  throw ConfigError("unknown state dict type '" + text + "' (valid: SHARDED_STATE_DICT, FULL_STATE_DICT, LOCAL_STATE_DICT)");
-}
+inline constexpr std::array<StateDictType, 3> kStateDictTypes = {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT,
+                                                                 StateDictType::LOCAL_STATE_DICT};
+
+/// Parses "SHARDED_STATE_DICT", "full_state_dict", ...; throws ConfigError naming the valid values.
+inline StateDictType parse_state_dict_type(std::string_view text) { return detail::parse_enum_name(text, kStateDictTypes, "state dict type"); }
 
 /// Training progress stored next to the model: what resuming needs besides parameters and
 /// optimizer state.

@@ -66,7 +66,7 @@ class CheckpointSnapshot {
       if (live[k].optimizer_sharded_over_replicas()) units_[k].optimized.copy_(live[k].optimized);
     }
     capture_optimizer(optimizer, live);
-    const auto buffers = named_buffers_of(engine);
+    const auto buffers = detail::named_buffers_of(engine);
     reserve_buffers(buffers);
     for (std::size_t b = 0; b < buffers.size(); ++b) buffers_[b].second.copy_(buffers[b].second);
     rng_ = detail::capture_rng_state(engine.compute_device());
@@ -82,7 +82,7 @@ class CheckpointSnapshot {
   void reserve(Engine& engine, const torch::optim::Optimizer* optimizer) {
     const auto live = engine.sharded_units();
     reserve_units(live);
-    reserve_buffers(named_buffers_of(engine));
+    reserve_buffers(detail::named_buffers_of(engine));
     if (!optimizer) return;
     for (std::size_t k = 0; k < live.size(); ++k) {
       const auto view = detail::unit_optimizer_state(optimizer, live[k]);

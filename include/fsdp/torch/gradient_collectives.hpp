@@ -1,5 +1,6 @@
 // One unit's gradient collectives (torch layer): run in place by the computing thread or the
-// collective worker, or issued non-blocking where the communicator progresses on its own.
+// collective worker, or issued non-blocking where the communicator progresses on its own; and
+// on_contiguous, for the collectives on parameters and buffers that may be strided views.
 #pragma once
 
 #include <torch/torch.h>
@@ -14,6 +15,16 @@
 #include "fsdp/torch/options.hpp"
 
 namespace fsdp::detail {
+
+// Runs `collective` on `t`'s elements in a contiguous buffer (a copy when `t` is strided, written
+// back after): the collectives take flat memory, buffers and parameters may be views.
+template <class F>
+void on_contiguous(const torch::Tensor& t, F&& collective) {
+  torch::NoGradGuard no_grad;
+  auto c = t.contiguous();
+  collective(c);
+  if (!c.is_same(t)) t.copy_(c);
+}
 
 // One unit's gradient collectives, on the computing thread or the collective worker (with its
 // duplicates of the groups), all averaging: a reduce-scatter of `flat` over the shard group into

@@ -151,6 +151,16 @@ constexpr bool comm_progresses_on_its_own() {
     return comm_moves_device_memory<Comm>();
 }
 
+/// True unless `Comm` says that two threads may not call its collectives at the same time (MPI
+/// initialized without MPI_THREAD_MULTIPLE): the collective worker needs them to.
+template <class Comm>
+bool comm_threads_may_call_concurrently() {
+  if constexpr (requires { Comm::threads_may_call_concurrently(); })
+    return Comm::threads_may_call_concurrently();
+  else
+    return true;
+}
+
 /// Bytes this rank holds for the model's training state (see memory_stats()).
 struct MemoryStats {
   std::int64_t shard_param_bytes = 0;      ///< local shards of the flat parameters

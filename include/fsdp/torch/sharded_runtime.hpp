@@ -23,6 +23,7 @@
 #include "fsdp/core/strategy.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/torch/current_stream_order.hpp"
+#include "fsdp/torch/engine_groups.hpp"
 #include "fsdp/torch/flat_unit.hpp"
 #include "fsdp/torch/gradient_collectives.hpp"
 #include "fsdp/torch/hooks.hpp"
@@ -33,9 +34,12 @@
 namespace fsdp::detail {
 
 template <Communicator Comm>
-class ShardedRuntime : protected ForwardHooks, protected GradReducer {
- protected:
-  ShardedRuntime(Comm world, FsdpOptions options) : world_(std::move(world)), options_(std::move(options)) {}
+class ShardedRuntime final : private ForwardHooks, private GradReducer {
+ public:
+  /// Splits the groups (collective). `wrapper` is the public module (train()/eval() decides buffer
+  /// syncing), `root` the wrapped model; both outlive the runtime.
+  ShardedRuntime(Comm world, FsdpOptions options, const torch::nn::Module& wrapper, torch::nn::Module& root)
+      : options_(std::move(options)), groups_(std::move(world), options_), wrapper_(&wrapper), root_module_(&root) {}
 
   ~ShardedRuntime() override {
     for (auto& u : units_)
@@ -49,6 +53,23 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
   ShardedRuntime(const ShardedRuntime&) = delete;
   ShardedRuntime& operator=(const ShardedRuntime&) = delete;
 
+  const FsdpOptions& options() const noexcept { return options_; }
+  EngineGroups<Comm>& groups() noexcept { return groups_; }
+  const EngineGroups<Comm>& groups() const noexcept { return groups_; }
+  /// The units in creation order (index 0 is the root); the engine's builder fills them.
+  std::vector<std::unique_ptr<FlatUnit>>& units() noexcept { return units_; }
+  const std::vector<std::unique_ptr<FlatUnit>>& units() const noexcept { return units_; }
+  const OverlapStats& overlap_stats() const noexcept { return overlap_; }
+  torch::Device compute_device() const noexcept { return compute_device_; }
+  /// Sets where the units compute; a GPU communicator then orders its collectives with LibTorch's
+  /// current stream there. Before the first collective on the units.
+  void use_compute_device(torch::Device device) {
+    compute_device_ = device;
+    order_collectives_with_current_stream();
+  }
+  /// Inside no_sync: backward keeps gradients unreduced. Returns the previous setting.
+  bool exchange_no_sync(bool on) noexcept { return std::exchange(no_sync_, on); }
+
   /// Makes the units reachable from autograd and from fsdp::forward (after they are built).
   void register_units() {
     engine_id_ = next_engine_id();
@@ -60,91 +81,32 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     }
   }
 
-  void setup_groups() {
-    const int requested = options_.shard_group_size;
-    const bool needs_node = is_hybrid(options_.sharding_strategy) && requested == 0;
-    const int group = fsdp::shard_group_size(options_.sharding_strategy, world_.size(), requested, needs_node ? node_size() : 1);
-    const int r = world_.rank();
-    shard_comm_ = world_.split(r / group, r);
-    replica_comm_ = world_.split(r % group, r);
-    if (const auto why = optimizer_sharding_problem(options_.sharding_strategy, options_.optimizer_sharding); !why.empty())
-      throw ConfigError("optimizer_sharding = WORLD: " + why);
-    if (optimizer_sharded_over_replicas() && options_.offload_params && comm_moves_device_memory<Comm>())
-      throw ConfigError(
-          "optimizer_sharding = WORLD with offload_params: the replicas' parts would be all-gathered in host memory, which this communicator cannot "
-          "move");
-    const int kept = options_.reshard_after_forward_group;
-    if (kept != 0) {
-      if (!reshard_after_forward())
-        throw ConfigError("reshard_after_forward_group = " + std::to_string(kept) + " with reshard_after_forward = false (set, or " +
-                          to_string(options_.sharding_strategy) + "'s default): keeping a group shard after forward is a way of resharding");
-      if (const auto why = reshard_group_problem(group, kept); !why.empty()) throw ConfigError("reshard_after_forward_group: " + why);
-      const int s = shard_comm_.rank();
-      forward_group_comm_.emplace(shard_comm_.split(s / kept, s));
-    }
-  }
-
-  static bool comm_threads_may_call_concurrently() {
-    if constexpr (requires { Comm::threads_may_call_concurrently(); })
-      return Comm::threads_may_call_concurrently();
-    else
-      return true;
-  }
+  // ---- for the engine: setup, gather and free, the root forward, the replicas' parts -------------
 
   void setup_overlap() {
     const bool prefetch_wanted = options_.backward_prefetch != BackwardPrefetch::NO_PREFETCH || options_.forward_prefetch;
     if (options_.limit_all_gathers < 0) throw ConfigError("limit_all_gathers must be >= 0, got " + std::to_string(options_.limit_all_gathers));
-    const bool prefetch = prefetch_wanted && shard_comm_.size() > 1;  // else nothing is all-gathered: nothing to overlap
-    if (prefetch && !comm_threads_may_call_concurrently())
+    const bool prefetch = prefetch_wanted && groups_.shard.size() > 1;  // else nothing is all-gathered: nothing to overlap
+    if (prefetch && !comm_threads_may_call_concurrently<Comm>())
       throw ConfigError(
           "prefetching runs all-gathers on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
           "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
-    const bool overlap_reduce = options_.overlap_grad_reduce && world_.size() > 1;
-    if (overlap_reduce && !comm_progresses_on_its_own<Comm>() && !comm_threads_may_call_concurrently())
+    const bool overlap_reduce = options_.overlap_grad_reduce && groups_.world.size() > 1;
+    if (overlap_reduce && !comm_progresses_on_its_own<Comm>() && !comm_threads_may_call_concurrently<Comm>())
       throw ConfigError(
           "overlap_grad_reduce runs reductions on a worker thread: initialize MPI with MPI_THREAD_MULTIPLE "
           "(fsdp::MpiEnvironment(&argc, &argv, MPI_THREAD_MULTIPLE))");
-    // Duplicates of the groups: the worker's collectives form their own sequence on every rank.
-    // Every collective is issued in the same order everywhere, so both groups are split on all ranks.
     // A communicator that progresses on its own (a GPU stream) overlaps without a worker: prefetches
     // and reductions are non-blocking collectives issued from this thread, one issuing order on every
     // rank. MPI needs the worker thread.
-    if (prefetch || (overlap_reduce && shard_comm_.size() > 1)) worker_shard_comm_.emplace(shard_comm_.split(0, shard_comm_.rank()));
-    if (overlap_reduce && replica_comm_.size() > 1) worker_replica_comm_.emplace(replica_comm_.split(0, replica_comm_.rank()));
-    if (prefetch && forward_group_comm_) worker_forward_group_comm_.emplace(forward_group_comm_->split(0, forward_group_comm_->rank()));
+    groups_.add_worker_duplicates(prefetch, overlap_reduce);
     if (overlap_reduce)
       reductions_ = std::make_unique<OverlappedReductions>(
           overlap_, [this](int unit, const torch::Tensor& shard_grad) { return to_master(*units_[static_cast<std::size_t>(unit)], shard_grad); });
     if constexpr (!comm_progresses_on_its_own<Comm>()) {
       if (prefetch || overlap_reduce) worker_ = std::make_unique<CollectiveWorker>();
       if (reductions_) reductions_->use_worker(*worker_);
-      // The worker runs beside the computing threads: waiting for a late peer must not take their core.
-      if constexpr (requires(Comm & c) { c.set_waiting_yields_cpu(true); }) {
-        if (worker_shard_comm_) worker_shard_comm_->set_waiting_yields_cpu(true);
-        if (worker_forward_group_comm_) worker_forward_group_comm_->set_waiting_yields_cpu(true);
-        if (worker_replica_comm_) worker_replica_comm_->set_waiting_yields_cpu(true);
-      }
     }
-  }
-
-  // Issues unit `index`'s all-gather on the worker if prefetching is on, the unit will need one and the
-  // limit allows it. Every rank makes the same decision (same order, same state).
-  // `for_backward`: only a unit whose backward is still to come (the root's gradients are reduced last,
-  // after every nested unit's backward).
-  void prefetch(int index, bool for_backward = false) {
-    if (!worker_shard_comm_ || index <= 0) return;
-    auto& u = *units_[static_cast<std::size_t>(index)];
-    if (u.params.empty() || u.frozen || !u.needs_gather() || u.in_flight.valid()) return;
-    if (for_backward && u.pending_backward <= 0) return;
-    if (u.fill_is_current()) return;
-    if (options_.limit_all_gathers > 0 && prefetched_ahead() >= options_.limit_all_gathers) return;
-    gather(u, /*ahead=*/true);
-  }
-
-  int prefetched_ahead() const {
-    int n = 0;
-    for (const auto& u : units_) n += u->in_flight.valid() ? 1 : 0;
-    return n;
   }
 
   // Waits for a prefetched all-gather of `u` (the exposed part of its communication).
@@ -166,18 +128,6 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     overlap_.exposed_all_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   }
 
-  int node_size() {
-    if constexpr (requires(Comm c) { c.split_node(); }) {
-      return world_.split_node().size();
-    } else {
-      return world_.size();
-    }
-  }
-
-  bool reshard_after_forward() const { return options_.reshard_after_forward.value_or(reshard_after_forward_default(options_.sharding_strategy)); }
-
-  // ---- gather / reshard -----------------------------------------------------------------------
-
   // Allocates and fills `full`. A unit still gathered from a forward that had no backward is filled
   // again if the optimizer changed the shard since (its version counter moved).
   // With `ahead`, the all-gather is queued on the collective worker (a prefetch) and gather() returns
@@ -198,9 +148,9 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       torch::NoGradGuard no_grad;
       source = u.shard.detach().to(u.full.device(), u.full.scalar_type(), /*non_blocking=*/u.offloaded);
     }
-    Comm& comm = from_kept ? *forward_group_comm_ : shard_comm_;
-    auto* worker_comm =
-        from_kept ? (worker_forward_group_comm_ ? &*worker_forward_group_comm_ : nullptr) : (worker_shard_comm_ ? &*worker_shard_comm_ : nullptr);
+    Comm& comm = from_kept ? *groups_.forward_group : groups_.shard;
+    auto* worker_comm = from_kept ? (groups_.worker_forward_group ? &*groups_.worker_forward_group : nullptr)
+                                  : (groups_.worker_shard ? &*groups_.worker_shard : nullptr);
     const std::int64_t count = source.numel();
     if (u.layout.group_size() == 1) {
       torch::NoGradGuard no_grad;
@@ -230,43 +180,22 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     trace_gathered_bytes();
   }
 
-  // With tracing on: a counter of the bytes held in gathered unit buffers, after each gather/free.
-  void trace_gathered_bytes() const {
-    auto& tracer = Tracer::instance();
-    if (!tracer.enabled()) return;
-    std::int64_t bytes = 0;
-    for (const auto& u : units_)
-      if (u->gathered && u->needs_gather()) bytes += u->layout.padded_numel() * static_cast<std::int64_t>(u->full.element_size());
-    tracer.counter("gathered parameters", {{"MiB", static_cast<double>(bytes) / 1048576.0}});
-  }
-
   // `after_forward`: a training forward ends and backward will gather the unit again; with
   // reshard_after_forward_group this rank then keeps its slice of `full` over its group.
   void reshard(FlatUnit& u, bool after_forward = false) {
     finish_prefetch(u);  // the worker may still be writing into `full`
     if (u.companion >= 0) reshard(*units_[static_cast<std::size_t>(u.companion)], after_forward);
     if (!u.gathered || !u.needs_gather() || u.params.empty()) return;
-    if (after_forward && forward_group_comm_ && u.layout.group_size() > 1 && !u.frozen) {
+    if (after_forward && groups_.forward_group && u.layout.group_size() > 1 && !u.frozen) {
       torch::NoGradGuard no_grad;
-      const std::int64_t length = u.layout.padded_numel() / forward_group_comm_->size();
-      u.kept_slice = u.full.narrow(0, length * forward_group_comm_->rank(), length).clone();
+      const std::int64_t length = u.layout.padded_numel() / groups_.forward_group->size();
+      u.kept_slice = u.full.narrow(0, length * groups_.forward_group->rank(), length).clone();
       u.kept_version = u.gathered_version;
     }
     u.free_full();
     u.gathered = false;
     trace_gathered_bytes();
   }
-
-  // Makes the module's parameters of `u` children of a fresh UnitGather node so backward reaches it.
-  void graft(FlatUnit& u) {
-    if (u.params.empty() || u.frozen || !torch::GradMode::is_enabled()) return;
-    auto views = UnitGather::apply(u.optimized, engine_id_, static_cast<std::int64_t>(u.info.index), &u);
-    for (std::size_t i = 0; i < u.params.size(); ++i)
-      torch::autograd::impl::set_gradient_edge(u.params[i], torch::autograd::impl::gradient_edge(views[i]));
-    ++u.pending_backward;
-  }
-
-  // ---- forward / backward hooks ---------------------------------------------------------------
 
   void root_pre_forward() {
     end_of_backward_queued_ = false;          // a backward that threw never ran its end-of-backward callback
@@ -311,6 +240,78 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       }
     }
   }
+
+  bool optimizer_sharded_over_replicas() const { return groups_.optimizer_sharded_over_replicas(options_); }
+
+  // With the optimizer sharded over the world: all-gathers, across the replicas, the parts of every
+  // unit's group shard that an optimizer may have updated (each replica updates only its own part):
+  // all of them from the moment gradients reach the parts until the next backward begins (a step
+  // falls in that window, and LibTorch's SGD writes through .data(), which no version counter sees),
+  // and otherwise those written in place. Every rank decides alike (the same steps everywhere).
+  // Collective over the replica group; a no-op otherwise.
+  void synchronize_shards() {
+    if (!optimizer_sharded_over_replicas()) return;
+    const bool after_gradients = parts_have_gradients_;
+    torch::NoGradGuard no_grad;
+    for (auto& up : units_) {
+      auto& u = *up;
+      if (u.params.empty() || u.frozen || (!after_gradients && u.shard._version() == u.replicas_synced_version)) continue;
+      finish_prefetch(u);  // the worker may be reading the shard
+      CollectiveWatchdog::instance().set_unit(u.info.index);
+      all_gather_parts(groups_.replica, u.optimized, u.shard);  // the shard's storage has room for every part
+      CollectiveWatchdog::instance().set_unit(-1);
+      // A copy of the unit still gathered from before (a forward without backward), or a slice kept
+      // of it, must not be used: refilled at the next gather. The shard's version stays, so graphs of
+      // forwards whose backward is still to come stay valid (a step is seen by note_fill).
+      u.refill_needed = true;
+      u.kept_slice = torch::Tensor();
+      u.replicas_synced_version = u.shard._version();
+    }
+  }
+
+ private:
+  // ---- prefetching and gathering ---------------------------------------------------------------
+
+  // Issues unit `index`'s all-gather on the worker if prefetching is on, the unit will need one and the
+  // limit allows it. Every rank makes the same decision (same order, same state).
+  // `for_backward`: only a unit whose backward is still to come (the root's gradients are reduced last,
+  // after every nested unit's backward).
+  void prefetch(int index, bool for_backward = false) {
+    if (!groups_.worker_shard || index <= 0) return;
+    auto& u = *units_[static_cast<std::size_t>(index)];
+    if (u.params.empty() || u.frozen || !u.needs_gather() || u.in_flight.valid()) return;
+    if (for_backward && u.pending_backward <= 0) return;
+    if (u.fill_is_current()) return;
+    if (options_.limit_all_gathers > 0 && prefetched_ahead() >= options_.limit_all_gathers) return;
+    gather(u, /*ahead=*/true);
+  }
+
+  int prefetched_ahead() const {
+    int n = 0;
+    for (const auto& u : units_) n += u->in_flight.valid() ? 1 : 0;
+    return n;
+  }
+
+  // With tracing on: a counter of the bytes held in gathered unit buffers, after each gather/free.
+  void trace_gathered_bytes() const {
+    auto& tracer = Tracer::instance();
+    if (!tracer.enabled()) return;
+    std::int64_t bytes = 0;
+    for (const auto& u : units_)
+      if (u->gathered && u->needs_gather()) bytes += u->layout.padded_numel() * static_cast<std::int64_t>(u->full.element_size());
+    tracer.counter("gathered parameters", {{"MiB", static_cast<double>(bytes) / 1048576.0}});
+  }
+
+  // Makes the module's parameters of `u` children of a fresh UnitGather node so backward reaches it.
+  void graft(FlatUnit& u) {
+    if (u.params.empty() || u.frozen || !torch::GradMode::is_enabled()) return;
+    auto views = UnitGather::apply(u.optimized, engine_id_, static_cast<std::int64_t>(u.info.index), &u);
+    for (std::size_t i = 0; i < u.params.size(); ++i)
+      torch::autograd::impl::set_gradient_edge(u.params[i], torch::autograd::impl::gradient_edge(views[i]));
+    ++u.pending_backward;
+  }
+
+  // ---- the hooks of nested units' forward and of backward (ForwardHooks, GradReducer) -------------
 
   void pre_forward(int unit) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
@@ -362,7 +363,8 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     const bool backward_needs_params = torch::GradMode::is_enabled() && u.pending_backward > 0;
     // Without a pending backward (e.g. evaluation under NoGradGuard) keeping the unit gathered helps
     // nothing, whatever the strategy.
-    if (!backward_needs_params || (reshard_after_forward() && hooked && complete)) reshard(u, /*after_forward=*/backward_needs_params);
+    if (!backward_needs_params || (EngineGroups<Comm>::reshard_after_forward(options_) && hooked && complete))
+      reshard(u, /*after_forward=*/backward_needs_params);
     trace_unit_span(u.forward_began_us, "forward ", u);
   }
 
@@ -460,7 +462,7 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     const bool to_part = optimizer_sharded_over_replicas() && !u.frozen;
     const std::int64_t shard_numel = u.layout.shard_numel();
     const std::int64_t part_numel = u.optimized.numel();
-    const std::int64_t room = to_part ? part_numel * replica_comm_.size() : shard_numel;
+    const std::int64_t room = to_part ? part_numel * groups_.replica.size() : shard_numel;
     torch::Tensor shard_grad;
     if (sharded) {
       shard_grad = torch::empty({room}, flat.options());
@@ -476,8 +478,8 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
       // The worker reduces while backward goes on; the shard's grad is set in end_of_backward, so
       // autograd gets no gradient for the shard here.
       queue_end_of_backward();
-      Comm* shard_group = sharded && worker_shard_comm_ ? &*worker_shard_comm_ : nullptr;
-      Comm* replica_group = worker_replica_comm_ ? &*worker_replica_comm_ : nullptr;
+      Comm* shard_group = sharded && groups_.worker_shard ? &*groups_.worker_shard : nullptr;
+      Comm* replica_group = groups_.worker_replica ? &*groups_.worker_replica : nullptr;
       if (worker_)
         reductions_->submit(
             unit, sharded, [=] { reduce_gradient(shard_group, replica_group, flat, shard_grad, shard_numel, part_grad, dt); }, result);
@@ -490,40 +492,12 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     }
     ++overlap_.reductions_synchronous;
     CollectiveWatchdog::instance().set_unit(u.info.index);
-    reduce_gradient(sharded ? &shard_comm_ : nullptr, replica_comm_.size() > 1 ? &replica_comm_ : nullptr, flat, shard_grad, shard_numel, part_grad,
-                    dt);
+    reduce_gradient(sharded ? &groups_.shard : nullptr, groups_.replica.size() > 1 ? &groups_.replica : nullptr, flat, shard_grad, shard_numel,
+                    part_grad, dt);
     CollectiveWatchdog::instance().set_unit(-1);
     release_after_backward(u);
     trace_unit_span(u.backward_began_us, "backward ", u);
     return to_master(u, result);
-  }
-
-  bool optimizer_sharded_over_replicas() const { return options_.optimizer_sharding == OptimizerSharding::WORLD && replica_comm_.size() > 1; }
-
-  // With the optimizer sharded over the world: all-gathers, across the replicas, the parts of every
-  // unit's group shard that an optimizer may have updated (each replica updates only its own part):
-  // all of them from the moment gradients reach the parts until the next backward begins (a step
-  // falls in that window, and LibTorch's SGD writes through .data(), which no version counter sees),
-  // and otherwise those written in place. Every rank decides alike (the same steps everywhere).
-  // Collective over the replica group; a no-op otherwise.
-  void synchronize_shards() {
-    if (!optimizer_sharded_over_replicas()) return;
-    const bool after_gradients = parts_have_gradients_;
-    torch::NoGradGuard no_grad;
-    for (auto& up : units_) {
-      auto& u = *up;
-      if (u.params.empty() || u.frozen || (!after_gradients && u.shard._version() == u.replicas_synced_version)) continue;
-      finish_prefetch(u);  // the worker may be reading the shard
-      CollectiveWatchdog::instance().set_unit(u.info.index);
-      all_gather_parts(replica_comm_, u.optimized, u.shard);  // the shard's storage has room for every part
-      CollectiveWatchdog::instance().set_unit(-1);
-      // A copy of the unit still gathered from before (a forward without backward), or a slice kept
-      // of it, must not be used: refilled at the next gather. The shard's version stays, so graphs of
-      // forwards whose backward is still to come stay valid (a step is seen by note_fill).
-      u.refill_needed = true;
-      u.kept_slice = torch::Tensor();
-      u.replicas_synced_version = u.shard._version();
-    }
   }
 
   // A reduced gradient in the master shard's dtype and memory (host when offloaded).
@@ -584,45 +558,29 @@ class ShardedRuntime : protected ForwardHooks, protected GradReducer {
     if constexpr (requires(Comm & c, std::function<void(void*)> f) { c.set_compute_stream_order(f, f); }) {
       if (!compute_device_.is_cuda()) return;
       auto order = current_stream_order(compute_device_);
-      world_.set_compute_stream_order(std::move(order.record), std::move(order.wait));
+      groups_.world.set_compute_stream_order(std::move(order.record), std::move(order.wait));
     }
   }
 
-  // Runs `collective` on `t`'s elements in a contiguous buffer (a copy when `t` is strided, written
-  // back after): the collectives take flat memory, buffers and parameters may be views.
-  template <class F>
-  static void on_contiguous(const torch::Tensor& t, F&& collective) {
-    torch::NoGradGuard no_grad;
-    auto c = t.contiguous();
-    collective(c);
-    if (!c.is_same(t)) t.copy_(c);
-  }
-
   void average_buffers() {
-    if (world_.size() == 1) return;
+    if (groups_.world.size() == 1) return;
     for (auto& b : root_module_->buffers(/*recurse=*/true)) {
       if (!b.defined() || b.numel() == 0) continue;
       on_contiguous(b, [this](const torch::Tensor& c) {
         const DType dt = to_comm_dtype(c.scalar_type());
         if (c.is_floating_point())
-          world_.all_reduce(c.data_ptr(), c.data_ptr(), c.numel(), dt, ReduceOp::kAvg);
+          groups_.world.all_reduce(c.data_ptr(), c.data_ptr(), c.numel(), dt, ReduceOp::kAvg);
         else
-          world_.broadcast(c.data_ptr(), c.numel(), dt, 0);
+          groups_.world.broadcast(c.data_ptr(), c.numel(), dt, 0);
       });
     }
   }
 
-  torch::nn::Module* root_module_ = nullptr;  // the wrapped model
-  torch::nn::Module* wrapper_ = nullptr;      // the FullyShardedDataParallel module: train()/eval() decides buffer syncing
-  Comm world_;
-  Comm shard_comm_ = world_;
-  Comm replica_comm_ = world_;
   FsdpOptions options_;
+  EngineGroups<Comm> groups_;  // after options_: built from them
+  const torch::nn::Module* wrapper_;
+  torch::nn::Module* root_module_;
   torch::Device compute_device_{torch::kCPU};
-  std::optional<Comm> worker_shard_comm_;             // the worker's duplicate of the shard group
-  std::optional<Comm> worker_replica_comm_;           // the worker's duplicate of the replica group
-  std::optional<Comm> forward_group_comm_;            // reshard_after_forward_group: this rank's group inside the shard group
-  std::optional<Comm> worker_forward_group_comm_;     // ... and the worker's duplicate of it
   std::unique_ptr<CollectiveWorker> worker_;          // runs prefetched all-gathers and overlapped reductions
   std::unique_ptr<OverlappedReductions> reductions_;  // ... and wait there until the end of backward
   ExecutionOrder order_;                              // which unit to prefetch next
