@@ -429,7 +429,8 @@ int main(int argc, char** argv) {
       pos = comma + 1;
       if (name.empty()) continue;
       fsdp::CheckpointOptions co;
-      co.state_dict_type = fsdp::parse_state_dict_type(name + "_STATE_DICT");  // --types takes SHARDED, FULL, LOCAL
+      co.state_dict_type =
+          fsdp::parse_state_dict_type(name.find('_') == std::string::npos ? name + "_STATE_DICT" : name);  // SHARDED or SHARDED_STATE_DICT ...
       Clock::time_point t_start;
       std::array<double, 3> st{};
       co.on_stage = [&](const std::string& s, std::int64_t) {

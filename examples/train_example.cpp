@@ -61,7 +61,8 @@ int main(int argc, char** argv) {
 
     torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
     fsdp::CheckpointOptions ckpt_options;
-    ckpt_options.state_dict_type = fsdp::parse_state_dict_type(state_dict_type + "_STATE_DICT");  // the command line takes SHARDED, FULL or LOCAL
+    ckpt_options.state_dict_type = fsdp::parse_state_dict_type(
+        state_dict_type.find('_') == std::string::npos ? state_dict_type + "_STATE_DICT" : state_dict_type);  // SHARDED or SHARDED_STATE_DICT ...
     ckpt_options.keep_last = keep_last;
     if (!crash_at.empty()) {
       const auto colon = crash_at.find(':');

@@ -1,8 +1,8 @@
 // The runtime of a sharded model (torch layer; FSDP2 keeps the same knowledge in its param group and
-// state): the shard and replica groups and the collective worker, gathering and freeing units, the
-// forward hooks, the backward hooks that reduce each unit's gradients, prefetching and the end of
-// backward. FullyShardedDataParallel builds the units and is the public face; this owns what happens
-// to them in a step.
+// state): it owns the groups (EngineGroups), the units and the collective worker, and does what
+// happens to the units in a step: gathering and freeing, the forward hooks, the backward hooks that
+// reduce each unit's gradients, prefetching and the end of backward. UnitBuilder fills its units;
+// FullyShardedDataParallel owns it and is the public face.
 #pragma once
 
 #include <torch/csrc/autograd/engine.h>
@@ -125,7 +125,9 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
         throw;
       }
     }
-    overlap_.exposed_all_gather_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    overlap_.exposed_all_gather_seconds += waited;
+    overlap_.waited_for_worker_seconds += waited;
   }
 
   // Allocates and fills `full`. A unit still gathered from a forward that had no backward is filled
