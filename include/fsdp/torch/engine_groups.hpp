@@ -89,6 +89,18 @@ struct EngineGroups {
     return total;
   }
 
+  /// Time spent inside blocking collectives on the world, shard, replica and forward groups (not the
+  /// worker's duplicates), waiting for peers included: with MPI, what the computing thread spends in
+  /// them. Copies of a communicator share its counters, so the world's include the caller's own
+  /// collectives on it. Host time.
+  double computing_thread_seconds() const {
+    CommCounters total = world.counters();
+    total += shard.counters();
+    total += replica.counters();
+    if (forward_group) total += forward_group->counters();
+    return total.all_gather_seconds + total.reduce_scatter_seconds + total.all_reduce_seconds + total.broadcast_seconds + total.skew_seconds;
+  }
+
   /// Bytes and time of the all-gathers inside the forward groups; zero without them. Local.
   CommCounters forward_group_counters() const {
     CommCounters total{};

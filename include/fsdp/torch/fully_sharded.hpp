@@ -324,6 +324,15 @@ class FullyShardedDataParallel : public torch::nn::Module {
   /// gathers from the slices kept after forward); zero without it. Local.
   CommCounters forward_group_counters() const { return runtime_.groups().forward_group_counters(); }
 
+  /// Seconds the computing thread spent in blocking collectives or waiting for the collective worker's
+  /// results, waiting for slower ranks included: with MPI a step's time minus this is this rank's own
+  /// work. The world's count includes the caller's collectives on copies of the same communicator.
+  /// Host time: a GPU communicator's stream-ordered collectives cost the host their launch only, and
+  /// a wait for a slower GPU shows up in the host's device syncs instead, not here.
+  double communication_wait_seconds() const {
+    return runtime_.groups().computing_thread_seconds() + runtime_.overlap_stats().waited_for_worker_seconds;
+  }
+
   // ---- access for checkpointing (fsdp/io/checkpoint.hpp) ---------------------------------------
 
   /// The units with their flat layouts and this rank's shards. Local.

@@ -117,7 +117,9 @@ class OverlappedReductions {
       const CollectiveWatchdog::Scope watched("gradient reduction (overlapped, waiting for the worker)");
       r.done.get();  // rethrows the collective's CommError
     }
-    stats_.exposed_reduce_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    stats_.exposed_reduce_seconds += waited;
+    stats_.waited_for_worker_seconds += waited;
     torch::NoGradGuard no_grad;
     torch::Tensor grad = to_master_(r.unit, r.shard_grad);
     const auto it = std::find_if(reduced_.begin(), reduced_.end(), [&](const auto& e) { return e.first == r.unit; });
