@@ -76,6 +76,14 @@ void add_run_keys(std::vector<KeySpec>& s) {
                .choices = {"stop", "skip"},
                .description = "a non-finite loss or gradient norm on any rank: stop (exit code 4, no checkpoint of the poisoned state) "
                               "or skip the step (no optimizer update)"});
+  s.push_back({.key = "run.rss_growth_warn_mib",
+               .type = T::kInt,
+               .default_value = I{1024},
+               .min = 0,
+               .max = 1048576,
+               .description = "warn when a rank's resident memory has grown this many MiB since warm-up (its first progress log 100 "
+                              "steps into the process), and again after each further step of this size; 0: never. "
+                              "docs/reliability.md, \"Long runs\""});
 }
 
 void add_model_keys(std::vector<KeySpec>& s) {

@@ -85,6 +85,7 @@ RunSection resolve_run_section(const Deck& deck, const Placement& placement) {
   run.malloc = choice<MallocPolicy>(deck, "run.malloc");
   run.skip_nonfinite = deck.get_string("run.on_nonfinite") == "skip";
   run.memory_check = choice<MemoryCheck>(deck, "run.memory_check");
+  run.rss_growth_warn_mib = deck.get_int("run.rss_growth_warn_mib");
   return run;
 }
 

@@ -46,6 +46,7 @@ struct RunSection {
   MallocPolicy malloc = MallocPolicy::kReuse;  ///< what malloc does with freed memory
   bool skip_nonfinite = false;                 ///< run.on_nonfinite = "skip"
   MemoryCheck memory_check = MemoryCheck::kRefuse;
+  std::int64_t rss_growth_warn_mib = 1024;  ///< 0: never warn
 };
 
 struct ModelSection {

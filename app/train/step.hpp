@@ -78,6 +78,7 @@ struct LogWindow {
   std::int64_t steps = 0, samples = 0, skipped = 0;
   Clock::time_point start = Clock::now();
   double pause = 0;  ///< checkpoint and evaluation time inside the window: throughput counts training only
+  double busy = 0;   ///< this rank's own work in the window's steps: their time minus communication waits
   void reset() { *this = LogWindow{}; }
 };
 

@@ -58,6 +58,8 @@ struct RunTotals {
   StepAllGather step_all_gather;
   bool overlap_grad_reduce = false;
   CheckpointTotals checkpoints;
+  std::vector<double> rss_growth_mib;         ///< per rank: resident memory at the last log minus at warm-up; empty before warm-up
+  std::optional<std::int64_t> rss_warm_step;  ///< the step warm-up ended (RankWatch)
 };
 
 inline double median_of(std::vector<double> values) {
@@ -209,6 +211,10 @@ nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& pl
     js["model_flops_per_s"] = t.flops_per_token * r.rate * static_cast<double>(t.tokens_per_sample);
   }
   js["peak_rss_mb"] = r.peak_rss_mb;
+  if (t.rss_warm_step) {
+    js["rss_growth_mib"] = t.rss_growth_mib;
+    js["rss_growth_since_step"] = *t.rss_warm_step;
+  }
   js["checkpoints"] = checkpoints_json(t.checkpoints);
   auto& phases_js = js["phases"] = nlohmann::ordered_json::object();
   for (const auto& [n, st] : r.phases) phases_js[n] = min_avg_max(st);

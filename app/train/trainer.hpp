@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "data.hpp"
@@ -221,6 +222,7 @@ class Trainer {
     train_start_ = Clock::now();
     step_ = start_.step;
     comm_start_ = model_->comm_counters();
+    rank_watch_.emplace(world_.size(), cfg_.run.rss_growth_warn_mib, start_.step);
     model_->train();
     restore_loss_scale();
     next_epoch_ = start_.epoch;
@@ -281,7 +283,10 @@ class Trainer {
     for (auto& g : optimizer_->param_groups()) g.options().set_lr(lr);
     const bool writing_checkpoint = checkpointer_->writing();
     StepBreakdown breakdown;
+    const double waited_before = model_->communication_wait_seconds();
+    run_slow_rank_and_leak_test_hooks();
     const StepOutcome outcome = measured_step(loader, lr, breakdown);
+    window_.busy += seconds_since(step_start) - (model_->communication_wait_seconds() - waited_before);
     count_outcome(outcome, epoch);
     ++step_;
     step_ms_.push_back(1000 * seconds_since(step_start));
@@ -317,6 +322,19 @@ class Trainer {
       window_.pause += seconds_since(pause_start);
     }
     return done;
+  }
+
+  /// Test hooks (docs/reliability.md, "Long runs"): FSDP_TEST_SLOW_RANK=R:MS makes rank R work MS
+  /// milliseconds longer in every step; FSDP_TEST_LEAK_MIB=R:MIB makes it keep MIB MiB more resident
+  /// memory after every step.
+  void run_slow_rank_and_leak_test_hooks() {
+    static std::vector<std::vector<char>> leaked;
+    int rank = -1;
+    long long amount = 0;
+    if (const char* v = std::getenv("FSDP_TEST_SLOW_RANK"); v && std::sscanf(v, "%d:%lld", &rank, &amount) == 2 && rank == world_.rank())
+      std::this_thread::sleep_for(std::chrono::milliseconds(amount));
+    if (const char* v = std::getenv("FSDP_TEST_LEAK_MIB"); v && std::sscanf(v, "%d:%lld", &rank, &amount) == 2 && rank == world_.rank())
+      leaked.emplace_back(static_cast<std::size_t>(amount) << 20, '\1');  // written: resident
   }
 
   /// take_step with the step's breakdown (phases, collectives, page faults) and all-gather bytes.
@@ -425,12 +443,14 @@ class Trainer {
   /// The progress line and metrics.csv row of the window ending at this step. Collective.
   void log_progress(std::int64_t epoch, double lr, const StepBreakdown& breakdown, const std::optional<EvalResult>& step_eval) {
     double stats[2] = {window_.loss / static_cast<double>(window_.steps), static_cast<double>(window_.samples)};
+    RankReport ranks;
     // Test hooks (docs/reliability.md): one rank skips this collective, or issues another one.
     if (test_hook_at("FSDP_TEST_SKIP_COLLECTIVE", world_.rank(), step_)) {
     } else if (test_hook_at("FSDP_TEST_OTHER_COLLECTIVE", world_.rank(), step_)) {
       world_.barrier();
     } else {
       world_.all_reduce(stats, stats, 2, fsdp::DType::kFloat64, fsdp::ReduceOp::kSum);
+      ranks = rank_watch_->observe(world_, step_, window_.busy, window_.steps);
     }
     const double loss_avg = stats[0] / world_.size();
     const double rate = stats[1] / std::max(1e-9, seconds_since(window_.start) - window_.pause);
@@ -442,14 +462,18 @@ class Trainer {
       const char* unit = data_.tokens ? "tokens/s" : "samples/s";
       const double shown_rate = data_.tokens ? rate * static_cast<double>(data_.sequence_length() - 1) : rate;
       if (!progress_.quiet) {
-        std::printf("%sepoch %lld step %lld/%lld  loss %.4f  lr %.3g  %.0f %s  ETA %s%s", progress_.live ? "\r" : "",
+        // Several ranks: the slowest one's own work per step beyond the others' (what they waited).
+        char slowest[64] = "";
+        if (world_.size() > 1) std::snprintf(slowest, sizeof slowest, "  slowest rank %d +%.1f ms/step", ranks.slowest_rank, ranks.others_waited_ms);
+        std::printf("%sepoch %lld step %lld/%lld  loss %.4f  lr %.3g  %.0f %s  ETA %s%s%s", progress_.live ? "\r" : "",
                     static_cast<long long>(epoch + 1), static_cast<long long>(step_), static_cast<long long>(schedule_.total_steps), loss_avg, lr,
-                    shown_rate, unit, format_duration(eta).c_str(), progress_.live ? "   " : "\n");
+                    shown_rate, unit, format_duration(eta).c_str(), slowest, progress_.live ? "   " : "\n");
         std::fflush(stdout);
       }
+      for (const auto& warning : ranks.warnings) std::printf("%s%s\n", progress_.live && !progress_.quiet ? "\n" : "", warning.c_str());
       if (write_metrics_)
         metrics_.row(step_, epoch + 1, loss_avg, lr, rate, step_ms_.back(), elapsed, breakdown,
-                     scaler_ ? std::optional<double>(scaler_->scale()) : std::nullopt, window_.skipped, step_eval, data_.tokens);
+                     scaler_ ? std::optional<double>(scaler_->scale()) : std::nullopt, window_.skipped, ranks, step_eval, data_.tokens);
     }
     window_.reset();
   }
@@ -461,6 +485,7 @@ class Trainer {
     last_eval_ = app::evaluate(*model_, data_, cfg_.data.test_batch_size, world_, cfg_.eval.max_batches, eval_chunk_);
     evaluated_ = true;
     eval_step_ = at_step;
+    if (rank_watch_) rank_watch_->first_time_restarts_warmup(RankWatch::Occasion::kEvaluation, at_step);
     if (root_ && !progress_.quiet) {
       if (data_.tokens)
         std::printf("epoch %lld step %lld: eval loss %.4f, perplexity %.2f, accuracy %.2f%% (%lld tokens)\n", static_cast<long long>(epoch + 1),
@@ -487,6 +512,7 @@ class Trainer {
       s.scheduler["loss_scale_good_steps"] = static_cast<double>(scaler_->good_steps());
     }
     checkpointer_->save(s, phases_.checkpoint, progress_.quiet);
+    if (rank_watch_) rank_watch_->first_time_restarts_warmup(RankWatch::Occasion::kSave, step_);
   }
 
   /// A stop signal reached some rank: save, wait for the write and stop every rank with exit 3.
@@ -529,6 +555,10 @@ class Trainer {
     t.comm_start = comm_start_;
     t.step_all_gather = step_all_gather_;
     t.overlap_grad_reduce = cfg_.fsdp.overlap_grad_reduce;
+    if (rank_watch_) {
+      t.rss_growth_mib = rank_watch_->growth_mib();
+      t.rss_warm_step = rank_watch_->warm_since_step();
+    }
     return t;
   }
 
@@ -565,7 +595,8 @@ class Trainer {
   bool evaluated_ = false;
   std::int64_t eval_step_ = 0;
   fsdp::CommCounters comm_start_;
-  StepAllGather step_all_gather_;  // training steps' all-gathers (evaluation's not counted)
+  StepAllGather step_all_gather_;        // training steps' all-gathers (evaluation's not counted)
+  std::optional<RankWatch> rank_watch_;  // resident memory and the slowest rank, per log window
 };
 
 /// The one place that picks the engine's communicator type from fsdp.backend: runs
