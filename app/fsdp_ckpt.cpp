@@ -124,15 +124,15 @@ int export_command(const std::string& path, const std::string& out, const std::s
   const auto file = fsdp::app::export_file(out);
   std::optional<fsdp::app::GptConfig> gpt;
   std::optional<fsdp::TensorNaming> naming;
+  // --dtype's names are the deck's checkpoint.export_dtype names; none given: as stored.
+  const auto config_dtype = export_dtype.empty() ? fsdp::app::ExportDtype::kAsTrained : fsdp::app::parse_choice<fsdp::app::ExportDtype>(export_dtype);
   if (export_names == fsdp::app::kHfGpt2Scheme) {
     gpt = model_of_checkpoint(source);
     naming = fsdp::app::hf_gpt2_naming(*gpt);
+    fsdp::app::check_config_json_replaceable(file.parent_path(), *gpt, "export into a folder of its own (OUT a folder or a path in one)");
   }
   const auto result = fsdp::ckpt::export_safetensors(source, file.string(), {.dtype = export_dtype, .naming = naming ? &*naming : nullptr});
-  if (gpt)  // --dtype's names are the deck's checkpoint.export_dtype names; none given: as stored
-    fsdp::app::write_hf_gpt2_config(
-        file.parent_path(), *gpt,
-        export_dtype.empty() ? fsdp::app::ExportDtype::kAsTrained : fsdp::app::parse_choice<fsdp::app::ExportDtype>(export_dtype));
+  if (gpt) fsdp::app::write_hf_gpt2_config(file.parent_path(), *gpt, config_dtype);
   std::printf("exported %lld tensors of %s to %s (%s names, %s)\n", static_cast<long long>(result.tensors), source.c_str(), result.path.c_str(),
               export_names.c_str(), human_bytes(result.bytes).c_str());
   return 0;

@@ -104,11 +104,39 @@ inline std::string hf_torch_dtype(ExportDtype export_dtype) {
   return "float32";
 }
 
+/// The folder an export's config.json goes to: the weights' own (a bare file name: the current one).
+inline std::filesystem::path config_folder(const std::filesystem::path& folder) { return folder.empty() ? std::filesystem::path(".") : folder; }
+
+inline std::string hf_gpt2_config_text(const GptConfig& c, ExportDtype export_dtype) {
+  return hf_gpt2_config(c, hf_torch_dtype(export_dtype)).dump(2) + "\n";
+}
+
+/// Refuses, before anything is written, to replace a config.json in `folder` that describes another
+/// model (a downloaded model's, another run's export): it belongs to other weights. This model's own
+/// config (a re-export, also in another dtype: torch_dtype aside, keys in any order) is replaced.
+/// `how` says what to do instead. ConfigError.
+inline void check_config_json_replaceable(const std::filesystem::path& folder, const GptConfig& c, const std::string& how) {
+  const auto path = config_folder(folder) / "config.json";
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return;
+  std::ifstream in(path, std::ios::binary);
+  auto old = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  auto ours = nlohmann::json::parse(hf_gpt2_config(c).dump());
+  const bool comparable = old.is_object();
+  if (comparable) {
+    old.erase("torch_dtype");
+    ours.erase("torch_dtype");
+  }
+  if (!comparable || old != ours)
+    throw fsdp::ConfigError("'" + path.string() + "' exists and describes another model than this export's (a downloaded model's or another " +
+                            "export's config): not replaced, nothing written; " + how);
+}
+
 /// Writes `folder`/config.json (atomically; OutputError on failure); an empty `folder` is the current one.
 inline void write_hf_gpt2_config(const std::filesystem::path& folder, const GptConfig& c, ExportDtype export_dtype) {
-  const std::filesystem::path dir = folder.empty() ? std::filesystem::path(".") : folder;  // a bare file name: the current folder
+  const std::filesystem::path dir = config_folder(folder);
   std::filesystem::create_directories(dir);
-  fsdp::write_file_atomically(dir / "config.json", hf_gpt2_config(c, hf_torch_dtype(export_dtype)).dump(2) + "\n");
+  fsdp::write_file_atomically(dir / "config.json", hf_gpt2_config_text(c, export_dtype));
 }
 
 /// Where an export goes: `path` itself when it names a .safetensors file, else model.safetensors in

@@ -41,6 +41,25 @@ foreach(type FULL LOCAL)
   run(0 ${CKPT_TOOL} export ${WORK_DIR}/a_${type}/checkpoints ${WORK_DIR}/a_${type}/hf --names hf-gpt2)
   run(0 ${st_diff} ${WORK_DIR}/a/hf/model.safetensors ${WORK_DIR}/a_${type}/hf/model.safetensors)
 endforeach()
+# A config.json of another model where the export would go (a downloaded model's folder, a bare file
+# name in a folder holding one) is never replaced: fsdp-ckpt exits 2 before writing anything, fsdp-train
+# (np 3) before its first step. This model's own config (a re-export, also in another dtype) is replaced.
+run(0 ${CKPT_TOOL} export ${WORK_DIR}/a/checkpoints ${WORK_DIR}/a/hf_ckpt --names hf-gpt2)
+run(0 ${CKPT_TOOL} export ${WORK_DIR}/a/checkpoints ${WORK_DIR}/a/hf_ckpt --names hf-gpt2 --dtype bf16)
+file(WRITE ${WORK_DIR}/downloaded/config.json "{\"model_type\": \"llama\"}\n")
+run(2 ${CKPT_TOOL} export ${WORK_DIR}/a/checkpoints ${WORK_DIR}/downloaded/model.safetensors --names hf-gpt2)
+expect_in("${last_output}" "downloaded/config.json' exists and describes another model than this export's .*nothing written")
+run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=6 --set data.batch_size=4 --set run.out_dir=${WORK_DIR}/into_downloaded
+    --set checkpoint.export=${WORK_DIR}/downloaded --set checkpoint.export_names=hf-gpt2)
+expect_in("${last_output}" "downloaded/config.json' exists and describes another model .*set checkpoint.export to a folder of its own")
+if(last_output MATCHES "step 1/")
+  message(FATAL_ERROR "fsdp-train trained before refusing the export folder:\n${last_output}")
+endif()
+file(READ ${WORK_DIR}/downloaded/config.json kept)
+expect_in("${kept}" "^{\"model_type\": \"llama\"}")
+if(EXISTS ${WORK_DIR}/downloaded/model.safetensors)
+  message(FATAL_ERROR "an export was written beside another model's config.json")
+endif()
 
 # 2. Pretrained starts: from the Hugging Face folder at np 3, the native file at np 2 and the checkpoint
 #    file at np 1 (the same weights), 6 more steps with one global batch of 6: the same training (SGD

@@ -79,7 +79,16 @@ class Checkpointer {
       if (!root_) return;
       std::filesystem::create_directories(out_dir_);
       fsdp::write_file_atomically(out_dir_ / "deck.toml", deck_text_);  // an OutputError stops every rank (exit 1)
+      check_export_config();
     });
+  }
+
+  /// hf-gpt2's config.json would replace another model's at the end of the run: refused now, before
+  /// training (ConfigError, exit 2), and again right before the export.
+  void check_export_config() const {
+    const auto& c = cfg_.checkpoint;
+    if (c.export_path.empty() || c.export_names != ExportNames::kHfGpt2) return;
+    check_config_json_replaceable(export_file(c.export_path).parent_path(), gpt_config(cfg_.model), "set checkpoint.export to a folder of its own");
   }
 
   /// The state training starts from (checkpoint.resume: auto, none or a checkpoint). Checkpoints this
@@ -151,6 +160,9 @@ class Checkpointer {
     options.collective_timeout_s = c.collective_timeout_s;
     const auto file = export_file(c.export_path);
     fsdp::SafetensorsSaveResult r;
+    on_all_ranks(world_, [&] {
+      if (root_) check_export_config();
+    });
     on_all_ranks(world_, [&] { r = fsdp::save_safetensors(model_, file.string(), options); });
     on_all_ranks(world_, [&] {
       if (root_ && hf) write_hf_gpt2_config(file.parent_path(), gpt, c.export_dtype);
