@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "deck_detail.hpp"
+#include "models/families.hpp"
 
 namespace fsdp::app {
 
@@ -305,29 +306,24 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
   auto explicit_ = [](const Entry& e) { return e.source != Source::kDefault; };
   const Entry& model = deck.entry("model.kind");
   const Entry& data = deck.entry("data.kind");
-  const bool transformer = find_choice<ModelKind>(deck.get_string("model.kind")) == ModelKind::kTransformer;
+  const auto kind = find_choice<ModelKind>(deck.get_string("model.kind"));
+  if (!kind) return;  // an unknown kind is its own problem, already reported
+  const ModelFamily& family = model_family(*kind);
+  const bool language_model = family.language_model();
   const std::string& dk = deck.get_string("data.kind");
   const bool token_data = is_token_data(dk);
-  if (transformer != token_data) {
+  if (language_model != token_data) {
     const bool blame_model = explicit_(model) && (!explicit_(data) || (model.source == Source::kSet && data.source != Source::kSet));
     if (blame_model) {
       problems.push_back(where(model) + ": model.kind: " + format_value(model.value) + " needs data.kind " +
-                         (transformer ? "\"tokens\", \"text\" or \"token-shards\"" : "\"fashion-mnist\" or \"mnist\"") + " (data.kind is " +
+                         (language_model ? "\"tokens\", \"text\" or \"token-shards\"" : "\"fashion-mnist\" or \"mnist\"") + " (data.kind is " +
                          format_value(data.value) + ")");
     } else {
-      problems.push_back(where(data) + ": data.kind: " + format_value(data.value) + " needs model.kind " +
-                         (token_data ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (model.kind is " + format_value(model.value) + ")");
+      problems.push_back(where(data) + ": data.kind: " + format_value(data.value) + " needs model.kind " + model_kinds_named(token_data) +
+                         " (model.kind is " + format_value(model.value) + ")");
     }
   }
-  if (transformer) {
-    const std::int64_t d = deck.get_int("model.d_model"), h = deck.get_int("model.n_heads");
-    if (d % h != 0) {
-      const Entry& heads = deck.entry("model.n_heads");
-      const Entry& blamed = explicit_(heads) ? heads : explicit_(deck.entry("model.d_model")) ? deck.entry("model.d_model") : model;
-      problems.push_back(where(blamed) + ": " + blamed.spec->key + ": model.n_heads = " + std::to_string(h) +
-                         " does not divide model.d_model = " + std::to_string(d));
-    }
-  }
+  family.cross_check(deck, problems);
 }
 
 }  // namespace

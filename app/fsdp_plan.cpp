@@ -61,7 +61,7 @@ std::string join(const std::vector<std::int64_t>& v) {
   return s + "]";
 }
 
-void print_prediction(const RunConfig& cfg, const ModelShape& shape, const RunShape& run, const Prediction& p, bool list_units) {
+void print_prediction(const RunConfig& cfg, const ModelSection& shape, const RunShape& run, const Prediction& p, bool list_units) {
   std::printf("  model %s: %s parameters (closed form), %zu unit(s) under %s, largest unit %s (%s padded elements)\n", to_string(shape.kind).c_str(),
               grouped(p.num_params).c_str(), p.units, to_string(run.wrap.policy).c_str(), p.largest_unit_path.c_str(),
               grouped(p.largest_unit).c_str());
@@ -131,22 +131,6 @@ void print_prediction(const RunConfig& cfg, const ModelShape& shape, const RunSh
   }
 }
 
-/// `shape` with n_layers / d_model / hidden sizes changed (the search's knobs).
-ModelShape with_layers(ModelShape s, std::int64_t n) {
-  s.gpt.n_layers = n;
-  return s;
-}
-ModelShape with_width(ModelShape s, std::int64_t first) {
-  if (s.kind == ModelKind::kTransformer) {
-    s.gpt.d_model = first;
-    return s;
-  }
-  const double scale = static_cast<double>(first) / static_cast<double>(s.hidden_sizes.front());
-  for (auto& h : s.hidden_sizes) h = std::max<std::int64_t>(1, std::llround(static_cast<double>(h) * scale));
-  s.hidden_sizes.front() = first;
-  return s;
-}
-
 /// Where fsdp-train would be placed at `np` ranks on this machine's cores, ranks not bound to CPUs.
 Placement plan_placement(int np, int ranks_per_node) {
   Placement placement;
@@ -181,7 +165,7 @@ std::vector<StrategyRow> strategy_rows(const RunConfig& cfg, const DataFootprint
   return rows;
 }
 
-void print_strategy_table(const ModelShape& shape, const std::vector<StrategyRow>& rows, ShardingStrategy deck_strategy, int np) {
+void print_strategy_table(const ModelSection& shape, const std::vector<StrategyRow>& rows, ShardingStrategy deck_strategy, int np) {
   std::printf("\nEvery strategy at %d rank(s), same deck otherwise\n", np);
   std::printf("  %-20s %6s %16s %14s %14s %14s\n", "strategy", "group", "state MiB", "gathered MiB", "activ. MiB", "peak MiB");
   for (const auto& r : rows) {
@@ -196,79 +180,73 @@ void print_strategy_table(const ModelShape& shape, const std::vector<StrategyRow
   }
 }
 
-/// The largest GPT of this family under one strategy that fits `budget`: n_layers at the deck's width
-/// and d_model at the deck's depth. Every block adds the same tensors, so beyond a few hundred layers
-/// the peak grows by the same amount per layer: extrapolate from 128 and 256 layers, then check
-/// exactly where affordable.
-void print_largest_gpt(const ModelShape& shape, const StrategyRow& r, std::int64_t budget, std::int64_t batch) {
+/// The largest value of `knob` under one strategy whose model fits `budget` ("none" when even the
+/// smallest does not), and that model's parameters. Each search doubles until the prediction exceeds
+/// the budget, then bisects. A knob whose every step adds the same tensors (layers) is searched
+/// exactly up to 256; beyond, the peak is extrapolated from 128 and 256 and checked exactly up to
+/// 4,096, a deeper answer printed with "~".
+std::pair<std::string, std::string> largest_by_knob(const ModelSection& model, const SizeKnob& knob, const StrategyRow& r, std::int64_t budget) {
   constexpr std::int64_t kCap = std::int64_t{1} << 20, kExact = 256, kVerify = 4096;
-  auto fits = [&](const ModelShape& s) { return predict(s, *r.run).total_bytes <= budget; };
+  auto fits = [&](std::int64_t value) { return predict(knob.with(model, value), *r.run).total_bytes <= budget; };
+  std::int64_t steps = 0;
   bool extrapolated = false;
-  std::int64_t layers = largest_fitting(1, kExact, [&](std::int64_t n) { return fits(with_layers(shape, n)); });
-  if (layers == kExact) {
-    const auto m1 = predict(with_layers(shape, kExact / 2), *r.run).total_bytes, m2 = predict(with_layers(shape, kExact), *r.run).total_bytes;
-    const std::int64_t per_layer = std::max<std::int64_t>(1, (m2 - m1) / (kExact / 2));
-    layers = std::min(kCap, kExact + (budget - m2) / per_layer);
-    if (layers <= kVerify) {
-      while (layers > kExact && !fits(with_layers(shape, layers))) --layers;
-      while (layers < kVerify && fits(with_layers(shape, layers + 1))) ++layers;
-    } else {
-      extrapolated = true;
+  if (knob.same_per_step) {
+    steps = largest_fitting(1, kExact, fits);
+    if (steps == kExact) {
+      const auto m1 = predict(knob.with(model, kExact / 2), *r.run).total_bytes, m2 = predict(knob.with(model, kExact), *r.run).total_bytes;
+      const std::int64_t per_step = std::max<std::int64_t>(1, (m2 - m1) / (kExact / 2));
+      steps = std::min(kCap, kExact + (budget - m2) / per_step);
+      if (steps <= kVerify) {
+        while (steps > kExact && !fits(steps)) --steps;
+        while (steps < kVerify && fits(steps + 1)) ++steps;
+      } else {
+        extrapolated = true;
+      }
     }
+  } else {
+    steps = knob.multiple * largest_fitting(1, kCap, [&](std::int64_t k) { return fits(k * knob.multiple); });
   }
-  const std::int64_t heads = shape.gpt.n_heads;
-  const std::int64_t width = heads * largest_fitting(1, kCap, [&](std::int64_t k) { return fits(with_width(shape, k * heads)); });
-  std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", to_string(r.strategy),
-              layers ? ((extrapolated ? "~" : "") + std::to_string(layers)).c_str() : "none",
-              layers ? grouped(gpt_num_params(with_layers(shape, layers).gpt)).c_str() : "-", width ? std::to_string(width).c_str() : "none",
-              width ? grouped(gpt_num_params(with_width(shape, width).gpt)).c_str() : "-", batch ? std::to_string(batch).c_str() : "none");
+  if (steps == 0) return {"none", "-"};
+  const ModelSection largest = knob.with(model, steps);
+  return {(extrapolated ? "~" : "") + knob.shown(largest), grouped(closed_form_num_params(largest))};
 }
 
-/// --memory-gib: the largest model of the deck's family and the largest batch per strategy that fit.
-void print_largest_fitting(const ModelShape& shape, const std::vector<StrategyRow>& rows, const Prediction& p, double memory_gib) {
+/// --memory: the largest model of the deck's family (each of its size knobs moved alone) and the
+/// largest batch per strategy that fit.
+void print_largest_fitting(const ModelSection& model, const std::vector<StrategyRow>& rows, const Prediction& p, double memory_gib) {
   const auto budget = static_cast<std::int64_t>(memory_gib * 1073741824.0);
-  std::printf("\nLargest model of the %s family that fits %.2f GiB per rank (predicted peak RSS, baseline included)\n", to_string(shape.kind).c_str(),
+  const auto knobs = model_family(model.kind).size_knobs(model);
+  std::printf("\nLargest model of the %s family that fits %.2f GiB per rank (predicted peak RSS, baseline included)\n", to_string(model.kind).c_str(),
               memory_gib);
   if (p.total_bytes <= budget)
     std::printf("  the deck's model fits with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
   else
     std::printf("  the deck's model does NOT fit with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
   constexpr std::int64_t kCap = std::int64_t{1} << 20;
-  if (shape.kind == ModelKind::kTransformer)
-    std::printf("  %-20s %12s %16s  %12s %16s  %10s\n", "strategy", "n_layers", "parameters", "d_model", "parameters", "batch_size");
-  else if (shape.kind == ModelKind::kMlp)
-    std::printf("  %-20s %-28s %16s  %10s\n", "strategy", "hidden_sizes", "parameters", "batch_size");
-  else
-    std::printf("  %-20s %10s   (the tutorial CNN has no size keys)\n", "strategy", "batch_size");
+  std::printf("  %-20s", "strategy");
+  for (const auto& k : knobs) std::printf(" %*s %16s ", k.column, k.name.c_str(), "parameters");
+  std::printf(" %10s%s\n", "batch_size", knobs.empty() ? ("   (model.kind = \"" + to_string(model.kind) + "\" has no size keys)").c_str() : "");
   for (const auto& r : rows) {
     if (!r.run) {
       std::printf("  %-20s n/a\n", to_string(r.strategy));
       continue;
     }
-    auto fits = [&](const ModelShape& s, const RunShape& run_at) { return predict(s, run_at).total_bytes <= budget; };
     const std::int64_t batch = largest_fitting(1, kCap, [&](std::int64_t b) {
       RunShape x = *r.run;
       x.batch = b;
-      return fits(shape, x);
+      return predict(model, x).total_bytes <= budget;
     });
-    if (shape.kind == ModelKind::kTransformer) {
-      print_largest_gpt(shape, r, budget, batch);
-    } else if (shape.kind == ModelKind::kMlp) {
-      const std::int64_t first = largest_fitting(1, kCap, [&](std::int64_t w) { return fits(with_width(shape, w), *r.run); });
-      const auto widest = with_width(shape, std::max<std::int64_t>(first, 1));
-      std::printf("  %-20s %-28s %16s  %10s\n", to_string(r.strategy), first ? join(widest.hidden_sizes).c_str() : "none",
-                  first ? grouped(mlp_num_params(widest.hidden_sizes)).c_str() : "-", batch ? std::to_string(batch).c_str() : "none");
-    } else {
-      std::printf("  %-20s %10s\n", to_string(r.strategy), batch ? std::to_string(batch).c_str() : "none");
+    std::printf("  %-20s", to_string(r.strategy));
+    for (const auto& k : knobs) {
+      const auto [value, params] = largest_by_knob(model, k, r, budget);
+      std::printf(" %*s %16s ", k.column, value.c_str(), params.c_str());
     }
+    std::printf(" %10s\n", batch ? std::to_string(batch).c_str() : "none");
   }
-  if (shape.kind == ModelKind::kTransformer)
-    std::printf(
-        "  (n_layers at d_model %lld, ~: extrapolated from 128 and 256 layers; d_model, a multiple of n_heads, at n_layers %lld;\n"
-        "   batch_size for the deck's model)\n",
-        static_cast<long long>(shape.gpt.d_model), static_cast<long long>(shape.gpt.n_layers));
-  else if (shape.kind == ModelKind::kMlp)
-    std::printf("  (every hidden width scaled by one factor; batch_size for the deck's model)\n");
+  if (knobs.empty()) return;
+  std::string notes;
+  for (const auto& k : knobs) notes += (notes.empty() ? "" : "; ") + k.note;
+  std::printf("  (%s;%sbatch_size for the deck's model)\n", notes.c_str(), knobs.size() > 1 ? "\n   " : " ");
 }
 
 int plan(const std::string& deck_path, const std::vector<std::string>& overrides, int np, int ranks_per_node, double memory_gib, double baseline_mib,
@@ -276,7 +254,7 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
   const std::string text = read_text_file(deck_path);
   const Deck deck = Deck::parse(text, deck_path, overrides);
   const RunConfig cfg = resolve_run_config(deck, plan_placement(np, ranks_per_node));
-  const ModelShape shape = model_shape(cfg.model);
+  const ModelSection& shape = cfg.model;
   const ModelDesc desc = describe_model(shape);
   std::set<std::string> full_types;  // a full name ("torch::nn::Linear") selects a module too
   for (const auto& m : desc.modules) full_types.insert(m.full_type);

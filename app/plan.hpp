@@ -2,8 +2,8 @@
 // run (parameter shards, gradients, optimizer state, gathered unit buffers, activations, data, the
 // process baseline) from the deck alone, and finds the largest model of the deck's family that fits a
 // memory budget. No MPI and no model tensors: the model is described in closed form (module tree,
-// parameter shapes), the FSDP units are derived from it exactly as FullyShardedDataParallel's
-// build_units does, and one training step is replayed as a sequence of allocations and frees whose
+// parameter shapes), the FSDP units are derived from it exactly as the engine's UnitBuilder
+// does, and one training step is replayed as a sequence of allocations and frees whose
 // high-water mark is the prediction. Used by fsdp-plan (app/fsdp_plan.cpp); docs/planning.md explains
 // the model and its limits, tests/plan_e2e.cmake checks it against fsdp-train's measured peak RSS.
 #pragma once
@@ -11,7 +11,7 @@
 #include "plan/largest_fitting.hpp"
 #include "plan/measured.hpp"
 #include "plan/model_desc.hpp"
-#include "plan/model_shape.hpp"
+#include "models/families.hpp"
 #include "plan/run_shape.hpp"
 #include "plan/forward_trace.hpp"
 #include "plan/memory_model.hpp"

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "models/families.hpp"
+
 namespace fsdp::app {
 
 namespace {
@@ -58,10 +60,7 @@ std::vector<std::string> split_name_list(const std::string& names) {
 
 std::vector<std::string> transformer_layer_classes(const std::string& value, const ModelSection& model) {
   if (value != "auto") return split_name_list(value);
-  // An untied vocabulary-sized matrix in the root unit would stay gathered, with its gradient, from the
-  // first forward to the end of backward; as its own unit it is gathered only while it is used.
-  if (model.kind == ModelKind::kTransformer && !model.tie_embeddings) return {"TransformerBlock", "Embedding", "LmHead"};
-  return {"TransformerBlock"};
+  return model_family(model.kind).layer_classes(model);
 }
 
 void check_wrap_classes(const FsdpSection& fsdp, const std::set<std::string>& types, const std::set<std::string>& also_accepted) {
@@ -112,21 +111,6 @@ std::optional<BatchSplit> split_global_batch(std::int64_t global, int world_size
   for (std::int64_t accum = (per_rank + max_micro - 1) / max_micro; accum <= per_rank; ++accum)
     if (per_rank % accum == 0) return BatchSplit{per_rank / accum, accum};
   return std::nullopt;
-}
-
-GptConfig gpt_config(const ModelSection& model) {
-  GptConfig c;
-  c.vocab_size = model.vocab_size;
-  c.context = model.context;
-  c.d_model = model.d_model;
-  c.n_heads = model.n_heads;
-  c.n_layers = model.n_layers;
-  c.mlp_ratio = model.mlp_ratio;
-  c.vocab_pad_multiple = model.vocab_pad_multiple;
-  c.dropout = model.dropout.value_or(0.1);
-  c.gelu_tanh = model.activation == Activation::kGeluTanh;
-  c.tie_embeddings = model.tie_embeddings;
-  return c;
 }
 
 namespace {
@@ -305,32 +289,7 @@ CheckpointSection resolve_checkpoint_section(const Deck& deck, const RunSection&
 void check_sizes_are_addressable(const Deck& deck, const ModelSection& model, const DataSection& data) {
   constexpr long double kLimit = 1152921504606846976.0L;  // 2^60
   const long double batch = static_cast<long double>(std::max(data.batch_size, data.test_batch_size));
-  long double params = 0, activations = 0;  // elements
-  std::string sizes;
-  switch (model.kind) {
-    case ModelKind::kCnn: return;  // fixed sizes; the batch's own cap keeps it small
-    case ModelKind::kMlp: {
-      long double in = 784;
-      for (const auto h : model.hidden_sizes) {
-        params += in * static_cast<long double>(h) + static_cast<long double>(h);
-        activations += 4 * batch * static_cast<long double>(h);
-        in = static_cast<long double>(h);
-      }
-      params += in * 10 + 10;
-      sizes = "model.hidden_sizes";
-      break;
-    }
-    case ModelKind::kTransformer: {
-      const GptConfig c = gpt_config(model);
-      const long double V = static_cast<long double>(c.padded_vocab()), T = static_cast<long double>(c.context),
-                        D = static_cast<long double>(c.d_model), L = static_cast<long double>(c.n_layers), R = static_cast<long double>(c.mlp_ratio),
-                        H = static_cast<long double>(c.n_heads);
-      params = V * D * (c.tie_embeddings ? 1 : 2) + T * D + L * ((4 + 2 * R) * D * D + (9 + R) * D) + 2 * D;
-      activations = batch * T * (L * (12 + 2 * R) * D + 3 * L * H * T + 2 * V);
-      sizes = "model.vocab_size, model.context, model.d_model, model.n_layers, model.mlp_ratio";
-      break;
-    }
-  }
+  const auto [params, activations, sizes] = model_family(model.kind).size_estimate(model, batch);
   char text[160];
   if (16 * params > kLimit) {
     std::snprintf(text, sizeof text, "about %.3Lg parameters, whose training state would take %.3Lg bytes", params, 16 * params);

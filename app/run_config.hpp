@@ -60,7 +60,20 @@ struct ModelSection {
 };
 
 /// The transformer of the [model] section (fsdp-train builds it, fsdp-plan describes it).
-GptConfig gpt_config(const ModelSection& model);
+inline GptConfig gpt_config(const ModelSection& model) {
+  GptConfig c;
+  c.vocab_size = model.vocab_size;
+  c.context = model.context;
+  c.d_model = model.d_model;
+  c.n_heads = model.n_heads;
+  c.n_layers = model.n_layers;
+  c.mlp_ratio = model.mlp_ratio;
+  c.vocab_pad_multiple = model.vocab_pad_multiple;
+  c.dropout = model.dropout.value_or(0.1);
+  c.gelu_tanh = model.activation == Activation::kGeluTanh;
+  c.tie_embeddings = model.tie_embeddings;
+  return c;
+}
 
 struct DataSection {
   DataKind kind = DataKind::kFashionMnist;

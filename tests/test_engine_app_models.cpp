@@ -11,23 +11,23 @@ namespace app_model_tests {
 
 struct Case {
   std::string name;
-  fsdp::app::ModelShape shape;
+  fsdp::app::ModelSection shape;
   fsdp::app::WrapDesc wrap;
 };
 
 std::vector<Case> cases() {
-  fsdp::app::ModelShape cnn{.kind = fsdp::app::ModelKind::kCnn};
-  fsdp::app::ModelShape mlp{.kind = fsdp::app::ModelKind::kMlp, .hidden_sizes = {96, 33, 7}};
-  fsdp::app::ModelShape gpt{.kind = fsdp::app::ModelKind::kTransformer};
-  gpt.gpt.vocab_size = 61;
-  gpt.gpt.context = 8;
-  gpt.gpt.d_model = 16;
-  gpt.gpt.n_heads = 2;
-  gpt.gpt.n_layers = 3;
-  fsdp::app::ModelShape untied = gpt;
-  untied.gpt.tie_embeddings = false;
-  fsdp::app::ModelShape padded = untied;  // 61 tokens in 64 rows
-  padded.gpt.vocab_pad_multiple = 16;
+  fsdp::app::ModelSection cnn{.kind = fsdp::app::ModelKind::kCnn};
+  fsdp::app::ModelSection mlp{.kind = fsdp::app::ModelKind::kMlp, .hidden_sizes = {96, 33, 7}};
+  fsdp::app::ModelSection gpt{.kind = fsdp::app::ModelKind::kTransformer};
+  gpt.vocab_size = 61;
+  gpt.context = 8;
+  gpt.d_model = 16;
+  gpt.n_heads = 2;
+  gpt.n_layers = 3;
+  fsdp::app::ModelSection untied = gpt;
+  untied.tie_embeddings = false;
+  fsdp::app::ModelSection padded = untied;  // 61 tokens in 64 rows
+  padded.vocab_pad_multiple = 16;
   const fsdp::app::WrapDesc none{};
   const fsdp::app::WrapDesc blocks{.policy = fsdp::app::WrapPolicy::TRANSFORMER_BASED_WRAP, .types = {"TransformerBlock"}};
   auto size = [](std::int64_t n) { return fsdp::app::WrapDesc{.policy = fsdp::app::WrapPolicy::SIZE_BASED_WRAP, .min_num_params = n}; };
@@ -61,7 +61,7 @@ BOOST_AUTO_TEST_CASE(the_engines_units_equal_fsdp_plans_for_the_app_models) {
         FsdpOptions options;
         options.sharding_strategy = strategy;
         options.auto_wrap_policy = policy_of(c.wrap);
-        auto engine = fsdp::make_fsdp(std::static_pointer_cast<fsdp::app::AppModel>(fsdp::app::build_app_model(c.shape)), MpiComm::world(), options);
+        auto engine = fsdp::make_fsdp(std::static_pointer_cast<fsdp::app::AppModel>(fsdp::app::build_model(c.shape)), MpiComm::world(), options);
         const auto units = engine->units();
         BOOST_TEST_REQUIRE(units.size() == planned.size());
         for (std::size_t i = 0; i < units.size(); ++i) {

@@ -39,10 +39,10 @@ inline std::string mib_text(std::int64_t bytes) {
 /// computed only when it does not fit.
 inline FitVerdict check_memory_fit(const Deck& deck, const RunConfig& cfg, const std::vector<MemoryLimit>& limits) {
   FitVerdict v;
-  const ModelShape shape = model_shape(cfg.model);
+  const ModelSection& model = cfg.model;
   const DataFootprint data = data_footprint(cfg);
   const int rpn = cfg.placement.ranks_per_node;
-  const Prediction p = predict(shape, run_shape(cfg, cfg.fsdp.sharding_strategy, data));
+  const Prediction p = predict(model, run_shape(cfg, cfg.fsdp.sharding_strategy, data));
   v.per_rank = p.total_bytes;
   v.per_node = p.total_bytes * rpn;
   v.phase = p.peak_phase;
@@ -53,7 +53,7 @@ inline FitVerdict check_memory_fit(const Deck& deck, const RunConfig& cfg, const
   for (auto s : fsdp::kShardingStrategies) {
     if (s == cfg.fsdp.sharding_strategy) continue;
     try {
-      const auto q = predict(shape, run_shape(cfg, s, data));
+      const auto q = predict(model, run_shape(cfg, s, data));
       if (q.total_bytes * rpn <= budget)
         v.suggestions.push_back("fsdp.sharding_strategy = \"" + std::string(to_string(s)) + "\" (" + detail::mib_text(q.total_bytes) + " per rank)");
     } catch (const std::exception&) {  // not possible at this placement
@@ -64,7 +64,7 @@ inline FitVerdict check_memory_fit(const Deck& deck, const RunConfig& cfg, const
     const auto batch = largest_fitting(1, run.batch - 1, [&](std::int64_t b) {
       RunShape x = run;
       x.batch = b;
-      return predict(shape, x).total_bytes * rpn <= budget;
+      return predict(model, x).total_bytes * rpn <= budget;
     });
     if (batch > 0) v.suggestions.push_back("data.batch_size = " + std::to_string(batch) + " (with data.global_batch_size to keep the global batch)");
   }
@@ -72,7 +72,7 @@ inline FitVerdict check_memory_fit(const Deck& deck, const RunConfig& cfg, const
     const auto test_batch = largest_fitting(1, run.test_batch - 1, [&](std::int64_t b) {
       RunShape x = run;
       x.test_batch = b;
-      return predict(shape, x).total_bytes * rpn <= budget;
+      return predict(model, x).total_bytes * rpn <= budget;
     });
     if (test_batch > 0) v.suggestions.push_back("data.test_batch_size = " + std::to_string(test_batch));
   }
@@ -81,7 +81,7 @@ inline FitVerdict check_memory_fit(const Deck& deck, const RunConfig& cfg, const
       RunShape x = run;
       x.batch = std::min(run.batch, b);
       x.test_batch = std::min(run.test_batch, b);
-      return predict(shape, x).total_bytes * rpn <= budget;
+      return predict(model, x).total_bytes * rpn <= budget;
     });
     if (both > 0 && v.suggestions.empty()) v.suggestions.push_back("data.batch_size and data.test_batch_size at most " + std::to_string(both));
   }
@@ -93,7 +93,7 @@ inline FitVerdict check_memory_fit(const Deck& deck, const RunConfig& cfg, const
     pl.world_size = nodes * ranks_per_node;
     try {
       const RunConfig c = resolve_run_config(deck, pl);
-      return predict(shape, run_shape(c, c.fsdp.sharding_strategy, data_footprint(c))).total_bytes;
+      return predict(model, run_shape(c, c.fsdp.sharding_strategy, data_footprint(c))).total_bytes;
     } catch (const std::exception&) {
       return std::nullopt;
     }

@@ -16,16 +16,9 @@
 #include <vector>
 
 #include "models.hpp"
-#include "plan/model_shape.hpp"
+#include "models/families.hpp"
 
 namespace fsdp::app {
-
-/// The model fsdp-train builds for the deck (models.hpp), for fsdp-train --check-plan.
-inline std::shared_ptr<AppModel> build_app_model(const ModelShape& s) {
-  if (s.kind == ModelKind::kCnn) return std::make_shared<TutorialCnnImpl>(s.dropout);
-  if (s.kind == ModelKind::kMlp) return std::make_shared<MlpImpl>(s.hidden_sizes, s.dropout);
-  return std::make_shared<GptImpl>(s.gpt);
-}
 
 /// Describes a built LibTorch module the way describe_model() does (tied tensors by identity).
 inline ModelDesc describe_module(torch::nn::Module& root, ModelKind kind) {

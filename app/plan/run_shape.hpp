@@ -19,7 +19,7 @@
 
 #include "fsdp/core/strategy.hpp"
 #include "plan/measured.hpp"
-#include "plan/model_shape.hpp"
+#include "models/families.hpp"
 #include "run_config.hpp"
 
 namespace fsdp::app {
@@ -168,10 +168,11 @@ inline std::int64_t mmap_threshold_of(MallocPolicy malloc_policy) {
   return kNeverMapped;
 }
 
-/// The measured heap factor for an allocator policy (mmap_threshold_of) and model.kind.
+/// The measured heap factor for an allocator policy (mmap_threshold_of) and model.kind: language
+/// models' (measured on the GPT) or the image classifiers'.
 inline double default_heap_factor(std::int64_t mmap_threshold_bytes, ModelKind model_kind) {
   if (mmap_threshold_bytes != kNeverMapped) return kDefaultHeapFactor;
-  return model_kind == ModelKind::kTransformer ? kReuseHeapFactorGpt : kReuseHeapFactor;
+  return model_family(model_kind).language_model() ? kReuseHeapFactorGpt : kReuseHeapFactor;
 }
 
 /// The shape of the deck's run (`cfg`, resolved for the planned placement) under `strategy`: the deck's

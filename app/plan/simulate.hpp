@@ -30,8 +30,8 @@ inline std::int64_t optimized_elements(const RunShape& run, const PlanUnit& u) {
 /// Replays data loading, model construction, two training steps and one evaluation batch.
 class RunSimulator {
  public:
-  RunSimulator(const ModelShape& shape, const ModelDesc& desc, const std::vector<PlanUnit>& units, const RunShape& run)
-      : shape_(shape), desc_(desc), units_(units), run_(run), mem_(run.heap_factor, run.mmap_threshold_bytes) {
+  RunSimulator(const ModelSection& model, const ModelDesc& desc, const std::vector<PlanUnit>& units, const RunShape& run)
+      : model_(model), family_(model_family(model.kind)), desc_(desc), units_(units), run_(run), mem_(run.heap_factor, run.mmap_threshold_bytes) {
     module_unit_.assign(desc.modules.size(), -1);
     for (const auto& u : units) module_unit_[static_cast<std::size_t>(u.module)] = u.index;
     for (const auto& u : units)
@@ -364,21 +364,15 @@ class RunSimulator {
     mem_.free(padded);
   }
 
-  std::int64_t input_bytes(std::int64_t batch) const {
-    if (shape_.kind == ModelKind::kTransformer) return batch * shape_.gpt.context * 8;  // token ids (int64)
-    return batch * 784 * 4;
-  }
-  std::int64_t target_bytes(std::int64_t batch) const {
-    if (shape_.kind == ModelKind::kTransformer) return batch * shape_.gpt.context * 8;
-    return batch * 8;
-  }
+  std::int64_t input_bytes(std::int64_t batch) const { return family_.input_bytes(model_, batch); }
+  std::int64_t target_bytes(std::int64_t batch) const { return family_.target_bytes(model_, batch); }
 
   void micro_batch(bool no_sync) {
     const std::int64_t B = run_.batch;
     int x = mem_.alloc(Mem::kData, input_bytes(B));
     int y = mem_.alloc(Mem::kData, target_bytes(B));
-    const bool cast = run_.param_bytes != 4 && shape_.kind != ModelKind::kTransformer;
-    if (train_trace_.ops.empty()) train_trace_ = trace_forward(shape_, desc_, B, run_.param_bytes, true, cast);
+    const bool cast = run_.param_bytes != 4 && !family_.language_model();  // token ids are not cast
+    if (train_trace_.ops.empty()) train_trace_ = trace_forward(model_, desc_, B, run_.param_bytes, true, cast);
     const Trace& t = train_trace_;
     handle_.assign(t.tensor_bytes.size(), -1);
     refs_.assign(t.tensor_bytes.size(), 0);
@@ -470,17 +464,17 @@ class RunSimulator {
 
   void evaluate() {
     // fsdp-train evaluates a language model's batch in chunks (GptConfig::eval_chunk): one chunk's forward.
-    const std::int64_t B = shape_.kind == ModelKind::kTransformer ? shape_.gpt.eval_chunk(run_.test_batch) : run_.test_batch;
+    const std::int64_t B = family_.eval_chunk(model_, run_.test_batch);
     int idx = mem_.alloc(Mem::kData, (run_.data.test_samples + run_.world - 1) / run_.world * 8);
     int x = mem_.alloc(Mem::kData, input_bytes(B));
     int y = mem_.alloc(Mem::kData, target_bytes(B));
-    const bool cast = run_.param_bytes != 4 && shape_.kind != ModelKind::kTransformer;
-    const Trace t = trace_forward(shape_, desc_, B, run_.param_bytes, false, cast);
+    const bool cast = run_.param_bytes != 4 && !family_.language_model();
+    const Trace t = trace_forward(model_, desc_, B, run_.param_bytes, false, cast);
     handle_.assign(t.tensor_bytes.size(), -1);
     refs_.assign(t.tensor_bytes.size(), 0);
     gather(0);
     forward_ops(t, 0, t.ops.size(), false, false, nullptr);
-    int argmax = mem_.alloc(Mem::kActivations, B * (shape_.kind == ModelKind::kTransformer ? shape_.gpt.context : 1) * 8);
+    int argmax = mem_.alloc(Mem::kActivations, B * family_.predictions_per_sample(model_) * 8);
     for (std::size_t ui = 0; ui < units_.size(); ++ui) reshard(static_cast<int>(ui));
     for (auto& h : handle_) mem_.free(h);
     mem_.free(argmax);
@@ -494,7 +488,8 @@ class RunSimulator {
     std::vector<int> inputs;
   };
 
-  const ModelShape& shape_;
+  const ModelSection& model_;
+  const ModelFamily& family_;
   const ModelDesc& desc_;
   const std::vector<PlanUnit>& units_;
   const RunShape& run_;
@@ -526,11 +521,11 @@ class RunSimulator {
 
 }  // namespace detail
 
-/// Predicts one rank's memory for `shape` under `run`.
-inline Prediction predict(const ModelShape& shape, const RunShape& run) {
-  const ModelDesc desc = describe_model(shape);
+/// Predicts one rank's memory for the deck's `model` under `run`.
+inline Prediction predict(const ModelSection& model, const RunShape& run) {
+  const ModelDesc desc = describe_model(model);
   const auto units = plan_units(desc, run.wrap, run.group);
-  detail::RunSimulator sim(shape, desc, units, run);
+  detail::RunSimulator sim(model, desc, units, run);
   Prediction p = sim.run();
   p.num_params = desc.num_params();
   p.units = units.size();

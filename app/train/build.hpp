@@ -27,18 +27,7 @@ namespace fsdp::app {
 
 // ---- model and optimizer --------------------------------------------------------------------------
 
-inline std::shared_ptr<AppModel> build_model(const RunConfig& cfg) {
-  const std::optional<double> dropout = cfg.model.dropout;
-  const bool deferred = cfg.fsdp.deferred_init;
-  switch (cfg.model.kind) {
-    case ModelKind::kCnn: return std::make_shared<TutorialCnnImpl>(dropout, deferred);
-    case ModelKind::kMlp: return std::make_shared<MlpImpl>(cfg.model.hidden_sizes, dropout, deferred);
-    case ModelKind::kTransformer: break;
-  }
-  GptConfig c = gpt_config(cfg.model);
-  c.deferred = deferred;
-  return std::make_shared<GptImpl>(c);
-}
+inline std::shared_ptr<AppModel> build_model(const RunConfig& cfg) { return build_model(cfg.model, cfg.fsdp.deferred_init); }
 
 /// A class name to wrap that no module of the model has is a mistake, not a no-op.
 inline void check_layer_classes(const RunConfig& cfg, const torch::nn::Module& model) {
@@ -73,8 +62,7 @@ inline fsdp::FsdpOptions fsdp_options(const RunConfig& cfg) {
   o.forward_prefetch = cfg.fsdp.forward_prefetch;
   o.limit_all_gathers = static_cast<int>(cfg.fsdp.limit_all_gathers);
   if (cfg.fsdp.deferred_init) {  // the layers were released as built: initialized unit by unit
-    const bool gpt = cfg.model.kind == ModelKind::kTransformer;
-    o.param_init_fn = [gpt](torch::nn::Module& m, const std::string&) { init_module(m, gpt); };
+    o.param_init_fn = [init = torch_model(cfg.model.kind).init_module](torch::nn::Module& m, const std::string&) { init(m); };
     o.init_seed = cfg.run.seed;
     o.sync_module_states = false;  // every rank computes the same values: nothing to broadcast
   }
@@ -148,10 +136,11 @@ inline std::unique_ptr<torch::optim::Optimizer> build_optimizer(const RunConfig&
 /// --check-plan: fsdp-plan's closed-form model (app/plan/) against the model LibTorch builds: module
 /// tree, types, parameter names and shapes, ties, buffers and the parameter count. 0 if they match, 1 if not.
 inline int check_plan_model(const std::string& deck_path, const std::vector<std::string>& overrides) {
-  const ModelShape shape = model_shape(resolve_model_section(Deck::from_file(deck_path, overrides)));
-  const ModelDesc desc = describe_model(shape);
+  const ModelSection model = resolve_model_section(Deck::from_file(deck_path, overrides));
+  const ModelFamily& family = model_family(model.kind);
+  const ModelDesc desc = family.describe(model);
   torch::manual_seed(0);
-  auto built = build_app_model(shape);
+  auto built = build_model(model);
   std::int64_t numel = 0, tensors = 0;
   std::set<const void*> seen;  // Module::parameters() lists a tied tensor once per name: count it once
   for (const auto& p : built->parameters()) {
@@ -159,9 +148,9 @@ inline int check_plan_model(const std::string& deck_path, const std::vector<std:
     numel += p.numel();
     ++tensors;
   }
-  std::string diff = compare_descriptions(desc, describe_module(*built, shape.kind));
-  if (closed_form_num_params(shape) != numel)
-    diff += "parameter count: formula " + std::to_string(closed_form_num_params(shape)) + ", built " + std::to_string(numel) + "\n";
+  std::string diff = compare_descriptions(desc, describe_module(*built, model.kind));
+  if (family.num_params(model) != numel)
+    diff += "parameter count: formula " + std::to_string(family.num_params(model)) + ", built " + std::to_string(numel) + "\n";
   if (desc.num_params() != numel)
     diff += "parameter count: description " + std::to_string(desc.num_params()) + ", built " + std::to_string(numel) + "\n";
   if (!diff.empty()) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "data.hpp"
+#include "models/families.hpp"
 #include "run_config.hpp"
 
 namespace fsdp::app {
@@ -61,9 +62,9 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
   Dataset d;
   const DataKind kind = cfg.data.kind;
   const bool lm = is_token_data(kind);
-  if (lm != (cfg.model.kind == ModelKind::kTransformer))
-    throw DeckError("data.kind = \"" + to_string(kind) + "\" needs model.kind = " + (lm ? "\"transformer\"" : "\"cnn\" or \"mlp\"") + " (it is \"" +
-                    to_string(cfg.model.kind) + "\")");
+  if (lm != model_family(cfg.model.kind).language_model())
+    throw DeckError("data.kind = \"" + to_string(kind) + "\" needs model.kind = " + model_kinds_named(lm) + " (it is \"" + to_string(cfg.model.kind) +
+                    "\")");
   if (kind == DataKind::kFashionMnist || kind == DataKind::kMnist) {
     d.train_images = load_mnist_split(cfg.data.path, true);
     d.test_images = load_mnist_split(cfg.data.path, false);

@@ -26,6 +26,7 @@
 #include "data.hpp"
 #include "deck.hpp"
 #include "models.hpp"
+#include "models/families.hpp"
 #include "plan/fit_check.hpp"
 #include "run_config.hpp"
 #include "train/build.hpp"
@@ -236,7 +237,7 @@ class Trainer {
     // of SIGXFSZ killing the rank in the middle of a checkpoint.
     std::signal(SIGXFSZ, SIG_IGN);
     // A language model evaluates its batch in chunks whose logits stay small (GptConfig::eval_chunk).
-    eval_chunk_ = data_.tokens && cfg_.model.kind == ModelKind::kTransformer ? gpt_config(cfg_.model).eval_chunk(cfg_.data.test_batch_size) : 0;
+    eval_chunk_ = data_.tokens ? model_family(cfg_.model.kind).eval_chunk(cfg_.model, cfg_.data.test_batch_size) : 0;
   }
 
   /// fp16's loss scale, continued from the checkpoint when it has one.
@@ -540,7 +541,7 @@ class Trainer {
     if (scaler_) t.loss_scale = scaler_->scale();
     t.samples_trained = samples_trained_;
     t.tokens_per_sample = data_.tokens ? data_.sequence_length() - 1 : 0;
-    if (cfg_.model.kind == ModelKind::kTransformer) t.flops_per_token = gpt_config(cfg_.model).flops_per_token(model_->num_params());
+    t.flops_per_token = model_family(cfg_.model.kind).flops_per_token(cfg_.model, model_->num_params());
     t.last_loss = last_loss_;
     if (evaluated_) {
       t.eval = last_eval_;

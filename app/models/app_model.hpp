@@ -1,0 +1,41 @@
+// What fsdp-train needs from every model it builds (app layer, LibTorch): one tensor in, one tensor
+// out, every child module called through fsdp::forward, at every depth, so that any wrapping frees its
+// units after use (fsdp-train promises this: all_units_called_through_forward).
+#pragma once
+
+#include <fsdp/fsdp.hpp>
+#include <torch/torch.h>
+
+#include <string>
+
+#include "fsdp/errors.hpp"
+
+namespace fsdp::app {
+
+namespace F = torch::nn::functional;
+
+/// fsdp.deferred_init: releases a freshly built layer's storage (fsdp::defer_init), so that the model
+/// never exists whole; the engine initializes it unit by unit with its kind's init_module.
+template <class Holder>
+Holder deferred_if(bool deferred, Holder module) {
+  if (deferred) fsdp::defer_init(*module);
+  return module;
+}
+
+/// What the training loop needs from any model: one tensor in, one tensor out.
+struct AppModel : torch::nn::Module {
+  using torch::nn::Module::Module;
+  virtual torch::Tensor forward(torch::Tensor x) = 0;
+};
+
+/// fsdp.deferred_init's initialization of a module `m` holds itself, by its layers' own default
+/// (PyTorch's): the image classifiers'.
+inline void init_default_module(torch::nn::Module& m) {
+  torch::NoGradGuard no_grad;
+  if (auto* ln = m.as<torch::nn::LayerNorm>()) return ln->reset_parameters();
+  if (auto* linear = m.as<torch::nn::Linear>()) return linear->reset_parameters();
+  if (auto* conv = m.as<torch::nn::Conv2d>()) return conv->reset_parameters();
+  if (!m.named_parameters(/*recurse=*/false).is_empty()) throw ConfigError("fsdp.deferred_init: no initialization for module " + m.name());
+}
+
+}  // namespace fsdp::app
