@@ -65,11 +65,12 @@ std::string to_string(E value) {
 
 // ---- the deck's choices -----------------------------------------------------------------------
 
-enum class ModelKind { kCnn, kMlp, kTransformer };
+enum class ModelKind { kCnn, kMlp, kTransformer, kLlama };
 template <>
 struct ChoiceNames<ModelKind> {
   static constexpr std::array kNames{std::pair{ModelKind::kCnn, std::string_view("cnn")}, std::pair{ModelKind::kMlp, std::string_view("mlp")},
-                                     std::pair{ModelKind::kTransformer, std::string_view("transformer")}};
+                                     std::pair{ModelKind::kTransformer, std::string_view("transformer")},
+                                     std::pair{ModelKind::kLlama, std::string_view("llama")}};
 };
 
 enum class Activation { kGelu, kGeluTanh };

@@ -92,14 +92,17 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .type = T::kString,
                .default_value = "cnn",
                .choices = choice_names<ModelKind>(),
-               .description = "cnn (the PyTorch FSDP tutorial's MNIST net), mlp, or transformer (decoder-only, for data.kind tokens or text)"});
+               .description = "cnn (the PyTorch FSDP tutorial's MNIST net), mlp, transformer (a GPT-2 style decoder) or llama (a "
+                              "Llama-family decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU; Hugging Face's "
+                              "names); the decoders are for data.kind tokens, text or token-shards"});
   s.push_back(
       {.key = "model.dropout",
        .type = T::kFloat,
        .default_value = std::monostate{},
        .min = 0,
        .max = 1,
-       .description = "every dropout probability of the model; unset: each model's own (cnn 0.25 and 0.5, mlp none, transformer 0.1); 0: none",
+       .description =
+           "every dropout probability of the model; unset: each model's own (cnn 0.25 and 0.5, mlp none, transformer 0.1; llama has none); 0: none",
        .max_exclusive = true});
   s.push_back({.key = "model.hidden_sizes",
                .type = T::kIntArray,
@@ -112,33 +115,42 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .default_value = I{256},
                .min = 1,
                .max = 1e9,
-               .description = "transformer: vocabulary size (256: bytes)"});
-  s.push_back(
-      {.key = "model.context", .type = T::kInt, .default_value = I{64}, .min = 1, .max = 1e7, .description = "transformer: tokens per sequence"});
+               .description = "transformer, llama: vocabulary size (256: bytes)"});
+  s.push_back({.key = "model.context",
+               .type = T::kInt,
+               .default_value = I{64},
+               .min = 1,
+               .max = 1e7,
+               .description = "transformer, llama: tokens per sequence"});
   s.push_back({.key = "model.d_model",
                .type = T::kInt,
                .default_value = I{128},
                .min = 1,
                .max = 1e6,
-               .description = "transformer: width of the residual stream, a multiple of model.n_heads"});
+               .description = "transformer, llama: width of the residual stream, a multiple of model.n_heads (llama: unless model.head_dim is set)"});
   s.push_back({.key = "model.n_heads",
                .type = T::kInt,
                .default_value = I{4},
                .min = 1,
                .max = 1e5,
-               .description = "transformer: attention heads per block"});
-  s.push_back(
-      {.key = "model.n_layers", .type = T::kInt, .default_value = I{4}, .min = 1, .max = 1e5, .description = "transformer: number of blocks"});
-  s.push_back({.key = "model.mlp_ratio",
+               .description = "transformer, llama: attention (query) heads per block"});
+  s.push_back({.key = "model.n_layers",
                .type = T::kInt,
                .default_value = I{4},
                .min = 1,
-               .max = 1000,
-               .description = "transformer: width of each block's MLP as a multiple of model.d_model"});
+               .max = 1e5,
+               .description = "transformer, llama: number of blocks (decoder layers)"});
+  s.push_back(
+      {.key = "model.mlp_ratio",
+       .type = T::kInt,
+       .default_value = I{4},
+       .min = 1,
+       .max = 1000,
+       .description = "transformer: width of each block's MLP as a multiple of model.d_model (llama: the default of model.intermediate_size)"});
   s.push_back({.key = "model.tie_embeddings",
                .type = T::kBool,
                .default_value = true,
-               .description = "transformer: the output projection shares the token embedding's weights"});
+               .description = "transformer, llama: the output projection shares the token embedding's weights"});
   s.push_back({.key = "model.vocab_pad_multiple",
                .type = T::kInt,
                .default_value = I{1},
@@ -151,6 +163,40 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .default_value = "gelu",
                .choices = choice_names<Activation>(),
                .description = "transformer: the MLP's GELU, exact (gelu) or GPT-2's tanh approximation (gelu_tanh)"});
+  s.push_back({.key = "model.n_kv_heads",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .max = 1e5,
+               .description = "llama: key/value heads (grouped-query attention), dividing model.n_heads; 0: model.n_heads"});
+  s.push_back({.key = "model.head_dim",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .max = 1e5,
+               .description = "llama: width of each attention head; 0: model.d_model / model.n_heads"});
+  s.push_back({.key = "model.intermediate_size",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .max = 1e8,
+               .description = "llama: width of each layer's SwiGLU MLP, down(silu(gate(x)) * up(x)); 0: model.mlp_ratio x model.d_model"});
+  s.push_back({.key = "model.norm_eps",
+               .type = T::kFloat,
+               .default_value = 1e-5,
+               .min = 0,
+               .max = 1,
+               .description = "llama: the RMSNorms' epsilon (Hugging Face's rms_norm_eps)"});
+  s.push_back({.key = "model.rope_theta",
+               .type = T::kFloat,
+               .default_value = 10000.0,
+               .min = 1,
+               .max = 1e12,
+               .description = "llama: the rotary embedding's base (Hugging Face's rope_theta; Llama 3 500000, SmolLM2 100000)"});
+  s.push_back({.key = "model.attention_bias",
+               .type = T::kBool,
+               .default_value = false,
+               .description = "llama: biases on the q, k and v projections (Qwen2 has them); no other layer has one"});
 }
 
 void add_data_keys(std::vector<KeySpec>& s) {
@@ -278,7 +324,7 @@ void add_optimizer_keys(std::vector<KeySpec>& s) {
   s.push_back({.key = "optim.no_decay",
                .type = T::kString,
                .default_value = "",
-               .description = "adamw: parameters without weight decay, any of bias, norm (LayerNorm and BatchNorm weights), embedding "
+               .description = "adamw: parameters without weight decay, any of bias, norm (LayerNorm, RMSNorm and BatchNorm weights), embedding "
                               "(embedding tables and what they are tied to); nanoGPT and llm.c: [\"bias\", \"norm\"]",
                .names_list = true});
   s.push_back({.key = "optim.gamma",

@@ -11,6 +11,7 @@
 #include "models/app_model.hpp"
 #include "models/cnn.hpp"
 #include "models/gpt.hpp"
+#include "models/llama.hpp"
 #include "models/mlp.hpp"
 #include "run_config.hpp"
 
@@ -29,6 +30,7 @@ inline TorchModel torch_model(ModelKind kind) {
     case ModelKind::kCnn: return {&TutorialCnnImpl::build, &init_default_module};
     case ModelKind::kMlp: return {&MlpImpl::build, &init_default_module};
     case ModelKind::kTransformer: return {&GptImpl::build, &init_gpt_module};
+    case ModelKind::kLlama: return {&LlamaImpl::build, &LlamaImpl::init_llama_module};
   }
   throw ConfigError("model.kind " + std::to_string(static_cast<int>(kind)) + " has no LibTorch model");
 }

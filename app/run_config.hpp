@@ -57,6 +57,10 @@ struct ModelSection {
   bool tie_embeddings = true;
   std::int64_t vocab_pad_multiple = 1;
   Activation activation = Activation::kGelu;  ///< transformer
+  // llama (0: derived, see LlamaConfig)
+  std::int64_t n_kv_heads = 0, head_dim = 0, intermediate_size = 0;
+  double norm_eps = 1e-5, rope_theta = 10000;
+  bool attention_bias = false;
 };
 
 /// The transformer of the [model] section (fsdp-train builds it, fsdp-plan describes it).

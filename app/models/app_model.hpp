@@ -28,6 +28,17 @@ struct AppModel : torch::nn::Module {
   virtual torch::Tensor forward(torch::Tensor x) = 0;
 };
 
+/// A language model's output projection to the vocabulary, optionally sharing the token embedding's
+/// weight (then it is the same tensor, stored once).
+struct LmHeadImpl : torch::nn::Module {
+  LmHeadImpl(std::int64_t d_model, std::int64_t vocab, torch::Tensor tied) : torch::nn::Module("LmHead") {
+    weight = register_parameter("weight", tied.defined() ? tied : torch::empty({vocab, d_model}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return F::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(LmHead);
+
 /// fsdp.deferred_init's initialization of a module `m` holds itself, by its layers' own default
 /// (PyTorch's): the image classifiers'.
 inline void init_default_module(torch::nn::Module& m) {

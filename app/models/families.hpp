@@ -8,6 +8,7 @@
 
 #include "models/cnn_family.hpp"
 #include "models/gpt_family.hpp"
+#include "models/llama_family.hpp"
 #include "models/mlp_family.hpp"
 
 namespace fsdp::app {
@@ -16,10 +17,12 @@ inline const ModelFamily& model_family(ModelKind kind) {
   static const CnnFamily cnn;
   static const MlpFamily mlp;
   static const GptFamily gpt;
+  static const LlamaFamily llama;
   switch (kind) {
     case ModelKind::kCnn: return cnn;
     case ModelKind::kMlp: return mlp;
     case ModelKind::kTransformer: return gpt;
+    case ModelKind::kLlama: return llama;
   }
   throw ConfigError("model.kind " + std::to_string(static_cast<int>(kind)) + " has no family");
 }

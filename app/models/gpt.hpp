@@ -82,16 +82,6 @@ struct TransformerBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(TransformerBlock);
 
-/// Output projection to the vocabulary, optionally sharing the token embedding's weight.
-struct LmHeadImpl : torch::nn::Module {
-  LmHeadImpl(std::int64_t d_model, std::int64_t vocab, torch::Tensor tied) : torch::nn::Module("LmHead") {
-    weight = register_parameter("weight", tied.defined() ? tied : torch::empty({vocab, d_model}));
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return F::linear(x, weight); }
-  torch::Tensor weight;
-};
-TORCH_MODULE(LmHead);
-
 /// GPT-style decoder: token + position embeddings, n_layers blocks, final LayerNorm, LM head (tied to
 /// the token embedding by default). Input: (batch, t) token ids; output: (batch, t, vocab) logits (the
 /// padded vocabulary's extra rows are cut off, so no loss, evaluation or argmax ever sees them).

@@ -16,7 +16,7 @@
 namespace fsdp::app {
 
 /// The kinds of optim.no_decay a tensor belongs to: "bias" (a parameter named bias), "norm" (a weight
-/// of a LayerNorm, BatchNorm or GroupNorm), "embedding" (an Embedding's table, or a tensor tied to
+/// of a LayerNorm, RMSNorm, BatchNorm or GroupNorm), "embedding" (an Embedding's table, or a tensor tied to
 /// one, like a tied LM head).
 inline std::set<std::string> decay_kinds(const std::string& name, const std::map<std::string, std::string>& module_types,
                                          const std::vector<std::string>& aliases) {
@@ -27,7 +27,7 @@ inline std::set<std::string> decay_kinds(const std::string& name, const std::map
     const auto it = module_types.find(module);
     const std::string type = it == module_types.end() ? "" : it->second;
     if (key == "bias") kinds.insert("bias");
-    if (type == "LayerNorm" || type == "GroupNorm" || type.rfind("BatchNorm", 0) == 0) kinds.insert("norm");
+    if (type == "LayerNorm" || type == "RMSNorm" || type == "GroupNorm" || type.rfind("BatchNorm", 0) == 0) kinds.insert("norm");
     if (type == "Embedding") kinds.insert("embedding");
   };
   of_name(name);

@@ -1,0 +1,202 @@
+// The Llama-family decoder, model.kind = "llama" (app layer, LibTorch); its family is
+// app/models/llama_family.hpp. Its modules carry Hugging Face's LlamaForCausalLM names
+// (model.embed_tokens, model.layers.{i}.self_attn.{q,k,v,o}_proj, model.layers.{i}.mlp.{gate,up,down}_proj,
+// model.layers.{i}.{input,post_attention}_layernorm, model.norm, lm_head), so its safetensors are a
+// Hugging Face model's. Per layer: RMSNorm, attention with rotary positions (Hugging Face's
+// rotate_half layout) and grouped-query heads (q/k/v biases optional, as Qwen2 has), residual,
+// RMSNorm, SwiGLU MLP, residual; a final RMSNorm; a head tied to the embedding or not.
+#pragma once
+
+#include <fsdp/fsdp.hpp>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "models/app_model.hpp"
+#include "models/llama_config.hpp"
+#include "run_config.hpp"
+
+namespace fsdp::app {
+
+/// Root-mean-square normalization, in fp32 whatever the input's dtype (as Hugging Face's LlamaRMSNorm).
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(std::int64_t width, double eps) : torch::nn::Module("RMSNorm"), eps_(eps) {
+    weight = register_parameter("weight", torch::ones({width}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto xf = x.to(torch::kFloat);
+    const auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
+    return weight * normed.to(x.scalar_type());
+  }
+  torch::Tensor weight;
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+/// Causal self-attention with rotary positions and grouped-query heads.
+struct LlamaAttentionImpl : torch::nn::Module {
+  explicit LlamaAttentionImpl(const LlamaConfig& c) : torch::nn::Module("LlamaAttention"), c_(c) {
+    const bool bias = c.attention_bias;
+    q_proj = register_module("q_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.q_width()).bias(bias)));
+    k_proj = register_module("k_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.kv_width()).bias(bias)));
+    v_proj = register_module("v_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.kv_width()).bias(bias)));
+    o_proj = register_module("o_proj", torch::nn::Linear(torch::nn::LinearOptions(c.q_width(), c.d_model).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto b = x.size(0), t = x.size(1), hd = c_.head_dim;
+    auto heads = [&](const torch::Tensor& y, std::int64_t n) { return y.view({b, t, n, hd}).transpose(1, 2); };
+    auto q = heads(fsdp::forward(q_proj, x), c_.n_heads);
+    auto k = heads(fsdp::forward(k_proj, x), c_.n_kv_heads);
+    auto v = heads(fsdp::forward(v_proj, x), c_.n_kv_heads);
+    const auto& [cos, sin] = rotary(t, x);
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    if (c_.n_kv_heads != c_.n_heads) {  // each key/value head serves n_heads / n_kv_heads query heads
+      k = k.repeat_interleave(c_.n_heads / c_.n_kv_heads, 1);
+      v = v.repeat_interleave(c_.n_heads / c_.n_kv_heads, 1);
+    }
+    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+    att = att.masked_fill(blocked(t, x.device()), -std::numeric_limits<float>::infinity());
+    att = torch::softmax(att, -1, torch::kFloat).to(q.scalar_type());
+    auto y = torch::matmul(att, v).transpose(1, 2).reshape({b, t, c_.q_width()});
+    return fsdp::forward(o_proj, y);
+  }
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+
+ private:
+  static torch::Tensor rotate_half(const torch::Tensor& x) {
+    const auto half = x.size(-1) / 2;
+    return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  }
+  /// cos and sin of every position's angles, [t, head_dim] in the input's dtype: frequencies
+  /// theta^(-2i/head_dim) for the first half, repeated for the second (Hugging Face's layout). Not
+  /// buffers (nothing to store): computed once per length, device and dtype.
+  const std::pair<torch::Tensor, torch::Tensor>& rotary(std::int64_t t, const torch::Tensor& like) {
+    if (!rotary_.first.defined() || rotary_.first.size(0) != t || rotary_.first.device() != like.device() ||
+        rotary_.first.scalar_type() != like.scalar_type()) {
+      const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(like.device());
+      const auto exponents = torch::arange(0, c_.head_dim, 2, opts.dtype(torch::kLong)).to(torch::kFloat) / static_cast<double>(c_.head_dim);
+      const auto inv_freq = 1.0 / torch::pow(torch::full({}, c_.rope_theta, opts), exponents);
+      const auto freqs = torch::outer(torch::arange(t, opts), inv_freq);
+      const auto angles = torch::cat({freqs, freqs}, -1);
+      rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
+    }
+    return rotary_;
+  }
+  const torch::Tensor& blocked(std::int64_t t, const torch::Device& device) {
+    if (!blocked_.defined() || blocked_.size(-1) != t || blocked_.device() != device)
+      blocked_ = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(device)).triu(1);
+    return blocked_;
+  }
+  LlamaConfig c_;
+  std::pair<torch::Tensor, torch::Tensor> rotary_;
+  torch::Tensor blocked_;
+};
+TORCH_MODULE(LlamaAttention);
+
+/// SwiGLU: down(silu(gate(x)) * up(x)).
+struct LlamaMlpImpl : torch::nn::Module {
+  explicit LlamaMlpImpl(const LlamaConfig& c) : torch::nn::Module("LlamaMlp") {
+    gate_proj = register_module("gate_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.intermediate_size).bias(false)));
+    up_proj = register_module("up_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.intermediate_size).bias(false)));
+    down_proj = register_module("down_proj", torch::nn::Linear(torch::nn::LinearOptions(c.intermediate_size, c.d_model).bias(false)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fsdp::forward(down_proj, torch::silu(fsdp::forward(gate_proj, x)) * fsdp::forward(up_proj, x));
+  }
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(LlamaMlp);
+
+/// One decoder layer; the unit TRANSFORMER_BASED_WRAP wraps ("LlamaDecoderLayer").
+struct LlamaDecoderLayerImpl : torch::nn::Module {
+  explicit LlamaDecoderLayerImpl(const LlamaConfig& c) : torch::nn::Module("LlamaDecoderLayer") {
+    input_layernorm = register_module("input_layernorm", RMSNorm(c.d_model, c.norm_eps));
+    self_attn = register_module("self_attn", LlamaAttention(c));
+    post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.d_model, c.norm_eps));
+    mlp = register_module("mlp", LlamaMlp(c));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + fsdp::forward(self_attn, fsdp::forward(input_layernorm, x));
+    return x + fsdp::forward(mlp, fsdp::forward(post_attention_layernorm, x));
+  }
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  LlamaAttention self_attn{nullptr};
+  LlamaMlp mlp{nullptr};
+};
+TORCH_MODULE(LlamaDecoderLayer);
+
+/// The layers, named 0, 1, ... as Hugging Face's ModuleList names them, and called in order (through
+/// fsdp::forward: a wrapping that makes the whole stack a unit frees it after use).
+struct LlamaLayersImpl : torch::nn::Module {
+  LlamaLayersImpl(const LlamaConfig& c, bool deferred) : torch::nn::Module("LlamaLayers") {
+    for (std::int64_t i = 0; i < c.n_layers; ++i) layers.push_back(register_module(std::to_string(i), deferred_if(deferred, LlamaDecoderLayer(c))));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& layer : layers) x = fsdp::forward(layer, x);
+    return x;
+  }
+  std::vector<LlamaDecoderLayer> layers;
+};
+TORCH_MODULE(LlamaLayers);
+
+/// Hugging Face's LlamaModel: the embedding, the layers and the final norm.
+struct LlamaModelImpl : torch::nn::Module {
+  LlamaModelImpl(const LlamaConfig& c, bool deferred) : torch::nn::Module("LlamaModel") {
+    embed_tokens = register_module("embed_tokens", deferred_if(deferred, torch::nn::Embedding(c.vocab_size, c.d_model)));
+    layers = register_module("layers", LlamaLayers(c, deferred));
+    norm = register_module("norm", deferred_if(deferred, RMSNorm(c.d_model, c.norm_eps)));
+  }
+  torch::Tensor forward(const torch::Tensor& idx) { return fsdp::forward(norm, fsdp::forward(layers, fsdp::forward(embed_tokens, idx))); }
+  torch::nn::Embedding embed_tokens{nullptr};
+  LlamaLayers layers{nullptr};
+  RMSNorm norm{nullptr};
+};
+TORCH_MODULE(LlamaModel);
+
+/// LlamaForCausalLM. Input: (batch, t) token ids; output: (batch, t, vocab) logits.
+struct LlamaImpl : AppModel {
+  explicit LlamaImpl(const LlamaConfig& c) : AppModel("Llama"), config(c) {
+    model = register_module("model", LlamaModel(c, c.deferred));
+    lm_head = register_module(
+        "lm_head", deferred_if(c.deferred, LmHead(c.d_model, c.vocab_size, c.tie_embeddings ? model->embed_tokens->weight : torch::Tensor())));
+    if (c.deferred) return;  // init_llama_module() initializes it, unit by unit, inside the engine
+    for (const auto& m : modules(/*include_self=*/false)) init_llama_module(*m);
+  }
+  torch::Tensor forward(torch::Tensor idx) override {
+    if (idx.size(1) > config.context)
+      throw ConfigError("sequence of " + std::to_string(idx.size(1)) + " tokens exceeds model.context " + std::to_string(config.context));
+    return fsdp::forward(lm_head, fsdp::forward(model, idx));
+  }
+
+  /// Hugging Face's initialization (initializer_range 0.02): N(0, 0.02) weights and embeddings, zero
+  /// biases, unit RMSNorms; of the parameters `m` holds itself (fsdp.deferred_init's param_init_fn).
+  static void init_llama_module(torch::nn::Module& m) {
+    torch::NoGradGuard no_grad;
+    if (auto* norm = m.as<RMSNorm>()) {
+      norm->weight.fill_(1.0);
+      return;
+    }
+    for (auto& p : m.named_parameters(/*recurse=*/false)) {
+      if (p.key() == "bias")
+        p.value().zero_();
+      else
+        p.value().normal_(0, 0.02);
+    }
+  }
+  static std::shared_ptr<AppModel> build(const ModelSection& m, bool deferred) {
+    LlamaConfig c = LlamaConfig::of(m);
+    c.deferred = deferred;
+    return std::make_shared<LlamaImpl>(c);
+  }
+
+  LlamaConfig config;
+  LlamaModel model{nullptr};
+  LmHead lm_head{nullptr};
+};
+
+}  // namespace fsdp::app

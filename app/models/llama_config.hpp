@@ -1,0 +1,57 @@
+// The Llama-family decoder's sizes (app layer, std only): the deck's [model] with every derived size
+// resolved. models/llama.hpp builds it, models/llama_family.hpp describes it for the planner.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "run_config.hpp"
+
+namespace fsdp::app {
+
+struct LlamaConfig {
+  std::int64_t vocab_size = 256, context = 64, d_model = 128, n_layers = 4;
+  std::int64_t n_heads = 4, n_kv_heads = 4, head_dim = 32, intermediate_size = 512;
+  double norm_eps = 1e-5, rope_theta = 10000;
+  bool attention_bias = false, tie_embeddings = true;
+  bool deferred = false;  ///< fsdp.deferred_init: layers released as built
+
+  /// model.n_kv_heads, model.head_dim and model.intermediate_size of 0 take their defaults here.
+  static LlamaConfig of(const ModelSection& m) {
+    LlamaConfig c;
+    c.vocab_size = m.vocab_size;
+    c.context = m.context;
+    c.d_model = m.d_model;
+    c.n_layers = m.n_layers;
+    c.n_heads = m.n_heads;
+    c.n_kv_heads = m.n_kv_heads > 0 ? m.n_kv_heads : m.n_heads;
+    c.head_dim = m.head_dim > 0 ? m.head_dim : m.d_model / std::max<std::int64_t>(1, m.n_heads);
+    c.intermediate_size = m.intermediate_size > 0 ? m.intermediate_size : m.mlp_ratio * m.d_model;
+    c.norm_eps = m.norm_eps;
+    c.rope_theta = m.rope_theta;
+    c.attention_bias = m.attention_bias;
+    c.tie_embeddings = m.tie_embeddings;
+    return c;
+  }
+  std::int64_t q_width() const { return n_heads * head_dim; }
+  std::int64_t kv_width() const { return n_kv_heads * head_dim; }
+
+  /// Distinct parameter elements.
+  std::int64_t num_params() const {
+    const std::int64_t D = d_model, I = intermediate_size;
+    const std::int64_t attention = D * q_width() + 2 * D * kv_width() + q_width() * D + (attention_bias ? q_width() + 2 * kv_width() : 0);
+    const std::int64_t layer = attention + 3 * D * I + 2 * D;
+    return vocab_size * D * (tie_embeddings ? 1 : 2) + n_layers * layer + D;
+  }
+  /// Training FLOPs per token: 6 per parameter plus attention's 12 n_layers (n_heads head_dim) context.
+  double flops_per_token(std::int64_t params) const {
+    return 6.0 * static_cast<double>(params) + 12.0 * static_cast<double>(n_layers * q_width() * context);
+  }
+  /// Sequences per evaluation forward: a chunk's logits and their log-softmax stay within 32 MiB.
+  std::int64_t eval_chunk(std::int64_t batch) const {
+    const std::int64_t per_sequence = 2 * context * vocab_size * 4;
+    return std::clamp<std::int64_t>((std::int64_t{32} << 20) / std::max<std::int64_t>(1, per_sequence), 1, std::max<std::int64_t>(1, batch));
+  }
+};
+
+}  // namespace fsdp::app

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""A PyTorch reference for fsdp-train's model.kind = "llama": a Llama-family decoder written with
+torch.nn.functional and Hugging Face's LlamaForCausalLM parameter names (model.embed_tokens,
+model.layers.{i}.self_attn.{q,k,v,o}_proj, model.layers.{i}.mlp.{gate,up,down}_proj,
+model.layers.{i}.{input,post_attention}_layernorm, model.norm, lm_head absent when tied). Per layer:
+RMSNorm in fp32, rotary positions in the rotate_half layout, grouped-query attention by repeating
+k/v heads, SwiGLU. Trained single-process on the whole global batch as fsdp-train defines its data,
+loss, optimizer (AdamW without decay on biases, norms and embeddings) and schedule; the data, loss,
+schedule and safetensors helpers are pytorch_reference.py's.
+
+  llama_reference.py init OUT [model options] [--seed S]
+  llama_reference.py train --init F --data GLOB --out F --losses JSON [model and recipe options]
+  llama_reference.py eval --model F --data GLOB [model options] [--batch B]   -> prints the loss
+"""
+import argparse, json, math, sys
+
+import torch
+import torch.nn.functional as F
+
+from pytorch_reference import cmd_compare, loss_of, lr_at, read_safetensors, read_tokens, sample, write_safetensors
+
+
+class Llama(torch.nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.a = a
+        d, q, kv, i = a.d_model, a.heads * a.head_dim, a.kv_heads * a.head_dim, a.intermediate
+        p = {"model.embed_tokens.weight": (a.vocab, d), "model.norm.weight": (d,)}
+        if not a.tied:
+            p["lm_head.weight"] = (a.vocab, d)
+        for n in range(a.layers):
+            h = "model.layers.%d." % n
+            p.update({h + "input_layernorm.weight": (d,), h + "post_attention_layernorm.weight": (d,),
+                      h + "self_attn.q_proj.weight": (q, d), h + "self_attn.k_proj.weight": (kv, d),
+                      h + "self_attn.v_proj.weight": (kv, d), h + "self_attn.o_proj.weight": (d, q),
+                      h + "mlp.gate_proj.weight": (i, d), h + "mlp.up_proj.weight": (i, d), h + "mlp.down_proj.weight": (d, i)})
+            if a.bias:
+                p.update({h + "self_attn.q_proj.bias": (q,), h + "self_attn.k_proj.bias": (kv,), h + "self_attn.v_proj.bias": (kv,)})
+        self.shapes = p
+        self.params = torch.nn.ParameterDict({k.replace(".", "__"): torch.nn.Parameter(torch.zeros(s)) for k, s in p.items()})
+
+    def __getitem__(self, name):
+        return self.params[name.replace(".", "__")]
+
+    def named(self):
+        return {k: self[k] for k in self.shapes}
+
+    def load(self, tensors):
+        with torch.no_grad():
+            if set(tensors) != set(self.shapes):
+                sys.exit("tensors differ from the model's: %s" % sorted(set(tensors) ^ set(self.shapes)))
+            for k in self.shapes:
+                if tuple(tensors[k].shape) != self.shapes[k]:
+                    sys.exit("%s: shape %s, expected %s" % (k, tuple(tensors[k].shape), self.shapes[k]))
+                self[k].copy_(tensors[k])
+
+    def rms_norm(self, x, name):
+        xf = x.float()
+        return self[name] * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.a.eps)).to(x.dtype)
+
+    def linear(self, x, name):
+        bias = self.params[(name + ".bias").replace(".", "__")] if (name + ".bias") in self.shapes else None
+        return F.linear(x, self[name + ".weight"], bias)
+
+    def forward(self, idx):
+        a = self.a
+        b, t = idx.shape
+        hd = a.head_dim
+        inv_freq = 1.0 / torch.pow(torch.tensor(a.rope_theta, dtype=torch.float32), torch.arange(0, hd, 2).float() / hd)
+        freqs = torch.outer(torch.arange(t, dtype=torch.float32), inv_freq)
+        angles = torch.cat([freqs, freqs], -1)
+        cos, sin = angles.cos(), angles.sin()
+
+        def rotate_half(x):
+            return torch.cat([-x[..., hd // 2:], x[..., :hd // 2]], -1)
+
+        blocked = torch.ones(t, t, dtype=torch.bool).triu(1)
+        x = F.embedding(idx, self["model.embed_tokens.weight"])
+        for n in range(a.layers):
+            h = "model.layers.%d." % n
+            y = self.rms_norm(x, h + "input_layernorm.weight")
+            q = self.linear(y, h + "self_attn.q_proj").view(b, t, a.heads, hd).transpose(1, 2)
+            k = self.linear(y, h + "self_attn.k_proj").view(b, t, a.kv_heads, hd).transpose(1, 2)
+            v = self.linear(y, h + "self_attn.v_proj").view(b, t, a.kv_heads, hd).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k = k.repeat_interleave(a.heads // a.kv_heads, 1)
+            v = v.repeat_interleave(a.heads // a.kv_heads, 1)
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+            att = att.masked_fill(blocked, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+            o = (att @ v).transpose(1, 2).reshape(b, t, a.heads * hd)
+            x = x + self.linear(o, h + "self_attn.o_proj")
+            y = self.rms_norm(x, h + "post_attention_layernorm.weight")
+            x = x + self.linear(F.silu(self.linear(y, h + "mlp.gate_proj")) * self.linear(y, h + "mlp.up_proj"), h + "mlp.down_proj")
+        x = self.rms_norm(x, "model.norm.weight")
+        return F.linear(x, self["model.embed_tokens.weight" if a.tied else "lm_head.weight"])
+
+
+def cmd_init(a):
+    torch.manual_seed(a.seed)
+    m = Llama(a)
+    with torch.no_grad():
+        for k, p in m.named().items():
+            if k.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:  # biases too: nonzero, so that their values matter from the first step
+                p.normal_(0, 0.02)
+    write_safetensors(a.out, m.named())
+
+
+def decays(name):
+    """optim.no_decay = ["bias", "norm", "embedding"]: decay on the projections' weights only."""
+    return name.endswith("_proj.weight") or name == "lm_head.weight"
+
+
+def cmd_train(a):
+    torch.manual_seed(0)
+    m = Llama(a)
+    m.load(read_safetensors(a.init))
+    named = m.named()
+    opt = torch.optim.AdamW([{"params": [p for k, p in named.items() if decays(k)], "weight_decay": a.weight_decay},
+                             {"params": [p for k, p in named.items() if not decays(k)], "weight_decay": 0.0}],
+                            lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, foreach=False)
+    tokens = read_tokens(a.data)
+    losses = []
+    for step in range(a.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(a, step, a.steps)
+        xs, ys = zip(*(sample(tokens, step * a.batch + j, a.context) for j in range(a.batch)))
+        opt.zero_grad()
+        loss = loss_of(m(torch.stack(xs)), torch.stack(ys))
+        loss.backward()
+        if a.clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(named.values()), a.clip)
+        opt.step()
+        losses.append(loss.item())
+    write_safetensors(a.out, named)
+    with open(a.losses, "w") as f:
+        json.dump(losses, f)
+
+
+def cmd_eval(a):
+    m = Llama(a)
+    m.load(read_safetensors(a.model))
+    tokens = read_tokens(a.data)
+    n = (len(tokens) - 1) // a.context
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for first in range(0, n, a.batch):
+            xs, ys = zip(*(sample(tokens, i, a.context) for i in range(first, min(n, first + a.batch))))
+            logits = m(torch.stack(xs))
+            y = torch.stack(ys)
+            total += F.nll_loss(F.log_softmax(logits.reshape(-1, logits.size(-1)), 1), y.reshape(-1), reduction="sum").item()
+            count += y.numel()
+    print(json.dumps({"loss": total / count, "tokens": count}))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def model_args(s):
+        s.add_argument("--vocab", type=int, default=97)
+        s.add_argument("--context", type=int, default=16)
+        s.add_argument("--d-model", type=int, default=32)
+        s.add_argument("--heads", type=int, default=4)
+        s.add_argument("--kv-heads", type=int, default=2)
+        s.add_argument("--head-dim", type=int, default=8)
+        s.add_argument("--layers", type=int, default=2)
+        s.add_argument("--intermediate", type=int, default=48)
+        s.add_argument("--rope-theta", type=float, default=10000.0)
+        s.add_argument("--eps", type=float, default=1e-5)
+        s.add_argument("--bias", action="store_true", help="q/k/v biases (Qwen2)")
+        s.add_argument("--tied", action="store_true", help="lm_head is the embedding")
+
+    s = sub.add_parser("init")
+    s.add_argument("out")
+    s.add_argument("--seed", type=int, default=1)
+    model_args(s)
+    s = sub.add_parser("train")
+    for k in ("--init", "--data", "--out", "--losses"):
+        s.add_argument(k, required=True)
+    s.add_argument("--steps", type=int, default=20)
+    s.add_argument("--batch", type=int, default=12)
+    s.add_argument("--lr", type=float, default=3e-3)
+    s.add_argument("--lr-min", type=float, default=3e-4)
+    s.add_argument("--warmup", type=int, default=4)
+    s.add_argument("--weight-decay", type=float, default=0.1)
+    s.add_argument("--beta1", type=float, default=0.9)
+    s.add_argument("--beta2", type=float, default=0.95)
+    s.add_argument("--clip", type=float, default=1.0)
+    model_args(s)
+    s = sub.add_parser("eval")
+    s.add_argument("--model", required=True)
+    s.add_argument("--data", required=True)
+    s.add_argument("--batch", type=int, default=64)
+    model_args(s)
+    s = sub.add_parser("compare")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--rtol", type=float, default=1e-5)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    return {"init": cmd_init, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare}[a.cmd](a) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
