@@ -157,8 +157,10 @@ inline const char* expected(KeyType t) {
 /// Schema key -> its index in deck_schema().
 const std::map<std::string, std::size_t>& key_index();
 
-/// The schema's keys of [comm], [checkpoint] (saves, then weights in and out), [eval] and [log], in the
-/// reference's order (deck_schema_outputs.cpp; make_schema in deck_schema.cpp calls them).
+/// The schema's keys of [model] (deck_schema_model.cpp), and of [comm], [checkpoint] (saves, then
+/// weights in and out), [eval] and [log] (deck_schema_outputs.cpp), in the reference's order;
+/// make_schema in deck_schema.cpp calls them.
+void add_model_keys(std::vector<KeySpec>& s);
 void add_comm_keys(std::vector<KeySpec>& s);
 void add_checkpoint_keys(std::vector<KeySpec>& s);
 void add_weights_in_and_out_keys(std::vector<KeySpec>& s);

@@ -52,15 +52,6 @@ std::string grouped(std::int64_t v) {
   return (v < 0 ? "-" : "") + out;
 }
 
-std::string join(const std::vector<std::int64_t>& v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(v[i]);
-  }
-  return s + "]";
-}
-
 void print_prediction(const RunConfig& cfg, const ModelSection& shape, const RunShape& run, const Prediction& p, bool list_units) {
   std::printf("  model %s: %s parameters (closed form), %zu unit(s) under %s, largest unit %s (%s padded elements)\n", to_string(shape.kind).c_str(),
               grouped(p.num_params).c_str(), p.units, to_string(run.wrap.policy).c_str(), p.largest_unit_path.c_str(),

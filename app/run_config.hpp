@@ -208,8 +208,8 @@ RunSection resolve_run_section(const Deck& deck, const Placement& placement = {}
 /// The [model] section alone (fsdp-train --check-plan builds the model without placing a run).
 ModelSection resolve_model_section(const Deck& deck);
 
-/// fsdp.transformer_layer_cls_to_wrap resolved: the names given, or for "auto" the model's layer type
-/// (TransformerBlock) and, for a GPT with untied embeddings, Embedding and LmHead too.
+/// fsdp.transformer_layer_cls_to_wrap resolved: the names given, or for "auto" its family's layer_classes
+/// (the model's layer type and, with untied embeddings, Embedding and LmHead too).
 std::vector<std::string> transformer_layer_classes(const std::string& value, const ModelSection& model);
 
 /// Under TRANSFORMER_BASED_WRAP, every name of fsdp.transformer_layer_cls_to_wrap must be a type the

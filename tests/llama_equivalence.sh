@@ -62,23 +62,11 @@ for model in untied_gqa tied_qwen2; do
     grep -q "initialized the model from .*$model.init.safetensors" "$out.log" || { cat "$out.log"; fail "$model: no pretrained start"; }
     "${REF[@]}" compare "$out/hf/model.safetensors" "$WORK/$model.reference.safetensors" --rtol 1e-5 ||
       fail "$model np $np $strategy: the weights differ from PyTorch's"
-    "$PY" - "$out/metrics.csv" "$WORK/$model.reference_losses.json" <<'PYEOF' || fail "$model np $np $strategy: the losses differ from PyTorch's"
-import csv, json, sys
-rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["loss"]]
-ref = json.load(open(sys.argv[2]))
-assert [int(r["step"]) for r in rows] == list(range(1, len(ref) + 1)), [r["step"] for r in rows]
-worst = max(abs(float(r["loss"]) - x) / abs(x) for r, x in zip(rows, ref))  # metrics.csv prints 6 significant digits
-print("losses: %d steps, largest relative difference %.2g (printed to 6 digits)" % (len(ref), worst))
-sys.exit(0 if worst <= 5e-6 else 1)
-PYEOF
+    "$PY" "$SRC/tests/equivalence_checks.py" losses "$out/metrics.csv" "$WORK/$model.reference_losses.json" ||
+      fail "$model np $np $strategy: the losses differ from PyTorch's"
     torch_eval=$("${REF[@]}" eval --model "$out/hf/model.safetensors" --data "$WORK/val_*.bin" "${ref_model[@]}") || fail "$model: reference eval"
-    "$PY" - "$out/summary.json" "$torch_eval" <<'PYEOF' || fail "$model np $np $strategy: PyTorch's evaluation of the export differs"
-import json, sys
-mine = json.load(open(sys.argv[1]))["test_loss"]
-theirs = json.loads(sys.argv[2])["loss"]
-print("validation loss: fsdp-train %.8f, PyTorch on its export %.8f" % (mine, theirs))
-sys.exit(0 if abs(mine - theirs) <= 1e-5 * abs(theirs) else 1)
-PYEOF
+    "$PY" "$SRC/tests/equivalence_checks.py" eval "$out/summary.json" "$torch_eval" ||
+      fail "$model np $np $strategy: PyTorch's evaluation of the export differs"
     echo "ok: $model np $np $strategy equals PyTorch"
   done
 done

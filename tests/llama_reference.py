@@ -17,7 +17,7 @@ import argparse, json, math, sys
 import torch
 import torch.nn.functional as F
 
-from pytorch_reference import cmd_compare, loss_of, lr_at, read_safetensors, read_tokens, sample, write_safetensors
+from pytorch_reference import add_subcommands, cmd_compare, evaluate, loss_of, lr_at, read_safetensors, read_tokens, sample, write_safetensors
 
 
 class Llama(torch.nn.Module):
@@ -142,22 +142,11 @@ def cmd_train(a):
 def cmd_eval(a):
     m = Llama(a)
     m.load(read_safetensors(a.model))
-    tokens = read_tokens(a.data)
-    n = (len(tokens) - 1) // a.context
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for first in range(0, n, a.batch):
-            xs, ys = zip(*(sample(tokens, i, a.context) for i in range(first, min(n, first + a.batch))))
-            logits = m(torch.stack(xs))
-            y = torch.stack(ys)
-            total += F.nll_loss(F.log_softmax(logits.reshape(-1, logits.size(-1)), 1), y.reshape(-1), reduction="sum").item()
-            count += y.numel()
-    print(json.dumps({"loss": total / count, "tokens": count}))
+    evaluate(m, a)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
 
     def model_args(s):
         s.add_argument("--vocab", type=int, default=97)
@@ -173,32 +162,7 @@ def main():
         s.add_argument("--bias", action="store_true", help="q/k/v biases (Qwen2)")
         s.add_argument("--tied", action="store_true", help="lm_head is the embedding")
 
-    s = sub.add_parser("init")
-    s.add_argument("out")
-    s.add_argument("--seed", type=int, default=1)
-    model_args(s)
-    s = sub.add_parser("train")
-    for k in ("--init", "--data", "--out", "--losses"):
-        s.add_argument(k, required=True)
-    s.add_argument("--steps", type=int, default=20)
-    s.add_argument("--batch", type=int, default=12)
-    s.add_argument("--lr", type=float, default=3e-3)
-    s.add_argument("--lr-min", type=float, default=3e-4)
-    s.add_argument("--warmup", type=int, default=4)
-    s.add_argument("--weight-decay", type=float, default=0.1)
-    s.add_argument("--beta1", type=float, default=0.9)
-    s.add_argument("--beta2", type=float, default=0.95)
-    s.add_argument("--clip", type=float, default=1.0)
-    model_args(s)
-    s = sub.add_parser("eval")
-    s.add_argument("--model", required=True)
-    s.add_argument("--data", required=True)
-    s.add_argument("--batch", type=int, default=64)
-    model_args(s)
-    s = sub.add_parser("compare")
-    s.add_argument("a")
-    s.add_argument("b")
-    s.add_argument("--rtol", type=float, default=1e-5)
+    add_subcommands(p, model_args)
     a = p.parse_args()
     torch.set_num_threads(1)
     return {"init": cmd_init, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare}[a.cmd](a) or 0

@@ -50,25 +50,12 @@ for setting in "1 FULL_SHARD" "2 FULL_SHARD" "3 FULL_SHARD" "4 HYBRID_SHARD"; do
   grep -q "initialized the model from .*init.safetensors (hf-gpt2 names)" "$out.log" || { cat "$out.log"; fail "no pretrained start"; }
   "${REF[@]}" compare "$out/hf/model.safetensors" "$WORK/reference.safetensors" --rtol 1e-5 ||
     fail "np $np $strategy: the weights differ from PyTorch's"
-  "$PY" - "$out/metrics.csv" "$WORK/reference_losses.json" <<'PYEOF' || fail "np $np $strategy: the losses differ from PyTorch's"
-import csv, json, sys
-rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["loss"]]
-ref = json.load(open(sys.argv[2]))
-assert [int(r["step"]) for r in rows] == list(range(1, len(ref) + 1)), [r["step"] for r in rows]
-# metrics.csv prints 6 significant digits: equal to that precision.
-worst = max(abs(float(r["loss"]) - x) / abs(x) for r, x in zip(rows, ref))
-print("losses: %d steps, largest relative difference %.2g (printed to 6 digits)" % (len(ref), worst))
-sys.exit(0 if worst <= 5e-6 else 1)
-PYEOF
+  "$PY" "$SRC/tests/equivalence_checks.py" losses "$out/metrics.csv" "$WORK/reference_losses.json" ||
+    fail "np $np $strategy: the losses differ from PyTorch's"
   # The reverse: PyTorch evaluates fsdp-train's export as fsdp-train evaluated itself.
   torch_eval=$("${REF[@]}" eval --model "$out/hf/model.safetensors" --data "$WORK/val_*.bin" "${model[@]}") || fail "reference eval"
-  "$PY" - "$out/summary.json" "$torch_eval" <<'PYEOF' || fail "np $np $strategy: PyTorch's evaluation of the export differs"
-import json, sys
-mine = json.load(open(sys.argv[1]))["test_loss"]
-theirs = json.loads(sys.argv[2])["loss"]
-print("validation loss: fsdp-train %.8f, PyTorch on its export %.8f" % (mine, theirs))
-sys.exit(0 if abs(mine - theirs) <= 1e-5 * abs(theirs) else 1)
-PYEOF
+  "$PY" "$SRC/tests/equivalence_checks.py" eval "$out/summary.json" "$torch_eval" ||
+    fail "np $np $strategy: PyTorch's evaluation of the export differs"
   echo "ok: np $np $strategy equals PyTorch"
 done
 echo "all PyTorch equivalence cases passed"

@@ -189,9 +189,8 @@ def cmd_train(a):
         json.dump(losses, f)
 
 
-def cmd_eval(a):
-    m = model_of(a)
-    m.load(read_safetensors(a.model))
+def evaluate(m, a):
+    """Prints the validation loss of model `m` over every whole sequence of a.data, a.batch at a time."""
     tokens = read_tokens(a.data)
     n = (len(tokens) - 1) // a.context
     total, count = 0.0, 0
@@ -203,6 +202,12 @@ def cmd_eval(a):
             total += F.nll_loss(F.log_softmax(logits.reshape(-1, logits.size(-1)), 1), y.reshape(-1), reduction="sum").item()
             count += y.numel()
     print(json.dumps({"loss": total / count, "tokens": count}))
+
+
+def cmd_eval(a):
+    m = model_of(a)
+    m.load(read_safetensors(a.model))
+    evaluate(m, a)
 
 
 def cmd_compare(a):
@@ -218,18 +223,9 @@ def cmd_compare(a):
     return 0 if err <= a.rtol else 1
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_subcommands(p, model_args):
+    """init, train, eval and compare, with the model's options from `model_args` (shared with llama_reference.py)."""
     sub = p.add_subparsers(dest="cmd", required=True)
-
-    def model_args(s):
-        s.add_argument("--vocab", type=int, default=97)
-        s.add_argument("--context", type=int, default=16)
-        s.add_argument("--d-model", type=int, default=32)
-        s.add_argument("--heads", type=int, default=4)
-        s.add_argument("--layers", type=int, default=2)
-        s.add_argument("--activation", default="gelu_tanh", choices=["gelu", "gelu_tanh"])
-
     s = sub.add_parser("init")
     s.add_argument("out")
     s.add_argument("--seed", type=int, default=1)
@@ -256,6 +252,20 @@ def main():
     s.add_argument("a")
     s.add_argument("b")
     s.add_argument("--rtol", type=float, default=1e-5)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def model_args(s):
+        s.add_argument("--vocab", type=int, default=97)
+        s.add_argument("--context", type=int, default=16)
+        s.add_argument("--d-model", type=int, default=32)
+        s.add_argument("--heads", type=int, default=4)
+        s.add_argument("--layers", type=int, default=2)
+        s.add_argument("--activation", default="gelu_tanh", choices=["gelu", "gelu_tanh"])
+
+    add_subcommands(p, model_args)
     a = p.parse_args()
     torch.set_num_threads(1)
     return {"init": cmd_init, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare}[a.cmd](a) or 0

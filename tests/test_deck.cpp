@@ -358,7 +358,7 @@ BOOST_AUTO_TEST_CASE(checks_between_keys) {
       problem_of("[model]\nkind = 'transformer'\n") ==
       "inputs/a.toml:2: model.kind: \"transformer\" needs data.kind \"tokens\", \"text\" or \"token-shards\" (data.kind is \"fashion-mnist\")");
   BOOST_TEST(problem_of("[data]\nkind = 'tokens'\n") ==
-             "inputs/a.toml:2: data.kind: \"tokens\" needs model.kind \"transformer\" (model.kind is \"cnn\")");
+             "inputs/a.toml:2: data.kind: \"tokens\" needs model.kind \"transformer\" or \"llama\" (model.kind is \"cnn\")");
   BOOST_TEST(problem_of("[model]\nkind = 'transformer'\nd_model = 130\n[data]\nkind = 'tokens'\n") ==
              "inputs/a.toml:3: model.d_model: model.n_heads = 4 does not divide model.d_model = 130");
   BOOST_TEST(problem_of("[model]\nkind = 'transformer'\n[data]\nkind = 'text'\n", {"model.n_heads=3"}) ==

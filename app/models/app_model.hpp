@@ -39,6 +39,18 @@ struct LmHeadImpl : torch::nn::Module {
 };
 TORCH_MODULE(LmHead);
 
+/// GPT-2's and Hugging Face's initialization (initializer_range 0.02) of the parameters `m` holds
+/// itself: N(0, 0.02) weights and embeddings, zero biases.
+inline void init_normal_weights_zero_biases(torch::nn::Module& m) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.named_parameters(/*recurse=*/false)) {
+    if (p.key() == "bias")
+      p.value().zero_();
+    else
+      p.value().normal_(0, 0.02);
+  }
+}
+
 /// fsdp.deferred_init's initialization of a module `m` holds itself, by its layers' own default
 /// (PyTorch's): the image classifiers'.
 inline void init_default_module(torch::nn::Module& m) {

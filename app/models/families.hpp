@@ -1,7 +1,7 @@
 // Every model kind's family (app layer, std only): the one table from ModelKind to what the app and
 // the planner know of it. A new kind adds its enum value and names (choices.hpp), its family file and
-// LibTorch model (app/models/), one line here and one in app/models/build.hpp, and its schema
-// description (model.kind's, in deck_schema.cpp).
+// LibTorch model (app/models/), one line here and one in app/models.hpp's torch_model, and its schema
+// description (model.kind's, in deck_schema_model.cpp).
 #pragma once
 
 #include <string>

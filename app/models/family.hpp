@@ -36,6 +36,32 @@ struct SizeKnob {
   int column = 12;                                               ///< the value's printf width (negative: left-aligned)
 };
 
+/// The decoders' knobs: n_layers at the deck's width (every layer adds the same tensors), and
+/// d_model, a multiple of `multiple` (named `multiple_of`), at the deck's depth.
+inline SizeKnob layers_knob(const ModelSection& m) {
+  SizeKnob k{.name = "n_layers",
+             .same_per_step = true,
+             .note = "n_layers at d_model " + std::to_string(m.d_model) + ", ~: extrapolated from 128 and 256 layers"};
+  k.with = [](ModelSection s, std::int64_t n) {
+    s.n_layers = n;
+    return s;
+  };
+  k.shown = [](const ModelSection& s) { return std::to_string(s.n_layers); };
+  return k;
+}
+inline SizeKnob width_knob(const ModelSection& m, std::int64_t multiple, const std::string& multiple_of) {
+  SizeKnob k{
+      .name = "d_model",
+      .multiple = multiple,
+      .note = std::string("d_model") + (multiple > 1 ? ", a multiple of " + multiple_of + "," : "") + " at n_layers " + std::to_string(m.n_layers)};
+  k.with = [](ModelSection s, std::int64_t d) {
+    s.d_model = d;
+    return s;
+  };
+  k.shown = [](const ModelSection& s) { return std::to_string(s.d_model); };
+  return k;
+}
+
 class ModelFamily {
  public:
   virtual ~ModelFamily() = default;
@@ -47,7 +73,7 @@ class ModelFamily {
   virtual std::vector<std::string> layer_classes(const ModelSection& m) const = 0;
   /// The module tree of the model fsdp-train builds, in closed form (fsdp-train --check-plan compares).
   virtual ModelDesc describe(const ModelSection& m) const = 0;
-  /// Distinct parameter elements by the formula docs/planning.md gives (summary.json's "params").
+  /// Distinct parameter elements by formula (docs/planning.md gives the GPT's, MLP's and CNN's; summary.json's "params").
   virtual std::int64_t num_params(const ModelSection& m) const = 0;
   /// One forward and the loss on a batch of `batch` samples whose activations take `eb` bytes per
   /// element, training (dropout on) or not. Tensor 0 is the batch; `cast_input`: the root forward

@@ -139,12 +139,7 @@ inline void init_gpt_module(torch::nn::Module& m) {
       if (b.key() == "mask") b.value().copy_(torch::ones({b.value().size(2), b.value().size(3)}).tril().view_as(b.value()));
     return;
   }
-  for (auto& p : m.named_parameters(/*recurse=*/false)) {
-    if (p.key() == "bias")
-      p.value().zero_();
-    else
-      p.value().normal_(0, 0.02);
-  }
+  init_normal_weights_zero_biases(m);
 }
 
 }  // namespace fsdp::app

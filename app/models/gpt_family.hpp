@@ -112,23 +112,7 @@ class GptFamily final : public ModelFamily {
 
   /// n_layers at the deck's d_model (every block adds the same tensors), and d_model, a multiple of
   /// n_heads, at the deck's n_layers.
-  std::vector<SizeKnob> size_knobs(const ModelSection& m) const override {
-    SizeKnob layers{.name = "n_layers",
-                    .same_per_step = true,
-                    .note = "n_layers at d_model " + std::to_string(m.d_model) + ", ~: extrapolated from 128 and 256 layers"};
-    layers.with = [](ModelSection s, std::int64_t n) {
-      s.n_layers = n;
-      return s;
-    };
-    layers.shown = [](const ModelSection& s) { return std::to_string(s.n_layers); };
-    SizeKnob width{.name = "d_model", .multiple = m.n_heads, .note = "d_model, a multiple of n_heads, at n_layers " + std::to_string(m.n_layers)};
-    width.with = [](ModelSection s, std::int64_t d) {
-      s.d_model = d;
-      return s;
-    };
-    width.shown = [](const ModelSection& s) { return std::to_string(s.d_model); };
-    return {layers, width};
-  }
+  std::vector<SizeKnob> size_knobs(const ModelSection& m) const override { return {layers_knob(m), width_knob(m, m.n_heads, "n_heads")}; }
 
   void cross_check(const Deck& deck, std::vector<std::string>& problems) const override {
     const std::int64_t d = deck.get_int("model.d_model"), h = deck.get_int("model.n_heads");

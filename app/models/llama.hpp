@@ -181,12 +181,7 @@ struct LlamaImpl : AppModel {
       norm->weight.fill_(1.0);
       return;
     }
-    for (auto& p : m.named_parameters(/*recurse=*/false)) {
-      if (p.key() == "bias")
-        p.value().zero_();
-      else
-        p.value().normal_(0, 0.02);
-    }
+    init_normal_weights_zero_biases(m);
   }
   static std::shared_ptr<AppModel> build(const ModelSection& m, bool deferred) {
     LlamaConfig c = LlamaConfig::of(m);

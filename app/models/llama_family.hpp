@@ -78,7 +78,7 @@ class LlamaFamily final : public ModelFamily {
     b.enter("model.layers", x);
     for (std::int64_t i = 0; i < c.n_layers; ++i) x = trace_layer(b, c, "model.layers." + std::to_string(i), x, s);
     b.exit("model.layers");
-    x = trace_norm(b, "model.norm", x, s);
+    x = trace_norm(b, "model.norm", x, s, /*drop_input=*/true);
     b.exit("model");
     const std::int64_t logits = bt * V * eb;
     b.enter("lm_head", x);
@@ -106,27 +106,11 @@ class LlamaFamily final : public ModelFamily {
             .keys = "model.vocab_size, model.context, model.d_model, model.n_layers, model.n_heads, model.head_dim, model.intermediate_size"};
   }
 
-  /// n_layers at the deck's widths, and d_model (a multiple of n_heads where head_dim follows it) at
-  /// the deck's depth, the MLP following it where model.intermediate_size is not set.
+  /// n_layers at the deck's widths, and d_model (where head_dim follows it, a multiple of 2 n_heads:
+  /// rotary positions rotate pairs) at the deck's depth, the MLP following it where
+  /// model.intermediate_size is not set.
   std::vector<SizeKnob> size_knobs(const ModelSection& m) const override {
-    SizeKnob layers{.name = "n_layers",
-                    .same_per_step = true,
-                    .note = "n_layers at d_model " + std::to_string(m.d_model) + ", ~: extrapolated from 128 and 256 layers"};
-    layers.with = [](ModelSection s, std::int64_t n) {
-      s.n_layers = n;
-      return s;
-    };
-    layers.shown = [](const ModelSection& s) { return std::to_string(s.n_layers); };
-    SizeKnob width{
-        .name = "d_model",
-        .multiple = m.head_dim > 0 ? 1 : m.n_heads,
-        .note = std::string("d_model") + (m.head_dim > 0 ? "" : ", a multiple of n_heads,") + " at n_layers " + std::to_string(m.n_layers)};
-    width.with = [](ModelSection s, std::int64_t d) {
-      s.d_model = d;
-      return s;
-    };
-    width.shown = [](const ModelSection& s) { return std::to_string(s.d_model); };
-    return {layers, width};
+    return {layers_knob(m), width_knob(m, m.head_dim > 0 ? 1 : 2 * m.n_heads, "2 n_heads")};
   }
 
   void cross_check(const Deck& deck, std::vector<std::string>& problems) const override {
@@ -139,7 +123,7 @@ class LlamaFamily final : public ModelFamily {
     if (hd == 0 && d % h != 0)
       blame("model.n_heads",
             "model.n_heads = " + std::to_string(h) + " does not divide model.d_model = " + std::to_string(d) + " (or set model.head_dim)");
-    if (hd == 0 && (d / h) % 2 != 0)
+    if (hd == 0 && d % h == 0 && (d / h) % 2 != 0)
       blame("model.n_heads", "the head width model.d_model / model.n_heads = " + std::to_string(d / h) + " is odd: rotary positions rotate pairs");
     if (hd % 2 != 0) blame("model.head_dim", std::to_string(hd) + " is odd: rotary positions rotate pairs");
     if (kv > 0 && h % kv != 0)
@@ -160,9 +144,9 @@ class LlamaFamily final : public ModelFamily {
   }
   /// An RMSNorm on `x` (saved): its fp32 copy (mixed precision), the statistics and the normalized
   /// values are saved; returns its output.
-  static int trace_norm(TraceBuilder& b, const std::string& path, int x, const Sizes& s) {
+  static int trace_norm(TraceBuilder& b, const std::string& path, int x, const Sizes& s, bool drop_input = false) {
     b.enter(path, x);
-    const int y = b.op(s.btd, {x}, {}, {path + ".weight"}, 3 * s.btd + s.cast);
+    const int y = b.op(s.btd, {x}, {drop_input ? x : -1}, {path + ".weight"}, 3 * s.btd + s.cast);
     b.aux(s.stats);
     b.aux(s.btd);
     if (s.cast > 0) b.aux(s.cast);

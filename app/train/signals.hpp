@@ -43,6 +43,16 @@ extern "C" inline void request_stop(int signo) {
   }
 }
 
+/// SIGTERM (Slurm's time limit, scancel), SIGUSR1 (sbatch --signal) and SIGINT (Ctrl-C) finish the
+/// step, save and exit 3. Past a file size limit (ulimit -f) a write fails with EFBIG and the save
+/// reports it, instead of SIGXFSZ killing the rank in the middle of a checkpoint.
+inline void stop_after_the_step_on_signals() {
+  std::signal(SIGTERM, request_stop);
+  std::signal(SIGUSR1, request_stop);
+  std::signal(SIGINT, request_stop);
+  std::signal(SIGXFSZ, SIG_IGN);
+}
+
 /// Dumps the flight recorder when SIGTERM arrives: mpirun and srun send it to the surviving ranks when a
 /// rank died (Open MPI's SIGKILL follows a second later), so this is the record of where they were. A
 /// thread does it, since the handler may neither lock nor write; the graceful stop goes on as before.

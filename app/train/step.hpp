@@ -10,7 +10,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <chrono>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "choices.hpp"
 #include "train/timing.hpp"
@@ -33,6 +36,19 @@ inline bool test_hook_at(const char* name, int rank, std::int64_t step) {
   int r = -1;
   long long s = -1;
   return std::sscanf(v, "%d:%lld", &r, &s) == 2 && r == rank && s == step;
+}
+
+/// Test hooks (docs/reliability.md, "Long runs"): FSDP_TEST_SLOW_RANK=R:MS makes rank R work MS
+/// milliseconds longer in every step; FSDP_TEST_LEAK_MIB=R:MIB makes it keep MIB MiB more resident
+/// memory after every step.
+inline void run_slow_rank_and_leak_test_hooks(int this_rank) {
+  static std::vector<std::vector<char>> leaked;
+  int rank = -1;
+  long long amount = 0;
+  if (const char* v = std::getenv("FSDP_TEST_SLOW_RANK"); v && std::sscanf(v, "%d:%lld", &rank, &amount) == 2 && rank == this_rank)
+    std::this_thread::sleep_for(std::chrono::milliseconds(amount));
+  if (const char* v = std::getenv("FSDP_TEST_LEAK_MIB"); v && std::sscanf(v, "%d:%lld", &rank, &amount) == 2 && rank == this_rank)
+    leaked.emplace_back(static_cast<std::size_t>(amount) << 20, '\1');  // written: resident
 }
 
 /// Runs the step's computation `compute` and returns the communicator failure it met, for the step's

@@ -228,15 +228,8 @@ class Trainer {
     restore_loss_scale();
     next_epoch_ = start_.epoch;
     next_sample_index_ = start_.sample_index;
-    // SIGTERM (Slurm's time limit, scancel), SIGUSR1 (sbatch --signal) and SIGINT (Ctrl-C): finish the
-    // step, save, exit 3.
-    std::signal(SIGTERM, request_stop);
-    std::signal(SIGUSR1, request_stop);
-    std::signal(SIGINT, request_stop);
-    // Past a file size limit (ulimit -f) a write then fails with EFBIG and the save reports it, instead
-    // of SIGXFSZ killing the rank in the middle of a checkpoint.
-    std::signal(SIGXFSZ, SIG_IGN);
-    // A language model evaluates its batch in chunks whose logits stay small (GptConfig::eval_chunk).
+    stop_after_the_step_on_signals();
+    // A language model evaluates its batch in chunks whose logits stay small (its family's eval_chunk).
     eval_chunk_ = data_.tokens ? model_family(cfg_.model.kind).eval_chunk(cfg_.model, cfg_.data.test_batch_size) : 0;
   }
 
@@ -285,7 +278,7 @@ class Trainer {
     const bool writing_checkpoint = checkpointer_->writing();
     StepBreakdown breakdown;
     const double waited_before = model_->communication_wait_seconds();
-    run_slow_rank_and_leak_test_hooks();
+    run_slow_rank_and_leak_test_hooks(world_.rank());
     const StepOutcome outcome = measured_step(loader, lr, breakdown);
     window_.busy += seconds_since(step_start) - (model_->communication_wait_seconds() - waited_before);
     count_outcome(outcome, epoch);
@@ -323,19 +316,6 @@ class Trainer {
       window_.pause += seconds_since(pause_start);
     }
     return done;
-  }
-
-  /// Test hooks (docs/reliability.md, "Long runs"): FSDP_TEST_SLOW_RANK=R:MS makes rank R work MS
-  /// milliseconds longer in every step; FSDP_TEST_LEAK_MIB=R:MIB makes it keep MIB MiB more resident
-  /// memory after every step.
-  void run_slow_rank_and_leak_test_hooks() {
-    static std::vector<std::vector<char>> leaked;
-    int rank = -1;
-    long long amount = 0;
-    if (const char* v = std::getenv("FSDP_TEST_SLOW_RANK"); v && std::sscanf(v, "%d:%lld", &rank, &amount) == 2 && rank == world_.rank())
-      std::this_thread::sleep_for(std::chrono::milliseconds(amount));
-    if (const char* v = std::getenv("FSDP_TEST_LEAK_MIB"); v && std::sscanf(v, "%d:%lld", &rank, &amount) == 2 && rank == world_.rank())
-      leaked.emplace_back(static_cast<std::size_t>(amount) << 20, '\1');  // written: resident
   }
 
   /// take_step with the step's breakdown (phases, collectives, page faults) and all-gather bytes.

@@ -1,0 +1,123 @@
+// Input decks (app layer): the schema's keys of the [model] section, every model kind's sizes;
+// deck_schema.cpp holds the others and the lookups.
+#include "choices.hpp"
+#include "deck.hpp"
+#include "deck_detail.hpp"
+
+namespace fsdp::app::detail {
+
+void add_model_keys(std::vector<KeySpec>& s) {
+  using T = KeyType;
+  s.push_back({.key = "model.kind",
+               .type = T::kString,
+               .default_value = "cnn",
+               .choices = choice_names<ModelKind>(),
+               .description = "cnn (the PyTorch FSDP tutorial's MNIST net), mlp, transformer (a GPT-2 style decoder) or llama (a "
+                              "Llama-family decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU; Hugging Face's "
+                              "names); the decoders are for data.kind tokens, text or token-shards"});
+  s.push_back(
+      {.key = "model.dropout",
+       .type = T::kFloat,
+       .default_value = std::monostate{},
+       .min = 0,
+       .max = 1,
+       .description =
+           "every dropout probability of the model; unset: each model's own (cnn 0.25 and 0.5, mlp none, transformer 0.1; llama has none); 0: none",
+       .max_exclusive = true});
+  s.push_back({.key = "model.hidden_sizes",
+               .type = T::kIntArray,
+               .default_value = Ints{512, 256},
+               .min = 1,
+               .max = 1e8,
+               .description = "mlp: widths of the hidden layers"});
+  s.push_back({.key = "model.vocab_size",
+               .type = T::kInt,
+               .default_value = I{256},
+               .min = 1,
+               .max = 1e9,
+               .description = "transformer, llama: vocabulary size (256: bytes)"});
+  s.push_back({.key = "model.context",
+               .type = T::kInt,
+               .default_value = I{64},
+               .min = 1,
+               .max = 1e7,
+               .description = "transformer, llama: tokens per sequence"});
+  s.push_back({.key = "model.d_model",
+               .type = T::kInt,
+               .default_value = I{128},
+               .min = 1,
+               .max = 1e6,
+               .description = "transformer, llama: width of the residual stream, a multiple of model.n_heads (llama: unless model.head_dim is set)"});
+  s.push_back({.key = "model.n_heads",
+               .type = T::kInt,
+               .default_value = I{4},
+               .min = 1,
+               .max = 1e5,
+               .description = "transformer, llama: attention (query) heads per block"});
+  s.push_back({.key = "model.n_layers",
+               .type = T::kInt,
+               .default_value = I{4},
+               .min = 1,
+               .max = 1e5,
+               .description = "transformer, llama: number of blocks (decoder layers)"});
+  s.push_back(
+      {.key = "model.mlp_ratio",
+       .type = T::kInt,
+       .default_value = I{4},
+       .min = 1,
+       .max = 1000,
+       .description = "transformer: width of each block's MLP as a multiple of model.d_model (llama: the default of model.intermediate_size)"});
+  s.push_back({.key = "model.tie_embeddings",
+               .type = T::kBool,
+               .default_value = true,
+               .description = "transformer, llama: the output projection shares the token embedding's weights"});
+  s.push_back({.key = "model.vocab_pad_multiple",
+               .type = T::kInt,
+               .default_value = I{1},
+               .min = 1,
+               .max = 1e6,
+               .description = "transformer: the embedding and output rows are model.vocab_size rounded up to this multiple (llm.c: 50257 "
+                              "-> 50304 with 64); the padding is cut from the logits, so it never enters the loss, and from exports"});
+  s.push_back({.key = "model.activation",
+               .type = T::kString,
+               .default_value = "gelu",
+               .choices = choice_names<Activation>(),
+               .description = "transformer: the MLP's GELU, exact (gelu) or GPT-2's tanh approximation (gelu_tanh)"});
+  s.push_back({.key = "model.n_kv_heads",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .max = 1e5,
+               .description = "llama: key/value heads (grouped-query attention), dividing model.n_heads; 0: model.n_heads"});
+  s.push_back({.key = "model.head_dim",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .max = 1e5,
+               .description = "llama: width of each attention head; 0: model.d_model / model.n_heads"});
+  s.push_back({.key = "model.intermediate_size",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .max = 1e8,
+               .description = "llama: width of each layer's SwiGLU MLP, down(silu(gate(x)) * up(x)); 0: model.mlp_ratio x model.d_model"});
+  s.push_back({.key = "model.norm_eps",
+               .type = T::kFloat,
+               .default_value = 1e-5,
+               .min = 0,
+               .max = 1,
+               .description = "llama: the RMSNorms' epsilon (Hugging Face's rms_norm_eps)"});
+  s.push_back({.key = "model.rope_theta",
+               .type = T::kFloat,
+               .default_value = 10000.0,
+               .min = 1,
+               .max = 1e12,
+               .description = "llama: the rotary embedding's base (Hugging Face's rope_theta; Llama 3 500000, SmolLM2 100000)"});
+  s.push_back({.key = "model.attention_bias",
+               .type = T::kBool,
+               .default_value = false,
+               .description = "llama: biases on the q, k and v projections (Qwen2's layout); no other layer has one (Hugging Face "
+                              "Llama's attention_bias, which also biases o_proj, is not supported)"});
+}
+
+}  // namespace fsdp::app::detail
