@@ -103,4 +103,23 @@ grep -q "resumed from .*step_00000010.h5 at step 10" "$WORK/resumed.log" || { ca
 "$BIN/fsdp-ckpt" diff "$WORK/resumed/checkpoints" "$WORK/straight/checkpoints" --atol 0 --rtol 0 >"$WORK/resume.diff" ||
   { cat "$WORK/resume.diff"; fail "the resumed run's final checkpoint differs from the uninterrupted one's"; }
 echo "ok: resumed at step 10 (np 3), bit for bit the uninterrupted run's final checkpoint"
+
+# inputs/smollm2_135m_finetune.toml as shipped, from a random folder of SmolLM2-135M's exact shapes in
+# bf16 (as Hugging Face stores it), 2 steps at np 2 with a short context: the weights widen to fp32,
+# every one of its 272 tensors loads, the parameter count is SmolLM2-135M's and the export holds them.
+mkdir -p "$WORK/smollm2/smollm2-135m"
+"${REF[@]}" init "$WORK/smollm2/smollm2-135m/model.safetensors" --vocab 49152 --context 64 --d-model 576 --heads 9 --kv-heads 3 \
+  --head-dim 64 --layers 30 --intermediate 1536 --rope-theta 100000 --tied --bf16 || fail "smollm2: reference init"
+"$PY" "$SRC/tests/make_token_shards.py" "$WORK/smollm2/train" --tokens 4000 --vocab 49152 || fail "smollm2: train shard"
+"$PY" "$SRC/tests/make_token_shards.py" "$WORK/smollm2/val" --tokens 1000 --vocab 49152 --seed 2 || fail "smollm2: val shard"
+(cd "$WORK/smollm2" && "${MPI[@]}" -np 2 "$BIN/fsdp-train" "$SRC/inputs/smollm2_135m_finetune.toml" --set "data.path=train_*.bin" \
+  --set "data.val_path=val_*.bin" --set model.context=64 --set data.global_batch_size=4 --set data.batch_size=2 --set run.max_steps=2 \
+  --set eval.max_batches=1 --set checkpoint.every_steps=0 --set log.every_steps=1 --set log.progress=plain --set run.threads=1 \
+  --set run.out_dir=run) >"$WORK/smollm2.log" 2>&1 || { cat "$WORK/smollm2.log"; fail "smollm2: fsdp-train"; }
+grep -q "initialized the model from smollm2-135m (native names)" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log"; fail "smollm2: no start from the folder"; }
+grep -q "272 tensor(s) of the file widened from BF16 to Float" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log"; fail "smollm2: bf16 not widened"; }
+grep -q "exported 272 tensors" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log"; fail "smollm2: export"; }
+"$PY" -c "import json, sys; p = json.load(open(sys.argv[1]))['params']; print('SmolLM2-135M parameters:', p); sys.exit(p != 134515008)" \
+  "$WORK/smollm2/run/summary.json" || fail "smollm2: not SmolLM2-135M's 134,515,008 parameters"
+echo "ok: SmolLM2-135M's deck trains 2 steps at np 2 from a bf16 folder of its shapes"
 echo "all Llama equivalence cases passed"

@@ -8,7 +8,7 @@ k/v heads, SwiGLU. Trained single-process on the whole global batch as fsdp-trai
 loss, optimizer (AdamW without decay on biases, norms and embeddings) and schedule; the data, loss,
 schedule and safetensors helpers are pytorch_reference.py's.
 
-  llama_reference.py init OUT [model options] [--seed S]
+  llama_reference.py init OUT [model options] [--seed S] [--bf16]
   llama_reference.py train --init F --data GLOB --out F --losses JSON [model and recipe options]
   llama_reference.py eval --model F --data GLOB [model options] [--batch B]   -> prints the loss
 """
@@ -105,7 +105,7 @@ def cmd_init(a):
                 p.fill_(1.0)
             else:  # biases too: nonzero, so that their values matter from the first step
                 p.normal_(0, 0.02)
-    write_safetensors(a.out, m.named())
+    write_safetensors(a.out, m.named(), "BF16" if a.bf16 else "F32")
 
 
 def decays(name):
@@ -162,7 +162,7 @@ def main():
         s.add_argument("--bias", action="store_true", help="q/k/v biases (Qwen2)")
         s.add_argument("--tied", action="store_true", help="lm_head is the embedding")
 
-    add_subcommands(p, model_args)
+    add_subcommands(p, model_args, init_args=lambda s: s.add_argument("--bf16", action="store_true", help="store bf16, as Hugging Face does"))
     a = p.parse_args()
     torch.set_num_threads(1)
     return {"init": cmd_init, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare}[a.cmd](a) or 0

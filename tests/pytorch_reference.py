@@ -31,12 +31,13 @@ def read_safetensors(path):
     return out
 
 
-def write_safetensors(path, tensors):
+def write_safetensors(path, tensors, dtype="F32"):
+    """F32, or BF16 as Hugging Face's checkpoints store it."""
     header, offset, blobs = {}, 0, []
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().float()
-        b = t.numpy().tobytes()
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
+        b = t.numpy().tobytes() if dtype == "F32" else t.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
         offset += len(b)
         blobs.append(b)
     text = json.dumps(header).encode()
@@ -223,12 +224,14 @@ def cmd_compare(a):
     return 0 if err <= a.rtol else 1
 
 
-def add_subcommands(p, model_args):
+def add_subcommands(p, model_args, init_args=None):
     """init, train, eval and compare, with the model's options from `model_args` (shared with llama_reference.py)."""
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("init")
     s.add_argument("out")
     s.add_argument("--seed", type=int, default=1)
+    if init_args:
+        init_args(s)
     model_args(s)
     s = sub.add_parser("train")
     for k in ("--init", "--data", "--out", "--losses"):
