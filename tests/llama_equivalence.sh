@@ -122,4 +122,16 @@ grep -q "exported 272 tensors" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log";
 "$PY" -c "import json, sys; p = json.load(open(sys.argv[1]))['params']; print('SmolLM2-135M parameters:', p); sys.exit(p != 134515008)" \
   "$WORK/smollm2/run/summary.json" || fail "smollm2: not SmolLM2-135M's 134,515,008 parameters"
 echo "ok: SmolLM2-135M's deck trains 2 steps at np 2 from a bf16 folder of its shapes"
+# ... and from the same weights split as Hugging Face splits large models (two files and
+# model.safetensors.index.json): the same training, bit for bit.
+"${REF[@]}" init "$WORK/smollm2/sharded" --vocab 49152 --context 64 --d-model 576 --heads 9 --kv-heads 3 --head-dim 64 --layers 30 \
+  --intermediate 1536 --rope-theta 100000 --tied --bf16 --shards 2 || fail "smollm2: sharded reference init"
+(cd "$WORK/smollm2" && "${MPI[@]}" -np 2 "$BIN/fsdp-train" "$SRC/inputs/smollm2_135m_finetune.toml" --set "data.path=train_*.bin" \
+  --set "data.val_path=val_*.bin" --set model.context=64 --set data.global_batch_size=4 --set data.batch_size=2 --set run.max_steps=2 \
+  --set eval.max_batches=1 --set checkpoint.every_steps=0 --set log.every_steps=1 --set log.progress=plain --set run.threads=1 \
+  --set checkpoint.init_from=sharded --set run.out_dir=run_sharded) >"$WORK/smollm2_sharded.log" 2>&1 ||
+  { cat "$WORK/smollm2_sharded.log"; fail "smollm2: fsdp-train from the sharded folder"; }
+"${REF[@]}" compare "$WORK/smollm2/run_sharded/hf/model.safetensors" "$WORK/smollm2/run/hf/model.safetensors" --rtol 0 ||
+  fail "smollm2: training from the sharded folder differs from training from the single file"
+echo "ok: from a sharded folder (model.safetensors.index.json), bit for bit the same"
 echo "all Llama equivalence cases passed"

@@ -8,11 +8,11 @@ k/v heads, SwiGLU. Trained single-process on the whole global batch as fsdp-trai
 loss, optimizer (AdamW without decay on biases, norms and embeddings) and schedule; the data, loss,
 schedule and safetensors helpers are pytorch_reference.py's.
 
-  llama_reference.py init OUT [model options] [--seed S] [--bf16]
+  llama_reference.py init OUT [model options] [--seed S] [--bf16] [--shards N]
   llama_reference.py train --init F --data GLOB --out F --losses JSON [model and recipe options]
   llama_reference.py eval --model F --data GLOB [model options] [--batch B]   -> prints the loss
 """
-import argparse, json, math, sys
+import argparse, json, math, os, sys
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +105,21 @@ def cmd_init(a):
                 p.fill_(1.0)
             else:  # biases too: nonzero, so that their values matter from the first step
                 p.normal_(0, 0.02)
-    write_safetensors(a.out, m.named(), "BF16" if a.bf16 else "F32")
+    dtype = "BF16" if a.bf16 else "F32"
+    if a.shards <= 1:
+        write_safetensors(a.out, m.named(), dtype)
+        return
+    # Hugging Face's sharded layout: OUT is a folder of model-0000i-of-0000n.safetensors and an index.
+    os.makedirs(a.out, exist_ok=True)
+    names = sorted(m.named())
+    weight_map = {}
+    for i in range(a.shards):
+        part = names[i * len(names) // a.shards:(i + 1) * len(names) // a.shards]
+        file = "model-%05d-of-%05d.safetensors" % (i + 1, a.shards)
+        write_safetensors(os.path.join(a.out, file), {k: m.named()[k] for k in part}, dtype)
+        weight_map.update({k: file for k in part})
+    with open(os.path.join(a.out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
 def decays(name):
@@ -162,7 +176,8 @@ def main():
         s.add_argument("--bias", action="store_true", help="q/k/v biases (Qwen2)")
         s.add_argument("--tied", action="store_true", help="lm_head is the embedding")
 
-    add_subcommands(p, model_args, init_args=lambda s: s.add_argument("--bf16", action="store_true", help="store bf16, as Hugging Face does"))
+    add_subcommands(p, model_args, init_args=lambda s: (s.add_argument("--bf16", action="store_true", help="store bf16, as Hugging Face does"),
+                                                  s.add_argument("--shards", type=int, default=1, help="a folder of this many files and an index")))
     a = p.parse_args()
     torch.set_num_threads(1)
     return {"init": cmd_init, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare}[a.cmd](a) or 0
