@@ -7,6 +7,22 @@
 
 namespace fsdp::app {
 
+/// A decoder's training FLOPs per token, nanoGPT's and llm.c's estimate: 6 per parameter (forward and
+/// backward; `num_params` counts every parameter once) plus attention's 12 n_layers width context,
+/// `attention_width` the query heads' total width.
+inline double decoder_flops_per_token(std::int64_t num_params, std::int64_t n_layers, std::int64_t attention_width, std::int64_t context) {
+  return 6.0 * static_cast<double>(num_params) + 12.0 * static_cast<double>(n_layers * attention_width * context);
+}
+
+/// Sequences per forward when a language model evaluates a batch of `batch`: a chunk's logits (context
+/// x vocabulary rows floats) and their log-softmax together stay within kEvalLogitsBytes, so the
+/// evaluation batch never sets the run's peak memory; the loss is the same sum.
+inline constexpr std::int64_t kEvalLogitsBytes = std::int64_t{32} << 20;
+inline std::int64_t language_model_eval_chunk(std::int64_t context, std::int64_t vocab_rows, std::int64_t batch) {
+  const std::int64_t per_sequence = 2 * context * vocab_rows * 4;
+  return std::clamp<std::int64_t>(kEvalLogitsBytes / std::max<std::int64_t>(1, per_sequence), 1, std::max<std::int64_t>(1, batch));
+}
+
 struct GptConfig {
   std::int64_t vocab_size = 256, context = 64, d_model = 128, n_heads = 4, n_layers = 4, mlp_ratio = 4;
   /// The embedding and LM head have vocab_size rounded up to this multiple rows (llm.c pads GPT-2's
@@ -20,20 +36,8 @@ struct GptConfig {
   /// Rows of the token embedding and the LM head.
   std::int64_t padded_vocab() const { return (vocab_size + vocab_pad_multiple - 1) / vocab_pad_multiple * vocab_pad_multiple; }
 
-  /// Training FLOPs per token, nanoGPT's and llm.c's estimate: 6 per parameter (forward and backward)
-  /// plus attention's 12 n_layers d_model context; `num_params` counts every parameter once.
-  double flops_per_token(std::int64_t num_params) const {
-    return 6.0 * static_cast<double>(num_params) + 12.0 * static_cast<double>(n_layers * d_model * context);
-  }
-
-  /// Sequences per forward when evaluating a batch of `batch`: a chunk's logits (context x padded
-  /// vocabulary floats) and their log-softmax together stay within kEvalLogitsBytes, so the evaluation
-  /// batch never sets the run's peak memory; the loss is the same sum.
-  static constexpr std::int64_t kEvalLogitsBytes = std::int64_t{32} << 20;
-  std::int64_t eval_chunk(std::int64_t batch) const {
-    const std::int64_t per_sequence = 2 * context * padded_vocab() * 4;
-    return std::clamp<std::int64_t>(kEvalLogitsBytes / std::max<std::int64_t>(1, per_sequence), 1, std::max<std::int64_t>(1, batch));
-  }
+  double flops_per_token(std::int64_t num_params) const { return decoder_flops_per_token(num_params, n_layers, d_model, context); }
+  std::int64_t eval_chunk(std::int64_t batch) const { return language_model_eval_chunk(context, padded_vocab(), batch); }
 };
 
 }  // namespace fsdp::app

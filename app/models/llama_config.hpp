@@ -43,15 +43,8 @@ struct LlamaConfig {
     const std::int64_t layer = attention + 3 * D * I + 2 * D;
     return vocab_size * D * (tie_embeddings ? 1 : 2) + n_layers * layer + D;
   }
-  /// Training FLOPs per token: 6 per parameter plus attention's 12 n_layers (n_heads head_dim) context.
-  double flops_per_token(std::int64_t params) const {
-    return 6.0 * static_cast<double>(params) + 12.0 * static_cast<double>(n_layers * q_width() * context);
-  }
-  /// Sequences per evaluation forward: a chunk's logits and their log-softmax stay within 32 MiB.
-  std::int64_t eval_chunk(std::int64_t batch) const {
-    const std::int64_t per_sequence = 2 * context * vocab_size * 4;
-    return std::clamp<std::int64_t>((std::int64_t{32} << 20) / std::max<std::int64_t>(1, per_sequence), 1, std::max<std::int64_t>(1, batch));
-  }
+  double flops_per_token(std::int64_t params) const { return decoder_flops_per_token(params, n_layers, q_width(), context); }
+  std::int64_t eval_chunk(std::int64_t batch) const { return language_model_eval_chunk(context, vocab_size, batch); }
 };
 
 }  // namespace fsdp::app
