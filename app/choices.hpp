@@ -80,6 +80,14 @@ struct ChoiceNames<Activation> {
                                      std::pair{Activation::kGeluTanh, std::string_view("gelu_tanh")}};
 };
 
+/// model.rope_scaling: Llama 3.1/3.2's frequency scaling, or none.
+enum class RopeScaling { kNone, kLlama3 };
+template <>
+struct ChoiceNames<RopeScaling> {
+  static constexpr std::array kNames{std::pair{RopeScaling::kNone, std::string_view("none")},
+                                     std::pair{RopeScaling::kLlama3, std::string_view("llama3")}};
+};
+
 enum class DataKind { kFashionMnist, kMnist, kTokens, kText, kTokenShards };
 template <>
 struct ChoiceNames<DataKind> {
@@ -144,10 +152,12 @@ struct ChoiceNames<Backend> {
 };
 
 /// checkpoint.export_names: the model's own names, or Hugging Face GPT-2's.
-enum class ExportNames { kNative, kHfGpt2 };
+/// checkpoint.export_names: the model's own, or Hugging Face's for its family (hf-gpt2: GPT-2's,
+/// the older spelling for a GPT).
+enum class ExportNames { kNative, kHf, kHfGpt2 };
 template <>
 struct ChoiceNames<ExportNames> {
-  static constexpr std::array kNames{std::pair{ExportNames::kNative, std::string_view("native")},
+  static constexpr std::array kNames{std::pair{ExportNames::kNative, std::string_view("native")}, std::pair{ExportNames::kHf, std::string_view("hf")},
                                      std::pair{ExportNames::kHfGpt2, std::string_view("hf-gpt2")}};
 };
 

@@ -1,6 +1,7 @@
 // Input decks of fsdp-train (app layer): TOML parsing and validation against the schema
 // (deck_schema.cpp), --set overrides, the checks between keys, the echo table and the resolved deck as TOML.
 #include "deck.hpp"
+#include "hf_config.hpp"
 
 #include "fsdp/core/strategy.hpp"
 
@@ -296,6 +297,7 @@ std::string source_name(Source s) {
     case Source::kDefault: return "default";
     case Source::kDeck: return "deck";
     case Source::kSet: return "--set";
+    case Source::kHfConfig: return "hf_config";
   }
   return "?";
 }
@@ -329,7 +331,9 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
 }  // namespace
 
 bool changes_the_trajectory(const std::string& key) {
-  static const std::set<std::string> evaluation_or_loading = {"data.test_batch_size", "data.test_samples", "data.val_path", "data.num_workers"};
+  // model.hf_config only says where the model's sizes came from: the sizes themselves are compared.
+  static const std::set<std::string> evaluation_or_loading = {"data.test_batch_size", "data.test_samples", "data.val_path", "data.num_workers",
+                                                              "model.hf_config"};
   if (evaluation_or_loading.count(key)) return false;
   const std::string section = key.substr(0, key.find('.'));
   return section == "model" || section == "data" || section == "optim" || key == "run.seed";
@@ -441,6 +445,7 @@ Deck Deck::parse(const std::string& text, const std::string& path, const std::ve
     e.where = "--set " + o;
     deck.overrides_.push_back("--set " + o);
   }
+  if (problems.empty()) deck.apply_hf_config(problems);
   if (problems.empty()) cross_check(deck, problems);
   if (!problems.empty()) throw DeckError(problems);
   return deck;
@@ -472,6 +477,7 @@ void Deck::apply_overrides(const std::vector<std::string>& overrides, const std:
     e.where = label + " " + o;
     next.overrides_.push_back(label + " " + o);
   }
+  if (problems.empty()) next.apply_hf_config(problems);
   if (problems.empty()) cross_check(next, problems);
   if (!problems.empty()) throw DeckError(problems);
   *this = std::move(next);
@@ -532,6 +538,55 @@ void Deck::set(const std::string& key, Value v, Source s) {
   e.where = "set()";
 }
 
+void Deck::apply_hf_config(std::vector<std::string>& problems) {
+  // A config applied before (an earlier parse, another --set of model.hf_config) is undone first.
+  for (auto& e : entries_)
+    if (e.source == Source::kHfConfig) e = Entry{e.spec, e.spec->default_value, Source::kDefault, 0, ""};
+  const Entry& named = entry("model.hf_config");
+  const std::string& path = std::get<std::string>(named.value);
+  if (path.empty()) return;
+  const std::string origin = (named.where.empty() ? path_ : named.where) + ": model.hf_config";
+  HfConfigModel config;
+  try {
+    config = read_hf_config(path);
+  } catch (const DeckError& e) {
+    for (const auto& p : e.problems()) problems.push_back(origin + ": " + p);
+    return;
+  }
+  for (const auto& v : config.values) {
+    Entry& e = mutable_entry(v.key);
+    const std::string from = config.path + ": " + v.hf_key;
+    Value value = v.value;
+    if (auto msg = coerce(*e.spec, value)) {
+      problems.push_back(from + ": " + *msg);
+      continue;
+    }
+    std::vector<Issue> issues;
+    check_value(*e.spec, value, issues, 0);
+    for (const auto& i : issues) problems.push_back(from + ": " + i.text);
+    if (!issues.empty()) continue;
+    if (e.source != Source::kDefault) {
+      if (format_value(e.value) != format_value(value))
+        problems.push_back(e.where + ": " + v.key + ": " + format_value(e.value) + " contradicts " + v.hf_key + " = " + format_value(value) + " in " +
+                           config.path + " (" + origin + "); leave " + v.key + " out of the deck");
+      continue;
+    }
+    e.value = std::move(value);
+    e.source = Source::kHfConfig;
+    e.line = 0;
+    e.where = from;
+  }
+  const auto context = get_int("model.context");
+  const Entry& context_entry = entry("model.context");
+  const std::string context_where = context_entry.where.empty() ? path_ : context_entry.where;
+  if (config.max_positions > 0 && context > config.max_positions)
+    problems.push_back(context_where + ": model.context: " + std::to_string(context) + " is beyond max_position_embeddings = " +
+                       std::to_string(config.max_positions) + " in " + config.path + ": the model was not made for sequences this long");
+  if (config.sliding_window > 0 && context > config.sliding_window)
+    problems.push_back(context_where + ": model.context: " + std::to_string(context) + " is beyond " + config.path + "'s sliding_window = " +
+                       std::to_string(config.sliding_window) + ", which is not supported (up to it, attention is exactly full attention)");
+}
+
 std::string Deck::out_dir() const {
   const auto& dir = get_string("run.out_dir");
   return dir.empty() ? "runs/" + get_string("run.name") : dir;
@@ -582,6 +637,8 @@ std::string Deck::to_toml() const {
     }
     if (std::holds_alternative<std::monostate>(e.value))
       out << "# " << e.spec->name() << " = (unset)\n";
+    else if (e.spec->key == "model.hf_config" && !std::get<std::string>(e.value).empty())
+      out << "# " << e.spec->name() << " = " << format_value(e.value) << "  (read at the start: its values are the keys below)\n";
     else
       out << e.spec->name() << " = " << format_value(e.value) << "\n";
   }

@@ -63,7 +63,8 @@ const KeySpec* find_key(const std::string& key);
 /// another section), or "" if none is close.
 std::string did_you_mean(const std::string& key);
 
-enum class Source { kDefault, kDeck, kSet };
+/// Where a value came from: the schema, the deck file, an override, or model.hf_config's config.json.
+enum class Source { kDefault, kDeck, kSet, kHfConfig };
 
 struct Entry {
   const KeySpec* spec;
@@ -113,10 +114,11 @@ class Deck {
   /// checkpoint.dir, or <out_dir()>/checkpoints when it is empty.
   std::string checkpoint_dir() const;
 
-  /// Aligned text table: key | value | source (deck / --set / default); unset values as "(unset)".
+  /// Aligned text table: key | value | source (deck / --set / hf_config / default); unset values as "(unset)".
   std::string echo_table() const;
   /// The resolved deck as TOML: every key (unset ones as a comment "# key = (unset)"), sections in
-  /// schema order, a header comment. Parsing it again gives the same values (sources become deck).
+  /// schema order, a header comment. Parsing it again gives the same values (sources become deck);
+  /// model.hf_config is a comment, its values written out, so the text stands without the file.
   std::string to_toml() const;
   /// The original deck text.
   std::string text() const { return text_; }
@@ -127,6 +129,9 @@ class Deck {
 
  private:
   Entry& mutable_entry(const std::string& key);
+  /// model.hf_config: its config.json's values on keys the deck leaves at their defaults (a
+  /// contradicting deck value, or a config that cannot be read or built, is a problem).
+  void apply_hf_config(std::vector<std::string>& problems);
   const Entry& typed_entry(const std::string& key, KeyType type, const char* getter) const;
 
   std::string path_;

@@ -15,6 +15,13 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .description = "cnn (the PyTorch FSDP tutorial's MNIST net), mlp, transformer (a GPT-2 style decoder) or llama (a "
                               "Llama-family decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU; Hugging Face's "
                               "names); the decoders are for data.kind tokens, text or token-shards"});
+  s.push_back({.key = "model.hf_config",
+               .type = T::kString,
+               .default_value = "",
+               .description = "a Hugging Face config.json, or the folder holding it (LlamaForCausalLM, Qwen2ForCausalLM, "
+                              "MistralForCausalLM, GPT2LMHeadModel): sets model.kind and every size from it (source hf_config); a "
+                              "model key of the deck that contradicts it is an error; an option that cannot be built exactly (a sliding "
+                              "window shorter than model.context, another rope_scaling, biases beyond q/k/v, experts) is refused"});
   s.push_back(
       {.key = "model.dropout",
        .type = T::kFloat,
@@ -118,6 +125,40 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .default_value = false,
                .description = "llama: biases on the q, k and v projections (Qwen2's layout); no other layer has one (Hugging Face "
                               "Llama's attention_bias, which also biases o_proj, is not supported)"});
+  s.push_back({.key = "model.rope_scaling",
+               .type = T::kString,
+               .default_value = "none",
+               .choices = choice_names<RopeScaling>(),
+               .description = "llama: none, or llama3 (Llama 3.1/3.2's rotary frequencies: below the model.rope_original_context / "
+                              "model.rope_high_freq_factor wavelength unchanged, above the model.rope_low_freq_factor one divided by "
+                              "model.rope_scaling_factor, smoothly between)"});
+  s.push_back({.key = "model.rope_scaling_factor",
+               .type = T::kFloat,
+               .default_value = 8.0,
+               .min = 1,
+               .max = 1e6,
+               .description = "llama, rope_scaling llama3: the long wavelengths' divisor (Hugging Face's rope_scaling.factor; Llama 3.2 32)"});
+  s.push_back({.key = "model.rope_low_freq_factor",
+               .type = T::kFloat,
+               .default_value = 1.0,
+               .min = 0,
+               .max = 1e6,
+               .description = "llama, rope_scaling llama3: rope_scaling.low_freq_factor",
+               .min_exclusive = true});
+  s.push_back({.key = "model.rope_high_freq_factor",
+               .type = T::kFloat,
+               .default_value = 4.0,
+               .min = 0,
+               .max = 1e6,
+               .description = "llama, rope_scaling llama3: rope_scaling.high_freq_factor, above model.rope_low_freq_factor",
+               .min_exclusive = true});
+  s.push_back({.key = "model.rope_original_context",
+               .type = T::kInt,
+               .default_value = I{8192},
+               .min = 1,
+               .max = 1e9,
+               .description = "llama, rope_scaling llama3: the context the model was first trained at "
+                              "(rope_scaling.original_max_position_embeddings)"});
 }
 
 }  // namespace fsdp::app::detail

@@ -96,14 +96,20 @@ void add_weights_in_and_out_keys(std::vector<KeySpec>& s) {
                .type = T::kString,
                .default_value = "",
                .description = "after the last step, write the model as safetensors from the live shards (every rank writes its own "
-                              "part): a .safetensors file, or a folder (model.safetensors, and config.json for hf-gpt2); relative "
+                              "part): a .safetensors file, or a folder (model.safetensors, and config.json for hf names); relative "
                               "to run.out_dir; empty: no export"});
   s.push_back({.key = "checkpoint.export_names",
                .type = T::kString,
                .default_value = "native",
                .choices = choice_names<ExportNames>(),
-               .description = "names in the export: the model's own (native) or Hugging Face GPT-2's (transformer only; a folder "
-                              "GPT2LMHeadModel.from_pretrained reads)"});
+               .description = "names in the export: the model's own (native), or Hugging Face's of its family (hf: a folder with "
+                              "config.json that from_pretrained reads; transformer: GPT2LMHeadModel, llama: LlamaForCausalLM, or "
+                              "Qwen2ForCausalLM with model.attention_bias); hf-gpt2: hf for a transformer"});
+  s.push_back({.key = "checkpoint.export_max_shard_size",
+               .type = T::kString,
+               .default_value = "5GB",
+               .description = "an export larger than this is split as save_pretrained splits it: <stem>-00001-of-0000N.safetensors "
+                              "and <stem>.safetensors.index.json (\"500MB\", \"2GiB\", bytes; \"0\": one file)"});
   s.push_back({.key = "checkpoint.export_dtype",
                .type = T::kString,
                .default_value = "auto",

@@ -4,7 +4,8 @@
 //   fsdp-ckpt merge LOCAL_DIR OUT   LOCAL_STATE_DICT folder -> one FULL_STATE_DICT file
 //   fsdp-ckpt diff A B              max abs / rel difference per tensor; exit 0 if within --atol/--rtol
 //   fsdp-ckpt export CKPT OUT       the model's tensors as a safetensors file (--dtype fp32|bf16|fp16,
-//                                   --names native|hf-gpt2: a Hugging Face GPT-2 folder with config.json)
+//                                   --names native|hf|hf-gpt2: a Hugging Face folder with config.json,
+//                                   --max-shard-size: split as save_pretrained does)
 // PATH may be a checkpoint file, a LOCAL folder, or a checkpoint folder holding `latest` (diff takes
 // files: merge a LOCAL folder first).
 #include <CLI/CLI.hpp>
@@ -19,7 +20,7 @@
 #include "fsdp/io/checkpoint_tools.hpp"
 #include "fsdp/io/safetensors_export.hpp"
 #include "fsdp/version.hpp"
-#include "gpt2_names.hpp"
+#include "hf_export.hpp"
 #include "run_config.hpp"
 
 namespace fs = std::filesystem;
@@ -31,9 +32,9 @@ namespace {
 /// directory or the `latest` file is refused, saying what it is.
 std::string resolve(const std::string& path) { return fsdp::ckpt::checkpoint_at(path).string(); }
 
-/// The GPT a checkpoint holds, from the deck it stores (hf-gpt2 exports need its heads, vocabulary and
+/// The model a checkpoint holds, from the deck it stores (hf exports need its heads, vocabulary and
 /// activation, which the tensors alone do not tell).
-fsdp::app::GptConfig model_of_checkpoint(const std::string& checkpoint) {
+fsdp::app::ModelSection model_of_checkpoint(const std::string& checkpoint) {
   std::string file = checkpoint;
   if (fs::is_directory(checkpoint)) {  // LOCAL: every rank file stores the deck
     std::vector<std::string> files;
@@ -46,12 +47,8 @@ fsdp::app::GptConfig model_of_checkpoint(const std::string& checkpoint) {
   std::string deck_text;
   for (const auto& [k, v] : fsdp::ckpt::inspect_file(file).attributes)
     if (k == "deck") deck_text = v;
-  if (deck_text.empty()) throw fsdp::CheckpointError("checkpoint '" + file + "' stores no deck: it does not say which GPT it holds");
-  const auto model = fsdp::app::resolve_model_section(fsdp::app::Deck::parse(deck_text, file + " (its deck)"));
-  if (model.kind != fsdp::app::ModelKind::kTransformer)
-    throw fsdp::CheckpointError("checkpoint '" + file + "' holds a " + fsdp::app::to_string(model.kind) +
-                                " model; --names hf-gpt2 exports a transformer");
-  return fsdp::app::gpt_config(model);
+  if (deck_text.empty()) throw fsdp::CheckpointError("checkpoint '" + file + "' stores no deck: it does not say which model it holds");
+  return fsdp::app::resolve_model_section(fsdp::app::Deck::parse(deck_text, file + " (its deck)"));
 }
 
 std::string human_bytes(std::int64_t b) {
@@ -119,22 +116,29 @@ int verify_command(const std::string& path) {
   return report.ok() ? 0 : 1;
 }
 
-int export_command(const std::string& path, const std::string& out, const std::string& export_dtype, const std::string& export_names) {
+int export_command(const std::string& path, const std::string& out, const std::string& export_dtype, const std::string& export_names,
+                   const std::string& max_shard_size) {
   const std::string source = resolve(path);
   const auto file = fsdp::app::export_file(out);
-  std::optional<fsdp::app::GptConfig> gpt;
-  std::optional<fsdp::TensorNaming> naming;
+  const auto max_bytes = fsdp::app::parse_byte_size(max_shard_size);
+  if (!max_bytes) throw fsdp::ConfigError("--max-shard-size " + max_shard_size + ": not a size (\"5GB\", \"500MB\", \"2GiB\", bytes, \"0\")");
   // --dtype's names are the deck's checkpoint.export_dtype names; none given: as stored.
   const auto config_dtype = export_dtype.empty() ? fsdp::app::ExportDtype::kAsTrained : fsdp::app::parse_choice<fsdp::app::ExportDtype>(export_dtype);
-  if (export_names == fsdp::app::kHfGpt2Scheme) {
-    gpt = model_of_checkpoint(source);
-    naming = fsdp::app::hf_gpt2_naming(*gpt);
-    fsdp::app::check_config_json_replaceable(file.parent_path(), *gpt, "export into a folder of its own (OUT a folder or a path in one)");
+  const auto names = fsdp::app::parse_choice<fsdp::app::ExportNames>(export_names);
+  std::optional<fsdp::app::HfForm> form;
+  if (names != fsdp::app::ExportNames::kNative) {
+    try {
+      form = fsdp::app::hf_export_form(model_of_checkpoint(source), names);
+    } catch (const fsdp::ConfigError& e) {
+      throw fsdp::ConfigError("--names " + export_names + ": checkpoint '" + source + "': " + fsdp::message_without_id(e));
+    }
+    fsdp::app::check_config_json_replaceable(file, form->config, "export into a folder of its own (OUT a folder or a path in one)");
   }
-  const auto result = fsdp::ckpt::export_safetensors(source, file.string(), {.dtype = export_dtype, .naming = naming ? &*naming : nullptr});
-  if (gpt) fsdp::app::write_hf_gpt2_config(file.parent_path(), *gpt, config_dtype);
-  std::printf("exported %lld tensors of %s to %s (%s names, %s)\n", static_cast<long long>(result.tensors), source.c_str(), result.path.c_str(),
-              export_names.c_str(), human_bytes(result.bytes).c_str());
+  const auto result = fsdp::ckpt::export_safetensors(
+      source, file.string(), {.dtype = export_dtype, .naming = form && form->naming ? &*form->naming : nullptr, .max_file_bytes = *max_bytes});
+  if (form) fsdp::app::write_hf_config(file, form->config, config_dtype);
+  std::printf("exported %lld tensors of %s to %s (%s names, %s%s)\n", static_cast<long long>(result.tensors), source.c_str(), result.path.c_str(),
+              export_names.c_str(), result.files > 1 ? (std::to_string(result.files) + " files, ").c_str() : "", human_bytes(result.bytes).c_str());
   return 0;
 }
 
@@ -182,7 +186,7 @@ int main(int argc, char** argv) {
   diff->add_option("--atol,--tolerance", atol, "absolute tolerance (default 0: identical)")->check(CLI::NonNegativeNumber);
   diff->add_option("--rtol", rtol, "relative tolerance, against the tensor's max |B| (default 0)")->check(CLI::NonNegativeNumber);
 
-  std::string export_dtype, export_names = "native";
+  std::string export_dtype, export_names = "native", max_shard_size = "5GB";
   auto* exporter = app.add_subcommand("export", "the model's parameters and buffers as a safetensors file (PyTorch, Hugging Face)");
   exporter->add_option("CKPT", path, "SHARDED or FULL checkpoint file, LOCAL folder, or folder with `latest`")->required();
   exporter->add_option("OUT", out, "the .safetensors file to write, or a folder (model.safetensors in it)")->required();
@@ -190,9 +194,13 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   exporter
       ->add_option("--names", export_names,
-                   "native (the model's own names) or hf-gpt2 (a GPT as Hugging Face GPT-2: its names and Conv1D layouts, no vocabulary "
-                   "padding, and config.json beside the weights)")
-      ->check(CLI::IsMember({"native", "hf-gpt2"}));
+                   "native (the model's own names) or hf (Hugging Face's names of the model's family and config.json beside the "
+                   "weights: a folder from_pretrained reads; a transformer as GPT2LMHeadModel, a llama as LlamaForCausalLM or, with "
+                   "q/k/v biases, Qwen2ForCausalLM); hf-gpt2: hf for a transformer")
+      ->check(CLI::IsMember(fsdp::app::choice_names<fsdp::app::ExportNames>()));
+  exporter->add_option("--max-shard-size", max_shard_size,
+                       "split a larger export as save_pretrained does: <stem>-00001-of-0000N.safetensors and "
+                       "<stem>.safetensors.index.json (\"500MB\", \"2GiB\", bytes; \"0\": one file; default 5GB)");
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -203,7 +211,7 @@ int main(int argc, char** argv) {
       std::printf("merged %s into %s\n", path.c_str(), out.c_str());
       return 0;
     }
-    if (*exporter) return export_command(path, out, export_dtype, export_names);
+    if (*exporter) return export_command(path, out, export_dtype, export_names, max_shard_size);
     if (*diff) return diff_command(a, b, atol, rtol);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fsdp-ckpt: %s\n", e.what());

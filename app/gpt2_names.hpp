@@ -1,14 +1,11 @@
 // The GPT's tensors under Hugging Face GPT-2's names and layouts (app layer, std + nlohmann-json):
-// fsdp-train's pretrained starts and exports and fsdp-ckpt export --names hf-gpt2 map through it, and
-// config.json makes an export folder a model that transformers' GPT2LMHeadModel.from_pretrained reads.
+// fsdp-train's pretrained starts and exports and fsdp-ckpt export --names hf (hf-gpt2) map through it,
+// and config.json makes an export folder a model that transformers' GPT2LMHeadModel.from_pretrained
+// reads (hf_export.hpp writes it).
 #pragma once
 
 #include <nlohmann/json.hpp>
 
-#include <cerrno>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <optional>
 #include <regex>
@@ -17,7 +14,6 @@
 
 #include "fsdp/errors.hpp"
 #include "fsdp/io/tensor_naming.hpp"
-#include "fsdp/output_file.hpp"
 #include "choices.hpp"
 #include "gpt_config.hpp"
 
@@ -91,60 +87,6 @@ inline nlohmann::ordered_json hf_gpt2_config(const GptConfig& c, const std::stri
   if (c.vocab_size == 50257) j["bos_token_id"] = j["eos_token_id"] = 50256;  // GPT-2's <|endoftext|>
   j["torch_dtype"] = torch_dtype;
   return j;
-}
-
-/// The torch_dtype of config.json for an export dtype (fp32 training: as trained is fp32).
-inline std::string hf_torch_dtype(ExportDtype export_dtype) {
-  switch (export_dtype) {
-    case ExportDtype::kBf16: return "bfloat16";
-    case ExportDtype::kFp16: return "float16";
-    case ExportDtype::kFp32:
-    case ExportDtype::kAsTrained: break;
-  }
-  return "float32";
-}
-
-/// The folder an export's config.json goes to: the weights' own (a bare file name: the current one).
-inline std::filesystem::path config_folder(const std::filesystem::path& folder) { return folder.empty() ? std::filesystem::path(".") : folder; }
-
-inline std::string hf_gpt2_config_text(const GptConfig& c, ExportDtype export_dtype) {
-  return hf_gpt2_config(c, hf_torch_dtype(export_dtype)).dump(2) + "\n";
-}
-
-/// Refuses, before anything is written, to replace a config.json in `folder` that describes another
-/// model (a downloaded model's, another run's export): it belongs to other weights. This model's own
-/// config (a re-export, also in another dtype: torch_dtype aside, keys in any order) is replaced.
-/// `how` says what to do instead. ConfigError.
-inline void check_config_json_replaceable(const std::filesystem::path& folder, const GptConfig& c, const std::string& how) {
-  const auto path = config_folder(folder) / "config.json";
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) return;
-  std::ifstream in(path, std::ios::binary);
-  auto old = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  auto ours = nlohmann::json::parse(hf_gpt2_config(c).dump());
-  const bool comparable = old.is_object();
-  if (comparable) {
-    old.erase("torch_dtype");
-    ours.erase("torch_dtype");
-  }
-  if (!comparable || old != ours)
-    throw fsdp::ConfigError("'" + path.string() + "' exists and describes another model than this export's (a downloaded model's or another " +
-                            "export's config): not replaced, nothing written; " + how);
-}
-
-/// Writes `folder`/config.json (atomically; OutputError on failure); an empty `folder` is the current one.
-inline void write_hf_gpt2_config(const std::filesystem::path& folder, const GptConfig& c, ExportDtype export_dtype) {
-  const std::filesystem::path dir = config_folder(folder);
-  std::filesystem::create_directories(dir);
-  fsdp::write_file_atomically(dir / "config.json", hf_gpt2_config_text(c, export_dtype));
-}
-
-/// Where an export goes: `path` itself when it names a .safetensors file, else model.safetensors in
-/// the folder `path`. hf-gpt2's config.json goes beside it.
-inline std::filesystem::path export_file(const std::string& path) {
-  const std::filesystem::path p(path);
-  if (p.extension() == ".safetensors") return p;
-  return p / "model.safetensors";
 }
 
 }  // namespace fsdp::app

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "hf_export.hpp"
 #include "models/families.hpp"
 
 namespace fsdp::app {
@@ -108,6 +109,11 @@ ModelSection resolve_model_section(const Deck& deck) {
   model.norm_eps = deck.get_float("model.norm_eps");
   model.rope_theta = deck.get_float("model.rope_theta");
   model.attention_bias = deck.get_bool("model.attention_bias");
+  model.rope_scaling = choice<RopeScaling>(deck, "model.rope_scaling");
+  model.rope_scaling_factor = deck.get_float("model.rope_scaling_factor");
+  model.rope_low_freq_factor = deck.get_float("model.rope_low_freq_factor");
+  model.rope_high_freq_factor = deck.get_float("model.rope_high_freq_factor");
+  model.rope_original_context = deck.get_int("model.rope_original_context");
   return model;
 }
 
@@ -282,8 +288,17 @@ CheckpointSection resolve_checkpoint_section(const Deck& deck, const RunSection&
     ckpt.export_path = std::filesystem::path(path).is_absolute() ? path : (std::filesystem::path(run.out_dir) / path).string();
     if (path.back() == '/') ckpt.export_path += '/';
   }
-  if (ckpt.export_names == ExportNames::kHfGpt2 && model.kind != ModelKind::kTransformer)
-    throw DeckError(blame(deck, "checkpoint.export_names") + "hf-gpt2 names a GPT-2; model.kind is \"" + to_string(model.kind) + "\"");
+  try {
+    hf_export_form(model, ckpt.export_names);
+  } catch (const ConfigError& e) {
+    throw DeckError(blame(deck, "checkpoint.export_names") + format_value(deck.entry("checkpoint.export_names").value) + ": " +
+                    message_without_id(e));
+  }
+  const auto shard_size = parse_byte_size(deck.get_string("checkpoint.export_max_shard_size"));
+  if (!shard_size)
+    throw DeckError(blame(deck, "checkpoint.export_max_shard_size") + format_value(deck.entry("checkpoint.export_max_shard_size").value) +
+                    " is not a size (\"5GB\", \"500MB\", \"2GiB\", a number of bytes, \"0\")");
+  ckpt.export_max_shard_bytes = *shard_size;
 
   return ckpt;
 }

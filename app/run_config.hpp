@@ -61,6 +61,9 @@ struct ModelSection {
   std::int64_t n_kv_heads = 0, head_dim = 0, intermediate_size = 0;
   double norm_eps = 1e-5, rope_theta = 10000;
   bool attention_bias = false;
+  RopeScaling rope_scaling = RopeScaling::kNone;
+  double rope_scaling_factor = 8, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
+  std::int64_t rope_original_context = 8192;
 };
 
 /// The transformer of the [model] section (fsdp-train builds it, fsdp-plan describes it).
@@ -162,6 +165,7 @@ struct CheckpointSection {
   std::string export_path;  ///< checkpoint.export: safetensors written at the end of training; empty: none
   ExportNames export_names = ExportNames::kNative;
   ExportDtype export_dtype = ExportDtype::kAsTrained;
+  std::int64_t export_max_shard_bytes = 5'000'000'000;  ///< checkpoint.export_max_shard_size; 0: one file
 };
 
 struct EvalSection {

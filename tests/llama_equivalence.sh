@@ -71,6 +71,49 @@ for model in untied_gqa tied_qwen2; do
   done
 done
 
+# model.hf_config: a Hugging Face folder (config.json with Llama 3.1's rope_scaling "llama3", whose
+# three regimes of wavelength the 4 frequencies of head_dim 8 span at original context 64; weights in
+# two files and an index) decides the model, the deck naming only the context. Trained at np 1 and 3
+# and exported with Hugging Face's names (checkpoint.export_names = "hf") split into files of at most
+# 20KB: equal to PyTorch's training, and PyTorch building the model from the export's own config.json
+# (as from_pretrained does) evaluates it as fsdp-train did. fsdp-ckpt export --names hf of the final
+# checkpoint writes the same files bit for bit; a rerun of the finished job accepts its stored deck.
+hf=(--vocab 97 --context 16 --d-model 32 --heads 4 --kv-heads 2 --head-dim 8 --layers 2 --intermediate 48 --rope-theta 10000
+    --rope-factor 4 --rope-low 1 --rope-high 4 --rope-original 64)
+"${REF[@]}" init "$WORK/llama3_hf" "${hf[@]}" --shards 2 --hf-config --seed 5 || fail "llama3: reference init"
+"${REF[@]}" train --init "$WORK/llama3_hf" --data "$WORK/train_*.bin" --out "$WORK/llama3.reference.safetensors" \
+  --losses "$WORK/llama3.reference_losses.json" "${hf[@]}" || fail "llama3: reference training"
+printf '[model]\nhf_config = "%s"\ncontext = 16\n' "$WORK/llama3_hf" >"$WORK/from_hf.toml"
+for np in 1 3; do
+  out="$WORK/llama3_np$np"
+  run_from_hf() {
+    "${MPI[@]}" -np "$np" "$BIN/fsdp-train" "$WORK/from_hf.toml" "${recipe[@]}" --set checkpoint.init_from="$WORK/llama3_hf" \
+      --set checkpoint.export_names=hf --set checkpoint.export_max_shard_size=20KB --set run.out_dir="$out"
+  }
+  run_from_hf >"$out.log" 2>&1 || { cat "$out.log"; fail "llama3: fsdp-train at np $np"; }
+  grep -Eq 'model\.rope_scaling +"llama3" +hf_config' "$out.log" || { cat "$out.log"; fail "llama3: the echo does not show rope_scaling from hf_config"; }
+  grep -Eq "exported [0-9]+ tensors \(hf names\) to .*model.safetensors.index.json \([0-9]+ files" "$out.log" ||
+    { cat "$out.log"; fail "llama3: the export is not split"; }
+  [[ ! -e $out/hf/model.safetensors ]] || fail "llama3: a split export left model.safetensors"
+  "${REF[@]}" compare "$out/hf" "$WORK/llama3.reference.safetensors" --rtol 1e-5 || fail "llama3 np $np: the weights differ from PyTorch's"
+  "$PY" "$SRC/tests/equivalence_checks.py" losses "$out/metrics.csv" "$WORK/llama3.reference_losses.json" ||
+    fail "llama3 np $np: the losses differ from PyTorch's"
+  torch_eval=$("${REF[@]}" eval --model "$out/hf" --data "$WORK/val_*.bin" --config "$out/hf/config.json") || fail "llama3: reference eval"
+  "$PY" "$SRC/tests/equivalence_checks.py" eval "$out/summary.json" "$torch_eval" ||
+    fail "llama3 np $np: PyTorch's evaluation of the export, built from its config.json, differs"
+  echo "ok: llama3 rope_scaling from model.hf_config at np $np equals PyTorch; the split hf export loads from its own config.json"
+done
+"$BIN/fsdp-ckpt" export "$out/checkpoints" "$WORK/ckpt_export" --names hf --max-shard-size 20KB >"$WORK/ckpt_export.log" 2>&1 ||
+  { cat "$WORK/ckpt_export.log"; fail "fsdp-ckpt export --names hf"; }
+# The checkpoint keeps its tensors in name order, the engine in module order: the same tensors, split
+# at other places.
+"${REF[@]}" compare "$WORK/ckpt_export" "$out/hf" --rtol 0 || fail "fsdp-ckpt export: other tensors than fsdp-train's export"
+cmp -s "$WORK/ckpt_export/config.json" "$out/hf/config.json" || fail "fsdp-ckpt export: another config.json than fsdp-train's export"
+ls "$WORK/ckpt_export"/model-0000?-of-0000?.safetensors >/dev/null 2>&1 || fail "fsdp-ckpt export: not split"
+echo "ok: fsdp-ckpt export --names hf --max-shard-size 20KB: fsdp-train's export's tensors bit for bit and its config.json"
+run_from_hf >"$out.rerun.log" 2>&1 || { cat "$out.rerun.log"; fail "llama3: the rerun of the finished job"; }
+echo "ok: a rerun of the finished job accepts the checkpoint's stored deck (hf_config written out)"
+
 # The engine's features on the untied Llama, each against the same PyTorch weights: activation
 # checkpointing with deferred initialization, the optimizer sharded over the world (hybrid), gradient
 # accumulation reduced every micro-batch; bf16 mixed precision trains (its weights near fp32's); a
@@ -105,11 +148,12 @@ grep -q "resumed from .*step_00000010.h5 at step 10" "$WORK/resumed.log" || { ca
 echo "ok: resumed at step 10 (np 3), bit for bit the uninterrupted run's final checkpoint"
 
 # inputs/smollm2_135m_finetune.toml as shipped, from a random folder of SmolLM2-135M's exact shapes in
-# bf16 (as Hugging Face stores it), 2 steps at np 2 with a short context: the weights widen to fp32,
-# every one of its 272 tensors loads, the parameter count is SmolLM2-135M's and the export holds them.
+# bf16 (as Hugging Face stores it, with its config.json), 2 steps at np 2 with a short context: the
+# model is the config's, the weights widen to fp32, every one of its 272 tensors loads, the parameter
+# count is SmolLM2-135M's and the export holds them beside a config.json of the same model.
 mkdir -p "$WORK/smollm2/smollm2-135m"
 "${REF[@]}" init "$WORK/smollm2/smollm2-135m/model.safetensors" --vocab 49152 --context 64 --d-model 576 --heads 9 --kv-heads 3 \
-  --head-dim 64 --layers 30 --intermediate 1536 --rope-theta 100000 --tied --bf16 || fail "smollm2: reference init"
+  --head-dim 64 --layers 30 --intermediate 1536 --rope-theta 100000 --tied --bf16 --hf-config || fail "smollm2: reference init"
 "$PY" "$SRC/tests/make_token_shards.py" "$WORK/smollm2/train" --tokens 4000 --vocab 49152 || fail "smollm2: train shard"
 "$PY" "$SRC/tests/make_token_shards.py" "$WORK/smollm2/val" --tokens 1000 --vocab 49152 --seed 2 || fail "smollm2: val shard"
 (cd "$WORK/smollm2" && "${MPI[@]}" -np 2 "$BIN/fsdp-train" "$SRC/inputs/smollm2_135m_finetune.toml" --set "data.path=train_*.bin" \
@@ -118,7 +162,9 @@ mkdir -p "$WORK/smollm2/smollm2-135m"
   --set run.out_dir=run) >"$WORK/smollm2.log" 2>&1 || { cat "$WORK/smollm2.log"; fail "smollm2: fsdp-train"; }
 grep -q "initialized the model from smollm2-135m (native names)" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log"; fail "smollm2: no start from the folder"; }
 grep -q "272 tensor(s) of the file widened from BF16 to Float" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log"; fail "smollm2: bf16 not widened"; }
-grep -q "exported 272 tensors" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log"; fail "smollm2: export"; }
+grep -q "exported 272 tensors (hf names)" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log"; fail "smollm2: export"; }
+"$PY" -c "import json, sys; c = json.load(open(sys.argv[1])); sys.exit(c['architectures'] != ['LlamaForCausalLM'] or c['hidden_size'] != 576)" \
+  "$WORK/smollm2/run/hf/config.json" || fail "smollm2: the export's config.json is not SmolLM2-135M's"
 "$PY" -c "import json, sys; p = json.load(open(sys.argv[1]))['params']; print('SmolLM2-135M parameters:', p); sys.exit(p != 134515008)" \
   "$WORK/smollm2/run/summary.json" || fail "smollm2: not SmolLM2-135M's 134,515,008 parameters"
 echo "ok: SmolLM2-135M's deck trains 2 steps at np 2 from a bf16 folder of its shapes"

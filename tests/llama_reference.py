@@ -8,7 +8,7 @@ k/v heads, SwiGLU. Trained single-process on the whole global batch as fsdp-trai
 loss, optimizer (AdamW without decay on biases, norms and embeddings) and schedule; the data, loss,
 schedule and safetensors helpers are pytorch_reference.py's.
 
-  llama_reference.py init OUT [model options] [--seed S] [--bf16] [--shards N]
+  llama_reference.py init OUT [model options] [--seed S] [--bf16] [--shards N] [--hf-config]
   llama_reference.py train --init F --data GLOB --out F --losses JSON [model and recipe options]
   llama_reference.py eval --model F --data GLOB [model options] [--batch B]   -> prints the loss
 """
@@ -18,6 +18,64 @@ import torch
 import torch.nn.functional as F
 
 from pytorch_reference import add_subcommands, cmd_compare, evaluate, loss_of, lr_at, read_safetensors, read_tokens, sample, write_safetensors
+
+
+def llama3_frequencies(inv_freq, a):
+    """Llama 3.1's rope_scaling "llama3", frequency by frequency: a wavelength shorter than
+    original / high_freq_factor is kept, one longer than original / low_freq_factor is slowed by the
+    factor, and one between is interpolated linearly in original / wavelength between the two."""
+    out = []
+    for f in inv_freq.tolist():
+        wavelength = 2 * math.pi / f
+        if wavelength < a.rope_original / a.rope_high:
+            out.append(f)
+        elif wavelength > a.rope_original / a.rope_low:
+            out.append(f / a.rope_factor)
+        else:
+            w = (a.rope_original / wavelength - a.rope_low) / (a.rope_high - a.rope_low)
+            out.append((1 - w) * f / a.rope_factor + w * f)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def hf_config(a):
+    """config.json of the model, as transformers writes it: Qwen2ForCausalLM with q/k/v biases, else
+    LlamaForCausalLM."""
+    c = {"architectures": ["Qwen2ForCausalLM" if a.bias else "LlamaForCausalLM"], "model_type": "qwen2" if a.bias else "llama",
+         "vocab_size": a.vocab, "hidden_size": a.d_model, "intermediate_size": a.intermediate, "num_hidden_layers": a.layers,
+         "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim, "hidden_act": "silu",
+         "max_position_embeddings": a.max_positions, "rms_norm_eps": a.eps, "rope_theta": a.rope_theta, "rope_scaling": None,
+         "tie_word_embeddings": a.tied, "attention_dropout": 0.0, "torch_dtype": "bfloat16" if getattr(a, "bf16", False) else "float32"}
+    if not a.bias:
+        c.update({"attention_bias": False, "mlp_bias": False})
+    if a.rope_factor > 0:
+        c["rope_scaling"] = {"rope_type": "llama3", "factor": a.rope_factor, "low_freq_factor": a.rope_low,
+                             "high_freq_factor": a.rope_high, "original_max_position_embeddings": a.rope_original}
+    return c
+
+
+def from_hf_config(a):
+    """--config: the model's sizes from a config.json, as from_pretrained builds the model from it."""
+    with open(a.config) as f:
+        c = json.load(f)
+    arch = c["architectures"][0]
+    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
+        sys.exit("%s: architecture %s" % (a.config, arch))
+    a.vocab, a.d_model, a.layers, a.intermediate = c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    a.heads = c["num_attention_heads"]
+    a.kv_heads = c.get("num_key_value_heads", a.heads)
+    a.head_dim = c.get("head_dim", a.d_model // a.heads)
+    a.eps, a.rope_theta = c.get("rms_norm_eps", 1e-6), c.get("rope_theta", 10000.0)
+    a.tied = c.get("tie_word_embeddings", False)
+    a.bias = arch == "Qwen2ForCausalLM"
+    if c.get("attention_bias") or c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
+        sys.exit("%s: a layout this reference does not build" % a.config)
+    scaling = c.get("rope_scaling")
+    a.rope_factor = 0.0
+    if scaling:
+        if scaling.get("rope_type", scaling.get("type")) != "llama3":
+            sys.exit("%s: rope_scaling %s" % (a.config, scaling))
+        a.rope_factor, a.rope_low, a.rope_high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        a.rope_original = scaling["original_max_position_embeddings"]
 
 
 class Llama(torch.nn.Module):
@@ -67,6 +125,8 @@ class Llama(torch.nn.Module):
         b, t = idx.shape
         hd = a.head_dim
         inv_freq = 1.0 / torch.pow(torch.tensor(a.rope_theta, dtype=torch.float32), torch.arange(0, hd, 2).float() / hd)
+        if a.rope_factor > 0:
+            inv_freq = llama3_frequencies(inv_freq, a)
         freqs = torch.outer(torch.arange(t, dtype=torch.float32), inv_freq)
         angles = torch.cat([freqs, freqs], -1)
         cos, sin = angles.cos(), angles.sin()
@@ -106,6 +166,11 @@ def cmd_init(a):
             else:  # biases too: nonzero, so that their values matter from the first step
                 p.normal_(0, 0.02)
     dtype = "BF16" if a.bf16 else "F32"
+    if a.hf_config:  # a Hugging Face folder: config.json beside the weights
+        folder = a.out if a.shards > 1 else os.path.dirname(a.out) or "."
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(hf_config(a), f, indent=2)
     if a.shards <= 1:
         write_safetensors(a.out, m.named(), dtype)
         return
@@ -175,10 +240,19 @@ def main():
         s.add_argument("--eps", type=float, default=1e-5)
         s.add_argument("--bias", action="store_true", help="q/k/v biases (Qwen2)")
         s.add_argument("--tied", action="store_true", help="lm_head is the embedding")
+        s.add_argument("--rope-factor", type=float, default=0.0, help="rope_scaling llama3's factor (0: no scaling)")
+        s.add_argument("--rope-low", type=float, default=1.0, help="its low_freq_factor")
+        s.add_argument("--rope-high", type=float, default=4.0, help="its high_freq_factor")
+        s.add_argument("--rope-original", type=int, default=8192, help="its original_max_position_embeddings")
+        s.add_argument("--config", help="a config.json to take the sizes from instead (as from_pretrained does)")
 
     add_subcommands(p, model_args, init_args=lambda s: (s.add_argument("--bf16", action="store_true", help="store bf16, as Hugging Face does"),
-                                                  s.add_argument("--shards", type=int, default=1, help="a folder of this many files and an index")))
+                                                  s.add_argument("--shards", type=int, default=1, help="a folder of this many files and an index"),
+                                                  s.add_argument("--hf-config", action="store_true", help="config.json beside the weights"),
+                                                  s.add_argument("--max-positions", type=int, default=8192, help="its max_position_embeddings")))
     a = p.parse_args()
+    if getattr(a, "config", None):
+        from_hf_config(a)
     torch.set_num_threads(1)
     return {"init": cmd_init, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare}[a.cmd](a) or 0
 

@@ -9,7 +9,7 @@ writes safetensors with json + struct (no safetensors package, no transformers).
   pytorch_reference.py eval --model F --data GLOB [model options] [--batch B]   -> prints the loss
   pytorch_reference.py compare A B [--rtol R]   -> whole-model relative error; exit 1 above R
 """
-import argparse, glob, json, math, struct, sys
+import argparse, glob, json, math, os, struct, sys
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,32 @@ DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def read_safetensors(path):
+    """A .safetensors file, or a Hugging Face folder or index: model.safetensors first, else
+    model.safetensors.index.json, whose weight_map places each tensor in a file (checked, with its
+    metadata's total_size)."""
+    if os.path.isdir(path):
+        single = os.path.join(path, "model.safetensors")
+        path = single if os.path.exists(single) else os.path.join(path, "model.safetensors.index.json")
+    if path.endswith(".index.json"):
+        with open(path) as f:
+            index = json.load(f)
+        out, total = {}, 0
+        for file in sorted(set(index["weight_map"].values())):
+            part = read_one_safetensors(os.path.join(os.path.dirname(path), file))
+            for name, t in part.items():
+                if index["weight_map"].get(name) != file:
+                    sys.exit("%s: tensor %s is in %s, the index says %s" % (path, name, file, index["weight_map"].get(name)))
+            total += read_one_safetensors.data_bytes
+            out.update(part)
+        if set(out) != set(index["weight_map"]):
+            sys.exit("%s: the files do not hold %s" % (path, sorted(set(index["weight_map"]) - set(out))))
+        if index.get("metadata", {}).get("total_size", total) != total:
+            sys.exit("%s: metadata total_size %s, the files hold %d bytes of tensors" % (path, index["metadata"]["total_size"], total))
+        return out
+    return read_one_safetensors(path)
+
+
+def read_one_safetensors(path):
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
@@ -28,6 +54,7 @@ def read_safetensors(path):
         begin, end = e["data_offsets"]
         t = torch.frombuffer(bytearray(data[begin:end]), dtype=DTYPES[e["dtype"]]) if end > begin else torch.empty(0)
         out[name] = t.reshape(e["shape"]).float().clone()
+    read_one_safetensors.data_bytes = len(data)
     return out
 
 

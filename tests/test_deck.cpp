@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "deck.hpp"
+#include "hf_export.hpp"
 #include "run_config.hpp"
 
 using namespace fsdp::app;
@@ -823,4 +824,139 @@ BOOST_AUTO_TEST_CASE(huge_numbers_are_refused_by_key_before_any_arithmetic) {
   BOOST_TEST(batch.find("inputs/a.toml:6: data.batch_size: 100000 (data.test_batch_size 1000) with this model needs about") != std::string::npos,
              batch);
   BOOST_TEST(resolve_error(gpt("", "")).empty());
+}
+
+namespace {
+/// A folder holding `config` as config.json, fresh for each test.
+std::string hf_folder(const std::string& name, const std::string& config) {
+  const fs::path dir = fs::temp_directory_path() / ("fsdp_test_deck_hf_" + std::to_string(::getpid())) / name;
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << config;
+  return dir.string();
+}
+const char* kSmolLm2Config = R"({"architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 576, "intermediate_size": 1536,
+  "max_position_embeddings": 8192, "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3, "rms_norm_eps": 1e-05,
+  "rope_scaling": null, "rope_theta": 100000, "tie_word_embeddings": true, "vocab_size": 49152, "attention_bias": false, "mlp_bias": false})";
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(a_hugging_face_config_sets_the_model_and_says_so) {
+  const auto smol = hf_folder("smol", kSmolLm2Config);
+  const Deck d = Deck::parse("[model]\nhf_config = '" + smol + "'\ncontext = 256\n[data]\nkind = 'tokens'\n", "a.toml");
+  const ModelSection m = resolve_model_section(d);
+  BOOST_TEST((m.kind == ModelKind::kLlama));
+  BOOST_TEST(m.d_model == 576);
+  BOOST_TEST(m.n_layers == 30);
+  BOOST_TEST(m.n_heads == 9);
+  BOOST_TEST(m.n_kv_heads == 3);
+  BOOST_TEST(m.head_dim == 64);  // hidden_size / num_attention_heads, set so that a deck's other value contradicts
+  BOOST_TEST(m.intermediate_size == 1536);
+  BOOST_TEST(m.vocab_size == 49152);
+  BOOST_TEST(m.rope_theta == 100000.0);
+  BOOST_TEST(m.tie_embeddings);
+  BOOST_TEST(m.context == 256);  // the deck's: a rotary model's context is the run's choice
+  BOOST_TEST((d.entry("model.d_model").source == Source::kHfConfig));
+  BOOST_TEST(d.entry("model.d_model").where == smol + "/config.json: hidden_size");
+  BOOST_TEST(std::regex_search(d.echo_table(), std::regex(R"(model\.d_model +576 +hf_config)")));
+  // The stored deck stands alone: hf_config a comment, its values written out; a resume compares sizes.
+  const std::string toml = d.to_toml();
+  BOOST_TEST(toml.find("# hf_config = ") != std::string::npos);
+  const Deck again = Deck::parse(toml, "stored.toml");
+  BOOST_TEST(again.get_int("model.d_model") == 576);
+  BOOST_TEST(trajectory_changes(again, d).empty());
+  // The same value in the deck is no contradiction; another is, naming both.
+  BOOST_CHECK_NO_THROW(Deck::parse("[model]\nhf_config = '" + smol + "'\nd_model = 576\n[data]\nkind = 'tokens'\n", "a.toml"));
+  const auto p = problem_of("[model]\nhf_config = '" + smol + "'\nn_heads = 8\n[data]\nkind = 'tokens'\n");
+  BOOST_TEST(p.find("inputs/a.toml:3: model.n_heads: 8 contradicts num_attention_heads = 9 in " + smol + "/config.json") == 0u, p);
+  BOOST_TEST(
+      problem_of("[model]\nhf_config = '" + smol + "'\ncontext = 9000\n[data]\nkind = 'tokens'\n").find("beyond max_position_embeddings = 8192") !=
+      std::string::npos);
+  // A --set of another config replaces every value of the first.
+  const auto gpt2 = hf_folder("gpt2", R"({"architectures": ["GPT2LMHeadModel"], "n_positions": 1024, "n_embd": 768, "n_layer": 12,
+    "n_head": 12, "n_inner": null, "activation_function": "gelu_new", "vocab_size": 50257})");
+  Deck e = Deck::parse("[model]\nhf_config = '" + smol + "'\n[data]\nkind = 'tokens'\n", "a.toml");
+  e.apply_overrides({"model.hf_config=" + gpt2});
+  const ModelSection g = resolve_model_section(e);
+  BOOST_TEST((g.kind == ModelKind::kTransformer));
+  BOOST_TEST(g.context == 1024);  // learned positions: n_positions rows
+  BOOST_TEST(g.mlp_ratio == 4);
+  BOOST_TEST((g.activation == Activation::kGeluTanh));
+  BOOST_TEST(g.tie_embeddings);  // GPT-2's default
+  BOOST_TEST((e.entry("model.n_kv_heads").source == Source::kDefault));
+}
+
+BOOST_AUTO_TEST_CASE(a_hugging_face_config_we_cannot_build_exactly_is_refused_by_name) {
+  auto problems_with = [](const std::string& name, const std::string& config, const std::string& more = "") {
+    return problems_of("[model]\nhf_config = '" + hf_folder(name, config) + "'\n" + more + "[data]\nkind = 'tokens'\n");
+  };
+  auto has = [](const std::vector<std::string>& problems, const std::string& text) {
+    for (const auto& p : problems)
+      if (p.find(text) != std::string::npos) return true;
+    BOOST_TEST_MESSAGE("problems: " << problems.size() << (problems.empty() ? "" : ": " + problems[0]));
+    return false;
+  };
+  const std::string sizes = R"("hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100)";
+  BOOST_TEST(
+      has(problems_with("mixtral", R"({"architectures": ["MixtralForCausalLM"], )" + sizes + "}"),
+          "architectures: \"MixtralForCausalLM\" is not supported (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, GPT2LMHeadModel are)"));
+  BOOST_TEST(
+      has(problems_with("yarn", R"({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4}, )" + sizes + "}"),
+          "rope_scaling: type \"yarn\" is not supported"));
+  BOOST_TEST(has(problems_with("obias", R"({"architectures": ["LlamaForCausalLM"], "attention_bias": true, )" + sizes + "}"),
+                 "attention_bias: true (biases on q, k, v and o_proj) is not supported"));
+  BOOST_TEST(
+      has(problems_with("moe", R"({"architectures": ["Qwen2ForCausalLM"], "num_experts": 8, )" + sizes + "}"), "num_experts: a mixture of experts"));
+  BOOST_TEST(has(problems_with("missing", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64})"), "num_hidden_layers: missing"));
+  // Mistral's sliding window: exact up to its width, refused beyond it.
+  const std::string mistral = R"({"architectures": ["MistralForCausalLM"], "sliding_window": 128, )" + sizes + "}";
+  BOOST_CHECK_NO_THROW(
+      Deck::parse("[model]\nhf_config = '" + hf_folder("mistral", mistral) + "'\ncontext = 128\n[data]\nkind = 'tokens'\n", "a.toml"));
+  BOOST_TEST(has(problems_with("mistral", mistral, "context = 256\n"), "sliding_window = 128, which is not supported"));
+  // Qwen2: q/k/v biases; a window only with use_sliding_window.
+  const Deck q =
+      Deck::parse("[model]\nhf_config = '" + hf_folder("qwen2", R"({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, )" + sizes + "}") +
+                      "'\ncontext = 64\n[data]\nkind = 'tokens'\n",
+                  "a.toml");
+  BOOST_TEST(q.get_bool("model.attention_bias"));
+  BOOST_TEST(!q.get_bool("model.tie_embeddings"));  // transformers' Qwen2Config default
+  BOOST_TEST(has(problems_of("[model]\nhf_config = '/nonexistent/folder'\n[data]\nkind = 'tokens'\n"), "/nonexistent/folder: cannot read"));
+  BOOST_TEST(has(problems_with("notjson", "{not json"), "not a JSON object"));
+}
+
+BOOST_AUTO_TEST_CASE(llama3_rope_scaling_and_export_names_and_shard_sizes) {
+  const auto l32 = hf_folder("l32", R"({"architectures": ["LlamaForCausalLM"], "head_dim": 64, "hidden_size": 2048, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": true, "vocab_size": 128256})");
+  const ModelSection m = resolve_model_section(Deck::parse("[model]\nhf_config = '" + l32 + "'\n[data]\nkind = 'tokens'\n", "a.toml"));
+  BOOST_TEST((m.rope_scaling == RopeScaling::kLlama3));
+  BOOST_TEST(m.rope_scaling_factor == 32.0);
+  BOOST_TEST(m.rope_original_context == 8192);
+  BOOST_TEST(problem_of("[model]\nkind = 'llama'\nrope_scaling = 'llama3'\nrope_high_freq_factor = 1.0\n[data]\nkind = 'tokens'\n")
+                 .find("model.rope_high_freq_factor: must be above model.rope_low_freq_factor") != std::string::npos);
+  // Export names: hf for every family with a Hugging Face architecture; hf-gpt2 only for a GPT.
+  const Placement one{};
+  BOOST_CHECK_NO_THROW(
+      resolve_run_config(Deck::parse("[model]\nkind = 'llama'\n[data]\nkind = 'tokens'\n[checkpoint]\nexport_names = 'hf'\n", "a.toml"), one));
+  auto config_error = [&](const std::string& text) {
+    try {
+      resolve_run_config(Deck::parse(text, "a.toml"), one);
+    } catch (const DeckError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  BOOST_TEST(config_error("[checkpoint]\nexport_names = 'hf'\n").find("model.kind \"cnn\" has no Hugging Face architecture") != std::string::npos);
+  BOOST_TEST(
+      config_error("[model]\nkind = 'llama'\n[data]\nkind = 'tokens'\n[checkpoint]\nexport_names = 'hf-gpt2'\n").find("hf-gpt2 names a GPT-2") !=
+      std::string::npos);
+  BOOST_TEST(
+      config_error("[checkpoint]\nexport_max_shard_size = '5 parsecs'\n").find("checkpoint.export_max_shard_size: \"5 parsecs\" is not a size") !=
+      std::string::npos);
+  BOOST_TEST(*parse_byte_size("5GB") == 5'000'000'000);
+  BOOST_TEST(*parse_byte_size("2GiB") == 2147483648);
+  BOOST_TEST(*parse_byte_size("500mb") == 500'000'000);
+  BOOST_TEST(*parse_byte_size("0") == 0);
+  BOOST_TEST(*parse_byte_size("1.5KB") == 1500);
+  BOOST_TEST(!parse_byte_size("-1GB"));
+  BOOST_TEST(!parse_byte_size("GB"));
 }

@@ -374,3 +374,50 @@ BOOST_AUTO_TEST_CASE(an_index_folder_loads_tensors_from_several_files) {
   expect_error([&] { fsdp::load_safetensors(*loaded, dir + "/wrong"); }, "places tensor 'fc1.bias' in '");
   expect_error([&] { fsdp::load_safetensors(*loaded, dir); }, "holds neither model.safetensors nor model.safetensors.index.json");
 }
+
+BOOST_AUTO_TEST_CASE(a_large_export_splits_as_save_pretrained_and_replaces_an_older_split) {
+  namespace st = fsdp::safetensors;
+  // The rule alone: a new file when the next tensor would pass the limit; a larger tensor alone.
+  std::vector<st::TensorEntry> entries = {{"a", "F32", {10}}, {"b", "F32", {10}}, {"c", "F32", {30}}, {"d", "F32", {5}}, {"e", "BF16", {10}}};
+  BOOST_TEST((st::split_into_files(entries, 80) == std::vector<int>{0, 0, 1, 2, 2}));
+  BOOST_TEST((st::split_into_files(entries, 0) == std::vector<int>{0, 0, 0, 0, 0}));
+  BOOST_TEST((st::split_into_files(entries, 1000) == std::vector<int>{0, 0, 0, 0, 0}));
+  BOOST_TEST(st::shard_path("out/model.safetensors", 1, 3).string() == "out/model-00002-of-00003.safetensors");
+  BOOST_TEST(st::shard_path("out/model.safetensors", 0, 1).string() == "out/model.safetensors");
+  BOOST_TEST(st::index_path("out/w.safetensors").string() == "out/w.safetensors.index.json");
+
+  const auto dir = shared_dir("split");
+  auto engine = make_engine(5, ShardingStrategy::FULL_SHARD);
+  const auto want = full_state(engine);
+  // A single-file export first: the split one replaces it (and a stray split of another count).
+  fsdp::save_safetensors(*engine, dir + "/model.safetensors");
+  if (MpiComm::world().rank() == 0) std::ofstream(dir + "/model-00001-of-00009.safetensors") << "stale";
+  MpiComm::world().barrier();
+  fsdp::SafetensorsSaveOptions options;
+  options.max_file_bytes = 600;
+  const auto result = fsdp::save_safetensors(*engine, dir + "/model.safetensors", options);
+  BOOST_TEST(result.files > 2);
+  BOOST_TEST(result.path == dir + "/model.safetensors.index.json");
+  BOOST_TEST(!fs::exists(dir + "/model.safetensors"));
+  BOOST_TEST(!fs::exists(dir + "/model-00001-of-00009.safetensors"));
+  std::int64_t data = 0, largest_shared = 0;
+  for (int k = 0; k < result.files; ++k) {
+    const auto path = st::shard_path(dir + "/model.safetensors", k, result.files).string();
+    const auto header = st::read_header(path);
+    data += header.data_bytes;
+    if (header.tensors.size() > 1) largest_shared = std::max(largest_shared, header.data_bytes);
+  }
+  BOOST_TEST(largest_shared <= 600);  // only a tensor larger than the limit has a file to itself
+  std::ifstream in(result.path);
+  const auto index = nlohmann::json::parse(in);
+  BOOST_TEST(index["metadata"]["total_size"].get<std::int64_t>() == data);
+  auto loaded = make_engine(98, ShardingStrategy::FULL_SHARD);
+  fsdp::load_safetensors(*loaded, dir);
+  check_equal(full_state(loaded), want);
+  // And back: a single file replaces the split export, its index and files gone.
+  fsdp::save_safetensors(*engine, dir + "/model.safetensors");
+  BOOST_TEST(fs::exists(dir + "/model.safetensors"));
+  BOOST_TEST(!fs::exists(result.path));
+  BOOST_TEST(!fs::exists(st::shard_path(dir + "/model.safetensors", 0, result.files)));
+  check_equal(read_all(dir + "/model.safetensors"), want);
+}

@@ -7,10 +7,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "deck.hpp"
+#include "fsdp/io/tensor_naming.hpp"
 #include "plan/model_desc.hpp"
 #include "plan/trace.hpp"
 #include "run_config.hpp"
@@ -23,6 +27,13 @@ struct SizeEstimate {
   long double params = 0;
   long double activations = 0;  ///< one step's, for a batch of the given size
   std::string keys;             ///< the keys that set them, named in the message
+};
+
+/// A model as Hugging Face's transformers holds it: checkpoint.export_names = "hf" and fsdp-ckpt
+/// export --names hf write its tensors under `naming` and `config` as config.json beside them.
+struct HfForm {
+  nlohmann::ordered_json config;       ///< config.json, torch_dtype "float32" (the exporter sets the dtype written)
+  std::optional<TensorNaming> naming;  ///< nullopt: the model's own names are Hugging Face's
 };
 
 /// A size key fsdp-plan --memory grows to find the largest model of the family that fits.
@@ -93,6 +104,8 @@ class ModelFamily {
   virtual std::vector<SizeKnob> size_knobs(const ModelSection&) const { return {}; }
   /// Checks between the model's keys in the deck, each problem "<where>: <key>: <message>".
   virtual void cross_check(const Deck&, std::vector<std::string>& /*problems*/) const {}
+  /// Its Hugging Face form; nullopt where transformers has no such architecture.
+  virtual std::optional<HfForm> hf_form(const ModelSection&) const { return std::nullopt; }
 };
 
 namespace detail {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "gpt2_names.hpp"
 #include "gpt_config.hpp"
 #include "models/family.hpp"
 
@@ -113,6 +114,12 @@ class GptFamily final : public ModelFamily {
   /// n_layers at the deck's d_model (every block adds the same tensors), and d_model, a multiple of
   /// n_heads, at the deck's n_layers.
   std::vector<SizeKnob> size_knobs(const ModelSection& m) const override { return {layers_knob(m), width_knob(m, m.n_heads, "n_heads")}; }
+
+  /// GPT2LMHeadModel: GPT-2's names and Conv1D layouts (gpt2_names.hpp).
+  std::optional<HfForm> hf_form(const ModelSection& m) const override {
+    const GptConfig c = gpt_config(m);
+    return HfForm{hf_gpt2_config(c), hf_gpt2_naming(c)};
+  }
 
   void cross_check(const Deck& deck, std::vector<std::string>& problems) const override {
     const std::int64_t d = deck.get_int("model.d_model"), h = deck.get_int("model.n_heads");

@@ -80,12 +80,27 @@ struct LlamaAttentionImpl : torch::nn::Module {
         rotary_.first.scalar_type() != like.scalar_type()) {
       const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(like.device());
       const auto exponents = torch::arange(0, c_.head_dim, 2, opts.dtype(torch::kLong)).to(torch::kFloat) / static_cast<double>(c_.head_dim);
-      const auto inv_freq = 1.0 / torch::pow(torch::full({}, c_.rope_theta, opts), exponents);
+      auto inv_freq = 1.0 / torch::pow(torch::full({}, c_.rope_theta, opts), exponents);
+      if (c_.rope_scaling == RopeScaling::kLlama3) inv_freq = llama3_scaled(inv_freq);
       const auto freqs = torch::outer(torch::arange(t, opts), inv_freq);
       const auto angles = torch::cat({freqs, freqs}, -1);
       rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
     }
     return rotary_;
+  }
+  /// rope_scaling llama3 (Llama 3.1/3.2), in fp32 as Hugging Face computes it: frequencies whose
+  /// wavelength is below original_context / high_freq_factor stay, those above original_context /
+  /// low_freq_factor are divided by the factor, and between the two a blend of both, weighted by
+  /// where original_context / wavelength lies between the two factors.
+  torch::Tensor llama3_scaled(const torch::Tensor& inv_freq) const {
+    const double original = static_cast<double>(c_.rope_original_context), low = c_.rope_low_freq_factor, high = c_.rope_high_freq_factor;
+    const auto wavelength = 2 * M_PI / inv_freq;
+    const auto divided = inv_freq / c_.rope_scaling_factor;
+    const auto smooth = (original / wavelength - low) / (high - low);
+    const auto blended = (1 - smooth) * inv_freq / c_.rope_scaling_factor + smooth * inv_freq;
+    auto scaled = torch::where(wavelength > original / low, divided, inv_freq);
+    const auto medium = wavelength.ge(original / high).logical_and(wavelength.le(original / low));
+    return torch::where(medium, blended, scaled);
   }
   const torch::Tensor& blocked(std::int64_t t, const torch::Device& device) {
     if (!blocked_.defined() || blocked_.size(-1) != t || blocked_.device() != device)

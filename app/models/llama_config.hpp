@@ -14,6 +14,9 @@ struct LlamaConfig {
   std::int64_t n_heads = 4, n_kv_heads = 4, head_dim = 32, intermediate_size = 512;
   double norm_eps = 1e-5, rope_theta = 10000;
   bool attention_bias = false, tie_embeddings = true;
+  RopeScaling rope_scaling = RopeScaling::kNone;
+  double rope_scaling_factor = 8, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
+  std::int64_t rope_original_context = 8192;
   bool deferred = false;  ///< fsdp.deferred_init: layers released as built
 
   /// model.n_kv_heads, model.head_dim and model.intermediate_size of 0 take their defaults here.
@@ -31,6 +34,11 @@ struct LlamaConfig {
     c.rope_theta = m.rope_theta;
     c.attention_bias = m.attention_bias;
     c.tie_embeddings = m.tie_embeddings;
+    c.rope_scaling = m.rope_scaling;
+    c.rope_scaling_factor = m.rope_scaling_factor;
+    c.rope_low_freq_factor = m.rope_low_freq_factor;
+    c.rope_high_freq_factor = m.rope_high_freq_factor;
+    c.rope_original_context = m.rope_original_context;
     return c;
   }
   std::int64_t q_width() const { return n_heads * head_dim; }

@@ -8,6 +8,7 @@
 
 #include "models/family.hpp"
 #include "models/llama_config.hpp"
+#include "models/llama_hf.hpp"
 
 namespace fsdp::app {
 
@@ -113,6 +114,9 @@ class LlamaFamily final : public ModelFamily {
     return {layers_knob(m), width_knob(m, m.head_dim > 0 ? 1 : 2 * m.n_heads, "2 n_heads")};
   }
 
+  /// LlamaForCausalLM, or Qwen2ForCausalLM with q/k/v biases; the modules carry their names.
+  std::optional<HfForm> hf_form(const ModelSection& m) const override { return HfForm{hf_llama_config(LlamaConfig::of(m)), std::nullopt}; }
+
   void cross_check(const Deck& deck, std::vector<std::string>& problems) const override {
     const std::int64_t d = deck.get_int("model.d_model"), h = deck.get_int("model.n_heads"), kv = deck.get_int("model.n_kv_heads");
     const std::int64_t hd = deck.get_int("model.head_dim");
@@ -130,6 +134,10 @@ class LlamaFamily final : public ModelFamily {
       blame("model.n_kv_heads", "model.n_kv_heads = " + std::to_string(kv) + " does not divide model.n_heads = " + std::to_string(h));
     if (deck.is_set("model.dropout") && deck.get_float("model.dropout") > 0)
       blame("model.dropout", "a llama has no dropout (Hugging Face's attention_dropout 0): leave model.dropout unset or 0");
+    if (deck.get_string("model.rope_scaling") == "llama3" &&
+        deck.get_float("model.rope_high_freq_factor") <= deck.get_float("model.rope_low_freq_factor"))
+      blame("model.rope_high_freq_factor",
+            "must be above model.rope_low_freq_factor (" + format_value(deck.entry("model.rope_low_freq_factor").value) + ")");
     if (deck.get_int("model.vocab_pad_multiple") != 1)
       blame("model.vocab_pad_multiple", "a llama's embedding has exactly model.vocab_size rows, as Hugging Face's: leave it at 1");
   }

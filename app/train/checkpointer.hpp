@@ -24,6 +24,7 @@
 
 #include "deck.hpp"
 #include "gpt2_names.hpp"
+#include "hf_export.hpp"
 #include "run_config.hpp"
 #include "train/ranks.hpp"
 #include "train/timing.hpp"
@@ -83,12 +84,13 @@ class Checkpointer {
     });
   }
 
-  /// hf-gpt2's config.json would replace another model's at the end of the run: refused now, before
-  /// training (ConfigError, exit 2), and again right before the export.
+  /// An hf export's config.json would replace another model's at the end of the run: refused now,
+  /// before training (ConfigError, exit 2), and again right before the export.
   void check_export_config() const {
     const auto& c = cfg_.checkpoint;
-    if (c.export_path.empty() || c.export_names != ExportNames::kHfGpt2) return;
-    check_config_json_replaceable(export_file(c.export_path).parent_path(), gpt_config(cfg_.model), "set checkpoint.export to a folder of its own");
+    if (c.export_path.empty()) return;
+    if (const auto form = hf_export_form(cfg_.model, c.export_names))
+      check_config_json_replaceable(export_file(c.export_path), form->config, "set checkpoint.export to a folder of its own");
   }
 
   /// The state training starts from (checkpoint.resume: auto, none or a checkpoint). Checkpoints this
@@ -141,22 +143,21 @@ class Checkpointer {
   }
 
   /// checkpoint.export: the model as safetensors, written by every rank from its shards (and
-  /// config.json for hf-gpt2). Collective.
+  /// config.json for hf names), split above checkpoint.export_max_shard_size. Collective.
   void export_model(bool quiet) {
     const auto& c = cfg_.checkpoint;
     if (c.export_path.empty()) return;
-    const bool hf = c.export_names == ExportNames::kHfGpt2;
-    const GptConfig gpt = gpt_config(cfg_.model);
-    std::optional<TensorNaming> naming;
-    if (hf) naming = hf_gpt2_naming(gpt);
+    const auto form = hf_export_form(cfg_.model, c.export_names);
+    const TensorNaming* naming = form && form->naming ? &*form->naming : nullptr;
     fsdp::SafetensorsSaveOptions options;
+    options.max_file_bytes = c.export_max_shard_bytes;
     switch (c.export_dtype) {
       case ExportDtype::kBf16: options.dtype = torch::kBFloat16; break;
       case ExportDtype::kFp16: options.dtype = torch::kHalf; break;
       case ExportDtype::kFp32: options.dtype = torch::kFloat; break;
       case ExportDtype::kAsTrained: break;
     }
-    options.naming = naming ? &*naming : nullptr;
+    options.naming = naming;
     options.collective_timeout_s = c.collective_timeout_s;
     const auto file = export_file(c.export_path);
     fsdp::SafetensorsSaveResult r;
@@ -165,11 +166,12 @@ class Checkpointer {
     });
     on_all_ranks(world_, [&] { r = fsdp::save_safetensors(model_, file.string(), options); });
     on_all_ranks(world_, [&] {
-      if (root_ && hf) write_hf_gpt2_config(file.parent_path(), gpt, c.export_dtype);
+      if (root_ && form) write_hf_config(file, form->config, c.export_dtype);
     });
     if (root_ && !quiet)
-      std::printf("exported %lld tensors (%s names) to %s (%.1f MiB, %.2f s)\n", static_cast<long long>(r.tensors), to_string(c.export_names).c_str(),
-                  file.c_str(), r.bytes / 1048576.0, r.seconds);
+      std::printf("exported %lld tensors (%s names) to %s (%s%.1f MiB, %.2f s)\n", static_cast<long long>(r.tensors),
+                  to_string(c.export_names).c_str(), r.path.c_str(), r.files > 1 ? (std::to_string(r.files) + " files, ").c_str() : "",
+                  r.bytes / 1048576.0, r.seconds);
   }
 
   /// Saves `state` (the deck is added); the time training is held goes to `seconds`. With

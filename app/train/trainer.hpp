@@ -112,7 +112,8 @@ class Trainer {
     const std::string export_path = cfg_.checkpoint.export_path.empty() ? "" : export_file(cfg_.checkpoint.export_path).string();
     std::int64_t missing[2] = {0, 0};  // rank 0's view of the folder decides for all
     if (root_) {
-      missing[0] = !export_path.empty() && !fs::exists(export_path);
+      // One file, or a split export's index (written last).
+      missing[0] = !export_path.empty() && !fs::exists(export_path) && !fs::exists(fsdp::safetensors::index_path(export_path));
       missing[1] = !fs::exists(summary);
     }
     world_.broadcast(missing, 2, fsdp::DType::kInt64, 0);

@@ -23,6 +23,7 @@
 
 #include "fsdp/io/checkpoint_state.hpp"
 #include "fsdp/io/safetensors_format.hpp"
+#include "fsdp/io/safetensors_shards.hpp"
 #include "fsdp/io/tensor_naming.hpp"
 
 namespace fsdp {
@@ -68,10 +69,13 @@ struct SafetensorsSaveOptions {
   const TensorNaming* naming = nullptr;
   /// Deadline for the ranks to arrive together (comm.timeout_s in fsdp-train).
   double collective_timeout_s = 600;
+  /// Larger exports are split into several files and an index (safetensors_shards.hpp); <= 0: one file.
+  std::int64_t max_file_bytes = 0;
 };
 
 struct SafetensorsSaveResult {
-  std::string path;
+  std::string path;  ///< the file, or the index of a split export
+  int files = 1;
   std::int64_t bytes = 0;
   std::int64_t tensors = 0;
   double seconds = 0;
@@ -187,46 +191,91 @@ SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, 
   detail::settle_shards_of(engine);
   const std::filesystem::path target(path);
   const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
-  const std::filesystem::path tmp = dir / ckpt::temporary_name(target.filename().string());
   std::optional<detail::SafetensorsSavePlan> planned;
   std::optional<std::string> error = detail::capture_error([&] { planned = detail::plan_safetensors_save(engine, options); });
   detail::agree(world, error);
   auto& plan = *planned;
-  safetensors::Header layout;
-  const std::string header = safetensors::encode_header(plan.entries, options.metadata, &layout);
-  const std::int64_t total = layout.data_start + layout.data_bytes;
+  // The files (one unless split): each with its own header; entry i is tensor where[i] of file file_of[i].
+  const std::vector<int> file_of = safetensors::split_into_files(plan.entries, options.max_file_bytes);
+  const int n_files = file_of.empty() ? 1 : file_of.back() + 1;
+  struct OutFile {
+    std::filesystem::path path, tmp;
+    std::vector<safetensors::TensorEntry> entries;
+    safetensors::Header layout;
+    std::string header;
+    MPI_File fh = MPI_FILE_NULL;
+  };
+  std::vector<OutFile> files(static_cast<std::size_t>(n_files));
+  std::vector<std::size_t> local_of(plan.entries.size());
+  for (std::size_t i = 0; i < plan.entries.size(); ++i) {
+    auto& f = files[static_cast<std::size_t>(file_of[i])];
+    local_of[i] = f.entries.size();
+    f.entries.push_back(plan.entries[i]);
+  }
+  std::int64_t total = 0;
+  for (int k = 0; k < n_files; ++k) {
+    auto& f = files[static_cast<std::size_t>(k)];
+    f.path = safetensors::shard_path(target, k, n_files);
+    f.tmp = dir / ckpt::temporary_name(f.path.filename().string());
+    f.header = safetensors::encode_header(f.entries, options.metadata, &f.layout);
+    total += f.layout.data_start + f.layout.data_bytes;
+  }
+  auto remove_temporaries = [&] {
+    std::error_code ec;
+    if (world.rank() == 0)
+      for (const auto& f : files) std::filesystem::remove(f.tmp, ec);
+  };
 
   error = detail::capture_error([&] {
     if (world.rank() != 0) return;
     std::filesystem::create_directories(dir);
-    ckpt::reserve_space(tmp, total, path);
-    std::fstream out(tmp, std::ios::in | std::ios::out | std::ios::binary);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
-    out.flush();
-    if (!out) throw CheckpointError("cannot write the header of '" + tmp.string() + "': " + std::strerror(errno));
+    for (const auto& f : files) {
+      ckpt::reserve_space(f.tmp, f.layout.data_start + f.layout.data_bytes, f.path.string());
+      std::fstream out(f.tmp, std::ios::in | std::ios::out | std::ios::binary);
+      out.write(f.header.data(), static_cast<std::streamsize>(f.header.size()));
+      out.flush();
+      if (!out) throw CheckpointError("cannot write the header of '" + f.tmp.string() + "': " + std::strerror(errno));
+    }
   });
-  detail::agree(world, error);
-
-  MPI_File fh = MPI_FILE_NULL;
-  const MPI_Comm mpi = detail::mpi_handle(world);
-  error = detail::capture_error(
-      [&] { detail::mpi_io_check(MPI_File_open(mpi, tmp.c_str(), MPI_MODE_WRONLY, MPI_INFO_NULL, &fh), "cannot open '" + tmp.string() + "'"); });
   try {
-    detail::agree(world, error);  // MPI_File_open is collective: all opened or all failed
+    detail::agree(world, error);
   } catch (...) {
-    std::error_code ec;
-    if (world.rank() == 0) std::filesystem::remove(tmp, ec);
+    remove_temporaries();
     throw;
   }
 
-  auto write_at = [&](std::int64_t offset, const torch::Tensor& bytes_of, const std::string& name) {
+  const MPI_Comm mpi = detail::mpi_handle(world);
+  // MPI_File_open is collective: all ranks open the files in the same order, all or none.
+  error = detail::capture_error([&] {
+    for (auto& f : files)
+      detail::mpi_io_check(MPI_File_open(mpi, f.tmp.c_str(), MPI_MODE_WRONLY, MPI_INFO_NULL, &f.fh), "cannot open '" + f.tmp.string() + "'");
+  });
+  try {
+    detail::agree(world, error);
+  } catch (...) {
+    for (auto& f : files)
+      if (f.fh != MPI_FILE_NULL) MPI_File_close(&f.fh);
+    remove_temporaries();
+    throw;
+  }
+
+  // Entry `idx` of the plan: its header entry and file.
+  auto header_entry = [&](std::int64_t idx) -> const safetensors::TensorEntry& {
+    const auto i = static_cast<std::size_t>(idx);
+    return files[static_cast<std::size_t>(file_of[i])].layout.tensors[local_of[i]];
+  };
+  auto write_at = [&](std::int64_t idx, std::int64_t offset_in_tensor, const torch::Tensor& bytes_of) {
+    const auto i = static_cast<std::size_t>(idx);
+    auto& f = files[static_cast<std::size_t>(file_of[i])];
+    const auto& e = f.layout.tensors[local_of[i]];
+    const std::int64_t offset = f.layout.data_start + e.begin + offset_in_tensor;
     const auto* data = static_cast<const char*>(bytes_of.data_ptr());
     const std::int64_t n = bytes_of.numel() * static_cast<std::int64_t>(bytes_of.element_size());
     for (std::int64_t done = 0; done < n; done += detail::kMpiChunkBytes) {
       const int count = static_cast<int>(std::min(detail::kMpiChunkBytes, n - done));
       MPI_Status status;
-      detail::mpi_io_check(MPI_File_write_at(fh, offset + done, data + done, count, MPI_BYTE, &status),
-                           "cannot write tensor '" + name + "' at offset " + std::to_string(offset + done) + " of '" + tmp.string() + "'");
+      detail::mpi_io_check(MPI_File_write_at(f.fh, offset + done, data + done, count, MPI_BYTE, &status),
+                           "cannot write tensor '" + e.name + "' at offset " + std::to_string(offset + done) + " of '" + f.tmp.string() + "'");
     }
   };
   // One copy of each shard is written: the first replica's.
@@ -253,65 +302,68 @@ SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, 
         const auto kept = external_numel(u.shapes[static_cast<std::size_t>(slice.param_index)], ext);
         const auto n = std::min(slice.numel, kept - slice.param_offset);
         if (n <= 0) continue;
-        const auto& e = layout.tensors[static_cast<std::size_t>(idx)];
+        const auto& e = header_entry(idx);
         const auto piece = shard.narrow(0, slice.shard_offset, n).to(*torch_dtype_of_safetensors(e.dtype)).contiguous();
-        write_at(layout.data_start + e.begin + slice.param_offset * static_cast<std::int64_t>(piece.element_size()), piece, e.name);
+        write_at(idx, slice.param_offset * static_cast<std::int64_t>(piece.element_size()), piece);
       }
       if (!transposes) continue;
       for (std::int64_t i = 0; i < u.layout.num_params(); ++i) {
         const auto idx = entry_of[static_cast<std::size_t>(i)];
         if (idx < 0 || !plan.external[static_cast<std::size_t>(idx)].transposed || i % u.layout.group_size() != u.shard_rank) continue;
-        const auto& e = layout.tensors[static_cast<std::size_t>(idx)];
+        const auto& e = header_entry(idx);
         const auto value = full.narrow(0, u.layout.param_offset(i), u.layout.param_numel(i));
-        write_at(layout.data_start + e.begin,
+        write_at(idx, 0,
                  detail::to_external_layout(value, u.shapes[static_cast<std::size_t>(i)], plan.external[static_cast<std::size_t>(idx)])
-                     .to(*torch_dtype_of_safetensors(e.dtype)),
-                 e.name);
+                     .to(*torch_dtype_of_safetensors(e.dtype)));
       }
     }
     if (world.rank() == 0) {
       for (std::size_t b = 0; b < plan.buffers.size(); ++b) {
         const auto idx = plan.entry_of_buffer[b];
         if (idx < 0) continue;
-        const auto& e = layout.tensors[static_cast<std::size_t>(idx)];
+        const auto& e = header_entry(idx);
         const auto& value = plan.buffers[b].second;
-        write_at(layout.data_start + e.begin,
+        write_at(idx, 0,
                  detail::to_external_layout(value.detach().to(torch::kCPU), value.sizes().vec(), plan.external[static_cast<std::size_t>(idx)])
-                     .to(*torch_dtype_of_safetensors(e.dtype)),
-                 e.name);
+                     .to(*torch_dtype_of_safetensors(e.dtype)));
       }
     }
   });
   // MPI_File_sync and MPI_File_close are collective: every rank calls them, failed or not.
-  const int sync_rc = MPI_File_sync(fh);
-  const int close_rc = MPI_File_close(&fh);
-  if (!error)
-    error = detail::capture_error([&] {
-      detail::mpi_io_check(sync_rc, "cannot sync '" + tmp.string() + "'");
-      detail::mpi_io_check(close_rc, "cannot close '" + tmp.string() + "'");
-    });
-  // Whichever rank failed, the partial file goes: rank 0 removes it once all agree on the failure.
+  for (auto& f : files) {
+    const int sync_rc = MPI_File_sync(f.fh);
+    const int close_rc = MPI_File_close(&f.fh);
+    if (!error)
+      error = detail::capture_error([&] {
+        detail::mpi_io_check(sync_rc, "cannot sync '" + f.tmp.string() + "'");
+        detail::mpi_io_check(close_rc, "cannot close '" + f.tmp.string() + "'");
+      });
+  }
+  // Whichever rank failed, the partial files go: rank 0 removes them once all agree on the failure.
   auto agree_or_remove = [&](const std::optional<std::string>& failure) {
     try {
       detail::agree(world, failure);
     } catch (...) {
-      std::error_code ec;
-      if (world.rank() == 0) std::filesystem::remove(tmp, ec);
+      remove_temporaries();
       throw;
     }
   };
   agree_or_remove(error);
 
+  // Every file is complete before any is renamed into place; a split export's index comes last.
   error = detail::capture_error([&] {
     if (world.rank() != 0) return;
-    std::filesystem::rename(tmp, target);
-    ckpt::fsync_path(dir);
+    safetensors::clear_for_publishing(target, n_files);
+    for (const auto& f : files) std::filesystem::rename(f.tmp, f.path);
+    if (n_files > 1) write_file_atomically(safetensors::index_path(target), safetensors::index_json(plan.entries, file_of, target));
+    safetensors::remove_stale_files(target, n_files);
   });
   agree_or_remove(error);
   SafetensorsSaveResult result;
-  result.path = path;
+  result.path = n_files > 1 ? safetensors::index_path(target).string() : path;
+  result.files = n_files;
   result.bytes = total;
-  result.tensors = static_cast<std::int64_t>(layout.tensors.size());
+  result.tensors = static_cast<std::int64_t>(plan.entries.size());
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
 }

@@ -19,6 +19,7 @@
 #include "fsdp/io/h5.hpp"
 #include "fsdp/io/h5_flat_range.hpp"
 #include "fsdp/io/safetensors_format.hpp"
+#include "fsdp/io/safetensors_shards.hpp"
 #include "fsdp/io/tensor_naming.hpp"
 
 namespace fsdp::ckpt {
@@ -29,12 +30,15 @@ struct ExportOptions {
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
   /// Names and layouts of another program (e.g. Hugging Face GPT-2's); null: the model's own.
   const TensorNaming* naming = nullptr;
+  /// Larger exports are split into several files and an index (safetensors_shards.hpp); <= 0: one file.
+  std::int64_t max_file_bytes = 0;
 };
 
 struct ExportResult {
-  std::string path;
+  std::string path;  ///< the file, or the index of a split export
   std::int64_t tensors = 0;
   std::int64_t bytes = 0;
+  int files = 1;
 };
 
 namespace detail {
@@ -155,69 +159,98 @@ inline ExportResult export_safetensors(const std::string& checkpoint, const std:
     sources.push_back({t.path, t.shape, *external, stored, written});
   }
   if (entries.empty()) throw CheckpointError(where + " has no model tensors (/model) to export");
-  safetensors::Header layout;
-  const std::string header = safetensors::encode_header(entries, options.metadata, &layout);
-
+  const std::vector<int> file_of = safetensors::split_into_files(entries, options.max_file_bytes);
+  const int n_files = file_of.back() + 1;
   const std::filesystem::path target(out);
   const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
-  const std::filesystem::path tmp = dir / temporary_name(target.filename().string());
   std::filesystem::create_directories(dir);
-  reserve_space(tmp, layout.data_start + layout.data_bytes, out);
-  try {
-    std::fstream o(tmp, std::ios::in | std::ios::out | std::ios::binary);
-    o.write(header.data(), static_cast<std::streamsize>(header.size()));
-    constexpr std::int64_t kChunk = std::int64_t{1} << 22;  // elements read and written at a time
-    std::vector<char> in_buf, out_buf;
-    for (std::size_t k = 0; k < entries.size(); ++k) {
-      const auto& e = entries[k];
-      const auto& s = sources[k];
-      h5::Id ds = h5::open_dataset(file, s.dataset, checkpoint);
-      const std::int64_t n = e.numel();  // a prefix of the model tensor's elements (its first rows)
-      const std::size_t in_size = h5::element_size(s.stored), out_size = h5::element_size(s.written);
-      if (s.external.transposed) {
-        // A transposed tensor is read whole (one tensor, not the model) and written column by column.
-        const std::int64_t rows = e.shape[1], cols = e.shape[0];  // of the model's [rows, cols] prefix
-        in_buf.resize(static_cast<std::size_t>(n) * in_size);
-        h5::read_flat_range(ds, s.shape, 0, n, s.stored, in_buf.data(), where + " dataset " + s.dataset);
-        out_buf.resize(static_cast<std::size_t>(n) * out_size);
-        for (std::int64_t c = 0; c < cols; ++c)
-          for (std::int64_t r = 0; r < rows; ++r) {
-            const std::int64_t from = r * cols + c, to = c * rows + r;
-            if (s.written == s.stored)
-              std::memcpy(out_buf.data() + to * out_size, in_buf.data() + from * in_size, in_size);
-            else
-              detail::store_from_double(out_buf.data(), to, detail::load_as_double(in_buf.data(), from, s.stored), s.written);
-          }
-        o.write(out_buf.data(), static_cast<std::streamsize>(n * static_cast<std::int64_t>(out_size)));
-        continue;
-      }
-      for (std::int64_t begin = 0; begin < n; begin += kChunk) {
-        const std::int64_t count = std::min(kChunk, n - begin);
-        in_buf.resize(static_cast<std::size_t>(count) * in_size);
-        h5::read_flat_range(ds, s.shape, begin, begin + count, s.stored, in_buf.data(), where + " dataset " + s.dataset);
-        const char* bytes = in_buf.data();
-        if (s.written != s.stored) {
-          out_buf.resize(static_cast<std::size_t>(count) * out_size);
-          for (std::int64_t i = 0; i < count; ++i)
-            detail::store_from_double(out_buf.data(), i, detail::load_as_double(in_buf.data(), i, s.stored), s.written);
-          bytes = out_buf.data();
-        }
-        o.write(bytes, static_cast<std::streamsize>(count * static_cast<std::int64_t>(out_size)));
-      }
-    }
-    o.flush();
-    if (!o) throw CheckpointError("cannot write '" + tmp.string() + "': " + std::strerror(errno));
-  } catch (...) {
+
+  // Each file is written whole under a temporary name and fsynced before any is renamed into place.
+  std::vector<std::filesystem::path> temporaries;
+  std::int64_t total_bytes = 0;
+  auto remove_temporaries = [&] {
     std::error_code ec;
-    std::filesystem::remove(tmp, ec);
+    for (const auto& t : temporaries) std::filesystem::remove(t, ec);
+  };
+  try {
+    for (int f = 0; f < n_files; ++f) {
+      std::vector<std::size_t> members;
+      std::vector<safetensors::TensorEntry> file_entries;
+      for (std::size_t k = 0; k < entries.size(); ++k)
+        if (file_of[k] == f) {
+          members.push_back(k);
+          file_entries.push_back(entries[k]);
+        }
+      safetensors::Header layout;
+      const std::string header = safetensors::encode_header(file_entries, options.metadata, &layout);
+      const auto path = safetensors::shard_path(target, f, n_files);
+      temporaries.push_back(dir / temporary_name(path.filename().string()));
+      const auto& tmp = temporaries.back();
+      reserve_space(tmp, layout.data_start + layout.data_bytes, path.string());
+      total_bytes += layout.data_start + layout.data_bytes;
+      std::fstream o(tmp, std::ios::in | std::ios::out | std::ios::binary);
+      o.write(header.data(), static_cast<std::streamsize>(header.size()));
+      constexpr std::int64_t kChunk = std::int64_t{1} << 22;  // elements read and written at a time
+      std::vector<char> in_buf, out_buf;
+      for (std::size_t m = 0; m < members.size(); ++m) {
+        const auto& e = file_entries[m];
+        const auto& s = sources[members[m]];
+        h5::Id ds = h5::open_dataset(file, s.dataset, checkpoint);
+        const std::int64_t n = e.numel();  // a prefix of the model tensor's elements (its first rows)
+        const std::size_t in_size = h5::element_size(s.stored), out_size = h5::element_size(s.written);
+        if (s.external.transposed) {
+          // A transposed tensor is read whole (one tensor, not the model) and written column by column.
+          const std::int64_t rows = e.shape[1], cols = e.shape[0];  // of the model's [rows, cols] prefix
+          in_buf.resize(static_cast<std::size_t>(n) * in_size);
+          h5::read_flat_range(ds, s.shape, 0, n, s.stored, in_buf.data(), where + " dataset " + s.dataset);
+          out_buf.resize(static_cast<std::size_t>(n) * out_size);
+          for (std::int64_t c = 0; c < cols; ++c)
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const std::int64_t from = r * cols + c, to = c * rows + r;
+              if (s.written == s.stored)
+                std::memcpy(out_buf.data() + to * out_size, in_buf.data() + from * in_size, in_size);
+              else
+                detail::store_from_double(out_buf.data(), to, detail::load_as_double(in_buf.data(), from, s.stored), s.written);
+            }
+          o.write(out_buf.data(), static_cast<std::streamsize>(n * static_cast<std::int64_t>(out_size)));
+          continue;
+        }
+        for (std::int64_t begin = 0; begin < n; begin += kChunk) {
+          const std::int64_t count = std::min(kChunk, n - begin);
+          in_buf.resize(static_cast<std::size_t>(count) * in_size);
+          h5::read_flat_range(ds, s.shape, begin, begin + count, s.stored, in_buf.data(), where + " dataset " + s.dataset);
+          const char* bytes = in_buf.data();
+          if (s.written != s.stored) {
+            out_buf.resize(static_cast<std::size_t>(count) * out_size);
+            for (std::int64_t i = 0; i < count; ++i)
+              detail::store_from_double(out_buf.data(), i, detail::load_as_double(in_buf.data(), i, s.stored), s.written);
+            bytes = out_buf.data();
+          }
+          o.write(bytes, static_cast<std::streamsize>(count * static_cast<std::int64_t>(out_size)));
+        }
+      }
+      o.flush();
+      if (!o) throw CheckpointError("cannot write '" + tmp.string() + "': " + std::strerror(errno));
+      o.close();
+      fsync_path(tmp);
+    }
+    safetensors::clear_for_publishing(target, n_files);
+    for (int f = 0; f < n_files; ++f) {
+      const auto path = safetensors::shard_path(target, f, n_files);
+      std::error_code ec;
+      std::filesystem::rename(temporaries[static_cast<std::size_t>(f)], path, ec);
+      if (ec)
+        throw CheckpointError("cannot rename '" + temporaries[static_cast<std::size_t>(f)].string() + "' to '" + path.string() +
+                              "': " + ec.message());
+    }
+  } catch (...) {
+    remove_temporaries();
     throw;
   }
-  fsync_path(tmp);
-  std::error_code ec;
-  std::filesystem::rename(tmp, target, ec);
-  if (ec) throw CheckpointError("cannot rename '" + tmp.string() + "' to '" + out + "': " + ec.message());
-  fsync_path(dir);
-  return {out, static_cast<std::int64_t>(entries.size()), layout.data_start + layout.data_bytes};
+  if (n_files > 1) write_file_atomically(safetensors::index_path(target), safetensors::index_json(entries, file_of, target));
+  safetensors::remove_stale_files(target, n_files);
+  const std::string published = n_files > 1 ? safetensors::index_path(target).string() : out;
+  return {published, static_cast<std::int64_t>(entries.size()), total_bytes, n_files};
 }
 
 }  // namespace fsdp::ckpt

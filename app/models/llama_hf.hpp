@@ -1,0 +1,54 @@
+// The Llama family as Hugging Face's transformers builds it (app layer, std + nlohmann-json): the
+// config.json from which LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases) builds the model that
+// app/models/llama.hpp trains. Its tensors need no renaming: the modules carry transformers' names.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include "models/llama_config.hpp"
+
+namespace fsdp::app {
+
+/// config.json of the Llama of `c`; `torch_dtype` as exported. max_position_embeddings is the
+/// context trained at (the model's own limit, if larger, is not known here).
+inline nlohmann::ordered_json hf_llama_config(const LlamaConfig& c, const std::string& torch_dtype = "float32") {
+  nlohmann::ordered_json j;
+  // transformers' Llama biases o_proj too when attention_bias is set; Qwen2 biases exactly q, k, v.
+  const bool qwen2 = c.attention_bias;
+  j["architectures"] = {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+  j["model_type"] = qwen2 ? "qwen2" : "llama";
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.d_model;
+  j["intermediate_size"] = c.intermediate_size;
+  j["num_hidden_layers"] = c.n_layers;
+  j["num_attention_heads"] = c.n_heads;
+  j["num_key_value_heads"] = c.n_kv_heads;
+  j["head_dim"] = c.head_dim;
+  j["hidden_act"] = "silu";
+  j["max_position_embeddings"] = c.rope_scaling == RopeScaling::kLlama3 ? std::max(c.context, c.rope_original_context) : c.context;
+  j["rms_norm_eps"] = c.norm_eps;
+  j["rope_theta"] = c.rope_theta;
+  if (c.rope_scaling == RopeScaling::kLlama3)
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", c.rope_scaling_factor},
+                         {"low_freq_factor", c.rope_low_freq_factor},
+                         {"high_freq_factor", c.rope_high_freq_factor},
+                         {"original_max_position_embeddings", c.rope_original_context}};
+  else
+    j["rope_scaling"] = nullptr;
+  if (!qwen2) {
+    j["attention_bias"] = false;
+    j["mlp_bias"] = false;
+  } else {
+    j["use_sliding_window"] = false;
+    j["max_window_layers"] = c.n_layers;
+  }
+  j["attention_dropout"] = 0.0;
+  j["initializer_range"] = 0.02;
+  j["tie_word_embeddings"] = c.tie_embeddings;
+  j["use_cache"] = true;
+  j["torch_dtype"] = torch_dtype;
+  return j;
+}
+
+}  // namespace fsdp::app
