@@ -112,8 +112,8 @@ void print_prediction(const RunConfig& cfg, const ModelSection& shape, const Run
   if (run.mmap_threshold_bytes != kReturnThresholdBytes && p.retained_at_peak > p.total_bytes / 10) {
     RunShape fixed = run;
     fixed.mmap_threshold_bytes = kReturnThresholdBytes;
-    if (run.heap_factor == default_heap_factor(run.mmap_threshold_bytes, shape.kind))  // not --heap-factor: the policy's own
-      fixed.heap_factor = default_heap_factor(kReturnThresholdBytes, shape.kind);
+    if (run.heap_factor == default_heap_factor(run.mmap_threshold_bytes, shape.kind, run.activation_checkpointing))  // not --heap-factor
+      fixed.heap_factor = default_heap_factor(kReturnThresholdBytes, shape.kind, run.activation_checkpointing);
     const Prediction q = predict(shape, fixed);
     std::printf(
         "  with --set run.malloc=return (freed blocks of 1 MiB or more go back to the system; page faults on every "

@@ -2,7 +2,8 @@
 #  1. The closed-form model of every family equals the model LibTorch builds (fsdp-train --check-plan).
 #  2. The process baseline: the peak RSS of a run whose model and data are negligible, minus what the
 #     plan predicts for them (reported next to the default, kDefaultBaselineMib in app/plan/measured.hpp).
-#  3. For an MLP of 24M parameters and a GPT of 7M parameters, FULL_SHARD and NO_SHARD at np 2 (torch
+#  3. For an MLP of 24M parameters, a GPT of 7M parameters and a Llama of 6.5M parameters (also with
+#     activation checkpointing), FULL_SHARD and NO_SHARD at np 2 (torch
 #     threads 1, 3 steps, no checkpoints): the predicted parameter count equals summary.json's "params",
 #     the predicted params + grads + optimizer state equal fsdp-train's "expected ... MiB", the units,
 #     shard elements and padding equal fsdp-train's echo, and every rank's peak_rss_mb is within 15% of
@@ -66,6 +67,40 @@ weight_decay = 0.1
 [fsdp]
 auto_wrap_policy = "TRANSFORMER_BASED_WRAP"
 ]=])
+file(WRITE ${WORK_DIR}/llama.toml [=[
+# Llama, 6,491,520 parameters (d_model 384, 6 heads, 2 KV heads, SwiGLU 1024, 4 layers, untied), AdamW,
+# batch 8 x 128 tokens per rank.
+[run]
+name = "plan_llama"
+max_steps = 3
+[model]
+kind = "llama"
+vocab_size = 256
+context = 128
+d_model = 384
+n_heads = 6
+n_kv_heads = 2
+n_layers = 4
+intermediate_size = 1024
+tie_embeddings = false
+[data]
+kind = "tokens"
+num_samples = 512
+batch_size = 8
+test_samples = 16
+test_batch_size = 8
+[optim]
+kind = "adamw"
+lr = 1e-3
+weight_decay = 0.1
+[fsdp]
+auto_wrap_policy = "TRANSFORMER_BASED_WRAP"
+]=])
+# The same with activation checkpointing at context 256, batch 16: the recomputed layers' activations.
+file(READ ${WORK_DIR}/llama.toml llama_deck)
+string(REPLACE "context = 128" "context = 256" llama_deck "${llama_deck}")
+string(REPLACE "batch_size = 8\n" "batch_size = 16\n" llama_deck "${llama_deck}")
+file(WRITE ${WORK_DIR}/llama_checkpointed.toml "${llama_deck}activation_checkpointing = true\n")
 file(WRITE ${WORK_DIR}/tiny.toml [=[
 # Next to nothing: its peak RSS is the process baseline.
 [run]
@@ -103,7 +138,7 @@ function(whole var text)
 endfunction()
 
 # 1. Closed forms against the built models.
-foreach(variant "${WORK_DIR}/mlp.toml" "${WORK_DIR}/gpt.toml" "${WORK_DIR}/gpt.toml;--set;model.tie_embeddings=false;--set;model.mlp_ratio=3"
+foreach(variant "${WORK_DIR}/mlp.toml" "${WORK_DIR}/gpt.toml" "${WORK_DIR}/llama.toml" "${WORK_DIR}/gpt.toml;--set;model.tie_embeddings=false;--set;model.mlp_ratio=3"
                 "${WORK_DIR}/mlp.toml;--set;model.kind=cnn" "${WORK_DIR}/mlp.toml;--set;model.hidden_sizes=[7]")
   run(0 ${TRAIN} ${variant} --check-plan)
   expect_in("${last_output}" "model check: the closed form matches the built model")
@@ -133,7 +168,7 @@ set(report "")
 # A third field: run.malloc (the default reuse keeps every block on the heap; fsdp-plan models each policy).
 # A fourth: fsdp.optimizer_sharding, with groups of one rank (two replicas).
 foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "mlp;FULL_SHARD;return" "gpt;NO_SHARD;return" "gpt;FULL_SHARD;glibc"
-             "gpt;HYBRID_SHARD;reuse;world")
+             "gpt;HYBRID_SHARD;reuse;world" "llama;FULL_SHARD" "llama;NO_SHARD" "llama_checkpointed;FULL_SHARD")
   list(GET case 0 deck)
   list(GET case 1 strategy)
   set(out ${WORK_DIR}/${deck}_${strategy})

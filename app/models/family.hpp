@@ -15,6 +15,7 @@
 
 #include "deck.hpp"
 #include "fsdp/io/tensor_naming.hpp"
+#include "plan/measured.hpp"
 #include "plan/model_desc.hpp"
 #include "plan/trace.hpp"
 #include "run_config.hpp"
@@ -104,6 +105,9 @@ class ModelFamily {
   virtual std::vector<SizeKnob> size_knobs(const ModelSection&) const { return {}; }
   /// Checks between the model's keys in the deck, each problem "<where>: <key>: <message>".
   virtual void cross_check(const Deck&, std::vector<std::string>& /*problems*/) const {}
+  /// Resident heap per byte of the heap's live high-water mark under run.malloc = "reuse", with or
+  /// without activation checkpointing (plan/measured.hpp says how each was measured).
+  virtual double reuse_heap_factor(bool /*activation_checkpointing*/) const { return kReuseHeapFactor; }
   /// Its Hugging Face form; nullopt where transformers has no such architecture.
   virtual std::optional<HfForm> hf_form(const ModelSection&) const { return std::nullopt; }
 };

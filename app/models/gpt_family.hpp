@@ -115,6 +115,10 @@ class GptFamily final : public ModelFamily {
   /// n_heads, at the deck's n_layers.
   std::vector<SizeKnob> size_knobs(const ModelSection& m) const override { return {layers_knob(m), width_knob(m, m.n_heads, "n_heads")}; }
 
+  double reuse_heap_factor(bool activation_checkpointing) const override {
+    return activation_checkpointing ? kReuseHeapFactorCheckpointedGpt : kReuseHeapFactorGpt;
+  }
+
   /// GPT2LMHeadModel: GPT-2's names and Conv1D layouts (gpt2_names.hpp).
   std::optional<HfForm> hf_form(const ModelSection& m) const override {
     const GptConfig c = gpt_config(m);

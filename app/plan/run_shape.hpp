@@ -168,11 +168,11 @@ inline std::int64_t mmap_threshold_of(MallocPolicy malloc_policy) {
   return kNeverMapped;
 }
 
-/// The measured heap factor for an allocator policy (mmap_threshold_of) and model.kind: language
-/// models' (measured on the GPT) or the image classifiers'.
-inline double default_heap_factor(std::int64_t mmap_threshold_bytes, ModelKind model_kind) {
+/// The measured heap factor for an allocator policy (mmap_threshold_of), model.kind and activation
+/// checkpointing: under run.malloc = "reuse" each family's own (plan/measured.hpp).
+inline double default_heap_factor(std::int64_t mmap_threshold_bytes, ModelKind model_kind, bool activation_checkpointing) {
   if (mmap_threshold_bytes != kNeverMapped) return kDefaultHeapFactor;
-  return model_family(model_kind).language_model() ? kReuseHeapFactorGpt : kReuseHeapFactor;
+  return model_family(model_kind).reuse_heap_factor(activation_checkpointing);
 }
 
 /// The shape of the deck's run (`cfg`, resolved for the planned placement) under `strategy`: the deck's
@@ -206,7 +206,7 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
   r.forward_prefetch = cfg.fsdp.forward_prefetch;
   r.overlap_grad_reduce = world > 1 && cfg.fsdp.overlap_grad_reduce;  // one rank has no reductions to overlap
   r.mmap_threshold_bytes = mmap_threshold_of(cfg.run.malloc);
-  r.heap_factor = default_heap_factor(r.mmap_threshold_bytes, cfg.model.kind);
+  r.heap_factor = default_heap_factor(r.mmap_threshold_bytes, cfg.model.kind, r.activation_checkpointing);
   r.batch = cfg.data.batch_size;
   r.data = data;
   const std::int64_t test_per_rank = (data.test_samples + world - 1) / world;
