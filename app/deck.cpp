@@ -579,9 +579,6 @@ void Deck::apply_hf_config(std::vector<std::string>& problems) {
   const auto context = get_int("model.context");
   const Entry& context_entry = entry("model.context");
   const std::string context_where = context_entry.where.empty() ? path_ : context_entry.where;
-  if (config.max_positions > 0 && context > config.max_positions)
-    problems.push_back(context_where + ": model.context: " + std::to_string(context) + " is beyond max_position_embeddings = " +
-                       std::to_string(config.max_positions) + " in " + config.path + ": the model was not made for sequences this long");
   if (config.sliding_window > 0 && context > config.sliding_window)
     problems.push_back(context_where + ": model.context: " + std::to_string(context) + " is beyond " + config.path + "'s sliding_window = " +
                        std::to_string(config.sliding_window) + ", which is not supported (up to it, attention is exactly full attention)");

@@ -125,6 +125,26 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .default_value = false,
                .description = "llama: biases on the q, k and v projections (Qwen2's layout); no other layer has one (Hugging Face "
                               "Llama's attention_bias, which also biases o_proj, is not supported)"});
+  s.push_back({.key = "model.max_positions",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .max = 1e9,
+               .description = "llama: the longest sequence the model is made for (Hugging Face's max_position_embeddings, kept in "
+                              "an exported config.json); model.context may not exceed it; 0: model.context"});
+  s.push_back({.key = "model.bos_token_id",
+               .type = T::kInt,
+               .default_value = I{-1},
+               .min = -1,
+               .max = 1e9,
+               .description = "llama: the tokenizer's first token (Hugging Face's bos_token_id, kept in an exported config.json); -1: none"});
+  s.push_back({.key = "model.eos_token_id",
+               .type = T::kInt,
+               .default_value = I{-1},
+               .min = -1,
+               .max = 1e9,
+               .description = "llama: the tokenizer's end of text (Hugging Face's eos_token_id, where generation stops; kept in an "
+                              "exported config.json); -1: none"});
   s.push_back({.key = "model.rope_scaling",
                .type = T::kString,
                .default_value = "none",

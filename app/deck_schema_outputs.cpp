@@ -109,7 +109,8 @@ void add_weights_in_and_out_keys(std::vector<KeySpec>& s) {
                .type = T::kString,
                .default_value = "5GB",
                .description = "an export larger than this is split as save_pretrained splits it: <stem>-00001-of-0000N.safetensors "
-                              "and <stem>.safetensors.index.json (\"500MB\", \"2GiB\", bytes; \"0\": one file)"});
+                              "and <stem>.safetensors.index.json (\"500MB\", \"2GiB\", bytes; \"0\": one file); unset, a "
+                              "checkpoint.export ending in .safetensors is one file"});
   s.push_back({.key = "checkpoint.export_dtype",
                .type = T::kString,
                .default_value = "auto",

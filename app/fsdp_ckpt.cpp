@@ -117,11 +117,14 @@ int verify_command(const std::string& path) {
 }
 
 int export_command(const std::string& path, const std::string& out, const std::string& export_dtype, const std::string& export_names,
-                   const std::string& max_shard_size) {
+                   const std::optional<std::string>& max_shard_size) {
   const std::string source = resolve(path);
   const auto file = fsdp::app::export_file(out);
-  const auto max_bytes = fsdp::app::parse_byte_size(max_shard_size);
-  if (!max_bytes) throw fsdp::ConfigError("--max-shard-size " + max_shard_size + ": not a size (\"5GB\", \"500MB\", \"2GiB\", bytes, \"0\")");
+  // The deck's default size, for a folder; an OUT ending in .safetensors is one file unless asked.
+  const std::string size_text = max_shard_size.value_or(
+      file == fs::path(out) ? std::string("0") : std::get<std::string>(fsdp::app::find_key("checkpoint.export_max_shard_size")->default_value));
+  const auto max_bytes = fsdp::app::parse_byte_size(size_text);
+  if (!max_bytes) throw fsdp::ConfigError("--max-shard-size " + size_text + ": not a size (\"5GB\", \"500MB\", \"2GiB\", bytes, \"0\")");
   // --dtype's names are the deck's checkpoint.export_dtype names; none given: as stored.
   const auto config_dtype = export_dtype.empty() ? fsdp::app::ExportDtype::kAsTrained : fsdp::app::parse_choice<fsdp::app::ExportDtype>(export_dtype);
   const auto names = fsdp::app::parse_choice<fsdp::app::ExportNames>(export_names);
@@ -186,7 +189,7 @@ int main(int argc, char** argv) {
   diff->add_option("--atol,--tolerance", atol, "absolute tolerance (default 0: identical)")->check(CLI::NonNegativeNumber);
   diff->add_option("--rtol", rtol, "relative tolerance, against the tensor's max |B| (default 0)")->check(CLI::NonNegativeNumber);
 
-  std::string export_dtype, export_names = "native", max_shard_size = "5GB";
+  std::string export_dtype, export_names = "native", max_shard_size;
   auto* exporter = app.add_subcommand("export", "the model's parameters and buffers as a safetensors file (PyTorch, Hugging Face)");
   exporter->add_option("CKPT", path, "SHARDED or FULL checkpoint file, LOCAL folder, or folder with `latest`")->required();
   exporter->add_option("OUT", out, "the .safetensors file to write, or a folder (model.safetensors in it)")->required();
@@ -200,7 +203,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember(fsdp::app::choice_names<fsdp::app::ExportNames>()));
   exporter->add_option("--max-shard-size", max_shard_size,
                        "split a larger export as save_pretrained does: <stem>-00001-of-0000N.safetensors and "
-                       "<stem>.safetensors.index.json (\"500MB\", \"2GiB\", bytes; \"0\": one file; default 5GB)");
+                       "<stem>.safetensors.index.json (\"500MB\", \"2GiB\", bytes; \"0\": one file; default: 5GB for a folder, "
+                       "one file for an OUT ending in .safetensors)");
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -211,7 +215,9 @@ int main(int argc, char** argv) {
       std::printf("merged %s into %s\n", path.c_str(), out.c_str());
       return 0;
     }
-    if (*exporter) return export_command(path, out, export_dtype, export_names, max_shard_size);
+    if (*exporter)
+      return export_command(path, out, export_dtype, export_names,
+                            exporter->count("--max-shard-size") ? std::optional<std::string>(max_shard_size) : std::nullopt);
     if (*diff) return diff_command(a, b, atol, rtol);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fsdp-ckpt: %s\n", e.what());

@@ -22,6 +22,9 @@ class Reader {
   Reader(const Json& j, std::string path) : j_(j), path_(std::move(path)) {}
 
   bool has(const char* key) const { return j_.contains(key) && !j_.at(key).is_null(); }
+  const Json& raw(const char* key) const { return j_.at(key); }
+  /// Written in the file, null included (null and absent mean different defaults to transformers).
+  bool written(const char* key) const { return j_.contains(key); }
 
   /// An integer key (required unless `fallback` is given).
   std::int64_t integer(const char* key, std::optional<std::int64_t> fallback = std::nullopt) {
@@ -64,7 +67,7 @@ class Reader {
     return v.get<std::string>();
   }
 
-  void set(const char* model_key, Value v, const char* hf_key) { out_.values.push_back({model_key, std::move(v), hf_key}); }
+  void set(const char* model_key, Value v, const std::string& hf_key) { out_.values.push_back({model_key, std::move(v), hf_key}); }
   void problem(const std::string& key, const std::string& what) { problems_.push_back(path_ + ": " + key + ": " + what); }
   /// A setting this program does not build: named, with what is supported.
   void unsupported(const std::string& key, const std::string& what) { problem(key, what + " is not supported (" + supported_ + ")"); }
@@ -77,6 +80,8 @@ class Reader {
     if (!v.is_object()) problem(key, v.dump() + " is not an object");
     return Reader(v.is_object() ? v : empty, path_ + ": " + key);
   }
+  /// The object under `key`, or this file's top level where `key` is absent or null.
+  Reader nested_or_self(const char* key) { return has(key) ? nested(key) : Reader(j_, path_); }
   /// A nested reader's problems become this one's.
   void absorb(const Reader& other) { problems_.insert(problems_.end(), other.problems_.begin(), other.problems_.end()); }
 
@@ -90,6 +95,8 @@ class Reader {
   std::vector<std::string> problems_;
 };
 
+std::string prefix_of(const std::string& object, const std::string& key) { return object + "." + key; }
+
 /// LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM: model.kind = "llama".
 void read_llama_family(Reader& r, const std::string& architecture) {
   const bool qwen2 = architecture == "Qwen2ForCausalLM", mistral = architecture == "MistralForCausalLM";
@@ -100,7 +107,9 @@ void read_llama_family(Reader& r, const std::string& architecture) {
   r.set("model.d_model", d, "hidden_size");
   r.set("model.n_layers", r.integer("num_hidden_layers"), "num_hidden_layers");
   r.set("model.n_heads", heads, "num_attention_heads");
-  r.set("model.n_kv_heads", r.integer("num_key_value_heads", heads), "num_key_value_heads");
+  // Absent, LlamaConfig takes the query heads; Qwen2Config and MistralConfig take fixed numbers of
+  // their largest models (32, 8), which a smaller model's file always states: required there.
+  r.set("model.n_kv_heads", qwen2 || mistral ? r.integer("num_key_value_heads") : r.integer("num_key_value_heads", heads), "num_key_value_heads");
   // Set even where the file leaves it to hidden_size / num_attention_heads, so that a deck's other
   // value is a contradiction rather than a silently different model.
   if (r.has("head_dim"))
@@ -111,7 +120,12 @@ void read_llama_family(Reader& r, const std::string& architecture) {
     r.set("model.head_dim", d / heads, "hidden_size / num_attention_heads");
   r.set("model.intermediate_size", r.integer("intermediate_size"), "intermediate_size");
   r.set("model.norm_eps", r.number("rms_norm_eps", 1e-6), "rms_norm_eps");
-  r.set("model.rope_theta", r.number("rope_theta", 10000.0), "rope_theta");
+  // transformers 5 writes the rotary settings as rope_parameters {rope_theta, rope_type, ...}; earlier
+  // releases as rope_theta and rope_scaling {rope_type (or type), ...}.
+  const bool parameters = r.has("rope_parameters");
+  Reader rope = parameters ? r.nested("rope_parameters") : r.nested_or_self("rope_scaling");
+  r.set("model.rope_theta", parameters ? rope.number("rope_theta", 10000.0) : r.number("rope_theta", 10000.0),
+        parameters ? "rope_parameters.rope_theta" : "rope_theta");
   // transformers' LlamaConfig, Qwen2Config and MistralConfig all default to an untied head.
   r.set("model.tie_embeddings", r.boolean("tie_word_embeddings", false), "tie_word_embeddings");
   // Qwen2 always biases q, k and v; Llama's attention_bias biases o_proj too, which we do not build.
@@ -127,31 +141,40 @@ void read_llama_family(Reader& r, const std::string& architecture) {
   if (r.number("partial_rotary_factor", 1) != 1) r.unsupported("partial_rotary_factor", "a value other than 1");
   for (const char* moe : {"num_local_experts", "num_experts", "num_experts_per_tok"})
     if (r.has(moe)) r.unsupported(moe, "a mixture of experts");
-  r.model().max_positions = r.integer("max_position_embeddings", 0);
-  // Mistral's window applies whenever it is set; Qwen2's only with use_sliding_window.
-  if ((mistral || (qwen2 && r.boolean("use_sliding_window", false))) && r.has("sliding_window"))
+  if (r.has("max_position_embeddings")) r.set("model.max_positions", r.integer("max_position_embeddings"), "max_position_embeddings");
+  // A list of end tokens (Llama 3.1's) is not one id: left to the tokenizer's files.
+  for (const auto& [key, model_key] : {std::pair{"bos_token_id", "model.bos_token_id"}, std::pair{"eos_token_id", "model.eos_token_id"}})
+    if (r.has(key) && r.raw(key).is_number_integer() && r.raw(key).get<std::int64_t>() >= 0) r.set(model_key, r.raw(key).get<std::int64_t>(), key);
+  // Mistral's window applies whenever it is set (absent: MistralConfig's 4096; null: none); Qwen2's
+  // only with use_sliding_window.
+  if (mistral && !r.written("sliding_window"))
+    r.model().sliding_window = 4096;
+  else if ((mistral || (qwen2 && r.boolean("use_sliding_window", false))) && r.has("sliding_window"))
     r.model().sliding_window = r.integer("sliding_window");
-  if (!r.has("rope_scaling")) {
+  const char* where = parameters ? "rope_parameters" : "rope_scaling";
+  r.supported("rope type \"llama3\" is, and the default");
+  const std::string type = rope.text("rope_type", rope.text("type", "default"));
+  if (!parameters && !r.has("rope_scaling")) {
     r.set("model.rope_scaling", std::string("none"), "rope_scaling");
-    return;
-  }
-  // rope_scaling {"rope_type" (older files: "type"): "llama3", "factor", "low_freq_factor",
-  // "high_freq_factor", "original_max_position_embeddings"}, as Llama 3.1 and 3.2 ship it.
-  r.supported("rope_scaling's type \"llama3\" is");
-  Reader scaling = r.nested("rope_scaling");
-  const std::string type = scaling.text("rope_type", scaling.text("type", ""));
-  if (type == "default") {
-    r.set("model.rope_scaling", std::string("none"), "rope_scaling");
+  } else if (type == "default") {
+    r.set("model.rope_scaling", std::string("none"), parameters ? "rope_parameters.rope_type" : "rope_scaling.rope_type");
   } else if (type != "llama3") {
-    r.unsupported("rope_scaling", "type \"" + type + "\"");
+    r.unsupported(where, "type \"" + type + "\"");
   } else {
-    r.set("model.rope_scaling", std::string("llama3"), "rope_scaling.rope_type");
-    r.set("model.rope_scaling_factor", scaling.number("factor", 8), "rope_scaling.factor");
-    r.set("model.rope_low_freq_factor", scaling.number("low_freq_factor", 1), "rope_scaling.low_freq_factor");
-    r.set("model.rope_high_freq_factor", scaling.number("high_freq_factor", 4), "rope_scaling.high_freq_factor");
-    r.set("model.rope_original_context", scaling.integer("original_max_position_embeddings"), "rope_scaling.original_max_position_embeddings");
+    // Every key of the type is required, as transformers requires it.
+    auto required = [&](const char* key) {
+      if (!rope.has(key)) rope.problem(key, "missing (rope type llama3 needs factor, low_freq_factor, high_freq_factor)");
+      return rope.number(key, 1);
+    };
+    const std::string prefix = std::string(where) + ".";
+    r.set("model.rope_scaling", std::string("llama3"), (prefix + "rope_type").c_str());
+    r.set("model.rope_scaling_factor", required("factor"), (prefix + "factor").c_str());
+    r.set("model.rope_low_freq_factor", required("low_freq_factor"), (prefix + "low_freq_factor").c_str());
+    r.set("model.rope_high_freq_factor", required("high_freq_factor"), (prefix + "high_freq_factor").c_str());
+    r.set("model.rope_original_context", rope.integer("original_max_position_embeddings"), (prefix + "original_max_position_embeddings").c_str());
   }
-  r.absorb(scaling);
+  if (parameters && rope.number("partial_rotary_factor", 1) != 1) r.unsupported(prefix_of(where, "partial_rotary_factor"), "a value other than 1");
+  r.absorb(rope);
 }
 
 /// GPT2LMHeadModel: model.kind = "transformer".

@@ -62,7 +62,8 @@ inline std::optional<std::int64_t> parse_byte_size(const std::string& text) {
       {"", 1},      {"B", 1},        {"KB", 1e3},        {"MB", 1e6},           {"GB", 1e9},
       {"TB", 1e12}, {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
   const double bytes = number * scale.at(unit);
-  if (bytes >= 9.2e18) return std::nullopt;
+  // Past int64, or a fraction of a byte that would read as "0" (never split).
+  if (bytes >= 9.2e18 || (bytes > 0 && bytes < 1)) return std::nullopt;
   return static_cast<std::int64_t>(bytes);
 }
 

@@ -114,6 +114,9 @@ ModelSection resolve_model_section(const Deck& deck) {
   model.rope_low_freq_factor = deck.get_float("model.rope_low_freq_factor");
   model.rope_high_freq_factor = deck.get_float("model.rope_high_freq_factor");
   model.rope_original_context = deck.get_int("model.rope_original_context");
+  model.max_positions = deck.get_int("model.max_positions");
+  model.bos_token_id = deck.get_int("model.bos_token_id");
+  model.eos_token_id = deck.get_int("model.eos_token_id");
   return model;
 }
 
@@ -298,7 +301,9 @@ CheckpointSection resolve_checkpoint_section(const Deck& deck, const RunSection&
   if (!shard_size)
     throw DeckError(blame(deck, "checkpoint.export_max_shard_size") + format_value(deck.entry("checkpoint.export_max_shard_size").value) +
                     " is not a size (\"5GB\", \"500MB\", \"2GiB\", a number of bytes, \"0\")");
-  ckpt.export_max_shard_bytes = *shard_size;
+  // A path ending in .safetensors names one file: split only when the deck asks.
+  const bool one_file_named = std::filesystem::path(ckpt.export_path).extension() == ".safetensors";
+  ckpt.export_max_shard_bytes = one_file_named && deck.entry("checkpoint.export_max_shard_size").source == Source::kDefault ? 0 : *shard_size;
 
   return ckpt;
 }

@@ -64,6 +64,7 @@ struct ModelSection {
   RopeScaling rope_scaling = RopeScaling::kNone;
   double rope_scaling_factor = 8, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
   std::int64_t rope_original_context = 8192;
+  std::int64_t max_positions = 0, bos_token_id = -1, eos_token_id = -1;
 };
 
 /// The transformer of the [model] section (fsdp-train builds it, fsdp-plan describes it).
@@ -165,7 +166,7 @@ struct CheckpointSection {
   std::string export_path;  ///< checkpoint.export: safetensors written at the end of training; empty: none
   ExportNames export_names = ExportNames::kNative;
   ExportDtype export_dtype = ExportDtype::kAsTrained;
-  std::int64_t export_max_shard_bytes = 5'000'000'000;  ///< checkpoint.export_max_shard_size; 0: one file
+  std::int64_t export_max_shard_bytes = 0;  ///< checkpoint.export_max_shard_size; 0: one file
 };
 
 struct EvalSection {

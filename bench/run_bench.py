@@ -10,9 +10,9 @@ Writes build/bench/results.json and build/bench/results.md (runs and logs under 
 build/bench/logs). Environment knobs (defaults in brackets; BENCH_QUICK=1 changes them as noted):
   BENCH_REPS [3; quick 1]       repetitions; each runs every configuration once, in a shuffled order
   BENCH_WARMUP [3; quick 2]     warm-up steps per run, excluded from every median on both sides
-  BENCH_STEPS [cnn 20, gpt 15, gpt6m 8, gpt30m 6, gpt125m 4; quick 4]   measured steps per run
+  BENCH_STEPS [cnn 20, gpt 15, gpt6m 8, gpt30m 6, llama30m 6, gpt125m 4; quick 4]   measured steps per run
   BENCH_NP [1,2,4]              world sizes
-  BENCH_MODELS [cnn,gpt,gpt6m,gpt30m,gpt125m; quick cnn,gpt,gpt6m]   models (decks bench/decks/<model>.toml)
+  BENCH_MODELS [cnn,gpt,gpt6m,gpt30m,llama30m,gpt125m; quick cnn,gpt,gpt6m]   models (decks bench/decks/<model>.toml)
   BENCH_TORCH_FSDP [1]          0: skip the PyTorch FSDP peer
   BENCH_CKPT [1]                0: skip the checkpoint benchmark
   BENCH_CKPT_ARGS ["--width 2048 --layers 8 --reps 3"; quick "--width 1024 --layers 4 --reps 1"]
@@ -61,7 +61,7 @@ def env_list(name, default):
 REPS = env_int("BENCH_REPS", 1 if QUICK else 3)
 WARMUP = env_int("BENCH_WARMUP", 2 if QUICK else 3)
 NPS = [int(x) for x in env_list("BENCH_NP", ["1", "2", "4"])]
-MODEL_NAMES = env_list("BENCH_MODELS", ["cnn", "gpt", "gpt6m"] if QUICK else ["cnn", "gpt", "gpt6m", "gpt30m", "gpt125m"])
+MODEL_NAMES = env_list("BENCH_MODELS", ["cnn", "gpt", "gpt6m"] if QUICK else ["cnn", "gpt", "gpt6m", "gpt30m", "llama30m", "gpt125m"])
 TORCH_FSDP = env_int("BENCH_TORCH_FSDP", 1) != 0
 CKPT = env_int("BENCH_CKPT", 1) != 0
 REPORT_ONLY = env_int("BENCH_REPORT_ONLY", 0) != 0
@@ -79,6 +79,8 @@ MODELS = {
               "title": "GPT of 5.8M parameters (d_model 256, 6 blocks, context 128, vocabulary 4096), AdamW + clipping"},
     "gpt30m": {"deck": "bench/decks/gpt30m.toml", "global_batch": 8, "steps": 6, "sized": True,
                "title": "GPT of 29.5M parameters (d_model 512, 8 blocks, context 128, vocabulary 8192), AdamW + clipping"},
+    "llama30m": {"deck": "bench/decks/llama30m.toml", "global_batch": 8, "steps": 6, "sized": True,
+                 "title": "Llama of 29.4M parameters (d_model 512, 8 layers, 8 heads, 4 KV heads, SwiGLU 1536, context 128, vocabulary 8192), AdamW + clipping"},
     # At 4 ranks only FULL_SHARD and DDP: four NO_SHARD replicas of 124M (about 4.3 GiB each) crowd a shared 24 GiB machine.
     "gpt125m": {"deck": "bench/decks/gpt125m.toml", "global_batch": 4, "steps": 4, "sized": True,
                 "only_at": {4: ["fsdp FULL_SHARD", "PyTorch DDP"]},

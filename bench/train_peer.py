@@ -11,6 +11,8 @@ torch.distributed uses gloo with a file:// rendezvous (no TCP port to collide wi
 It reads the same TOML deck as fsdp-train (same --set syntax) and builds, in plain PyTorch:
   - model.kind = "cnn": the FSDP tutorial CNN exactly as app/models.hpp TutorialCnn;
   - model.kind = "transformer": the GPT of app/models.hpp (pre-norm blocks, tied head, GPT-2 init);
+  - model.kind = "llama": the Llama of app/models/llama.hpp (fp32 RMSNorm, rotate_half rotary positions,
+    k/v heads repeated for grouped-query attention, SwiGLU; Hugging Face's init: N(0, 0.02), unit norms);
   - data: Fashion-MNIST/MNIST IDX files normalized as fsdp-train does, or the synthetic token chain of
     app/data.cpp, reproduced bit for bit (std::mt19937_64 and the same rejection sampling), and the
     same DistributedSampler order (seeded Fisher-Yates), so every rank trains on exactly the samples
@@ -52,6 +54,8 @@ DEFAULTS = {
     "run.name": "fsdp", "run.seed": 1, "run.epochs": 2, "run.max_steps": 0, "run.threads": 0, "run.out_dir": "",
     "model.kind": "cnn", "model.dropout": None, "model.hidden_sizes": [512, 256], "model.vocab_size": 256, "model.context": 64,
     "model.d_model": 128, "model.n_heads": 4, "model.n_layers": 4, "model.mlp_ratio": 4, "model.tie_embeddings": True,
+    "model.n_kv_heads": 0, "model.head_dim": 0, "model.intermediate_size": 0, "model.norm_eps": 1e-5, "model.rope_theta": 10000.0,
+    "model.attention_bias": False, "model.rope_scaling": "none",
     "data.kind": "fashion-mnist", "data.path": "/usr/share/datasets/fashion-mnist", "data.batch_size": 64, "data.shuffle": True,
     "data.train_samples": 0, "data.num_samples": 4096,
     "optim.kind": "adadelta", "optim.lr": 1.0, "optim.weight_decay": 0.0, "optim.momentum": 0.0, "optim.betas": [0.9, 0.999],
@@ -60,7 +64,7 @@ DEFAULTS = {
     "fsdp.transformer_layer_cls_to_wrap": "TransformerBlock", "fsdp.mixed_precision": "no", "fsdp.activation_checkpointing": False,
 }
 # Keys the peer cannot honour: they must stay at these values.
-REQUIRED = {"optim.grad_accum_steps": 1, "fsdp.mixed_precision": "no", "fsdp.activation_checkpointing": False}
+REQUIRED = {"optim.grad_accum_steps": 1, "fsdp.mixed_precision": "no", "fsdp.activation_checkpointing": False, "model.rope_scaling": "none"}
 
 
 def load_deck(path, overrides):
@@ -337,8 +341,102 @@ def build_model(deck, torch):
                 x = getattr(self, f"block{i}")(x)
             return self.head(self.ln_f(x))
 
+    n_kv = deck["model.n_kv_heads"] or heads
+    hd = deck["model.head_dim"] or d // heads
+    inter = deck["model.intermediate_size"] or deck["model.mlp_ratio"] * d
+    eps, theta, qkv_bias = deck["model.norm_eps"], deck["model.rope_theta"], bool(deck["model.attention_bias"])
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            xf = x.float()
+            return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def rotate_half(x):
+        half = x.size(-1) // 2
+        return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+    class LlamaAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = nn.Linear(d, heads * hd, bias=qkv_bias)
+            self.k_proj = nn.Linear(d, n_kv * hd, bias=qkv_bias)
+            self.v_proj = nn.Linear(d, n_kv * hd, bias=qkv_bias)
+            self.o_proj = nn.Linear(heads * hd, d, bias=False)
+            inv_freq = 1.0 / torch.pow(torch.tensor(theta, dtype=torch.float32), torch.arange(0, hd, 2).float() / hd)
+            angles = torch.outer(torch.arange(ctx, dtype=torch.float32), inv_freq)
+            angles = torch.cat([angles, angles], -1)
+            self.cos, self.sin = angles.cos(), angles.sin()
+            self.blocked = torch.ones(ctx, ctx, dtype=torch.bool).triu(1)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q = self.q_proj(x).view(b, t, heads, hd).transpose(1, 2)
+            k = self.k_proj(x).view(b, t, n_kv, hd).transpose(1, 2)
+            v = self.v_proj(x).view(b, t, n_kv, hd).transpose(1, 2)
+            cos, sin = self.cos[:t], self.sin[:t]
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            if n_kv != heads:
+                k = k.repeat_interleave(heads // n_kv, 1)
+                v = v.repeat_interleave(heads // n_kv, 1)
+            att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+            att = torch.softmax(att.masked_fill(self.blocked[:t, :t], float("-inf")), -1, dtype=torch.float32).to(q.dtype)
+            return self.o_proj(torch.matmul(att, v).transpose(1, 2).reshape(b, t, heads * hd))
+
+    class LlamaMlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = nn.Linear(d, inter, bias=False)
+            self.up_proj = nn.Linear(d, inter, bias=False)
+            self.down_proj = nn.Linear(inter, d, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class LlamaDecoderLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm = RMSNorm()
+            self.self_attn = LlamaAttention()
+            self.post_attention_layernorm = RMSNorm()
+            self.mlp = LlamaMlp()
+
+        def forward(self, x):
+            x = x + self.self_attn(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(vocab, d)
+            self.n_layers = deck["model.n_layers"]
+            for i in range(self.n_layers):
+                setattr(self, f"layer{i}", LlamaDecoderLayer())
+            self.norm = RMSNorm()
+            self.head = LmHead(self.embed_tokens.weight if deck["model.tie_embeddings"] else None)
+            with torch.no_grad():  # Hugging Face's init, as app/models/llama.hpp's deferred one
+                for name, prm in self.named_parameters():
+                    if name.endswith("norm.weight"):
+                        continue
+                    if name.endswith("bias"):
+                        prm.zero_()
+                    else:
+                        prm.normal_(0, 0.02)
+
+        def forward(self, idx):
+            x = self.embed_tokens(idx)
+            for i in range(self.n_layers):  # by attribute: an FSDP wrapper replaces the attribute
+                x = getattr(self, f"layer{i}")(x)
+            return self.head(self.norm(x))
+
     if kind == "cnn":
         return TutorialCnn(), None
+    if kind == "llama":
+        return Llama(), LlamaDecoderLayer
     if kind == "mlp":
         return Mlp(deck["model.hidden_sizes"]), None
     return Gpt(), TransformerBlock

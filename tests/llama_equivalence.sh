@@ -77,7 +77,8 @@ done
 # and exported with Hugging Face's names (checkpoint.export_names = "hf") split into files of at most
 # 20KB: equal to PyTorch's training, and PyTorch building the model from the export's own config.json
 # (as from_pretrained does) evaluates it as fsdp-train did. fsdp-ckpt export --names hf of the final
-# checkpoint writes the same files bit for bit; a rerun of the finished job accepts its stored deck.
+# checkpoint writes the same tensors bit for bit and the same config.json; a rerun of the finished job
+# accepts its stored deck and trains nothing.
 hf=(--vocab 97 --context 16 --d-model 32 --heads 4 --kv-heads 2 --head-dim 8 --layers 2 --intermediate 48 --rope-theta 10000
     --rope-factor 4 --rope-low 1 --rope-high 4 --rope-original 64)
 "${REF[@]}" init "$WORK/llama3_hf" "${hf[@]}" --shards 2 --hf-config --seed 5 || fail "llama3: reference init"
@@ -112,6 +113,7 @@ cmp -s "$WORK/ckpt_export/config.json" "$out/hf/config.json" || fail "fsdp-ckpt 
 ls "$WORK/ckpt_export"/model-0000?-of-0000?.safetensors >/dev/null 2>&1 || fail "fsdp-ckpt export: not split"
 echo "ok: fsdp-ckpt export --names hf --max-shard-size 20KB: fsdp-train's export's tensors bit for bit and its config.json"
 run_from_hf >"$out.rerun.log" 2>&1 || { cat "$out.rerun.log"; fail "llama3: the rerun of the finished job"; }
+grep -q "nothing to train: the run in .* already reached step 20 of 20" "$out.rerun.log" || { cat "$out.rerun.log"; fail "llama3: the rerun trained"; }
 echo "ok: a rerun of the finished job accepts the checkpoint's stored deck (hf_config written out)"
 
 # The engine's features on the untied Llama, each against the same PyTorch weights: activation

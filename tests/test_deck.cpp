@@ -836,7 +836,8 @@ std::string hf_folder(const std::string& name, const std::string& config) {
 }
 const char* kSmolLm2Config = R"({"architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 576, "intermediate_size": 1536,
   "max_position_embeddings": 8192, "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3, "rms_norm_eps": 1e-05,
-  "rope_scaling": null, "rope_theta": 100000, "tie_word_embeddings": true, "vocab_size": 49152, "attention_bias": false, "mlp_bias": false})";
+  "rope_scaling": null, "rope_theta": 100000, "tie_word_embeddings": true, "vocab_size": 49152, "attention_bias": false, "mlp_bias": false,
+  "bos_token_id": 0, "eos_token_id": 0})";
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(a_hugging_face_config_sets_the_model_and_says_so) {
@@ -853,7 +854,9 @@ BOOST_AUTO_TEST_CASE(a_hugging_face_config_sets_the_model_and_says_so) {
   BOOST_TEST(m.vocab_size == 49152);
   BOOST_TEST(m.rope_theta == 100000.0);
   BOOST_TEST(m.tie_embeddings);
-  BOOST_TEST(m.context == 256);  // the deck's: a rotary model's context is the run's choice
+  BOOST_TEST(m.context == 256);         // the deck's: a rotary model's context is the run's choice
+  BOOST_TEST(m.max_positions == 8192);  // kept for the export's config.json
+  BOOST_TEST(m.eos_token_id == 0);
   BOOST_TEST((d.entry("model.d_model").source == Source::kHfConfig));
   BOOST_TEST(d.entry("model.d_model").where == smol + "/config.json: hidden_size");
   BOOST_TEST(std::regex_search(d.echo_table(), std::regex(R"(model\.d_model +576 +hf_config)")));
@@ -868,7 +871,7 @@ BOOST_AUTO_TEST_CASE(a_hugging_face_config_sets_the_model_and_says_so) {
   const auto p = problem_of("[model]\nhf_config = '" + smol + "'\nn_heads = 8\n[data]\nkind = 'tokens'\n");
   BOOST_TEST(p.find("inputs/a.toml:3: model.n_heads: 8 contradicts num_attention_heads = 9 in " + smol + "/config.json") == 0u, p);
   BOOST_TEST(
-      problem_of("[model]\nhf_config = '" + smol + "'\ncontext = 9000\n[data]\nkind = 'tokens'\n").find("beyond max_position_embeddings = 8192") !=
+      problem_of("[model]\nhf_config = '" + smol + "'\ncontext = 9000\n[data]\nkind = 'tokens'\n").find("is beyond model.max_positions = 8192 (") !=
       std::string::npos);
   // A --set of another config replaces every value of the first.
   const auto gpt2 = hf_folder("gpt2", R"({"architectures": ["GPT2LMHeadModel"], "n_positions": 1024, "n_embd": 768, "n_layer": 12,
@@ -903,22 +906,45 @@ BOOST_AUTO_TEST_CASE(a_hugging_face_config_we_cannot_build_exactly_is_refused_by
           "rope_scaling: type \"yarn\" is not supported"));
   BOOST_TEST(has(problems_with("obias", R"({"architectures": ["LlamaForCausalLM"], "attention_bias": true, )" + sizes + "}"),
                  "attention_bias: true (biases on q, k, v and o_proj) is not supported"));
-  BOOST_TEST(
-      has(problems_with("moe", R"({"architectures": ["Qwen2ForCausalLM"], "num_experts": 8, )" + sizes + "}"), "num_experts: a mixture of experts"));
+  BOOST_TEST(has(problems_with("moe", R"({"architectures": ["Qwen2ForCausalLM"], "num_experts": 8, "num_key_value_heads": 4, )" + sizes + "}"),
+                 "num_experts: a mixture of experts"));
   BOOST_TEST(has(problems_with("missing", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64})"), "num_hidden_layers: missing"));
   // Mistral's sliding window: exact up to its width, refused beyond it.
-  const std::string mistral = R"({"architectures": ["MistralForCausalLM"], "sliding_window": 128, )" + sizes + "}";
+  const std::string mistral = R"({"architectures": ["MistralForCausalLM"], "sliding_window": 128, "num_key_value_heads": 2, )" + sizes + "}";
   BOOST_CHECK_NO_THROW(
       Deck::parse("[model]\nhf_config = '" + hf_folder("mistral", mistral) + "'\ncontext = 128\n[data]\nkind = 'tokens'\n", "a.toml"));
   BOOST_TEST(has(problems_with("mistral", mistral, "context = 256\n"), "sliding_window = 128, which is not supported"));
   // Qwen2: q/k/v biases; a window only with use_sliding_window.
-  const Deck q =
-      Deck::parse("[model]\nhf_config = '" + hf_folder("qwen2", R"({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, )" + sizes + "}") +
-                      "'\ncontext = 64\n[data]\nkind = 'tokens'\n",
-                  "a.toml");
+  const Deck q = Deck::parse(
+      "[model]\nhf_config = '" +
+          hf_folder("qwen2", R"({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "num_key_value_heads": 4, )" + sizes + "}") +
+          "'\ncontext = 64\n[data]\nkind = 'tokens'\n",
+      "a.toml");
   BOOST_TEST(q.get_bool("model.attention_bias"));
   BOOST_TEST(!q.get_bool("model.tie_embeddings"));  // transformers' Qwen2Config default
   BOOST_TEST(has(problems_of("[model]\nhf_config = '/nonexistent/folder'\n[data]\nkind = 'tokens'\n"), "/nonexistent/folder: cannot read"));
+  // transformers 5's rope_parameters; a llama3 rope needs every one of its keys.
+  const auto v5 = resolve_model_section(Deck::parse(
+      "[model]\nhf_config = '" +
+          hf_folder("v5",
+                    R"({"architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 32.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, )" +
+                        sizes + "}") +
+          "'\n[data]\nkind = 'tokens'\n",
+      "a.toml"));
+  BOOST_TEST(v5.rope_theta == 500000.0);
+  BOOST_TEST((v5.rope_scaling == RopeScaling::kLlama3));
+  BOOST_TEST(v5.rope_scaling_factor == 32.0);
+  BOOST_TEST(has(problems_with("v5_partial", R"({"architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_type": "llama3",
+    "original_max_position_embeddings": 64}, )" + sizes +
+                                                 "}"),
+                 "rope_parameters: factor: missing"));
+  // Mistral without the keys transformers fills with its largest model's values: a 4096 window, KV heads required.
+  BOOST_TEST(has(
+      problems_with("mistral_default", R"({"architectures": ["MistralForCausalLM"], "num_key_value_heads": 2, )" + sizes + "}", "context = 8192\n"),
+      "sliding_window = 4096"));
+  BOOST_TEST(has(problems_with("mistral_kv", R"({"architectures": ["MistralForCausalLM"], "sliding_window": null, )" + sizes + "}"),
+                 "num_key_value_heads: missing"));
   BOOST_TEST(has(problems_with("notjson", "{not json"), "not a JSON object"));
 }
 

@@ -377,9 +377,11 @@ BOOST_AUTO_TEST_CASE(an_index_folder_loads_tensors_from_several_files) {
 
 BOOST_AUTO_TEST_CASE(a_large_export_splits_as_save_pretrained_and_replaces_an_older_split) {
   namespace st = fsdp::safetensors;
-  // The rule alone: a new file when the next tensor would pass the limit; a larger tensor alone.
+  // The rule alone: a new file when the next tensor would pass the limit; a larger tensor alone, in
+  // the next file at once (huggingface_hub's numbering), the file being filled going on.
   std::vector<st::TensorEntry> entries = {{"a", "F32", {10}}, {"b", "F32", {10}}, {"c", "F32", {30}}, {"d", "F32", {5}}, {"e", "BF16", {10}}};
-  BOOST_TEST((st::split_into_files(entries, 80) == std::vector<int>{0, 0, 1, 2, 2}));
+  BOOST_TEST((st::split_into_files(entries, 80) == std::vector<int>{1, 1, 0, 2, 2}));
+  BOOST_TEST((st::split_into_files(entries, 100) == std::vector<int>{1, 1, 0, 1, 2}));
   BOOST_TEST((st::split_into_files(entries, 0) == std::vector<int>{0, 0, 0, 0, 0}));
   BOOST_TEST((st::split_into_files(entries, 1000) == std::vector<int>{0, 0, 0, 0, 0}));
   BOOST_TEST(st::shard_path("out/model.safetensors", 1, 3).string() == "out/model-00002-of-00003.safetensors");
@@ -389,9 +391,10 @@ BOOST_AUTO_TEST_CASE(a_large_export_splits_as_save_pretrained_and_replaces_an_ol
   const auto dir = shared_dir("split");
   auto engine = make_engine(5, ShardingStrategy::FULL_SHARD);
   const auto want = full_state(engine);
-  // A single-file export first: the split one replaces it (and a stray split of another count).
+  // A single-file export first: the split one replaces it. A file no fsdp index lists is not its to
+  // remove (a downloaded model's shard).
   fsdp::save_safetensors(*engine, dir + "/model.safetensors");
-  if (MpiComm::world().rank() == 0) std::ofstream(dir + "/model-00001-of-00009.safetensors") << "stale";
+  if (MpiComm::world().rank() == 0) std::ofstream(dir + "/model-00001-of-00009.safetensors") << "someone else's";
   MpiComm::world().barrier();
   fsdp::SafetensorsSaveOptions options;
   options.max_file_bytes = 600;
@@ -399,7 +402,7 @@ BOOST_AUTO_TEST_CASE(a_large_export_splits_as_save_pretrained_and_replaces_an_ol
   BOOST_TEST(result.files > 2);
   BOOST_TEST(result.path == dir + "/model.safetensors.index.json");
   BOOST_TEST(!fs::exists(dir + "/model.safetensors"));
-  BOOST_TEST(!fs::exists(dir + "/model-00001-of-00009.safetensors"));
+  BOOST_TEST(fs::exists(dir + "/model-00001-of-00009.safetensors"));
   std::int64_t data = 0, largest_shared = 0;
   for (int k = 0; k < result.files; ++k) {
     const auto path = st::shard_path(dir + "/model.safetensors", k, result.files).string();
@@ -420,4 +423,12 @@ BOOST_AUTO_TEST_CASE(a_large_export_splits_as_save_pretrained_and_replaces_an_ol
   BOOST_TEST(!fs::exists(result.path));
   BOOST_TEST(!fs::exists(st::shard_path(dir + "/model.safetensors", 0, result.files)));
   check_equal(read_all(dir + "/model.safetensors"), want);
+  // Another program's index and files (a downloaded model) stay where a single file is exported.
+  if (MpiComm::world().rank() == 0)
+    std::ofstream(dir + "/model.safetensors.index.json")
+        << R"({"metadata": {"total_size": 5}, "weight_map": {"x": "model-00001-of-00009.safetensors"}})";
+  MpiComm::world().barrier();
+  fsdp::save_safetensors(*engine, dir + "/model.safetensors");
+  BOOST_TEST(fs::exists(dir + "/model.safetensors.index.json"));
+  BOOST_TEST(fs::exists(dir + "/model-00001-of-00009.safetensors"));
 }

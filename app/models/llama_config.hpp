@@ -17,7 +17,8 @@ struct LlamaConfig {
   RopeScaling rope_scaling = RopeScaling::kNone;
   double rope_scaling_factor = 8, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
   std::int64_t rope_original_context = 8192;
-  bool deferred = false;  ///< fsdp.deferred_init: layers released as built
+  std::int64_t max_positions = 64, bos_token_id = -1, eos_token_id = -1;  ///< max_positions: model.max_positions or the context
+  bool deferred = false;                                                  ///< fsdp.deferred_init: layers released as built
 
   /// model.n_kv_heads, model.head_dim and model.intermediate_size of 0 take their defaults here.
   static LlamaConfig of(const ModelSection& m) {
@@ -39,6 +40,9 @@ struct LlamaConfig {
     c.rope_low_freq_factor = m.rope_low_freq_factor;
     c.rope_high_freq_factor = m.rope_high_freq_factor;
     c.rope_original_context = m.rope_original_context;
+    c.max_positions = m.max_positions > 0 ? m.max_positions : m.context;
+    c.bos_token_id = m.bos_token_id;
+    c.eos_token_id = m.eos_token_id;
     return c;
   }
   std::int64_t q_width() const { return n_heads * head_dim; }

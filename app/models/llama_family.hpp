@@ -138,6 +138,12 @@ class LlamaFamily final : public ModelFamily {
       blame("model.n_kv_heads", "model.n_kv_heads = " + std::to_string(kv) + " does not divide model.n_heads = " + std::to_string(h));
     if (deck.is_set("model.dropout") && deck.get_float("model.dropout") > 0)
       blame("model.dropout", "a llama has no dropout (Hugging Face's attention_dropout 0): leave model.dropout unset or 0");
+    if (const auto positions = deck.get_int("model.max_positions"); positions > 0 && deck.get_int("model.context") > positions) {
+      const Entry& c = deck.entry("model.context");
+      problems.push_back(detail::where(deck, c) + ": model.context: " + std::to_string(deck.get_int("model.context")) +
+                         " is beyond model.max_positions = " + std::to_string(positions) + " (" +
+                         detail::where(deck, deck.entry("model.max_positions")) + "): the model was not made for sequences this long");
+    }
     if (deck.get_string("model.rope_scaling") == "llama3" &&
         deck.get_float("model.rope_high_freq_factor") <= deck.get_float("model.rope_low_freq_factor"))
       blame("model.rope_high_freq_factor",

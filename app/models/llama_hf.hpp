@@ -9,8 +9,7 @@
 
 namespace fsdp::app {
 
-/// config.json of the Llama of `c`; `torch_dtype` as exported. max_position_embeddings is the
-/// context trained at (the model's own limit, if larger, is not known here).
+/// config.json of the Llama of `c`; `torch_dtype` as exported.
 inline nlohmann::ordered_json hf_llama_config(const LlamaConfig& c, const std::string& torch_dtype = "float32") {
   nlohmann::ordered_json j;
   // transformers' Llama biases o_proj too when attention_bias is set; Qwen2 biases exactly q, k, v.
@@ -25,7 +24,7 @@ inline nlohmann::ordered_json hf_llama_config(const LlamaConfig& c, const std::s
   j["num_key_value_heads"] = c.n_kv_heads;
   j["head_dim"] = c.head_dim;
   j["hidden_act"] = "silu";
-  j["max_position_embeddings"] = c.rope_scaling == RopeScaling::kLlama3 ? std::max(c.context, c.rope_original_context) : c.context;
+  j["max_position_embeddings"] = c.max_positions;
   j["rms_norm_eps"] = c.norm_eps;
   j["rope_theta"] = c.rope_theta;
   if (c.rope_scaling == RopeScaling::kLlama3)
@@ -47,6 +46,8 @@ inline nlohmann::ordered_json hf_llama_config(const LlamaConfig& c, const std::s
   j["initializer_range"] = 0.02;
   j["tie_word_embeddings"] = c.tie_embeddings;
   j["use_cache"] = true;
+  if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
+  if (c.eos_token_id >= 0) j["eos_token_id"] = c.eos_token_id;
   j["torch_dtype"] = torch_dtype;
   return j;
 }

@@ -197,7 +197,7 @@ SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, 
   auto& plan = *planned;
   // The files (one unless split): each with its own header; entry i is tensor where[i] of file file_of[i].
   const std::vector<int> file_of = safetensors::split_into_files(plan.entries, options.max_file_bytes);
-  const int n_files = file_of.empty() ? 1 : file_of.back() + 1;
+  const int n_files = safetensors::count_files(file_of);
   struct OutFile {
     std::filesystem::path path, tmp;
     std::vector<safetensors::TensorEntry> entries;
@@ -353,10 +353,11 @@ SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, 
   // Every file is complete before any is renamed into place; a split export's index comes last.
   error = detail::capture_error([&] {
     if (world.rank() != 0) return;
+    const auto earlier = safetensors::files_of_earlier_export(target);
     safetensors::clear_for_publishing(target, n_files);
     for (const auto& f : files) std::filesystem::rename(f.tmp, f.path);
     if (n_files > 1) write_file_atomically(safetensors::index_path(target), safetensors::index_json(plan.entries, file_of, target));
-    safetensors::remove_stale_files(target, n_files);
+    safetensors::remove_earlier_export(target, n_files, earlier);
   });
   agree_or_remove(error);
   SafetensorsSaveResult result;

@@ -160,13 +160,13 @@ inline ExportResult export_safetensors(const std::string& checkpoint, const std:
   }
   if (entries.empty()) throw CheckpointError(where + " has no model tensors (/model) to export");
   const std::vector<int> file_of = safetensors::split_into_files(entries, options.max_file_bytes);
-  const int n_files = file_of.back() + 1;
+  const int n_files = safetensors::count_files(file_of);
   const std::filesystem::path target(out);
   const std::filesystem::path dir = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
   std::filesystem::create_directories(dir);
 
   // Each file is written whole under a temporary name and fsynced before any is renamed into place.
-  std::vector<std::filesystem::path> temporaries;
+  std::vector<std::filesystem::path> temporaries, earlier;
   std::int64_t total_bytes = 0;
   auto remove_temporaries = [&] {
     std::error_code ec;
@@ -234,6 +234,7 @@ inline ExportResult export_safetensors(const std::string& checkpoint, const std:
       o.close();
       fsync_path(tmp);
     }
+    earlier = safetensors::files_of_earlier_export(target);
     safetensors::clear_for_publishing(target, n_files);
     for (int f = 0; f < n_files; ++f) {
       const auto path = safetensors::shard_path(target, f, n_files);
@@ -248,7 +249,7 @@ inline ExportResult export_safetensors(const std::string& checkpoint, const std:
     throw;
   }
   if (n_files > 1) write_file_atomically(safetensors::index_path(target), safetensors::index_json(entries, file_of, target));
-  safetensors::remove_stale_files(target, n_files);
+  safetensors::remove_earlier_export(target, n_files, earlier);
   const std::string published = n_files > 1 ? safetensors::index_path(target).string() : out;
   return {published, static_cast<std::int64_t>(entries.size()), total_bytes, n_files};
 }
