@@ -80,8 +80,11 @@ class Reader {
     if (!v.is_object()) problem(key, v.dump() + " is not an object");
     return Reader(v.is_object() ? v : empty, path_ + ": " + key);
   }
-  /// The object under `key`, or this file's top level where `key` is absent or null.
-  Reader nested_or_self(const char* key) { return has(key) ? nested(key) : Reader(j_, path_); }
+  /// The object under `key`, or an empty one where `key` is absent or null.
+  Reader nested_or_empty(const char* key) {
+    static const Json empty = Json::object();
+    return has(key) ? nested(key) : Reader(empty, path_ + ": " + key);
+  }
   /// A nested reader's problems become this one's.
   void absorb(const Reader& other) { problems_.insert(problems_.end(), other.problems_.begin(), other.problems_.end()); }
 
@@ -123,8 +126,8 @@ void read_llama_family(Reader& r, const std::string& architecture) {
   // transformers 5 writes the rotary settings as rope_parameters {rope_theta, rope_type, ...}; earlier
   // releases as rope_theta and rope_scaling {rope_type (or type), ...}.
   const bool parameters = r.has("rope_parameters");
-  Reader rope = parameters ? r.nested("rope_parameters") : r.nested_or_self("rope_scaling");
-  r.set("model.rope_theta", parameters ? rope.number("rope_theta", 10000.0) : r.number("rope_theta", 10000.0),
+  Reader rope = parameters ? r.nested("rope_parameters") : r.nested_or_empty("rope_scaling");
+  r.set("model.rope_theta", parameters ? rope.number("rope_theta", r.number("rope_theta", 10000.0)) : r.number("rope_theta", 10000.0),
         parameters ? "rope_parameters.rope_theta" : "rope_theta");
   // transformers' LlamaConfig, Qwen2Config and MistralConfig all default to an untied head.
   r.set("model.tie_embeddings", r.boolean("tie_word_embeddings", false), "tie_word_embeddings");
@@ -145,12 +148,10 @@ void read_llama_family(Reader& r, const std::string& architecture) {
   // A list of end tokens (Llama 3.1's) is not one id: left to the tokenizer's files.
   for (const auto& [key, model_key] : {std::pair{"bos_token_id", "model.bos_token_id"}, std::pair{"eos_token_id", "model.eos_token_id"}})
     if (r.has(key) && r.raw(key).is_number_integer() && r.raw(key).get<std::int64_t>() >= 0) r.set(model_key, r.raw(key).get<std::int64_t>(), key);
-  // Mistral's window applies whenever it is set (absent: MistralConfig's 4096; null: none); Qwen2's
-  // only with use_sliding_window.
-  if (mistral && !r.written("sliding_window"))
-    r.model().sliding_window = 4096;
-  else if ((mistral || (qwen2 && r.boolean("use_sliding_window", false))) && r.has("sliding_window"))
-    r.model().sliding_window = r.integer("sliding_window");
+  // Mistral's window applies whenever it is set, Qwen2's only with use_sliding_window; absent, both
+  // configs' default is 4096; null: none.
+  if (mistral || (qwen2 && r.boolean("use_sliding_window", false)))
+    r.model().sliding_window = !r.written("sliding_window") ? 4096 : r.has("sliding_window") ? r.integer("sliding_window") : 0;
   const char* where = parameters ? "rope_parameters" : "rope_scaling";
   r.supported("rope type \"llama3\" is, and the default");
   const std::string type = rope.text("rope_type", rope.text("type", "default"));

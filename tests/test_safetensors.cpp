@@ -424,6 +424,7 @@ BOOST_AUTO_TEST_CASE(a_large_export_splits_as_save_pretrained_and_replaces_an_ol
   BOOST_TEST(!fs::exists(st::shard_path(dir + "/model.safetensors", 0, result.files)));
   check_equal(read_all(dir + "/model.safetensors"), want);
   // Another program's index and files (a downloaded model) stay where a single file is exported.
+  MpiComm::world().barrier();  // every rank has looked at the folder above
   if (MpiComm::world().rank() == 0)
     std::ofstream(dir + "/model.safetensors.index.json")
         << R"({"metadata": {"total_size": 5}, "weight_map": {"x": "model-00001-of-00009.safetensors"}})";

@@ -354,10 +354,10 @@ SafetensorsSaveResult save_safetensors(Engine& engine, const std::string& path, 
   error = detail::capture_error([&] {
     if (world.rank() != 0) return;
     const auto earlier = safetensors::files_of_earlier_export(target);
-    safetensors::clear_for_publishing(target, n_files);
+    safetensors::clear_for_publishing(target, n_files, earlier);
     for (const auto& f : files) std::filesystem::rename(f.tmp, f.path);
     if (n_files > 1) write_file_atomically(safetensors::index_path(target), safetensors::index_json(plan.entries, file_of, target));
-    safetensors::remove_earlier_export(target, n_files, earlier);
+    safetensors::finish_publishing(target, n_files, earlier);
   });
   agree_or_remove(error);
   SafetensorsSaveResult result;

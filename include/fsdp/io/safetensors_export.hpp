@@ -235,7 +235,7 @@ inline ExportResult export_safetensors(const std::string& checkpoint, const std:
       fsync_path(tmp);
     }
     earlier = safetensors::files_of_earlier_export(target);
-    safetensors::clear_for_publishing(target, n_files);
+    safetensors::clear_for_publishing(target, n_files, earlier);
     for (int f = 0; f < n_files; ++f) {
       const auto path = safetensors::shard_path(target, f, n_files);
       std::error_code ec;
@@ -249,7 +249,7 @@ inline ExportResult export_safetensors(const std::string& checkpoint, const std:
     throw;
   }
   if (n_files > 1) write_file_atomically(safetensors::index_path(target), safetensors::index_json(entries, file_of, target));
-  safetensors::remove_earlier_export(target, n_files, earlier);
+  safetensors::finish_publishing(target, n_files, earlier);
   const std::string published = n_files > 1 ? safetensors::index_path(target).string() : out;
   return {published, static_cast<std::int64_t>(entries.size()), total_bytes, n_files};
 }

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <algorithm>
 #include <fstream>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -90,48 +91,55 @@ inline std::string index_json(const std::vector<TensorEntry>& entries, const std
   return index.dump(2) + "\n";
 }
 
-/// The files of the split export an fsdp index beside `target` lists (metadata.written_by "fsdp"):
-/// what a new export under the same name replaces. Nothing for another program's index (a downloaded
-/// model's files are never removed), an unreadable one, or none.
+/// The files of the split export an fsdp index beside `target` lists (metadata.written_by "fsdp"),
+/// only names shard_path gives (<stem>-NNNNN-of-NNNNN.safetensors): what a new export under the same
+/// name replaces. Nothing for another program's index (a downloaded model's files are never
+/// removed), an unreadable one, or none.
 inline std::vector<std::filesystem::path> files_of_earlier_export(const std::filesystem::path& target) {
   std::ifstream in(index_path(target));
   if (!in) return {};
   const auto index = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (!index.is_object() || !index.contains("metadata") || !index["metadata"].is_object() ||
-      index["metadata"].value("written_by", std::string()) != "fsdp" || !index.contains("weight_map") || !index["weight_map"].is_object())
+  if (!index.is_object() || !index.contains("metadata") || !index["metadata"].is_object() || !index.contains("weight_map") ||
+      !index["weight_map"].is_object())
     return {};
+  const auto& by = index["metadata"];
+  if (!by.contains("written_by") || !by["written_by"].is_string() || by["written_by"].get<std::string>() != "fsdp") return {};
+  const std::string stem = target.stem().string();
+  auto is_shard_name = [&](const std::string& name) {
+    static const std::regex tail(R"(-\d{5}-of-\d{5}\.safetensors)");
+    return name.size() > stem.size() && name.compare(0, stem.size(), stem) == 0 && std::regex_match(name.substr(stem.size()), tail);
+  };
   std::vector<std::filesystem::path> files;
   for (const auto& [tensor, file] : index["weight_map"].items())
-    if (file.is_string() && file.get<std::string>().find('/') == std::string::npos) {
+    if (file.is_string() && is_shard_name(file.get<std::string>())) {
       const auto path = target.parent_path() / file.get<std::string>();
       if (std::find(files.begin(), files.end(), path) == files.end()) files.push_back(path);
     }
   return files;
 }
 
-/// Before the files of an export of `n` files named `target` replace what is there: a split export's
-/// old index and single file (the export's own names) go first, so that a crash while the new files
-/// are renamed into place leaves a folder no reader takes for a model, never one that mixes two. A
-/// single file replaces its old self in one rename and needs nothing removed first.
-inline void clear_for_publishing(const std::filesystem::path& target, int n) {
-  if (n <= 1) return;
-  std::error_code ec;
-  std::filesystem::remove(index_path(target), ec);
-  std::filesystem::remove(target, ec);
-}
-
-/// After an export of `n` files named `target` is in place (and its index, if split): the files of
-/// the earlier fsdp export under that name (`earlier`, from files_of_earlier_export before publishing)
-/// that this one did not write again, and its index after a single-file export, are removed.
-inline void remove_earlier_export(const std::filesystem::path& target, int n, const std::vector<std::filesystem::path>& earlier) {
-  if (earlier.empty()) return;
+/// Before the files of an export of `n` files named `target` replace what is there. The earlier fsdp
+/// export's files (`earlier`, files_of_earlier_export) that this one does not write again go first:
+/// nothing will list them. Then a split export's old index and single file (the export's own names),
+/// so that a crash while the new files are renamed into place leaves a folder no reader takes for a
+/// model, never one that mixes two. A single file replaces its old self in one rename.
+inline void clear_for_publishing(const std::filesystem::path& target, int n, const std::vector<std::filesystem::path>& earlier) {
   std::error_code ec;
   for (const auto& file : earlier) {
     bool rewritten = false;
     for (int k = 0; k < n && !rewritten; ++k) rewritten = shard_path(target, k, n) == file;
     if (!rewritten) std::filesystem::remove(file, ec);
   }
-  if (n <= 1) std::filesystem::remove(index_path(target), ec);
+  if (n <= 1) return;
+  std::filesystem::remove(index_path(target), ec);
+  std::filesystem::remove(target, ec);
+}
+
+/// After a single-file export is in place: the earlier fsdp export's index, which lists files gone.
+inline void finish_publishing(const std::filesystem::path& target, int n, const std::vector<std::filesystem::path>& earlier) {
+  if (n > 1 || earlier.empty()) return;
+  std::error_code ec;
+  std::filesystem::remove(index_path(target), ec);
   ckpt::fsync_path(target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path());
 }
 
