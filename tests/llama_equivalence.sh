@@ -164,6 +164,10 @@ mkdir -p "$WORK/smollm2/smollm2-135m"
   --set run.out_dir=run) >"$WORK/smollm2.log" 2>&1 || { cat "$WORK/smollm2.log"; fail "smollm2: fsdp-train"; }
 grep -q "initialized the model from smollm2-135m (native names)" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log"; fail "smollm2: no start from the folder"; }
 grep -q "272 tensor(s) of the file widened from BF16 to Float" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log"; fail "smollm2: bf16 not widened"; }
+# 2 steps of a deck made for 1000: its warmup and evaluations are said not to fit.
+grep -q "warning: optim.warmup_steps = 50 is not shorter than the run's 2 steps" "$WORK/smollm2.log" &&
+  grep -q "warning: eval.every_steps = 200 is beyond the run's 2 steps: one evaluation, after the last step" "$WORK/smollm2.log" ||
+  { cat "$WORK/smollm2.log"; fail "smollm2: no warning that the schedule does not fit"; }
 grep -q "exported 272 tensors (hf names)" "$WORK/smollm2.log" || { cat "$WORK/smollm2.log"; fail "smollm2: export"; }
 "$PY" -c "import json, sys; c = json.load(open(sys.argv[1])); sys.exit(c['architectures'] != ['LlamaForCausalLM'] or c['hidden_size'] != 576)" \
   "$WORK/smollm2/run/hf/config.json" || fail "smollm2: the export's config.json is not SmolLM2-135M's"

@@ -986,3 +986,22 @@ BOOST_AUTO_TEST_CASE(llama3_rope_scaling_and_export_names_and_shard_sizes) {
   BOOST_TEST(!parse_byte_size("-1GB"));
   BOOST_TEST(!parse_byte_size("GB"));
 }
+
+BOOST_AUTO_TEST_CASE(a_schedule_that_cannot_do_what_the_deck_says_is_warned_about) {
+  auto cfg_of = [](const std::string& text) { return resolve_run_config(Deck::parse(text, "inputs/a.toml", {}), placement_of(1, 1)); };
+  // inputs/gpt2_finetune.toml as it was on llm.c's tiny Shakespeare: 298 sequences, global batch 32.
+  const auto finetune = cfg_of(
+      "[run]\nepochs = 1\nmax_steps = 200\n[optim]\nkind = 'adamw'\nwarmup_steps = 20\n[eval]\nevery_steps = 50\n[checkpoint]\nevery_steps = 100\n");
+  const auto w = schedule_warnings(finetune, 9, 9, 298, 32, true);
+  BOOST_TEST_REQUIRE(w.size() == 4u);
+  BOOST_TEST(w[0] ==
+             "run.max_steps = 200 cannot be reached: the data gives 9 optimizer steps per epoch (298 training samples, global batch 32) x "
+             "run.epochs 1 = 9; the run ends at step 9 (run.epochs = 23 would reach it)");
+  BOOST_TEST(w[1] == "eval.every_steps = 50 is beyond the run's 9 steps: one evaluation, after the last step");
+  BOOST_TEST(w[2] == "optim.warmup_steps = 20 is not shorter than the run's 9 steps: the learning rate never reaches optim.lr");
+  BOOST_TEST(w[3] == "checkpoint.every_steps = 100 is beyond the run's 9 steps: the only checkpoint is the final one");
+  BOOST_TEST(schedule_warnings(finetune, 9, 9, 298, 32, false)[1] ==
+             "eval.every_steps = 50 asks for evaluation, but there is no validation data (data.val_path is empty): none will run");
+  // A deck that does what it says: nothing.
+  BOOST_TEST(schedule_warnings(finetune, 200, 200, 6400, 32, true).empty());
+}

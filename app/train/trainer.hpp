@@ -208,6 +208,9 @@ class Trainer {
                       true);
     const std::int64_t all_epochs = p.steps_per_epoch * cfg_.run.epochs;
     p.total_steps = cfg_.run.max_steps > 0 ? std::min(cfg_.run.max_steps, all_epochs) : all_epochs;
+    if (root_ && start_.step == 0)
+      for (const auto& w : schedule_warnings(cfg_, p.steps_per_epoch, p.total_steps, data_.train_size(), p.global_batch, data_.has_test))
+        std::printf("warning: %s\n", w.c_str());
   }
 
   // ---- the loop -------------------------------------------------------------------------------
