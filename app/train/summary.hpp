@@ -232,7 +232,11 @@ inline void print_summary(int world_size, const RunTotals& t, const RunStatsAcro
   const bool tokens = t.tokens_per_sample > 0;
   std::printf("\n%lld steps, median step %.1f ms, %.0f %s, wall %.1f s\n", static_cast<long long>(t.steps), median_of(t.step_ms),
               tokens ? r.rate * static_cast<double>(t.tokens_per_sample) : r.rate, tokens ? "tokens/s" : "samples/s", t.wall_s);
-  if (t.eval) std::printf("test accuracy %.2f%%, test loss %.4f\n", 100 * t.eval->accuracy, t.eval->loss);
+  // A language model's loss per token is read as perplexity; an image classifier's as accuracy.
+  if (t.eval && tokens)
+    std::printf("eval loss %.4f, perplexity %.2f (per token)\n", t.eval->loss, std::exp(t.eval->loss));
+  else if (t.eval)
+    std::printf("test accuracy %.2f%%, test loss %.4f\n", 100 * t.eval->accuracy, t.eval->loss);
   std::printf("wrote %s%s%s\n", (t.out_dir / "summary.json").c_str(), t.metrics_path.empty() ? "" : " and ", t.metrics_path.c_str());
 }
 
