@@ -1,7 +1,6 @@
 // Input decks of fsdp-train (app layer): TOML parsing and validation against the schema
 // (deck_schema.cpp), --set overrides, the checks between keys, the echo table and the resolved deck as TOML.
 #include "deck.hpp"
-#include "hf_config.hpp"
 
 #include "fsdp/core/strategy.hpp"
 
@@ -536,52 +535,6 @@ void Deck::set(const std::string& key, Value v, Source s) {
   e.source = s;
   e.line = 0;
   e.where = "set()";
-}
-
-void Deck::apply_hf_config(std::vector<std::string>& problems) {
-  // A config applied before (an earlier parse, another --set of model.hf_config) is undone first.
-  for (auto& e : entries_)
-    if (e.source == Source::kHfConfig) e = Entry{e.spec, e.spec->default_value, Source::kDefault, 0, ""};
-  const Entry& named = entry("model.hf_config");
-  const std::string& path = std::get<std::string>(named.value);
-  if (path.empty()) return;
-  const std::string origin = (named.where.empty() ? path_ : named.where) + ": model.hf_config";
-  HfConfigModel config;
-  try {
-    config = read_hf_config(path);
-  } catch (const DeckError& e) {
-    for (const auto& p : e.problems()) problems.push_back(origin + ": " + p);
-    return;
-  }
-  for (const auto& v : config.values) {
-    Entry& e = mutable_entry(v.key);
-    const std::string from = config.path + ": " + v.hf_key;
-    Value value = v.value;
-    if (auto msg = coerce(*e.spec, value)) {
-      problems.push_back(from + ": " + *msg);
-      continue;
-    }
-    std::vector<Issue> issues;
-    check_value(*e.spec, value, issues, 0);
-    for (const auto& i : issues) problems.push_back(from + ": " + i.text);
-    if (!issues.empty()) continue;
-    if (e.source != Source::kDefault) {
-      if (format_value(e.value) != format_value(value))
-        problems.push_back(e.where + ": " + v.key + ": " + format_value(e.value) + " contradicts " + v.hf_key + " = " + format_value(value) + " in " +
-                           config.path + " (" + origin + "); leave " + v.key + " out of the deck");
-      continue;
-    }
-    e.value = std::move(value);
-    e.source = Source::kHfConfig;
-    e.line = 0;
-    e.where = from;
-  }
-  const auto context = get_int("model.context");
-  const Entry& context_entry = entry("model.context");
-  const std::string context_where = context_entry.where.empty() ? path_ : context_entry.where;
-  if (config.sliding_window > 0 && context > config.sliding_window)
-    problems.push_back(context_where + ": model.context: " + std::to_string(context) + " is beyond " + config.path + "'s sliding_window = " +
-                       std::to_string(config.sliding_window) + ", which is not supported (up to it, attention is exactly full attention)");
 }
 
 std::string Deck::out_dir() const {

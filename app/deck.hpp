@@ -130,7 +130,7 @@ class Deck {
  private:
   Entry& mutable_entry(const std::string& key);
   /// model.hf_config: its config.json's values on keys the deck leaves at their defaults (a
-  /// contradicting deck value, or a config that cannot be read or built, is a problem).
+  /// contradicting deck value, or a config that cannot be read or built, is a problem). In hf_config.cpp.
   void apply_hf_config(std::vector<std::string>& problems);
   const Entry& typed_entry(const std::string& key, KeyType type, const char* getter) const;
 

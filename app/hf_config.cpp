@@ -247,4 +247,46 @@ HfConfigModel read_hf_config(const std::string& path) {
   return out;
 }
 
+void Deck::apply_hf_config(std::vector<std::string>& problems) {
+  // A config applied before (an earlier parse, another --set of model.hf_config) is undone first.
+  for (auto& e : entries_)
+    if (e.source == Source::kHfConfig) e = Entry{e.spec, e.spec->default_value, Source::kDefault, 0, ""};
+  const Entry& named = entry("model.hf_config");
+  const std::string& path = std::get<std::string>(named.value);
+  if (path.empty()) return;
+  const std::string origin = (named.where.empty() ? path_ : named.where) + ": model.hf_config";
+  HfConfigModel config;
+  try {
+    config = read_hf_config(path);
+  } catch (const DeckError& e) {
+    for (const auto& p : e.problems()) problems.push_back(origin + ": " + p);
+    return;
+  }
+  Deck probe;  // each value checked and normalized as the deck's own would be
+  for (const auto& v : config.values) {
+    const std::string from = config.path + ": " + v.hf_key;
+    try {
+      probe.set(v.key, v.value, Source::kHfConfig);
+    } catch (const DeckError& e) {
+      for (const auto& p : e.problems()) problems.push_back(from + ": " + p);
+      continue;
+    }
+    const Value& value = probe.entry(v.key).value;
+    Entry& e = mutable_entry(v.key);
+    if (e.source != Source::kDefault) {
+      if (format_value(e.value) != format_value(value))
+        problems.push_back(e.where + ": " + v.key + ": " + format_value(e.value) + " contradicts " + v.hf_key + " = " + format_value(value) + " in " +
+                           config.path + " (" + origin + "); leave " + v.key + " out of the deck");
+      continue;
+    }
+    e = Entry{e.spec, value, Source::kHfConfig, 0, from};
+  }
+  const auto context = get_int("model.context");
+  const Entry& context_entry = entry("model.context");
+  const std::string context_where = context_entry.where.empty() ? path_ : context_entry.where;
+  if (config.sliding_window > 0 && context > config.sliding_window)
+    problems.push_back(context_where + ": model.context: " + std::to_string(context) + " is beyond " + config.path + "'s sliding_window = " +
+                       std::to_string(config.sliding_window) + ", which is not supported (up to it, attention is exactly full attention)");
+}
+
 }  // namespace fsdp::app

@@ -273,6 +273,17 @@ def build_model(deck, torch):
     d, heads, ctx, vocab = deck["model.d_model"], deck["model.n_heads"], deck["model.context"], deck["model.vocab_size"]
     p = 0.1 if dropout is None else dropout
 
+    def init_normal(module, keep):
+        """Weights N(0, 0.02), biases zero; the parameters `keep` names (the norms) as they are."""
+        with torch.no_grad():
+            for name, prm in module.named_parameters():
+                if keep(name):
+                    continue
+                if name.endswith("bias"):
+                    prm.zero_()
+                else:
+                    prm.normal_(0, 0.02)
+
     class CausalSelfAttention(nn.Module):
         def __init__(self):
             super().__init__()
@@ -324,14 +335,7 @@ def build_model(deck, torch):
                 setattr(self, f"block{i}", TransformerBlock())
             self.ln_f = nn.LayerNorm(d)
             self.head = LmHead(self.tok.weight if deck["model.tie_embeddings"] else None)
-            with torch.no_grad():  # GPT-2 initialization, as GptImpl
-                for name, prm in self.named_parameters():
-                    if "ln" in name:
-                        continue
-                    if name.endswith("bias"):
-                        prm.zero_()
-                    else:
-                        prm.normal_(0, 0.02)
+            init_normal(self, keep=lambda name: "ln" in name)  # GPT-2 initialization, as GptImpl
 
         def forward(self, idx):
             t = idx.size(1)
@@ -418,14 +422,7 @@ def build_model(deck, torch):
                 setattr(self, f"layer{i}", LlamaDecoderLayer())
             self.norm = RMSNorm()
             self.head = LmHead(self.embed_tokens.weight if deck["model.tie_embeddings"] else None)
-            with torch.no_grad():  # Hugging Face's init, as app/models/llama.hpp's deferred one
-                for name, prm in self.named_parameters():
-                    if name.endswith("norm.weight"):
-                        continue
-                    if name.endswith("bias"):
-                        prm.zero_()
-                    else:
-                        prm.normal_(0, 0.02)
+            init_normal(self, keep=lambda name: name.endswith("norm.weight"))  # Hugging Face's, as app/models/llama.hpp's
 
         def forward(self, idx):
             x = self.embed_tokens(idx)
