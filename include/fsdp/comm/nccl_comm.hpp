@@ -242,23 +242,26 @@ class NcclComm {
       const char* call = "ncclCommSplit(comm, color, key, &sub, &config)";
       const detail::Deadline deadline(state_->options.timeout_s);
       ncclConfig_t config = detail::nonblocking_config();
-      ncclComm_t c = nullptr;
+      // A non-blocking split writes the new handle into *slot only when it completes, from NCCL's own
+      // thread; until then the parent reports ncclInProgress. The slot lives on the heap and is leaked
+      // when the wait fails (8 bytes), so that a late write never lands in a freed stack frame.
+      auto* slot = new ncclComm_t(nullptr);
       ncclResult_t rc = ncclSuccess;
       {
         const std::lock_guard<std::recursive_mutex> lock(state_->lane->mutex);  // the lane's watcher may abort the parent
         state_->check_usable("split");
-        rc = ncclCommSplit(state_->comm, color, key, &c, &config);
+        rc = ncclCommSplit(state_->comm, color, key, slot, &config);
       }
-      if (rc != ncclSuccess && rc != ncclInProgress) {
-        if (c != nullptr) ncclCommAbort(c);
-        state_->settle(rc, call, "split", __FILE__, __LINE__, deadline);  // throws
-      }
+      if (rc != ncclSuccess && rc != ncclInProgress) state_->settle(rc, call, "split", __FILE__, __LINE__, deadline);  // throws
+      state_->settle(ncclInProgress, call, "split", __FILE__, __LINE__, deadline);
+      const ncclComm_t c = std::atomic_ref<ncclComm_t>(*slot).load(std::memory_order_acquire);
+      delete slot;
+      if (c == nullptr) throw CommError(state_->who() + ": split: " + call + " completed without a communicator" + detail::where(__FILE__, __LINE__));
       sub->comm = c;
       sub->rank = rank();
       sub->size = size();
-      // Both the new communicator and the parent may report ncclInProgress until the split is through.
-      sub->settle(rc, call, "split", __FILE__, __LINE__, deadline);
-      state_->settle(ncclInProgress, call, "split", __FILE__, __LINE__, deadline);
+      // The new communicator may still report ncclInProgress once the parent is through.
+      sub->settle(ncclInProgress, call, "split", __FILE__, __LINE__, deadline);
       FSDP_NCCL_CHECK(ncclCommCount(c, &sub->size));
       FSDP_NCCL_CHECK(ncclCommUserRank(c, &sub->rank));
       sub->add_to_lane();

@@ -359,7 +359,9 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
       OptimizerStateView view;
       view.step = staged.units[i].optim_step;
       view.tensors = staged.units[i].optim;
-      for (auto& [name, t] : view.tensors) t = units[i].optimized_part_of(t);  // checkpoints hold shard-shaped state
+      // Checkpoints hold shard-shaped state, read into host memory; the optimizer keeps it where the
+      // parameter it updates lives (a GPU, or the host under offload).
+      for (auto& [name, t] : view.tensors) t = units[i].optimized_part_of(t).to(units[i].optimized.device());
       try {
         staged.optimizer_states[i] = make_optimizer_state(*optimizer, view);
       } catch (const ConfigError& e) {
