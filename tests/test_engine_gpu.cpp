@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "collective_deadline.hpp"
+#include "crash_report.hpp"
 #include "model_error.hpp"
 
 namespace {
@@ -172,9 +173,13 @@ class Cases {
       (void)train(o, 0, 2, "", folder);
       const auto resumed = train(o, 2, kSteps, saved_);
       report("FULL_SHARD checkpoint save, load and resume", bitwise_equal(resumed.params, whole.params), "resumed against uninterrupted");
+      stage("after the resume case: barrier");
       world_.barrier();
+      stage("removing the checkpoint folder");
       if (world_.rank() == 0) std::filesystem::remove_all(folder);
+      stage("leaving the resume case");
     }
+    stage("summing the failures");
     int total = 0;
     world_.all_reduce(&failures_, &total, 1, fsdp::DType::kInt32, fsdp::ReduceOp::kSum);
     if (world_.rank() == 0)
@@ -190,6 +195,11 @@ class Cases {
     o.auto_wrap_policy = fsdp::AutoWrapPolicy::module_types({"Linear"});
     o.device = device_;
     return o;
+  }
+  // A marker on stderr, flushed: where a crash without a usable stack happened (a GPU node's run).
+  void stage(const char* where) const {
+    std::fprintf(stderr, "stage (rank %d): %s\n", world_.rank(), where);
+    std::fflush(stderr);
   }
   void report(const std::string& name, bool ok, const std::string& detail) {
     failures_ += ok ? 0 : 1;
@@ -207,6 +217,7 @@ class Cases {
 
 int main(int argc, char** argv) {
   fsdp::MpiEnvironment env(&argc, &argv, MPI_THREAD_MULTIPLE);
+  test_support::install_crash_report();  // after MPI_Init, whose handler prints no usable stack for a null call
   auto world = MpiComm::world();
   const bool on_cpu = argc > 1 && std::strcmp(argv[1], "--cpu") == 0;
   if (on_cpu) {
@@ -244,5 +255,12 @@ int main(int argc, char** argv) {
   const int chosen = fsdp::choose_device(-1, local_rank, devices);
   const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(chosen));
   fsdp::NcclOptions nccl;
-  return Cases<NcclComm>(world, NcclComm::from_mpi(world, nccl), device).run();
+  int rc = 0;
+  {
+    Cases<NcclComm> cases(world, NcclComm::from_mpi(world, nccl), device);
+    rc = cases.run();
+    std::fprintf(stderr, "stage (rank %d): destroying the NCCL communicator\n", world.rank());
+  }
+  std::fprintf(stderr, "stage (rank %d): finalizing MPI\n", world.rank());
+  return rc;
 }
