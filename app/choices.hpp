@@ -88,17 +88,23 @@ struct ChoiceNames<RopeScaling> {
                                      std::pair{RopeScaling::kLlama3, std::string_view("llama3")}};
 };
 
-enum class DataKind { kFashionMnist, kMnist, kTokens, kText, kTokenShards };
+enum class DataKind { kFashionMnist, kMnist, kTokens, kText, kTokenShards, kIndexed };
 template <>
 struct ChoiceNames<DataKind> {
   static constexpr std::array kNames{std::pair{DataKind::kFashionMnist, std::string_view("fashion-mnist")},
-                                     std::pair{DataKind::kMnist, std::string_view("mnist")}, std::pair{DataKind::kTokens, std::string_view("tokens")},
+                                     std::pair{DataKind::kMnist, std::string_view("mnist")},
+                                     std::pair{DataKind::kTokens, std::string_view("tokens")},
                                      std::pair{DataKind::kText, std::string_view("text")},
-                                     std::pair{DataKind::kTokenShards, std::string_view("token-shards")}};
+                                     std::pair{DataKind::kTokenShards, std::string_view("token-shards")},
+                                     std::pair{DataKind::kIndexed, std::string_view("indexed")}};
 };
 
 /// Token sequences (for model.kind = "transformer") rather than images.
-constexpr bool is_token_data(DataKind kind) { return kind == DataKind::kTokens || kind == DataKind::kText || kind == DataKind::kTokenShards; }
+constexpr bool is_token_data(DataKind kind) {
+  return kind == DataKind::kTokens || kind == DataKind::kText || kind == DataKind::kTokenShards || kind == DataKind::kIndexed;
+}
+/// Token files read memory-mapped as one stream (TokenStream): llm.c / nanoGPT files or a Megatron indexed dataset.
+constexpr bool is_token_file_data(DataKind kind) { return kind == DataKind::kTokenShards || kind == DataKind::kIndexed; }
 
 /// data.token_format: llm.c shards, or headerless uint16 / uint32 tokens (data.hpp reads them).
 enum class TokenFormat { kLlmc, kUint16, kUint32 };

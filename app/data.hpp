@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -154,16 +155,33 @@ inline constexpr std::int32_t kLlmcMagicUint16 = 20240520, kLlmcVersionUint16 = 
 inline constexpr std::int32_t kLlmcMagicUint32 = 20240801, kLlmcVersionUint32 = 7;
 inline constexpr std::int64_t kLlmcHeaderBytes = 256 * 4;
 
-/// The files matched by a glob pattern (glob(3)), sorted by name, memory-mapped and read as one
-/// stream of tokens. Nothing is copied into memory: a read touches only the pages of its tokens.
-/// Not copyable (it owns the mappings); movable.
+/// How a token file stores one token: llm.c and nanoGPT files hold uint16 or uint32; Megatron's
+/// indexed datasets any of its integer dtype codes (uint8 1, int8 2, int16 3, int32 4, int64 5, uint16 8).
+enum class TokenElement : std::uint8_t { kUint8, kInt8, kInt16, kUint16, kInt32, kUint32, kInt64 };
+int token_element_bytes(TokenElement e) noexcept;
+
+/// Megatron-LM / GPT-NeoX indexed datasets (`prefix.bin` + `prefix.idx`): the index's magic, version
+/// and where its fields start.
+inline constexpr std::string_view kIndexedMagic{"MMIDIDX\0\0", 9};
+inline constexpr std::uint64_t kIndexedVersion = 1;
+inline constexpr std::int64_t kIndexedHeaderBytes = 34;  // magic 9, version 8, dtype code 1, two counts 8 + 8
+
+/// Token files read as one stream: the files of a glob (llm.c, nanoGPT), or the sequences of a
+/// Megatron indexed dataset in index order. Memory-mapped: nothing is copied into memory, a read
+/// touches only the pages of its tokens. Not copyable (it owns the mappings); movable.
 class TokenStream {
  public:
-  /// Opens every file `pattern` matches. DataError naming the pattern when nothing matches, and
-  /// naming the file (and the byte offset of a header field) for a wrong magic or version, a size
-  /// that does not match the header's token count, a size that is not a whole number of tokens, an
-  /// empty file.
+  /// Opens every file `pattern` matches, sorted by name. DataError naming the pattern when nothing
+  /// matches, and naming the file (and the byte offset of a header field) for a wrong magic or
+  /// version, a size that does not match the header's token count, a size that is not a whole number
+  /// of tokens, an empty file.
   static TokenStream open(const std::string& pattern, TokenFormat format);
+  /// Opens the indexed dataset `prefix` (`prefix.bin` and `prefix.idx`; a path ending in .bin or .idx
+  /// names the same pair). DataError naming the file and byte offset for a wrong magic, version or
+  /// dtype code (a floating-point dtype is not a token type), an index shorter than its counts, a
+  /// negative length, sequences that are not back to back in the .bin, a sequence past the end of the
+  /// .bin, document indices that do not run from 0 to the sequence count, or no tokens.
+  static TokenStream open_indexed(const std::string& prefix);
 
   TokenStream() = default;
   TokenStream(TokenStream&& other) noexcept;
@@ -176,14 +194,17 @@ class TokenStream {
   std::int64_t size() const noexcept { return total_; }
   std::size_t num_files() const noexcept { return files_.size(); }
   const std::string& file_path(std::size_t i) const { return files_.at(i).path; }
+  /// Indexed datasets: where each document starts in the stream, and the stream's size last (the
+  /// index's document boundaries); empty for other files.
+  const std::vector<std::int64_t>& document_starts() const noexcept { return document_starts_; }
   /// Token `i` of the stream (0 <= i < size()).
-  std::uint32_t at(std::int64_t i) const;
+  std::int64_t at(std::int64_t i) const;
   /// Tokens [first, first + n) into `out` (possibly across files).
   void read(std::int64_t first, std::int64_t n, std::int64_t* out) const;
   /// "file 'x' at byte offset N": where token `i` is stored, for messages.
   std::string where(std::int64_t i) const;
   /// Checks tokens [first, last) against `vocab`: DataError naming the file and byte offset of the
-  /// first token >= vocab.
+  /// first token that is negative or >= vocab.
   void check_vocab(std::int64_t first, std::int64_t last, std::int64_t vocab) const;
 
  private:
@@ -192,12 +213,13 @@ class TokenStream {
     const unsigned char* map = nullptr;  // the whole file
     std::size_t map_bytes = 0;
     std::int64_t data_offset = 0;  // bytes before the first token
-    int token_bytes = 2;
+    TokenElement element = TokenElement::kUint16;
     std::int64_t tokens = 0;
     std::int64_t first = 0;  // index of its first token in the stream
   };
   std::size_t file_of(std::int64_t i) const;
   std::vector<File> files_;
+  std::vector<std::int64_t> document_starts_;
   std::int64_t total_ = 0;
 };
 

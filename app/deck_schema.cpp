@@ -93,12 +93,14 @@ void add_data_keys(std::vector<KeySpec>& s) {
                .default_value = "fashion-mnist",
                .choices = choice_names<DataKind>(),
                .description = "fashion-mnist or mnist (IDX files in data.path), tokens (synthetic sequences), text (a file, one token per "
-                              "byte), token-shards (llm.c or nanoGPT token files matched by the glob data.path, read memory-mapped)"});
+                              "byte), token-shards (llm.c or nanoGPT token files matched by the glob data.path, read memory-mapped), indexed (a "
+                              "Megatron-LM / GPT-NeoX indexed dataset: data.path.bin and data.path.idx, read memory-mapped)"});
   s.push_back({.key = "data.path",
                .type = T::kString,
                .default_value = "/usr/share/datasets/fashion-mnist",
                .description = "folder of the IDX files (fashion-mnist, mnist), the text file (text), or a glob of token files "
-                              "(token-shards: sorted by name and read as one stream); unused for tokens"});
+                              "(token-shards: sorted by name and read as one stream), or an indexed dataset's prefix (indexed: the path without "
+                              ".bin / .idx; naming either file works too); unused for tokens"});
   s.push_back({.key = "data.batch_size",
                .type = T::kInt,
                .default_value = I{64},
@@ -152,7 +154,8 @@ void add_data_keys(std::vector<KeySpec>& s) {
   s.push_back({.key = "data.val_path",
                .type = T::kString,
                .default_value = "",
-               .description = "token-shards: a glob of the validation files (the evaluation split); empty: no evaluation"});
+               .description = "the evaluation split: a glob of token files (token-shards) or an indexed dataset's prefix (indexed); "
+                              "empty: no evaluation"});
   s.push_back({.key = "data.token_format",
                .type = T::kString,
                .default_value = "llmc",

@@ -14,7 +14,7 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .choices = choice_names<ModelKind>(),
                .description = "cnn (the PyTorch FSDP tutorial's MNIST net), mlp, transformer (a GPT-2 style decoder) or llama (a "
                               "Llama-family decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU; Hugging Face's "
-                              "names); the decoders are for data.kind tokens, text or token-shards"});
+                              "names); the decoders are for data.kind tokens, text, token-shards or indexed"});
   s.push_back({.key = "model.hf_config",
                .type = T::kString,
                .default_value = "",

@@ -86,7 +86,7 @@ inline GptConfig gpt_config(const ModelSection& model) {
 struct DataSection {
   DataKind kind = DataKind::kFashionMnist;
   std::string path;
-  std::string val_path;                                  ///< token-shards: validation files (glob)
+  std::string val_path;                                  ///< token-shards: validation files (glob); indexed: a dataset prefix
   TokenFormat token_format = TokenFormat::kLlmc;         ///< token-shards
   std::int64_t batch_size = 64, test_batch_size = 1000;  ///< batch_size: resolved per-rank micro-batch
   std::int64_t global_batch_size = 0;                    ///< data.global_batch_size; 0: not fixed

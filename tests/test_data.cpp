@@ -1,5 +1,6 @@
 // The data layer of fsdp-train (app/data.hpp): IDX files (raw and gzip) and their errors, MNIST splits,
-// the DistributedSampler and its world-size invariance, token data, the text reader, the Prefetcher.
+// the DistributedSampler and its world-size invariance, token data, the text reader, the Prefetcher
+// (token files: test_token_files.cpp).
 // No MPI, no LibTorch.
 #define BOOST_TEST_MODULE fsdp_data
 #include <boost/test/unit_test.hpp>
@@ -24,27 +25,16 @@
 #include <thread>
 
 #include "data.hpp"
+#include "data_test_helpers.hpp"
 
 namespace fs = std::filesystem;
 using namespace fsdp::app;
-using Bytes = std::vector<std::uint8_t>;
+using fsdp::test::Bytes;
+using fsdp::test::expect_data_error;
+using fsdp::test::TempDir;
+using fsdp::test::write_raw;
 
 namespace {
-
-// A fresh directory per test case, removed afterwards.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "fsdp_test_data_XXXXXX").string();
-    BOOST_TEST_REQUIRE(mkdtemp(tmpl.data()) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
 
 Bytes idx_bytes(std::uint8_t type, const std::vector<std::uint32_t>& dims, const Bytes& data) {
   Bytes out = {0, 0, type, static_cast<std::uint8_t>(dims.size())};
@@ -52,12 +42,6 @@ Bytes idx_bytes(std::uint8_t type, const std::vector<std::uint32_t>& dims, const
     for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<std::uint8_t>(d >> shift));
   out.insert(out.end(), data.begin(), data.end());
   return out;
-}
-
-void write_raw(const std::string& path, const Bytes& bytes) {
-  std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-  BOOST_TEST_REQUIRE(out.good());
 }
 
 void write_gz(const std::string& path, const Bytes& bytes) {
@@ -76,20 +60,6 @@ Bytes pattern(std::size_t n, unsigned mul = 7) {
   Bytes b(n);
   for (std::size_t i = 0; i < n; ++i) b[i] = static_cast<std::uint8_t>(i * mul + 3);
   return b;
-}
-
-// Runs `f`, which must throw DataError whose message contains every one of `parts`.
-template <class F>
-void expect_data_error(F&& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-    BOOST_ERROR("no DataError thrown; expected one containing '" << parts.front() << "'");
-  } catch (const DataError& e) {
-    const std::string what = e.what();
-    BOOST_TEST(e.id() == "fsdp.data");
-    BOOST_TEST(what.rfind("[fsdp.data] ", 0) == 0u, what);
-    for (const auto& p : parts) BOOST_TEST(what.find(p) != std::string::npos, "'" << p << "' not in: " << what);
-  }
 }
 
 std::vector<std::int64_t> sorted(std::vector<std::int64_t> v) {
@@ -509,100 +479,4 @@ BOOST_AUTO_TEST_CASE(prefetcher_rethrows_in_order_and_stops_cleanly) {
     Prefetcher<std::vector<std::int64_t>> p(1000, slow_batch, 3, 4);
     p.next();
   }
-}
-
-// ---- token shards (llm.c, nanoGPT) ----------------------------------------------------------------
-
-namespace {
-
-void put_le(Bytes& out, std::uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
-}
-
-/// An llm.c shard: 256 int32 header (magic, version, count), then the tokens.
-Bytes llmc_shard(const std::vector<std::uint32_t>& tokens, bool wide, std::int32_t magic = 0, std::int32_t version = -1, std::int64_t count = -1) {
-  Bytes out;
-  std::vector<std::int32_t> header(256, 0);
-  header[0] = magic ? magic : wide ? kLlmcMagicUint32 : kLlmcMagicUint16;
-  header[1] = version >= 0 ? version : wide ? kLlmcVersionUint32 : kLlmcVersionUint16;
-  header[2] = static_cast<std::int32_t>(count >= 0 ? count : static_cast<std::int64_t>(tokens.size()));
-  for (const auto h : header) put_le(out, static_cast<std::uint32_t>(h), 4);
-  for (const auto t : tokens) put_le(out, t, wide ? 4 : 2);
-  return out;
-}
-
-Bytes headerless(const std::vector<std::uint32_t>& tokens, bool wide) {
-  Bytes out;
-  for (const auto t : tokens) put_le(out, t, wide ? 4 : 2);
-  return out;
-}
-
-std::vector<std::uint32_t> iota_tokens(std::uint32_t first, std::size_t n, std::uint32_t vocab) {
-  std::vector<std::uint32_t> t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = (first + static_cast<std::uint32_t>(i)) % vocab;
-  return t;
-}
-
-}  // namespace
-
-BOOST_AUTO_TEST_CASE(token_shards_of_every_format_read_as_one_stream) {
-  TempDir dir;
-  // Two llm.c shards, v1 (uint16) and v7 (uint32): the stream is their concatenation, in name order.
-  write_raw(dir / "train_000001.bin", llmc_shard(iota_tokens(10, 7, 97), true));
-  write_raw(dir / "train_000000.bin", llmc_shard(iota_tokens(0, 10, 97), false));
-  const auto s = TokenStream::open(dir / "train_*.bin", TokenFormat::kLlmc);
-  BOOST_TEST(s.num_files() == 2u);
-  BOOST_TEST(s.size() == 17);
-  for (std::int64_t i = 0; i < 17; ++i) BOOST_TEST(s.at(i) == static_cast<std::uint32_t>(i));
-  // A sample that crosses the file boundary.
-  std::vector<std::int64_t> out(5);
-  s.read(8, 5, out.data());
-  BOOST_TEST((out == std::vector<std::int64_t>{8, 9, 10, 11, 12}));
-  BOOST_TEST(s.where(10) == "file '" + (dir / "train_000001.bin") + "' at byte offset 1024");
-  BOOST_TEST(s.where(3) == "file '" + (dir / "train_000000.bin") + "' at byte offset 1030");
-  // Samples of T + 1 tokens, consecutive samples sharing one token: floor((17 - 1) / 4) = 4.
-  BOOST_TEST(token_stream_samples(s, 4) == 4);
-  // nanoGPT's headerless files, uint16 and uint32, hold the same tokens.
-  write_raw(dir / "train.bin", headerless(iota_tokens(0, 17, 97), false));
-  write_raw(dir / "wide.bin", headerless(iota_tokens(0, 17, 97), true));
-  for (const auto& [name, format] :
-       {std::pair{std::string("train.bin"), TokenFormat::kUint16}, std::pair{std::string("wide.bin"), TokenFormat::kUint32}}) {
-    const auto h = TokenStream::open(dir / name, format);
-    BOOST_TEST(h.size() == 17);
-    for (std::int64_t i = 0; i < 17; ++i) BOOST_TEST(h.at(i) == s.at(i));
-  }
-  BOOST_TEST((parse_token_format("uint32") == TokenFormat::kUint32));
-  expect_data_error([] { parse_token_format("int8"); }, {"llmc, uint16 or uint32", "int8"});
-  // Moving keeps the mappings valid.
-  TokenStream moved = TokenStream::open(dir / "train.bin", TokenFormat::kUint16);
-  TokenStream target = std::move(moved);
-  BOOST_TEST(target.at(16) == 16u);
-  BOOST_TEST(moved.size() == 0);
-}
-
-BOOST_AUTO_TEST_CASE(bad_token_files_name_the_file_and_offset) {
-  TempDir dir;
-  expect_data_error([&] { TokenStream::open(dir / "none_*.bin", TokenFormat::kLlmc); }, {"no token files match", "none_*.bin"});
-  write_raw(dir / "magic.bin", llmc_shard(iota_tokens(0, 4, 97), false, 12345));
-  expect_data_error([&] { TokenStream::open(dir / "magic.bin", TokenFormat::kLlmc); }, {"magic.bin", "magic 12345 at byte offset 0", "20240520"});
-  write_raw(dir / "version.bin", llmc_shard(iota_tokens(0, 4, 97), false, 0, 3));
-  expect_data_error([&] { TokenStream::open(dir / "version.bin", TokenFormat::kLlmc); }, {"version.bin", "version 3 at byte offset 4"});
-  write_raw(dir / "count.bin", llmc_shard(iota_tokens(0, 4, 97), false, 0, -1, 5));
-  expect_data_error([&] { TokenStream::open(dir / "count.bin", TokenFormat::kLlmc); },
-                    {"count.bin", "has 1032 bytes", "(byte offset 8) counts 5 tokens", "1034 bytes"});
-  write_raw(dir / "short.bin", Bytes(100, 0));
-  expect_data_error([&] { TokenStream::open(dir / "short.bin", TokenFormat::kLlmc); }, {"short.bin", "less than llm.c's header"});
-  write_raw(dir / "odd.bin", Bytes(7, 1));
-  expect_data_error([&] { TokenStream::open(dir / "odd.bin", TokenFormat::kUint16); }, {"odd.bin", "7 bytes", "2-byte tokens"});
-  write_raw(dir / "empty.bin", {});
-  expect_data_error([&] { TokenStream::open(dir / "empty.bin", TokenFormat::kUint16); }, {"empty.bin", "is empty"});
-  // A token past the vocabulary: the file and the byte offset of that token.
-  auto tokens = iota_tokens(0, 20, 97);
-  tokens[13] = 97;
-  write_raw(dir / "vocab_000000.bin", llmc_shard(iota_tokens(0, 5, 97), false));
-  write_raw(dir / "vocab_000001.bin", llmc_shard(tokens, false));
-  const auto s = TokenStream::open(dir / "vocab_*.bin", TokenFormat::kLlmc);
-  s.check_vocab(0, 18, 97);  // the bad token is stream index 18: outside this range
-  expect_data_error([&] { s.check_vocab(10, 25, 97); },
-                    {"token 97 in file '" + (dir / "vocab_000001.bin") + "' at byte offset 1050", "not below model.vocab_size 97"});
 }

@@ -1,8 +1,9 @@
-# Real token data end to end (docs/interop.md): llm.c shards (uint16 train over two files, uint32
-# validation) and nanoGPT's headerless train.bin. In order (data.shuffle = false) with one global batch
-# of 6, np 1, 2 and 3 train alike; nanoGPT's file of the same tokens trains bit for bit as the shards;
-# a run stopped inside a shard resumes bit for bit at the same world size and within 1e-5 at another;
-# bad files end every rank with exit code 2 naming the file and byte offset.
+# Real token data end to end (docs/interop.md, docs/data.md): llm.c shards (uint16 train over two
+# files, uint32 validation), nanoGPT's headerless train.bin and Megatron-LM indexed datasets. In order
+# (data.shuffle = false) with one global batch of 6, np 1, 2 and 3 train alike; nanoGPT's file and the
+# indexed datasets of the same tokens train bit for bit as the shards; a run stopped inside a shard
+# resumes bit for bit at the same world size and within 1e-5 at another; bad files end every rank with
+# exit code 2 naming the file and byte offset.
 # Variables: MPIEXEC (list), TRAIN, CKPT_TOOL, DECK (inputs/gpt_tokens.toml), PYTHON, WORK_DIR.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR}/data)
@@ -35,6 +36,21 @@ run(0 ${CKPT_TOOL} diff ${WORK_DIR}/np3/checkpoints ${WORK_DIR}/np1/checkpoints 
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=24 --set data.batch_size=3 --set run.out_dir=${WORK_DIR}/nano
     --set data.path=${d}/nano_000000.bin --set data.val_path=${d}/nanoval_000000.bin --set data.token_format=uint16)
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/nano/checkpoints ${WORK_DIR}/np2/checkpoints)
+
+# 2b. A Megatron-LM indexed dataset (.bin + .idx) of the same tokens, with the dtype codes Megatron
+#    writes (8 uint16, 4 int32): bit for bit the same run; a wrong magic ends every rank naming the index.
+run(0 ${make} ${d}/mega16 --tokens 3841 --format megatron)
+run(0 ${make} ${d}/mega32 --tokens 3841 --format megatron --dtype-code 4)
+run(0 ${make} ${d}/megaval --tokens 801 --seed 2 --format megatron)
+foreach(dtype 16 32)
+  run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=24 --set data.batch_size=3 --set run.out_dir=${WORK_DIR}/mega${dtype}
+      --set data.kind=indexed --set data.path=${d}/mega${dtype} --set data.val_path=${d}/megaval.idx)
+  expect_in("${last_output}" "data indexed: 240 train, 50 test samples")
+  run(0 ${CKPT_TOOL} diff ${WORK_DIR}/mega${dtype}/checkpoints ${WORK_DIR}/np2/checkpoints)
+endforeach()
+run(0 ${make} ${d}/megabad --tokens 500 --format megatron --bad-magic)
+run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set data.kind=indexed --set data.path=${d}/megabad --set run.out_dir=${WORK_DIR}/bad_mega)
+expect_in("${last_output}" "index '[^']*megabad.idx' at byte offset 0: not a Megatron indexed dataset")
 
 # 3. Stopped after step 21 (sample 126, inside the second shard) and resumed: at np 2 bit for bit; at
 #    np 3 with the same global batch within 1e-5.

@@ -78,7 +78,7 @@ class ModelFamily {
  public:
   virtual ~ModelFamily() = default;
   virtual ModelKind kind() const = 0;
-  /// A language model trains on token sequences (data.kind tokens, text, token-shards; next-token
+  /// A language model trains on token sequences (data.kind tokens, text, token-shards, indexed; next-token
   /// loss, evaluated in chunks); the others classify 28x28 images into 10 classes.
   virtual bool language_model() const = 0;
   /// fsdp.transformer_layer_cls_to_wrap = "auto": the module classes that become units.

@@ -99,7 +99,7 @@ inline DataFootprint data_footprint(const RunConfig& cfg) {
     f.train_samples = n;
     f.test_samples = test;
     f.note = "synthetic int32 token sequences";
-  } else if (kind == DataKind::kTokenShards) {
+  } else if (is_token_file_data(kind)) {
     // Memory-mapped: the pages read are the kernel's file cache (reclaimable), not the process's heap.
     f.note = "token files memory-mapped (read pages are file cache); samples not counted without opening the files";
   } else {  // text

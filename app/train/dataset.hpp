@@ -19,17 +19,17 @@ namespace fsdp::app {
 
 // ---- data ---------------------------------------------------------------------------------------
 
-/// Token sequences read from a memory-mapped stream (token-shards): sample i is tokens [i*T, i*T + T].
+/// Token sequences read from a memory-mapped stream (token-shards, indexed): sample i is tokens [i*T, i*T + T].
 struct StreamSplit {
   std::shared_ptr<const TokenStream> stream;
   std::int64_t n = 0, length = 0;  ///< samples, tokens per sample (T + 1)
 };
 
 /// The training data of one run: images (classification) or token sequences (language modelling),
-/// held in memory or (token-shards) read from memory-mapped files.
+/// held in memory or (token-shards, indexed) read from memory-mapped files.
 struct Dataset {
   bool tokens = false;
-  bool streamed = false;  ///< token-shards: train_stream / test_stream instead of *_tokens
+  bool streamed = false;  ///< token-shards, indexed: train_stream / test_stream instead of *_tokens
   ImageSplit train_images, test_images;
   TokenSplit train_tokens, test_tokens;
   StreamSplit train_stream, test_stream;
@@ -41,17 +41,19 @@ struct Dataset {
   std::int64_t sequence_length() const { return streamed ? train_stream.length : train_tokens.length; }
 };
 
-/// token-shards: the files of `pattern` as samples of model.context + 1 tokens. Every token is checked
-/// against model.vocab_size, each rank its 1/world of the stream (the failure is agreed by the caller).
-inline StreamSplit open_token_split(const RunConfig& cfg, const std::string& pattern, int rank, int world) {
+/// token-shards: the files of the glob `path`; indexed: the Megatron dataset `path` (.bin + .idx); as
+/// samples of model.context + 1 tokens. Every token is checked against model.vocab_size, each rank its
+/// 1/world of the stream (the failure is agreed by the caller).
+inline StreamSplit open_token_split(const RunConfig& cfg, const std::string& path, int rank, int world) {
   StreamSplit split;
-  auto stream = std::make_shared<TokenStream>(TokenStream::open(pattern, cfg.data.token_format));
+  auto stream = std::make_shared<TokenStream>(cfg.data.kind == DataKind::kIndexed ? TokenStream::open_indexed(path)
+                                                                                  : TokenStream::open(path, cfg.data.token_format));
   const std::int64_t total = stream->size();
   stream->check_vocab(total * rank / world, total * (rank + 1) / world, cfg.model.vocab_size);
   split.n = token_stream_samples(*stream, cfg.model.context);
   split.length = cfg.model.context + 1;
   if (split.n == 0)
-    throw DataError("the token files of '" + pattern + "' hold " + std::to_string(total) +
+    throw DataError("the token files of '" + path + "' hold " + std::to_string(total) +
                     " tokens, fewer than one sample of model.context + 1 = " + std::to_string(split.length));
   split.stream = std::move(stream);
   return split;
@@ -82,7 +84,7 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
     const auto seed = cfg.run.seed;
     d.train_tokens = make_synthetic_tokens(n, context, vocab, seed);
     d.test_tokens = make_synthetic_tokens(std::max<std::int64_t>(n / 10, 1), context, vocab, seed + 1000003);
-  } else if (kind == DataKind::kTokenShards) {
+  } else if (is_token_file_data(kind)) {
     d.tokens = d.streamed = true;
     d.train_stream = open_token_split(cfg, cfg.data.path, rank, world);
     d.has_test = !cfg.data.val_path.empty();
