@@ -1,6 +1,6 @@
 // fsdp-train: the batch application. Reads a TOML input deck, trains with FSDP under mpirun or srun,
 // evaluates every epoch, writes metrics.csv, summary.json and checkpoints, resumes from `latest`.
-//   mpirun -np N build/bin/fsdp-train inputs/mnist_fsdp.toml [--set section.key=value ...] [--dry-run]
+//   mpirun -np N build/bin/fsdp-train inputs/mnist_fsdp.toml [--set section.key=value ...] [--dry-run | --eval-only]
 // Policy: problems found before training (deck, data, environment, checkpoint to resume) are agreed
 // between the ranks and end every rank with exit code 2 and one message from rank 0; an error during
 // training aborts the whole job (MPI_Abort) so that no rank is left waiting in a collective.
@@ -103,7 +103,7 @@ void configure_compute(const Deck& deck, const RunConfig& cfg) {
 }
 
 /// One run: the deck, the process, then a Trainer over the chosen communicator.
-int run(MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides, bool dry_run) {
+int run(MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides, bool dry_run, bool eval_only) {
   const auto wall_start = Clock::now();
   const auto placement = world.placement();  // collective: asked once, by every rank
   const Deck deck = read_deck(world, deck_path, overrides);
@@ -119,6 +119,7 @@ int run(MpiComm& world, const std::string& deck_path, const std::vector<std::str
     Trainer<Comm> trainer(setup);
     trainer.build();
     if (dry_run) return trainer.dry_run();
+    if (eval_only) return trainer.evaluate_only();
     if (!trainer.resume()) {
       trainer.finish_completed_run();
       return 0;
@@ -135,10 +136,13 @@ int main(int argc, char** argv) {
   CLI::App cli{"fsdp-train: train a model with Fully Sharded Data Parallel from a TOML input deck", "fsdp-train"};
   std::string deck_path;
   std::vector<std::string> overrides;
-  bool dry_run = false, check_plan = false;
+  bool dry_run = false, check_plan = false, eval_only = false;
   cli.add_option("DECK", deck_path, "the input deck (TOML)")->required();
   cli.add_option("--set", overrides, "override a deck value: section.key=value (repeatable)");
   cli.add_flag("--dry-run", dry_run, "validate, print the echo and stop");
+  cli.add_flag("--eval-only", eval_only,
+               "evaluate the run's latest checkpoint (or checkpoint.resume's, or checkpoint.init_from) on the validation data and stop: "
+               "loss, perplexity and tokens/s, printed and added to summary.json; trains nothing, writes no checkpoint or deck.toml");
   cli.add_flag("--check-plan", check_plan, "build the deck's model (no MPI) and check fsdp-plan's closed-form description against it");
   try {
     cli.parse(argc, argv);
@@ -164,7 +168,7 @@ int main(int argc, char** argv) {
   }
   auto world = MpiComm::world();
   try {
-    return run(world, deck_path, overrides, dry_run);
+    return run(world, deck_path, overrides, dry_run, eval_only);
   } catch (const RankError& e) {
     // Agreed between all ranks: rank 0 reports, everyone exits.
     if (world.rank() == 0) std::fprintf(stderr, e.code == kExitStopped ? "fsdp-train: %s\n" : "fsdp-train: error: %s\n", e.what());

@@ -82,6 +82,39 @@ foreach(key "eval_step.: 24," "eval_perplexity.: [0-9]" "test_loss.: [0-9]" "tok
   expect_in("${summary}" "${key}")
 endforeach()
 
+# 4c. --eval-only on the finished run of (4): its latest checkpoint evaluated on the whole validation
+#    split at np 3, and the same weights exported and read through checkpoint.init_from at np 1, give
+#    the same loss (within 1e-6); the result joins summary.json under "eval_only", leaving the training
+#    figures, the checkpoints and deck.toml as they were. checkpoint.resume names another checkpoint.
+#    Nothing to evaluate, or no validation data: exit 2 on every rank.
+file(SHA256 ${WORK_DIR}/eval/deck.toml deck_before)
+file(GLOB ckpts_before ${WORK_DIR}/eval/checkpoints/*)
+run(0 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=24 --set data.batch_size=3 --set run.out_dir=${WORK_DIR}/eval --eval-only)
+expect_in("${last_output}" "eval-only: [^\n]*step_00000024.h5 \\(step 24\\): eval loss [0-9.]+, perplexity [0-9.]+ \\(per token\\), accuracy [0-9.]+%, 800 tokens, [0-9]+ tokens/s")
+file(SHA256 ${WORK_DIR}/eval/deck.toml deck_after)
+file(GLOB ckpts_after ${WORK_DIR}/eval/checkpoints/*)
+if(NOT deck_before STREQUAL deck_after OR NOT ckpts_before STREQUAL ckpts_after)
+  message(FATAL_ERROR "--eval-only changed deck.toml or the checkpoints: ${ckpts_before} -> ${ckpts_after}")
+endif()
+run(0 ${CKPT_TOOL} export ${WORK_DIR}/eval/checkpoints/step_00000024.h5 ${WORK_DIR}/eval_export.safetensors)
+run(0 ${MPIEXEC} -np 1 ${TRAIN} ${DECK} ${gpt} --set run.out_dir=${WORK_DIR}/eval_fresh --eval-only --set checkpoint.init_from=${WORK_DIR}/eval_export.safetensors)
+expect_in("${last_output}" "eval-only: [^\n]*eval_export.safetensors: eval loss")
+run(0 ${PYTHON} -c "
+import json, sys
+s = json.load(open('${WORK_DIR}/eval/summary.json'))
+e, fresh = s['eval_only'], json.load(open('${WORK_DIR}/eval_fresh/summary.json'))['eval_only']
+if 'test_loss' not in s or s['eval_step'] != 24: sys.exit('the training figures of summary.json are gone: ' + str(list(s)))
+if e['tokens'] != 800 or e['world_size'] != 3 or not e['model'].endswith('(step 24)'): sys.exit('eval_only: ' + str(e))
+print('eval-only of step 24 at np 3:', e['loss'], 'of its export at np 1:', fresh['loss'])
+if abs(e['loss'] - fresh['loss']) > 1e-6 * abs(fresh['loss']): sys.exit('the two evaluations differ')
+")
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.out_dir=${WORK_DIR}/eval --eval-only --set checkpoint.resume=${WORK_DIR}/resume2/checkpoints/step_00000021.h5)
+expect_in("${last_output}" "eval-only: [^\n]*step_00000021.h5 \\(step 21\\): eval loss")
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.out_dir=${WORK_DIR}/eval_nothing --eval-only)
+expect_in("${last_output}" "--eval-only: nothing to evaluate: no checkpoint in [^\n]*eval_nothing/checkpoints and checkpoint.init_from is empty")
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.out_dir=${WORK_DIR}/eval --eval-only --set data.val_path=)
+expect_in("${last_output}" "--eval-only: there is no validation data")
+
 # 6. Gradients in fp16 with dynamic loss scaling (fsdp.mixed_precision = fp16_reduce: fp32 compute,
 #    gradients reduced in fp16; fp16 arithmetic itself needs a GPU, and asking for it here is a deck
 #    error) train the GPT as well as bf16 does: over 300 steps of AdamW the final training loss of each

@@ -142,6 +142,42 @@ class Checkpointer {
     return state;
   }
 
+  /// fsdp-train --eval-only: loads the weights to evaluate, without taking the run directory or
+  /// moving anything: checkpoint.resume's checkpoint when it names one; with "auto" the latest
+  /// checkpoint of checkpoint.dir, else checkpoint.init_from; with "none" checkpoint.init_from.
+  /// Returns what was loaded ("path (step N)"); DeckError on every rank when there is nothing to
+  /// evaluate. Collective.
+  std::string load_for_evaluation() {
+    const std::string& resume = cfg_.checkpoint.resume;
+    std::int64_t has_latest = 0;
+    if (resume == "auto" && root_) has_latest = std::filesystem::exists(dir_ / fsdp::ckpt::kLatestName);
+    world_.broadcast(&has_latest, 1, fsdp::DType::kInt64, 0);
+    std::string path;
+    if (resume != "auto" && resume != "none")
+      path = checkpoint_named_on_rank0("checkpoint.resume", resume);
+    else if (has_latest)
+      path = checkpoint_named_on_rank0("checkpoint.dir", dir_);
+    if (!path.empty()) {
+      auto options = options_;
+      options.rank0_only = false;  // every rank reads its own part
+      options.load_rng_state = false;
+      fsdp::TrainState state;
+      on_all_ranks(world_, [&] {
+        loading_into_the_decks_model(path == resume ? "checkpoint.resume" : "checkpoint.dir", path,
+                                     [&] { fsdp::load_checkpoint(model_, nullptr, path, &state, options); });
+      });
+      return path + " (step " + std::to_string(state.step) + ")";
+    }
+    on_all_ranks(world_, [&] {
+      if (cfg_.checkpoint.init_from.empty())
+        throw DeckError("--eval-only: nothing to evaluate: " +
+                        (resume == "none" ? std::string("checkpoint.resume = \"none\"") : "no checkpoint in " + dir_.string()) +
+                        " and checkpoint.init_from is empty");
+    });
+    initialize_from_pretrained();
+    return cfg_.checkpoint.init_from;
+  }
+
   /// checkpoint.export: the model as safetensors, written by every rank from its shards (and
   /// config.json for hf names), split above checkpoint.export_max_shard_size. Collective.
   void export_model(bool quiet) {

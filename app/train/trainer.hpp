@@ -32,6 +32,7 @@
 #include "train/build.hpp"
 #include "train/checkpointer.hpp"
 #include "train/dataset.hpp"
+#include "train/eval_only.hpp"
 #include "train/metrics_log.hpp"
 #include "train/ranks.hpp"
 #include "train/schedule.hpp"
@@ -133,6 +134,9 @@ class Trainer {
         cfg_.run.out_dir.c_str(), static_cast<long long>(start_.step), static_cast<long long>(schedule_.total_steps), did.c_str());
   }
 
+  /// --eval-only (train/eval_only.hpp): the model as it stands, evaluated; nothing trained. Collective.
+  int evaluate_only() { return app::evaluate_only(world_, s_.deck, cfg_, *model_, data_, eval_chunk()); }
+
   /// Every epoch from the resumed position to the last step, stopping early on a signal (exit 3).
   void train() {
     begin_training();
@@ -233,9 +237,11 @@ class Trainer {
     next_epoch_ = start_.epoch;
     next_sample_index_ = start_.sample_index;
     stop_after_the_step_on_signals();
-    // A language model evaluates its batch in chunks whose logits stay small (its family's eval_chunk).
-    eval_chunk_ = data_.tokens ? model_family(cfg_.model.kind).eval_chunk(cfg_.model, cfg_.data.test_batch_size) : 0;
+    eval_chunk_ = eval_chunk();
   }
+
+  /// A language model evaluates its batch in chunks whose logits stay small (its family's eval_chunk).
+  std::int64_t eval_chunk() const { return data_.tokens ? model_family(cfg_.model.kind).eval_chunk(cfg_.model, cfg_.data.test_batch_size) : 0; }
 
   /// fp16's loss scale, continued from the checkpoint when it has one.
   void restore_loss_scale() {
