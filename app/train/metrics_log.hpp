@@ -25,14 +25,15 @@ namespace fsdp::app {
 /// skipped since the previous row (non-finite or, under loss scaling, overflowed gradients); the
 /// largest resident memory of any rank (MiB), the slowest rank of the window and how long the others
 /// waited for it per step (RankWatch); the evaluation's loss (and perplexity for language models) on
-/// the row of the step it followed (a row of its own, train columns empty, when that step logged nothing).
+/// the row of the step it followed (a row of its own, train columns empty, when that step logged nothing);
+/// a language model's tokens per second last (samples per second x model.context; empty for images).
 class MetricsLog {
  public:
   /// Starts the file at `path`; resuming at `resumed_step` > 0 keeps the rows up to that step (a crashed
   /// run may have logged past it). The file is replaced atomically, then every row is appended and
   /// checked at once (LineAppendFile): a full disk stops the run with an OutputError naming the file,
   /// and the file still ends with a complete row.
-  static constexpr long kColumns = 21;
+  static constexpr long kColumns = 22;
   void open(const std::filesystem::path& path, std::int64_t resumed_step) {
     std::filesystem::create_directories(path.parent_path());
     std::vector<std::string> kept;
@@ -44,23 +45,27 @@ class MetricsLog {
     std::ostringstream text;
     text << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,"
             "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults,loss_scale,skipped_in_window,"
-            "rss_mib,slowest_rank,others_waited_ms\n";
+            "rss_mib,slowest_rank,others_waited_ms,tokens_per_s\n";
     // Rows of a file written before the later columns existed get them empty.
     for (const auto& l : kept)
       text << l << std::string(static_cast<std::size_t>(std::max<long>(0, kColumns - 1 - std::count(l.begin(), l.end(), ','))), ',') << "\n";
     out_.open(path, text.str());
   }
   /// A logged step: the window's loss and rate, and this step's time and its breakdown on rank 0.
+  /// `tokens_per_sample` (model.context for a language model, 0 otherwise) gives tokens_per_s.
   void row(std::int64_t step, std::int64_t epoch, double loss, double lr, double rate, double step_ms, double elapsed_s, const StepBreakdown& parts,
            std::optional<double> loss_scale, std::int64_t skipped, const RankReport& ranks, const std::optional<EvalResult>& eval = std::nullopt,
-           bool language_model = false) {
+           std::int64_t tokens_per_sample = 0) {
+    const bool language_model = tokens_per_sample > 0;
     std::ostringstream r;
     r << step << "," << epoch << "," << loss << "," << lr << "," << rate << "," << step_ms << "," << elapsed_s << ",";
     eval_cells(r, eval, language_model);
     r << "," << parts.forward_ms << "," << parts.backward_ms << "," << parts.optimizer_ms << "," << parts.all_gather_ms << ","
       << parts.reduce_scatter_ms << "," << parts.all_reduce_ms << "," << parts.minor_faults << ",";
     if (loss_scale) r << *loss_scale;
-    r << "," << skipped << "," << ranks.max_rss_mib << "," << ranks.slowest_rank << "," << ranks.others_waited_ms << "\n";
+    r << "," << skipped << "," << ranks.max_rss_mib << "," << ranks.slowest_rank << "," << ranks.others_waited_ms << ",";
+    if (language_model) r << rate * static_cast<double>(tokens_per_sample);
+    r << "\n";
     out_.append(r.str());
   }
   /// An evaluation after a step that logged no row.
@@ -68,7 +73,7 @@ class MetricsLog {
     std::ostringstream r;
     r << step << "," << epoch << ",,,,,,";
     eval_cells(r, eval, language_model);
-    r << ",,,,,,,,,,,,\n";
+    r << ",,,,,,,,,,,,,\n";
     out_.append(r.str());
   }
 

@@ -240,6 +240,8 @@ class Trainer {
     eval_chunk_ = eval_chunk();
   }
 
+  /// The tokens a language model predicts per sample (model.context); 0 for images.
+  std::int64_t tokens_per_sample() const { return data_.tokens ? data_.sequence_length() - 1 : 0; }
   /// A language model evaluates its batch in chunks whose logits stay small (its family's eval_chunk).
   std::int64_t eval_chunk() const { return data_.tokens ? model_family(cfg_.model.kind).eval_chunk(cfg_.model, cfg_.data.test_batch_size) : 0; }
 
@@ -451,7 +453,7 @@ class Trainer {
       const double eta = elapsed / static_cast<double>(step_ - start_.step) * static_cast<double>(schedule_.total_steps - step_);
       // Language models count tokens (model.context per sequence), as llm.c and nanoGPT report.
       const char* unit = data_.tokens ? "tokens/s" : "samples/s";
-      const double shown_rate = data_.tokens ? rate * static_cast<double>(data_.sequence_length() - 1) : rate;
+      const double shown_rate = data_.tokens ? rate * static_cast<double>(tokens_per_sample()) : rate;
       if (!progress_.quiet) {
         // Several ranks: the slowest one's own work per step beyond the others' (what they waited).
         char slowest[64] = "";
@@ -464,7 +466,7 @@ class Trainer {
       for (const auto& warning : ranks.warnings) std::printf("%s%s\n", progress_.live && !progress_.quiet ? "\n" : "", warning.c_str());
       if (write_metrics_)
         metrics_.row(step_, epoch + 1, loss_avg, lr, rate, step_ms_.back(), elapsed, breakdown,
-                     scaler_ ? std::optional<double>(scaler_->scale()) : std::nullopt, window_.skipped, ranks, step_eval, data_.tokens);
+                     scaler_ ? std::optional<double>(scaler_->scale()) : std::nullopt, window_.skipped, ranks, step_eval, tokens_per_sample());
     }
     window_.reset();
   }
@@ -530,7 +532,7 @@ class Trainer {
     t.overflow_steps = overflow_steps_;
     if (scaler_) t.loss_scale = scaler_->scale();
     t.samples_trained = samples_trained_;
-    t.tokens_per_sample = data_.tokens ? data_.sequence_length() - 1 : 0;
+    t.tokens_per_sample = tokens_per_sample();
     t.flops_per_token = model_family(cfg_.model.kind).flops_per_token(cfg_.model, model_->num_params());
     t.last_loss = last_loss_;
     if (evaluated_) {
