@@ -7,7 +7,7 @@ packages=(
   libtorch-dev libopenblas0-pthread
   libopenmpi-dev openmpi-bin
   libhdf5-openmpi-dev hdf5-tools
-  libboost-test-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
+  libboost-test-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libicu-dev python3-regex
   dataset-fashion-mnist
   gnuplot-nox python3-torch
 )
