@@ -317,8 +317,8 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
     const bool blame_model = explicit_(model) && (!explicit_(data) || (model.source == Source::kSet && data.source != Source::kSet));
     if (blame_model) {
       problems.push_back(where(model) + ": model.kind: " + format_value(model.value) + " needs data.kind " +
-                         (language_model ? "\"tokens\", \"text\", \"token-shards\" or \"indexed\"" : "\"fashion-mnist\" or \"mnist\"") + " (data.kind is " +
-                         format_value(data.value) + ")");
+                         (language_model ? "\"tokens\", \"text\", \"token-shards\" or \"indexed\"" : "\"fashion-mnist\" or \"mnist\"") +
+                         " (data.kind is " + format_value(data.value) + ")");
     } else {
       problems.push_back(where(data) + ": data.kind: " + format_value(data.value) + " needs model.kind " + model_kinds_named(token_data) +
                          " (model.kind is " + format_value(model.value) + ")");
