@@ -355,9 +355,9 @@ BOOST_AUTO_TEST_CASE(set_overrides) {
 }
 
 BOOST_AUTO_TEST_CASE(checks_between_keys) {
-  BOOST_TEST(
-      problem_of("[model]\nkind = 'transformer'\n") ==
-      "inputs/a.toml:2: model.kind: \"transformer\" needs data.kind \"tokens\", \"text\", \"token-shards\" or \"indexed\" (data.kind is \"fashion-mnist\")");
+  BOOST_TEST(problem_of("[model]\nkind = 'transformer'\n") ==
+             "inputs/a.toml:2: model.kind: \"transformer\" needs data.kind \"tokens\", \"text\", \"token-shards\" or \"indexed\" (data.kind is "
+             "\"fashion-mnist\")");
   BOOST_TEST(problem_of("[data]\nkind = 'tokens'\n") ==
              "inputs/a.toml:2: data.kind: \"tokens\" needs model.kind \"transformer\" or \"llama\" (model.kind is \"cnn\")");
   BOOST_TEST(problem_of("[model]\nkind = 'transformer'\nd_model = 130\n[data]\nkind = 'tokens'\n") ==
