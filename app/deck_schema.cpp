@@ -156,6 +156,18 @@ void add_data_keys(std::vector<KeySpec>& s) {
                .default_value = "",
                .description = "the evaluation split: a glob of token files (token-shards) or an indexed dataset's prefix (indexed); "
                               "empty: no evaluation"});
+  s.push_back({.key = "data.document_mask",
+               .type = T::kBool,
+               .default_value = false,
+               .description = "document-aware packing (transformer, llama): attention never crosses the start of a document inside a "
+                              "packed sequence and positions restart at 0 in each; a document begins at every data.eot_token (llm.c's "
+                              "shards and fsdp-tokenize put it before each document) and at the start of each sequence"});
+  s.push_back({.key = "data.eot_token",
+               .type = T::kInt,
+               .default_value = I{-1},
+               .min = -1,
+               .max = 1e9,
+               .description = "the token that begins every document, for data.document_mask (GPT-2's <|endoftext|>: 50256); -1: none"});
   s.push_back({.key = "data.token_format",
                .type = T::kString,
                .default_value = "llmc",

@@ -162,6 +162,20 @@ DataSection resolve_data_section(const Deck& deck) {
   return data;
 }
 
+/// data.document_mask: the separator token the model keeps documents apart at (-1: off).
+std::int64_t resolve_document_token(const Deck& deck, const ModelSection& model) {
+  if (!deck.get_bool("data.document_mask")) return -1;
+  if (model.kind != ModelKind::kTransformer && model.kind != ModelKind::kLlama)
+    throw DeckError(blame(deck, "data.document_mask") +
+                    "keeps documents apart in attention: it needs model.kind \"transformer\" or \"llama\" (it is \"" + to_string(model.kind) + "\")");
+  const auto eot = deck.get_int("data.eot_token");
+  if (eot < 0)
+    throw DeckError(blame(deck, "data.eot_token") + "data.document_mask needs the token that begins every document (GPT-2's <|endoftext|>: 50256)");
+  if (eot >= model.vocab_size)
+    throw DeckError(blame(deck, "data.eot_token") + std::to_string(eot) + " is not below model.vocab_size " + std::to_string(model.vocab_size));
+  return eot;
+}
+
 /// The optimizer; with data.global_batch_size, the micro-batch and accumulation over the world.
 OptimSection resolve_optim_section(const Deck& deck, const Placement& placement, DataSection& data) {
   OptimSection optim;
@@ -347,6 +361,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   c.run = resolve_run_section(deck, placement);
   c.model = resolve_model_section(deck);
   c.data = resolve_data_section(deck);
+  c.model.document_token = resolve_document_token(deck, c.model);
   check_sizes_are_addressable(deck, c.model, c.data);
   c.optim = resolve_optim_section(deck, placement, c.data);
   c.fsdp = resolve_fsdp_section(deck, placement, c.run, c.model);

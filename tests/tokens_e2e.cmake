@@ -52,6 +52,19 @@ run(0 ${make} ${d}/megabad --tokens 500 --format megatron --bad-magic)
 run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set data.kind=indexed --set data.path=${d}/megabad --set run.out_dir=${WORK_DIR}/bad_mega)
 expect_in("${last_output}" "index '[^']*megabad.idx' at byte offset 0: not a Megatron indexed dataset")
 
+# 2c. data.document_mask: documents begin at token 0 (data.eot_token); the run trains at np 2 and 3 to
+#    the same weights (within 1e-5), and differently from the run without the mask. The deck's checks:
+#    no eot_token, or a model without attention, exit 2 naming the key.
+set(docs --set data.document_mask=true --set data.eot_token=0 --set run.max_steps=24 --set data.global_batch_size=6)
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} ${docs} --set run.out_dir=${WORK_DIR}/docs2)
+run(0 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} ${docs} --set run.out_dir=${WORK_DIR}/docs3)
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/docs3/checkpoints ${WORK_DIR}/docs2/checkpoints --rtol 1e-5)
+run(1 ${CKPT_TOOL} diff ${WORK_DIR}/docs2/checkpoints ${WORK_DIR}/np2/checkpoints --rtol 1e-3)
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set data.document_mask=true --set run.out_dir=${WORK_DIR}/docs_bad --dry-run)
+expect_in("${last_output}" "data.eot_token: data.document_mask needs the token that begins every document")
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set data.document_mask=true --set data.eot_token=97 --set run.out_dir=${WORK_DIR}/docs_bad --dry-run)
+expect_in("${last_output}" "data.eot_token: 97 is not below model.vocab_size 97")
+
 # 3. Stopped after step 21 (sample 126, inside the second shard) and resumed: at np 2 bit for bit; at
 #    np 3 with the same global batch within 1e-5.
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=21 --set data.batch_size=3 --set run.out_dir=${WORK_DIR}/resume2)

@@ -13,13 +13,15 @@
 
 #include "gpt_config.hpp"
 #include "models/app_model.hpp"
+#include "models/documents.hpp"
 #include "run_config.hpp"
 
 namespace fsdp::app {
 
-/// Causal multi-head self-attention.
+/// Causal multi-head self-attention; inside each document only when `documents` is given.
 struct CausalSelfAttentionImpl : torch::nn::Module {
-  explicit CausalSelfAttentionImpl(const GptConfig& c) : torch::nn::Module("CausalSelfAttention"), heads_(c.n_heads), p_(c.dropout) {
+  explicit CausalSelfAttentionImpl(const GptConfig& c, SharedDocumentLayout documents = nullptr)
+      : torch::nn::Module("CausalSelfAttention"), heads_(c.n_heads), p_(c.dropout), documents_(std::move(documents)) {
     qkv = register_module("qkv", torch::nn::Linear(c.d_model, 3 * c.d_model));
     proj = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
     register_buffer("mask", torch::ones({c.context, c.context}).tril().view({1, 1, c.context, c.context}));
@@ -30,7 +32,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     auto shape = [&](const torch::Tensor& y) { return y.view({b, t, heads_, hd}).transpose(1, 2); };
     auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    att = att.masked_fill(blocked(t), -std::numeric_limits<float>::infinity());
+    att = att.masked_fill(documents_ ? documents_->blocked : blocked(t), -std::numeric_limits<float>::infinity());
     att = F::dropout(torch::softmax(att, -1), F::DropoutFuncOptions().p(p_).training(is_training()));
     auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
     return F::dropout(fsdp::forward(proj, y), F::DropoutFuncOptions().p(p_).training(is_training()));
@@ -38,6 +40,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
   std::int64_t heads_;
   double p_;
+  SharedDocumentLayout documents_;
 
  private:
   /// Where attention is blocked for a sequence of t tokens, built once rather than every forward. Rebuilt
@@ -61,10 +64,10 @@ TORCH_MODULE(CausalSelfAttention);
 
 /// Pre-norm transformer block; the unit TRANSFORMER_BASED_WRAP wraps ("TransformerBlock").
 struct TransformerBlockImpl : torch::nn::Module {
-  explicit TransformerBlockImpl(const GptConfig& c)
+  explicit TransformerBlockImpl(const GptConfig& c, SharedDocumentLayout documents = nullptr)
       : torch::nn::Module("TransformerBlock"), p_(c.dropout), gelu_(F::GELUFuncOptions().approximate(c.gelu_tanh ? "tanh" : "none")) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
-    attn = register_module("attn", CausalSelfAttention(c));
+    attn = register_module("attn", CausalSelfAttention(c, std::move(documents)));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
     fc = register_module("fc", torch::nn::Linear(c.d_model, c.mlp_ratio * c.d_model));
     out = register_module("out", torch::nn::Linear(c.mlp_ratio * c.d_model, c.d_model));
@@ -90,9 +93,11 @@ struct GptImpl : AppModel {
     if (c.d_model % c.n_heads != 0)
       throw ConfigError("model.d_model (" + std::to_string(c.d_model) + ") must be divisible by model.n_heads (" + std::to_string(c.n_heads) + ")");
     const bool d = c.deferred;
+    if (c.document_token >= 0) documents_ = std::make_shared<DocumentLayout>();
     tok = register_module("tok", deferred_if(d, torch::nn::Embedding(c.padded_vocab(), c.d_model)));
     pos = register_module("pos", deferred_if(d, torch::nn::Embedding(c.context, c.d_model)));
-    for (std::int64_t i = 0; i < c.n_layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), deferred_if(d, TransformerBlock(c))));
+    for (std::int64_t i = 0; i < c.n_layers; ++i)
+      blocks.push_back(register_module("block" + std::to_string(i), deferred_if(d, TransformerBlock(c, documents_))));
     ln_f = register_module("ln_f", deferred_if(d, torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}))));
     head = register_module("head", deferred_if(d, LmHead(c.d_model, c.padded_vocab(), c.tie_embeddings ? tok->weight : torch::Tensor())));
     if (d) return;  // init_module() initializes it, unit by unit, inside the engine
@@ -109,14 +114,21 @@ struct GptImpl : AppModel {
   torch::Tensor forward(torch::Tensor idx) override {
     const auto t = idx.size(1);
     if (t > config.context) throw ConfigError("sequence of " + std::to_string(t) + " tokens exceeds model.context " + std::to_string(config.context));
-    auto positions = torch::arange(t, idx.options().dtype(torch::kLong));  // on the input's device
-    auto x = fsdp::forward(tok, idx) + fsdp::forward(pos, positions).unsqueeze(0);
+    torch::Tensor x;
+    if (documents_) {  // positions restart in every document; the blocks read the mask
+      *documents_ = document_layout(idx, config.document_token);
+      x = fsdp::forward(tok, idx) + fsdp::forward(pos, documents_->positions);
+    } else {
+      auto positions = torch::arange(t, idx.options().dtype(torch::kLong));  // on the input's device
+      x = fsdp::forward(tok, idx) + fsdp::forward(pos, positions).unsqueeze(0);
+    }
     x = F::dropout(x, F::DropoutFuncOptions().p(config.dropout).training(is_training()));
     for (auto& b : blocks) x = fsdp::forward(b, x);
     auto logits = fsdp::forward(head, fsdp::forward(ln_f, x));
     return config.padded_vocab() == config.vocab_size ? logits : logits.narrow(-1, 0, config.vocab_size);
   }
   GptConfig config;
+  SharedDocumentLayout documents_;  // data.document_mask
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   std::vector<TransformerBlock> blocks;
   torch::nn::LayerNorm ln_f{nullptr};

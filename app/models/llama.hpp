@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "models/app_model.hpp"
+#include "models/documents.hpp"
 #include "models/llama_config.hpp"
 #include "run_config.hpp"
 
@@ -37,9 +38,11 @@ struct RMSNormImpl : torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
-/// Causal self-attention with rotary positions and grouped-query heads.
+/// Causal self-attention with rotary positions and grouped-query heads; inside each document, with
+/// positions that restart in each, when `documents` is given.
 struct LlamaAttentionImpl : torch::nn::Module {
-  explicit LlamaAttentionImpl(const LlamaConfig& c) : torch::nn::Module("LlamaAttention"), c_(c) {
+  explicit LlamaAttentionImpl(const LlamaConfig& c, SharedDocumentLayout documents = nullptr)
+      : torch::nn::Module("LlamaAttention"), c_(c), documents_(std::move(documents)) {
     const bool bias = c.attention_bias;
     q_proj = register_module("q_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.q_width()).bias(bias)));
     k_proj = register_module("k_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.kv_width()).bias(bias)));
@@ -52,7 +55,7 @@ struct LlamaAttentionImpl : torch::nn::Module {
     auto q = heads(fsdp::forward(q_proj, x), c_.n_heads);
     auto k = heads(fsdp::forward(k_proj, x), c_.n_kv_heads);
     auto v = heads(fsdp::forward(v_proj, x), c_.n_kv_heads);
-    const auto& [cos, sin] = rotary(t, x);
+    const auto& [cos, sin] = documents_ ? document_rotary(x) : rotary(t, x);
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
     if (c_.n_kv_heads != c_.n_heads) {  // each key/value head serves n_heads / n_kv_heads query heads
@@ -60,7 +63,7 @@ struct LlamaAttentionImpl : torch::nn::Module {
       v = v.repeat_interleave(c_.n_heads / c_.n_kv_heads, 1);
     }
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-    att = att.masked_fill(blocked(t, x.device()), -std::numeric_limits<float>::infinity());
+    att = att.masked_fill(documents_ ? documents_->blocked : blocked(t, x.device()), -std::numeric_limits<float>::infinity());
     att = torch::softmax(att, -1, torch::kFloat).to(q.scalar_type());
     auto y = torch::matmul(att, v).transpose(1, 2).reshape({b, t, c_.q_width()});
     return fsdp::forward(o_proj, y);
@@ -79,14 +82,25 @@ struct LlamaAttentionImpl : torch::nn::Module {
     if (!rotary_.first.defined() || rotary_.first.size(0) != t || rotary_.first.device() != like.device() ||
         rotary_.first.scalar_type() != like.scalar_type()) {
       const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(like.device());
-      const auto exponents = torch::arange(0, c_.head_dim, 2, opts.dtype(torch::kLong)).to(torch::kFloat) / static_cast<double>(c_.head_dim);
-      auto inv_freq = 1.0 / torch::pow(torch::full({}, c_.rope_theta, opts), exponents);
-      if (c_.rope_scaling == RopeScaling::kLlama3) inv_freq = llama3_scaled(inv_freq);
-      const auto freqs = torch::outer(torch::arange(t, opts), inv_freq);
-      const auto angles = torch::cat({freqs, freqs}, -1);
+      const auto angles = angles_of(torch::arange(t, opts));
       rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
     }
     return rotary_;
+  }
+  /// The same for the document layout's positions: [batch, 1, t, head_dim], every forward.
+  const std::pair<torch::Tensor, torch::Tensor>& document_rotary(const torch::Tensor& like) {
+    const auto angles = angles_of(documents_->positions.to(torch::kFloat)).unsqueeze(1);
+    document_rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
+    return document_rotary_;
+  }
+  /// Each position's angles (fp32): the position times theta^(-2i/head_dim), first half repeated.
+  torch::Tensor angles_of(const torch::Tensor& positions) const {
+    const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(positions.device());
+    const auto exponents = torch::arange(0, c_.head_dim, 2, opts.dtype(torch::kLong)).to(torch::kFloat) / static_cast<double>(c_.head_dim);
+    auto inv_freq = 1.0 / torch::pow(torch::full({}, c_.rope_theta, opts), exponents);
+    if (c_.rope_scaling == RopeScaling::kLlama3) inv_freq = llama3_scaled(inv_freq);
+    const auto freqs = positions.unsqueeze(-1) * inv_freq;
+    return torch::cat({freqs, freqs}, -1);
   }
   /// rope_scaling llama3 (Llama 3.1/3.2), in fp32 as Hugging Face computes it: frequencies whose
   /// wavelength is below original_context / high_freq_factor stay, those above original_context /
@@ -108,7 +122,8 @@ struct LlamaAttentionImpl : torch::nn::Module {
     return blocked_;
   }
   LlamaConfig c_;
-  std::pair<torch::Tensor, torch::Tensor> rotary_;
+  SharedDocumentLayout documents_;
+  std::pair<torch::Tensor, torch::Tensor> rotary_, document_rotary_;
   torch::Tensor blocked_;
 };
 TORCH_MODULE(LlamaAttention);
@@ -129,9 +144,9 @@ TORCH_MODULE(LlamaMlp);
 
 /// One decoder layer; the unit TRANSFORMER_BASED_WRAP wraps ("LlamaDecoderLayer").
 struct LlamaDecoderLayerImpl : torch::nn::Module {
-  explicit LlamaDecoderLayerImpl(const LlamaConfig& c) : torch::nn::Module("LlamaDecoderLayer") {
+  explicit LlamaDecoderLayerImpl(const LlamaConfig& c, SharedDocumentLayout documents = nullptr) : torch::nn::Module("LlamaDecoderLayer") {
     input_layernorm = register_module("input_layernorm", RMSNorm(c.d_model, c.norm_eps));
-    self_attn = register_module("self_attn", LlamaAttention(c));
+    self_attn = register_module("self_attn", LlamaAttention(c, std::move(documents)));
     post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.d_model, c.norm_eps));
     mlp = register_module("mlp", LlamaMlp(c));
   }
@@ -148,8 +163,9 @@ TORCH_MODULE(LlamaDecoderLayer);
 /// The layers, named 0, 1, ... as Hugging Face's ModuleList names them, and called in order (through
 /// fsdp::forward: a wrapping that makes the whole stack a unit frees it after use).
 struct LlamaLayersImpl : torch::nn::Module {
-  LlamaLayersImpl(const LlamaConfig& c, bool deferred) : torch::nn::Module("LlamaLayers") {
-    for (std::int64_t i = 0; i < c.n_layers; ++i) layers.push_back(register_module(std::to_string(i), deferred_if(deferred, LlamaDecoderLayer(c))));
+  LlamaLayersImpl(const LlamaConfig& c, bool deferred, const SharedDocumentLayout& documents) : torch::nn::Module("LlamaLayers") {
+    for (std::int64_t i = 0; i < c.n_layers; ++i)
+      layers.push_back(register_module(std::to_string(i), deferred_if(deferred, LlamaDecoderLayer(c, documents))));
   }
   torch::Tensor forward(torch::Tensor x) {
     for (auto& layer : layers) x = fsdp::forward(layer, x);
@@ -161,9 +177,9 @@ TORCH_MODULE(LlamaLayers);
 
 /// Hugging Face's LlamaModel: the embedding, the layers and the final norm.
 struct LlamaModelImpl : torch::nn::Module {
-  LlamaModelImpl(const LlamaConfig& c, bool deferred) : torch::nn::Module("LlamaModel") {
+  LlamaModelImpl(const LlamaConfig& c, bool deferred, const SharedDocumentLayout& documents) : torch::nn::Module("LlamaModel") {
     embed_tokens = register_module("embed_tokens", deferred_if(deferred, torch::nn::Embedding(c.vocab_size, c.d_model)));
-    layers = register_module("layers", LlamaLayers(c, deferred));
+    layers = register_module("layers", LlamaLayers(c, deferred, documents));
     norm = register_module("norm", deferred_if(deferred, RMSNorm(c.d_model, c.norm_eps)));
   }
   torch::Tensor forward(const torch::Tensor& idx) { return fsdp::forward(norm, fsdp::forward(layers, fsdp::forward(embed_tokens, idx))); }
@@ -176,7 +192,8 @@ TORCH_MODULE(LlamaModel);
 /// LlamaForCausalLM. Input: (batch, t) token ids; output: (batch, t, vocab) logits.
 struct LlamaImpl : AppModel {
   explicit LlamaImpl(const LlamaConfig& c) : AppModel("Llama"), config(c) {
-    model = register_module("model", LlamaModel(c, c.deferred));
+    if (c.document_token >= 0) documents_ = std::make_shared<DocumentLayout>();
+    model = register_module("model", LlamaModel(c, c.deferred, documents_));
     lm_head = register_module(
         "lm_head", deferred_if(c.deferred, LmHead(c.d_model, c.vocab_size, c.tie_embeddings ? model->embed_tokens->weight : torch::Tensor())));
     if (c.deferred) return;  // init_llama_module() initializes it, unit by unit, inside the engine
@@ -185,6 +202,7 @@ struct LlamaImpl : AppModel {
   torch::Tensor forward(torch::Tensor idx) override {
     if (idx.size(1) > config.context)
       throw ConfigError("sequence of " + std::to_string(idx.size(1)) + " tokens exceeds model.context " + std::to_string(config.context));
+    if (documents_) *documents_ = document_layout(idx, config.document_token);  // the attention modules read it
     return fsdp::forward(lm_head, fsdp::forward(model, idx));
   }
 
@@ -205,6 +223,7 @@ struct LlamaImpl : AppModel {
   }
 
   LlamaConfig config;
+  SharedDocumentLayout documents_;  // data.document_mask
   LlamaModel model{nullptr};
   LmHead lm_head{nullptr};
 };
