@@ -7,8 +7,10 @@
 #include <CLI/CLI.hpp>
 #include <fsdp/fsdp.hpp>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -25,6 +27,9 @@
 #include "train/signals.hpp"
 #include "train/timing.hpp"
 #include "train/trainer.hpp"
+#if FSDP_HAVE_TOKENIZER
+#include "text/tokenizer.hpp"
+#endif
 
 using fsdp::MpiComm;
 using namespace fsdp::app;
@@ -102,8 +107,75 @@ void configure_compute(const Deck& deck, const RunConfig& cfg) {
   torch::manual_seed(cfg.run.seed);
 }
 
+/// fsdp-generate's request: options and where the prompt comes from.
+struct GenerateRequest {
+  GenerateOptions options;
+  std::string prompt_text, tokenizer;
+  bool stop_at_eos = true;
+};
+
+/// The prompt's ids: --ids as given, or --prompt through the tokenizer (every rank reads it alike).
+std::optional<fsdp::app::Tokenizer> prepare_prompt(MpiComm& world, GenerateRequest& g) {
+  std::optional<fsdp::app::Tokenizer> tok;
+  on_all_ranks(world, [&] {
+    if (g.tokenizer.empty()) {
+      if (!g.prompt_text.empty()) throw DeckError("fsdp-generate: --prompt needs --tokenizer (tokenizer.json); or give the prompt as --ids");
+      return;
+    }
+#if FSDP_HAVE_TOKENIZER
+    tok.emplace(fsdp::app::Tokenizer::load(g.tokenizer));
+    if (!g.prompt_text.empty()) {
+      const auto ids = tok->encode(g.prompt_text);
+      g.options.prompt.assign(ids.begin(), ids.end());
+    }
+#else
+    throw DeckError("fsdp-generate: this build has no tokenizer (ICU was not found): give the prompt as --ids");
+#endif
+  });
+  return tok;
+}
+
+/// fsdp-generate: the deck's model (as --eval-only loads it) continues the prompt; rank 0 prints.
+template <class Comm>
+int generate_text(Trainer<Comm>& trainer, MpiComm& world, const RunConfig& cfg, GenerateRequest& g) {
+  const auto tok = prepare_prompt(world, g);
+  on_all_ranks(world, [&] {
+    if (g.options.prompt.empty()) throw DeckError("fsdp-generate: an empty prompt (give --prompt with --tokenizer, or --ids)");
+    if (static_cast<std::int64_t>(g.options.prompt.size()) >= cfg.model.context)
+      throw DeckError("fsdp-generate: the prompt has " + std::to_string(g.options.prompt.size()) + " tokens, model.context is " +
+                      std::to_string(cfg.model.context));
+    for (const auto id : g.options.prompt)
+      if (id < 0 || id >= cfg.model.vocab_size)
+        throw DeckError("fsdp-generate: token " + std::to_string(id) + " of the prompt is not below model.vocab_size " +
+                        std::to_string(cfg.model.vocab_size));
+  });
+  if (g.stop_at_eos) g.options.stop_token = cfg.model.eos_token_id;
+  const auto out = trainer.generate(g.options);
+  if (world.rank() != 0) return 0;
+  const auto& o = g.options;
+  std::printf("generated %zu tokens after a prompt of %zu (%s), %s, %d rank(s): %.1f tokens/s\n", out.tokens.size(), o.prompt.size(),
+              o.temperature <= 0 ? "greedy"
+                                 : ("temperature " + std::to_string(o.temperature) + ", top-k " + std::to_string(o.top_k) + ", top-p " +
+                                    std::to_string(o.top_p) + ", seed " + std::to_string(o.seed))
+                                       .c_str(),
+              cfg.model.document_token < 0 && o.kv_cache ? "KV cache" : "no KV cache", world.size(),
+              out.seconds > 0 ? static_cast<double>(out.tokens.size()) / out.seconds : 0.0);
+  std::string ids;
+  for (const auto t : out.tokens) ids += (ids.empty() ? "" : " ") + std::to_string(t);
+  std::printf("ids: %s\n", ids.c_str());
+#if FSDP_HAVE_TOKENIZER
+  if (tok) {
+    std::vector<std::int32_t> all(o.prompt.begin(), o.prompt.end());
+    all.insert(all.end(), out.tokens.begin(), out.tokens.end());
+    std::printf("text:\n%s\n", tok->decode(all).c_str());
+  }
+#endif
+  return 0;
+}
+
 /// One run: the deck, the process, then a Trainer over the chosen communicator.
-int run(MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides, bool dry_run, bool eval_only) {
+int run(MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides, bool dry_run, bool eval_only,
+        GenerateRequest* generate = nullptr) {
   const auto wall_start = Clock::now();
   const auto placement = world.placement();  // collective: asked once, by every rank
   const Deck deck = read_deck(world, deck_path, overrides);
@@ -120,6 +192,7 @@ int run(MpiComm& world, const std::string& deck_path, const std::vector<std::str
     trainer.build();
     if (dry_run) return trainer.dry_run();
     if (eval_only) return trainer.evaluate_only();
+    if (generate) return generate_text(trainer, world, cfg, *generate);
     if (!trainer.resume()) {
       trainer.finish_completed_run();
       return 0;
@@ -133,21 +206,53 @@ int run(MpiComm& world, const std::string& deck_path, const std::vector<std::str
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App cli{"fsdp-train: train a model with Fully Sharded Data Parallel from a TOML input deck", "fsdp-train"};
+  // Called as fsdp-generate (a link to this program): text from a trained model instead of training.
+  const bool generating = std::filesystem::path(argv[0]).filename() == "fsdp-generate";
+  CLI::App cli{generating ? "fsdp-generate: continue a prompt with the model of a deck (its latest checkpoint, checkpoint.resume's, or "
+                            "checkpoint.init_from), sharded over the ranks"
+                          : "fsdp-train: train a model with Fully Sharded Data Parallel from a TOML input deck",
+               generating ? "fsdp-generate" : "fsdp-train"};
   std::string deck_path;
   std::vector<std::string> overrides;
   bool dry_run = false, check_plan = false, eval_only = false;
+  GenerateRequest g;
+  std::string ids;
   cli.add_option("DECK", deck_path, "the input deck (TOML)")->required();
   cli.add_option("--set", overrides, "override a deck value: section.key=value (repeatable)");
-  cli.add_flag("--dry-run", dry_run, "validate, print the echo and stop");
-  cli.add_flag("--eval-only", eval_only,
-               "evaluate the run's latest checkpoint (or checkpoint.resume's, or checkpoint.init_from) on the validation data and stop: "
-               "loss, perplexity and tokens/s, printed and added to summary.json; trains nothing, writes no checkpoint or deck.toml");
-  cli.add_flag("--check-plan", check_plan, "build the deck's model (no MPI) and check fsdp-plan's closed-form description against it");
+  if (generating) {
+    cli.add_option("--prompt", g.prompt_text, "the prompt as text (needs --tokenizer)");
+    cli.add_option("--ids", ids, "the prompt as token ids, separated by commas or spaces");
+    cli.add_option("--tokenizer", g.tokenizer, "tokenizer.json (or its folder): encodes --prompt and decodes the output");
+    cli.add_option("--max-new-tokens", g.options.max_new_tokens, "tokens to generate at most (and model.context in all)")
+        ->check(CLI::Range(1, 1000000));
+    cli.add_option("--temperature", g.options.temperature, "0: greedy (argmax); else sample from softmax(logits / temperature)")
+        ->check(CLI::Range(0.0, 100.0));
+    cli.add_option("--top-k", g.options.top_k, "sample among the k most likely tokens only (0: all)")->check(CLI::Range(0, 100000000));
+    cli.add_option("--top-p", g.options.top_p, "sample among the fewest most likely tokens whose probabilities reach p")->check(CLI::Range(0.0, 1.0));
+    cli.add_option("--seed", g.options.seed, "the sampling generator's seed (the same on every rank)");
+    cli.add_flag(
+        "--no-kv-cache", [&](std::int64_t) { g.options.kv_cache = false; }, "recompute every position at every step");
+    cli.add_flag(
+        "--no-stop", [&](std::int64_t) { g.stop_at_eos = false; }, "do not stop at model.eos_token_id");
+  }
+  if (!generating) cli.add_flag("--dry-run", dry_run, "validate, print the echo and stop");
+  if (!generating)
+    cli.add_flag("--eval-only", eval_only,
+                 "evaluate the run's latest checkpoint (or checkpoint.resume's, or checkpoint.init_from) on the validation data and stop: "
+                 "loss, perplexity and tokens/s, printed and added to summary.json; trains nothing, writes no checkpoint or deck.toml");
+  if (!generating)
+    cli.add_flag("--check-plan", check_plan, "build the deck's model (no MPI) and check fsdp-plan's closed-form description against it");
   try {
     cli.parse(argc, argv);
+    std::string words = ids;
+    std::replace(words.begin(), words.end(), ',', ' ');
+    std::istringstream in(words);
+    for (std::string word; in >> word;) g.options.prompt.push_back(std::stoll(word));
   } catch (const CLI::ParseError& e) {
     return cli.exit(e) == 0 ? 0 : kExitBadInput;
+  } catch (const std::exception&) {
+    std::fprintf(stderr, "fsdp-generate: error: --ids \"%s\" is not a list of integers\n", ids.c_str());
+    return kExitBadInput;
   }
   if (check_plan) {
     try {
@@ -168,7 +273,7 @@ int main(int argc, char** argv) {
   }
   auto world = MpiComm::world();
   try {
-    return run(world, deck_path, overrides, dry_run, eval_only);
+    return run(world, deck_path, overrides, dry_run, eval_only, generating ? &g : nullptr);
   } catch (const RankError& e) {
     // Agreed between all ranks: rank 0 reports, everyone exits.
     if (world.rank() == 0) std::fprintf(stderr, e.code == kExitStopped ? "fsdp-train: %s\n" : "fsdp-train: error: %s\n", e.what());

@@ -17,7 +17,7 @@ import argparse, json, math, os, sys
 import torch
 import torch.nn.functional as F
 
-from pytorch_reference import add_subcommands, cmd_compare, evaluate, loss_of, lr_at, read_safetensors, read_tokens, sample, write_safetensors
+from pytorch_reference import add_subcommands, cmd_compare, evaluate, greedy, loss_of, lr_at, read_safetensors, read_tokens, sample, write_safetensors
 
 
 def llama3_frequencies(inv_freq, a):
@@ -254,7 +254,8 @@ def main():
     if getattr(a, "config", None):
         from_hf_config(a)
     torch.set_num_threads(1)
-    return {"init": cmd_init, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare}[a.cmd](a) or 0
+    return {"init": cmd_init, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare,
+            "generate": lambda a: greedy(Llama(a), a)}[a.cmd](a) or 0
 
 
 if __name__ == "__main__":

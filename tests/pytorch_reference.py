@@ -238,6 +238,19 @@ def cmd_eval(a):
     evaluate(m, a)
 
 
+def greedy(m, a):
+    """Prints the a.new tokens argmax decoding adds to a.ids (recomputing every position each step)."""
+    m.load(read_safetensors(a.model))
+    seq = [int(t) for t in a.ids.replace(",", " ").split()]
+    out = []
+    with torch.no_grad():
+        for _ in range(a.new):
+            nxt = int(m(torch.tensor([seq]))[0, -1].argmax())
+            seq.append(nxt)
+            out.append(nxt)
+    print(json.dumps({"ids": out}))
+
+
 def cmd_compare(a):
     x, y = read_safetensors(a.a), read_safetensors(a.b)
     if set(x) != set(y):
@@ -278,6 +291,11 @@ def add_subcommands(p, model_args, init_args=None):
     s.add_argument("--data", required=True)
     s.add_argument("--batch", type=int, default=64)
     model_args(s)
+    s = sub.add_parser("generate")
+    s.add_argument("--model", required=True)
+    s.add_argument("--ids", required=True, help="the prompt's token ids")
+    s.add_argument("--new", type=int, default=8, help="tokens to add")
+    model_args(s)
     s = sub.add_parser("compare")
     s.add_argument("a")
     s.add_argument("b")
@@ -298,7 +316,8 @@ def main():
     add_subcommands(p, model_args)
     a = p.parse_args()
     torch.set_num_threads(1)
-    return {"init": cmd_init, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare}[a.cmd](a) or 0
+    return {"init": cmd_init, "train": cmd_train, "eval": cmd_eval, "compare": cmd_compare,
+            "generate": lambda a: greedy(model_of(a), a)}[a.cmd](a) or 0
 
 
 if __name__ == "__main__":

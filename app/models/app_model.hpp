@@ -9,6 +9,7 @@
 #include <string>
 
 #include "fsdp/errors.hpp"
+#include "models/kv_cache.hpp"
 
 namespace fsdp::app {
 
@@ -26,6 +27,8 @@ Holder deferred_if(bool deferred, Holder module) {
 struct AppModel : torch::nn::Module {
   using torch::nn::Module::Module;
   virtual torch::Tensor forward(torch::Tensor x) = 0;
+  /// A language model's key/value cache for generation (off unless turned on); null for the others.
+  virtual KvCache* kv_cache() { return nullptr; }
 };
 
 /// A language model's output projection to the vocabulary, optionally sharing the token embedding's

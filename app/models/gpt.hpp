@@ -20,8 +20,13 @@ namespace fsdp::app {
 
 /// Causal multi-head self-attention; inside each document only when `documents` is given.
 struct CausalSelfAttentionImpl : torch::nn::Module {
-  explicit CausalSelfAttentionImpl(const GptConfig& c, SharedDocumentLayout documents = nullptr)
-      : torch::nn::Module("CausalSelfAttention"), heads_(c.n_heads), p_(c.dropout), documents_(std::move(documents)) {
+  explicit CausalSelfAttentionImpl(const GptConfig& c, SharedDocumentLayout documents = nullptr, SharedKvCache cache = nullptr, std::size_t layer = 0)
+      : torch::nn::Module("CausalSelfAttention"),
+        heads_(c.n_heads),
+        p_(c.dropout),
+        documents_(std::move(documents)),
+        cache_(std::move(cache)),
+        layer_(layer) {
     qkv = register_module("qkv", torch::nn::Linear(c.d_model, 3 * c.d_model));
     proj = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
     register_buffer("mask", torch::ones({c.context, c.context}).tril().view({1, 1, c.context, c.context}));
@@ -31,8 +36,11 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     auto parts = fsdp::forward(qkv, x).split(d, 2);
     auto shape = [&](const torch::Tensor& y) { return y.view({b, t, heads_, hd}).transpose(1, 2); };
     auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
+    const bool cached = cache_ && cache_->on;
+    if (cached) std::tie(k, v) = cache_->append(layer_, k, v);  // generation: the earlier tokens' keys too
     auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    att = att.masked_fill(documents_ ? documents_->blocked : blocked(t), -std::numeric_limits<float>::infinity());
+    const auto& mask = cached ? KvCache::blocked(t, k.size(2) - t, x.device()) : documents_ ? documents_->blocked : blocked(t);
+    att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
     att = F::dropout(torch::softmax(att, -1), F::DropoutFuncOptions().p(p_).training(is_training()));
     auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
     return F::dropout(fsdp::forward(proj, y), F::DropoutFuncOptions().p(p_).training(is_training()));
@@ -41,6 +49,8 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   std::int64_t heads_;
   double p_;
   SharedDocumentLayout documents_;
+  SharedKvCache cache_;
+  std::size_t layer_;
 
  private:
   /// Where attention is blocked for a sequence of t tokens, built once rather than every forward. Rebuilt
@@ -64,10 +74,10 @@ TORCH_MODULE(CausalSelfAttention);
 
 /// Pre-norm transformer block; the unit TRANSFORMER_BASED_WRAP wraps ("TransformerBlock").
 struct TransformerBlockImpl : torch::nn::Module {
-  explicit TransformerBlockImpl(const GptConfig& c, SharedDocumentLayout documents = nullptr)
+  explicit TransformerBlockImpl(const GptConfig& c, SharedDocumentLayout documents = nullptr, SharedKvCache cache = nullptr, std::size_t layer = 0)
       : torch::nn::Module("TransformerBlock"), p_(c.dropout), gelu_(F::GELUFuncOptions().approximate(c.gelu_tanh ? "tanh" : "none")) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
-    attn = register_module("attn", CausalSelfAttention(c, std::move(documents)));
+    attn = register_module("attn", CausalSelfAttention(c, std::move(documents), std::move(cache), layer));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
     fc = register_module("fc", torch::nn::Linear(c.d_model, c.mlp_ratio * c.d_model));
     out = register_module("out", torch::nn::Linear(c.mlp_ratio * c.d_model, c.d_model));
@@ -97,7 +107,8 @@ struct GptImpl : AppModel {
     tok = register_module("tok", deferred_if(d, torch::nn::Embedding(c.padded_vocab(), c.d_model)));
     pos = register_module("pos", deferred_if(d, torch::nn::Embedding(c.context, c.d_model)));
     for (std::int64_t i = 0; i < c.n_layers; ++i)
-      blocks.push_back(register_module("block" + std::to_string(i), deferred_if(d, TransformerBlock(c, documents_))));
+      blocks.push_back(
+          register_module("block" + std::to_string(i), deferred_if(d, TransformerBlock(c, documents_, cache_, static_cast<std::size_t>(i)))));
     ln_f = register_module("ln_f", deferred_if(d, torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}))));
     head = register_module("head", deferred_if(d, LmHead(c.d_model, c.padded_vocab(), c.tie_embeddings ? tok->weight : torch::Tensor())));
     if (d) return;  // init_module() initializes it, unit by unit, inside the engine
@@ -113,9 +124,15 @@ struct GptImpl : AppModel {
   }
   torch::Tensor forward(torch::Tensor idx) override {
     const auto t = idx.size(1);
-    if (t > config.context) throw ConfigError("sequence of " + std::to_string(t) + " tokens exceeds model.context " + std::to_string(config.context));
+    const std::int64_t past = cache_->on ? cache_->length : 0;  // generation: positions after the cached tokens
+    if (past + t > config.context)
+      throw ConfigError("sequence of " + std::to_string(past + t) + " tokens exceeds model.context " + std::to_string(config.context));
     torch::Tensor x;
-    if (documents_) {  // positions restart in every document; the blocks read the mask
+    if (past > 0 || cache_->on) {
+      auto positions = torch::arange(past, past + t, idx.options().dtype(torch::kLong));
+      x = fsdp::forward(tok, idx) + fsdp::forward(pos, positions).unsqueeze(0);
+      cache_->length += t;
+    } else if (documents_) {  // positions restart in every document; the blocks read the mask
       *documents_ = document_layout(idx, config.document_token);
       x = fsdp::forward(tok, idx) + fsdp::forward(pos, documents_->positions);
     } else {
@@ -127,8 +144,10 @@ struct GptImpl : AppModel {
     auto logits = fsdp::forward(head, fsdp::forward(ln_f, x));
     return config.padded_vocab() == config.vocab_size ? logits : logits.narrow(-1, 0, config.vocab_size);
   }
+  KvCache* kv_cache() override { return cache_.get(); }
   GptConfig config;
-  SharedDocumentLayout documents_;  // data.document_mask
+  SharedDocumentLayout documents_;                     // data.document_mask
+  SharedKvCache cache_ = std::make_shared<KvCache>();  // generation
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   std::vector<TransformerBlock> blocks;
   torch::nn::LayerNorm ln_f{nullptr};

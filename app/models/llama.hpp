@@ -41,8 +41,8 @@ TORCH_MODULE(RMSNorm);
 /// Causal self-attention with rotary positions and grouped-query heads; inside each document, with
 /// positions that restart in each, when `documents` is given.
 struct LlamaAttentionImpl : torch::nn::Module {
-  explicit LlamaAttentionImpl(const LlamaConfig& c, SharedDocumentLayout documents = nullptr)
-      : torch::nn::Module("LlamaAttention"), c_(c), documents_(std::move(documents)) {
+  explicit LlamaAttentionImpl(const LlamaConfig& c, SharedDocumentLayout documents = nullptr, SharedKvCache cache = nullptr, std::size_t layer = 0)
+      : torch::nn::Module("LlamaAttention"), c_(c), documents_(std::move(documents)), cache_(std::move(cache)), layer_(layer) {
     const bool bias = c.attention_bias;
     q_proj = register_module("q_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.q_width()).bias(bias)));
     k_proj = register_module("k_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.kv_width()).bias(bias)));
@@ -55,15 +55,18 @@ struct LlamaAttentionImpl : torch::nn::Module {
     auto q = heads(fsdp::forward(q_proj, x), c_.n_heads);
     auto k = heads(fsdp::forward(k_proj, x), c_.n_kv_heads);
     auto v = heads(fsdp::forward(v_proj, x), c_.n_kv_heads);
-    const auto& [cos, sin] = documents_ ? document_rotary(x) : rotary(t, x);
+    const bool cached = cache_ && cache_->on;
+    const auto& [cos, sin] = cached ? cached_rotary(t, x) : documents_ ? document_rotary(x) : rotary(t, x);
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
-    if (c_.n_kv_heads != c_.n_heads) {  // each key/value head serves n_heads / n_kv_heads query heads
+    if (cached) std::tie(k, v) = cache_->append(layer_, k, v);  // generation: the earlier tokens' keys too
+    if (c_.n_kv_heads != c_.n_heads) {                          // each key/value head serves n_heads / n_kv_heads query heads
       k = k.repeat_interleave(c_.n_heads / c_.n_kv_heads, 1);
       v = v.repeat_interleave(c_.n_heads / c_.n_kv_heads, 1);
     }
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-    att = att.masked_fill(documents_ ? documents_->blocked : blocked(t, x.device()), -std::numeric_limits<float>::infinity());
+    const auto& mask = cached ? KvCache::blocked(t, k.size(2) - t, x.device()) : documents_ ? documents_->blocked : blocked(t, x.device());
+    att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
     att = torch::softmax(att, -1, torch::kFloat).to(q.scalar_type());
     auto y = torch::matmul(att, v).transpose(1, 2).reshape({b, t, c_.q_width()});
     return fsdp::forward(o_proj, y);
@@ -86,6 +89,13 @@ struct LlamaAttentionImpl : torch::nn::Module {
       rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
     }
     return rotary_;
+  }
+  /// The same for t tokens after the cache's (generation), every forward.
+  const std::pair<torch::Tensor, torch::Tensor>& cached_rotary(std::int64_t t, const torch::Tensor& like) {
+    const std::int64_t past = cache_->keys.size() > layer_ && cache_->keys[layer_].defined() ? cache_->keys[layer_].size(2) : 0;
+    const auto angles = angles_of(torch::arange(past, past + t, torch::TensorOptions().dtype(torch::kFloat).device(like.device())));
+    document_rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
+    return document_rotary_;
   }
   /// The same for the document layout's positions: [batch, 1, t, head_dim], every forward.
   const std::pair<torch::Tensor, torch::Tensor>& document_rotary(const torch::Tensor& like) {
@@ -123,6 +133,8 @@ struct LlamaAttentionImpl : torch::nn::Module {
   }
   LlamaConfig c_;
   SharedDocumentLayout documents_;
+  SharedKvCache cache_;
+  std::size_t layer_;
   std::pair<torch::Tensor, torch::Tensor> rotary_, document_rotary_;
   torch::Tensor blocked_;
 };
@@ -144,9 +156,10 @@ TORCH_MODULE(LlamaMlp);
 
 /// One decoder layer; the unit TRANSFORMER_BASED_WRAP wraps ("LlamaDecoderLayer").
 struct LlamaDecoderLayerImpl : torch::nn::Module {
-  explicit LlamaDecoderLayerImpl(const LlamaConfig& c, SharedDocumentLayout documents = nullptr) : torch::nn::Module("LlamaDecoderLayer") {
+  explicit LlamaDecoderLayerImpl(const LlamaConfig& c, SharedDocumentLayout documents = nullptr, SharedKvCache cache = nullptr, std::size_t layer = 0)
+      : torch::nn::Module("LlamaDecoderLayer") {
     input_layernorm = register_module("input_layernorm", RMSNorm(c.d_model, c.norm_eps));
-    self_attn = register_module("self_attn", LlamaAttention(c, std::move(documents)));
+    self_attn = register_module("self_attn", LlamaAttention(c, std::move(documents), std::move(cache), layer));
     post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.d_model, c.norm_eps));
     mlp = register_module("mlp", LlamaMlp(c));
   }
@@ -163,9 +176,11 @@ TORCH_MODULE(LlamaDecoderLayer);
 /// The layers, named 0, 1, ... as Hugging Face's ModuleList names them, and called in order (through
 /// fsdp::forward: a wrapping that makes the whole stack a unit frees it after use).
 struct LlamaLayersImpl : torch::nn::Module {
-  LlamaLayersImpl(const LlamaConfig& c, bool deferred, const SharedDocumentLayout& documents) : torch::nn::Module("LlamaLayers") {
+  LlamaLayersImpl(const LlamaConfig& c, bool deferred, const SharedDocumentLayout& documents, const SharedKvCache& cache)
+      : torch::nn::Module("LlamaLayers") {
     for (std::int64_t i = 0; i < c.n_layers; ++i)
-      layers.push_back(register_module(std::to_string(i), deferred_if(deferred, LlamaDecoderLayer(c, documents))));
+      layers.push_back(
+          register_module(std::to_string(i), deferred_if(deferred, LlamaDecoderLayer(c, documents, cache, static_cast<std::size_t>(i)))));
   }
   torch::Tensor forward(torch::Tensor x) {
     for (auto& layer : layers) x = fsdp::forward(layer, x);
@@ -177,9 +192,10 @@ TORCH_MODULE(LlamaLayers);
 
 /// Hugging Face's LlamaModel: the embedding, the layers and the final norm.
 struct LlamaModelImpl : torch::nn::Module {
-  LlamaModelImpl(const LlamaConfig& c, bool deferred, const SharedDocumentLayout& documents) : torch::nn::Module("LlamaModel") {
+  LlamaModelImpl(const LlamaConfig& c, bool deferred, const SharedDocumentLayout& documents, const SharedKvCache& cache)
+      : torch::nn::Module("LlamaModel") {
     embed_tokens = register_module("embed_tokens", deferred_if(deferred, torch::nn::Embedding(c.vocab_size, c.d_model)));
-    layers = register_module("layers", LlamaLayers(c, deferred, documents));
+    layers = register_module("layers", LlamaLayers(c, deferred, documents, cache));
     norm = register_module("norm", deferred_if(deferred, RMSNorm(c.d_model, c.norm_eps)));
   }
   torch::Tensor forward(const torch::Tensor& idx) { return fsdp::forward(norm, fsdp::forward(layers, fsdp::forward(embed_tokens, idx))); }
@@ -193,16 +209,20 @@ TORCH_MODULE(LlamaModel);
 struct LlamaImpl : AppModel {
   explicit LlamaImpl(const LlamaConfig& c) : AppModel("Llama"), config(c) {
     if (c.document_token >= 0) documents_ = std::make_shared<DocumentLayout>();
-    model = register_module("model", LlamaModel(c, c.deferred, documents_));
+    model = register_module("model", LlamaModel(c, c.deferred, documents_, cache_));
     lm_head = register_module(
         "lm_head", deferred_if(c.deferred, LmHead(c.d_model, c.vocab_size, c.tie_embeddings ? model->embed_tokens->weight : torch::Tensor())));
     if (c.deferred) return;  // init_llama_module() initializes it, unit by unit, inside the engine
     for (const auto& m : modules(/*include_self=*/false)) init_llama_module(*m);
   }
   torch::Tensor forward(torch::Tensor idx) override {
-    if (idx.size(1) > config.context)
-      throw ConfigError("sequence of " + std::to_string(idx.size(1)) + " tokens exceeds model.context " + std::to_string(config.context));
-    if (documents_) *documents_ = document_layout(idx, config.document_token);  // the attention modules read it
+    const std::int64_t past = cache_->on ? cache_->length : 0;  // generation: positions after the cached tokens
+    if (past + idx.size(1) > config.context)
+      throw ConfigError("sequence of " + std::to_string(past + idx.size(1)) + " tokens exceeds model.context " + std::to_string(config.context));
+    if (cache_->on)
+      cache_->length += idx.size(1);
+    else if (documents_)
+      *documents_ = document_layout(idx, config.document_token);  // the attention modules read it
     return fsdp::forward(lm_head, fsdp::forward(model, idx));
   }
 
@@ -222,8 +242,10 @@ struct LlamaImpl : AppModel {
     return std::make_shared<LlamaImpl>(c);
   }
 
+  KvCache* kv_cache() override { return cache_.get(); }
   LlamaConfig config;
-  SharedDocumentLayout documents_;  // data.document_mask
+  SharedDocumentLayout documents_;                     // data.document_mask
+  SharedKvCache cache_ = std::make_shared<KvCache>();  // generation
   LlamaModel model{nullptr};
   LmHead lm_head{nullptr};
 };

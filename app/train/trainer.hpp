@@ -33,6 +33,7 @@
 #include "train/checkpointer.hpp"
 #include "train/dataset.hpp"
 #include "train/eval_only.hpp"
+#include "train/generate.hpp"
 #include "train/metrics_log.hpp"
 #include "train/ranks.hpp"
 #include "train/schedule.hpp"
@@ -136,6 +137,12 @@ class Trainer {
 
   /// --eval-only (train/eval_only.hpp): the model as it stands, evaluated; nothing trained. Collective.
   int evaluate_only() { return app::evaluate_only(world_, s_.deck, cfg_, *model_, data_, eval_chunk()); }
+  /// fsdp-generate (train/generate.hpp): the model loaded as --eval-only loads it, then `o`. Collective.
+  Generated generate(const GenerateOptions& o) {
+    const std::string source = Checkpointer<Engine>(cfg_, s_.deck, world_, *model_, nullptr).load_for_evaluation();
+    if (root_) std::printf("model: %s\n", source.c_str());
+    return generate_tokens(*model_, *model_->module(), world_, cfg_, o);
+  }
 
   /// Every epoch from the resumed position to the last step, stopping early on a signal (exit 3).
   void train() {
