@@ -3,8 +3,9 @@
 //                              [--separator "<|endoftext|>"] [--text-key text] [--shard-tokens 100000000] INPUT...
 // Documents: each .jsonl / .json input holds one JSON object per line (its --text-key string is the
 // document); any other input is one document. Every document is preceded by the separator token (as
-// llm.c's scripts do). Document i goes to validation when floor((i + 1) f) > floor(i f) for
-// --val-fraction f (evenly spread; the same at every world size). Output: OUT_train_000000.bin, ...
+// llm.c's scripts do). Document i goes to validation when ceil((i + 1) f) > ceil(i f) for
+// --val-fraction f: the first document and then every 1/f-th (evenly spread; the same at every world
+// size; never none when f > 0). Output: OUT_train_000000.bin, ...
 // and OUT_val_000000.bin, ... as llm.c shards (uint16 below a vocabulary of 65537, else uint32), the
 // same bytes at any number of ranks. Rank r tokenizes the r-th contiguous block of documents and
 // writes its tokens into the shards at their places; the shards are published (renamed in) only once
@@ -17,6 +18,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -177,7 +179,7 @@ int main(int argc, char** argv) {
           continue;
         }
         auto add = [&](const std::string& text, const std::string& where) {
-          const bool is_val = std::floor(static_cast<double>(doc + 1) * val_fraction) > std::floor(static_cast<double>(doc) * val_fraction);
+          const bool is_val = std::ceil(static_cast<double>(doc + 1) * val_fraction) > std::ceil(static_cast<double>(doc) * val_fraction);
           auto& split = is_val ? val : train;
           split.tokens.push_back(separator_id);
           try {
@@ -218,6 +220,12 @@ int main(int argc, char** argv) {
       world.all_gather(&n, all.data(), 1, fsdp::DType::kInt64);
       for (int r = 0; r < world.rank(); ++r) s->first += all[static_cast<std::size_t>(r)];
     }
+    on_all_ranks(world, [&] {
+      if (train.total == 0)
+        throw fsdp::ConfigError("no training tokens: " + std::to_string(documents) + " document(s), " +
+                                    (documents == 0 ? std::string("none in the inputs") : "all of them for validation (--val-fraction)"),
+                                "fsdp.tokenize");
+    });
     const bool wide = tok->vocab_size() > 65536;
     const int width = wide ? 4 : 2;
     // Rank 0 creates every shard under a temporary name with its header and full size; then each rank
@@ -260,6 +268,9 @@ int main(int argc, char** argv) {
               bytes[static_cast<std::size_t>(t * width + b)] =
                   static_cast<unsigned char>(static_cast<std::uint32_t>(s->tokens[static_cast<std::size_t>(done + t)]) >> (8 * b));
           const std::string tmp = temporary(shard_path(out, s->name, k));
+          // Test hook (tokenize_e2e): this rank's write fails after every shard exists.
+          if (const char* fail = std::getenv("FSDP_TEST_TOKENIZE_FAIL_ON_RANK"); fail && std::atoi(fail) == world.rank())
+            throw fsdp::OutputError("cannot write " + tmp + ": test hook FSDP_TEST_TOKENIZE_FAIL_ON_RANK");
           const int fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
           if (fd < 0) throw fsdp::OutputError("cannot open " + tmp + ": " + std::strerror(errno));
           try {
@@ -276,12 +287,24 @@ int main(int argc, char** argv) {
     });
     on_all_ranks(world, [&] {
       if (!root) return;
-      for (const auto& [tmp, path] : shards) {
-        const int fd = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC);  // rank 0's header and size, synced before the rename
-        if (fd < 0 || ::fsync(fd) != 0) throw fsdp::OutputError("cannot sync " + tmp + ": " + std::strerror(errno));
-        ::close(fd);
-        fs::rename(tmp, path);
+      for (const auto& [tmp, path] : shards) {  // rank 0's headers and sizes, synced before any is renamed
+        const int fd = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
+        const bool synced = fd >= 0 && ::fsync(fd) == 0;
+        const int err = errno;
+        if (fd >= 0) ::close(fd);
+        if (!synced) throw fsdp::OutputError("cannot sync " + tmp + ": " + std::strerror(err));
       }
+      std::vector<std::string> renamed;
+      for (const auto& [tmp, path] : shards) {
+        std::error_code ec;
+        fs::rename(tmp, path, ec);
+        if (ec) {  // no corpus is left half published: the shards renamed so far go again
+          for (const auto& p : renamed) fs::remove(p, ec);
+          throw fsdp::OutputError("cannot rename " + tmp + " to " + path + ": " + ec.message());
+        }
+        renamed.push_back(path);
+      }
+      fsdp::detail::fsync_folder(fs::path(out).parent_path());
     });
     if (root) {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

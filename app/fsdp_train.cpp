@@ -26,10 +26,8 @@
 #include "train/ranks.hpp"
 #include "train/signals.hpp"
 #include "train/timing.hpp"
+#include "train/generate_text.hpp"
 #include "train/trainer.hpp"
-#if FSDP_HAVE_TOKENIZER
-#include "text/tokenizer.hpp"
-#endif
 
 using fsdp::MpiComm;
 using namespace fsdp::app;
@@ -107,72 +105,6 @@ void configure_compute(const Deck& deck, const RunConfig& cfg) {
   torch::manual_seed(cfg.run.seed);
 }
 
-/// fsdp-generate's request: options and where the prompt comes from.
-struct GenerateRequest {
-  GenerateOptions options;
-  std::string prompt_text, tokenizer;
-  bool stop_at_eos = true;
-};
-
-/// The prompt's ids: --ids as given, or --prompt through the tokenizer (every rank reads it alike).
-std::optional<fsdp::app::Tokenizer> prepare_prompt(MpiComm& world, GenerateRequest& g) {
-  std::optional<fsdp::app::Tokenizer> tok;
-  on_all_ranks(world, [&] {
-    if (g.tokenizer.empty()) {
-      if (!g.prompt_text.empty()) throw DeckError("fsdp-generate: --prompt needs --tokenizer (tokenizer.json); or give the prompt as --ids");
-      return;
-    }
-#if FSDP_HAVE_TOKENIZER
-    tok.emplace(fsdp::app::Tokenizer::load(g.tokenizer));
-    if (!g.prompt_text.empty()) {
-      const auto ids = tok->encode(g.prompt_text);
-      g.options.prompt.assign(ids.begin(), ids.end());
-    }
-#else
-    throw DeckError("fsdp-generate: this build has no tokenizer (ICU was not found): give the prompt as --ids");
-#endif
-  });
-  return tok;
-}
-
-/// fsdp-generate: the deck's model (as --eval-only loads it) continues the prompt; rank 0 prints.
-template <class Comm>
-int generate_text(Trainer<Comm>& trainer, MpiComm& world, const RunConfig& cfg, GenerateRequest& g) {
-  const auto tok = prepare_prompt(world, g);
-  on_all_ranks(world, [&] {
-    if (g.options.prompt.empty()) throw DeckError("fsdp-generate: an empty prompt (give --prompt with --tokenizer, or --ids)");
-    if (static_cast<std::int64_t>(g.options.prompt.size()) >= cfg.model.context)
-      throw DeckError("fsdp-generate: the prompt has " + std::to_string(g.options.prompt.size()) + " tokens, model.context is " +
-                      std::to_string(cfg.model.context));
-    for (const auto id : g.options.prompt)
-      if (id < 0 || id >= cfg.model.vocab_size)
-        throw DeckError("fsdp-generate: token " + std::to_string(id) + " of the prompt is not below model.vocab_size " +
-                        std::to_string(cfg.model.vocab_size));
-  });
-  if (g.stop_at_eos) g.options.stop_token = cfg.model.eos_token_id;
-  const auto out = trainer.generate(g.options);
-  if (world.rank() != 0) return 0;
-  const auto& o = g.options;
-  std::printf("generated %zu tokens after a prompt of %zu (%s), %s, %d rank(s): %.1f tokens/s\n", out.tokens.size(), o.prompt.size(),
-              o.temperature <= 0 ? "greedy"
-                                 : ("temperature " + std::to_string(o.temperature) + ", top-k " + std::to_string(o.top_k) + ", top-p " +
-                                    std::to_string(o.top_p) + ", seed " + std::to_string(o.seed))
-                                       .c_str(),
-              cfg.model.document_token < 0 && o.kv_cache ? "KV cache" : "no KV cache", world.size(),
-              out.seconds > 0 ? static_cast<double>(out.tokens.size()) / out.seconds : 0.0);
-  std::string ids;
-  for (const auto t : out.tokens) ids += (ids.empty() ? "" : " ") + std::to_string(t);
-  std::printf("ids: %s\n", ids.c_str());
-#if FSDP_HAVE_TOKENIZER
-  if (tok) {
-    std::vector<std::int32_t> all(o.prompt.begin(), o.prompt.end());
-    all.insert(all.end(), out.tokens.begin(), out.tokens.end());
-    std::printf("text:\n%s\n", tok->decode(all).c_str());
-  }
-#endif
-  return 0;
-}
-
 /// One run: the deck, the process, then a Trainer over the chosen communicator.
 int run(MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides, bool dry_run, bool eval_only,
         GenerateRequest* generate = nullptr) {
@@ -189,7 +121,7 @@ int run(MpiComm& world, const std::string& deck_path, const std::vector<std::str
   configure_compute(deck, cfg);
   return with_communicator(cfg, [&]<class Comm>() {
     Trainer<Comm> trainer(setup);
-    trainer.build();
+    trainer.build(/*with_data=*/generate == nullptr);  // generation reads no data
     if (dry_run) return trainer.dry_run();
     if (eval_only) return trainer.evaluate_only();
     if (generate) return generate_text(trainer, world, cfg, *generate);
@@ -244,13 +176,12 @@ int main(int argc, char** argv) {
     cli.add_flag("--check-plan", check_plan, "build the deck's model (no MPI) and check fsdp-plan's closed-form description against it");
   try {
     cli.parse(argc, argv);
-    std::string words = ids;
-    std::replace(words.begin(), words.end(), ',', ' ');
-    std::istringstream in(words);
-    for (std::string word; in >> word;) g.options.prompt.push_back(std::stoll(word));
   } catch (const CLI::ParseError& e) {
     return cli.exit(e) == 0 ? 0 : kExitBadInput;
-  } catch (const std::exception&) {
+  }
+  if (const auto parsed = parse_token_ids(ids)) {
+    g.options.prompt = *parsed;
+  } else {
     std::fprintf(stderr, "fsdp-generate: error: --ids \"%s\" is not a list of integers\n", ids.c_str());
     return kExitBadInput;
   }

@@ -207,8 +207,9 @@ TokenStream TokenStream::open_indexed(const std::string& prefix_or_file) {
     const auto pointer = static_cast<std::int64_t>(le_uint64(idx + pointers_at + 8 * i));
     if (pointer != tokens * width)
       throw DataError(in_idx(pointers_at + 8 * i) + ": sequence " + std::to_string(i) + " starts at byte " + std::to_string(pointer) + " of '" +
-                      bin_path + "', not at byte " + std::to_string(tokens * width) + " where sequence " + std::to_string(i - 1) +
-                      " ends; fsdp reads the sequences back to back");
+                      bin_path + "', not at byte " + std::to_string(tokens * width) +
+                      (i == 0 ? std::string(", the file's start") : " where sequence " + std::to_string(i - 1) + " ends") +
+                      "; fsdp reads the sequences back to back");
     sequence_starts[static_cast<std::size_t>(i)] = tokens;
     tokens += length;
     if (tokens * width > bin_bytes)
@@ -216,7 +217,7 @@ TokenStream TokenStream::open_indexed(const std::string& prefix_or_file) {
                       ", past the end of '" + bin_path + "' (" + std::to_string(bin_bytes) + " bytes)");
   }
   sequence_starts[static_cast<std::size_t>(n)] = tokens;
-  // Document indices: sequence numbers from 0 to the sequence count, each document's first sequence.
+  // Document indices: 0, then the sequence index that ends each document (the next one's first).
   for (std::int64_t k = 0; k < d; ++k) {
     const auto at = static_cast<std::int64_t>(le_uint64(idx + documents_at + 8 * k));
     const std::int64_t before = k == 0 ? 0 : static_cast<std::int64_t>(le_uint64(idx + documents_at + 8 * (k - 1)));

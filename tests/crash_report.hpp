@@ -57,6 +57,8 @@ inline void on_crash(int signal_number, siginfo_t* info, void* context) {
 }  // namespace detail
 
 inline void install_crash_report() {
+  void* warm[1];
+  backtrace(warm, 1);  // loads libgcc's unwinder now: the handler must not be the first to (malloc)
   struct sigaction action {};
   action.sa_sigaction = detail::on_crash;
   action.sa_flags = SA_SIGINFO;

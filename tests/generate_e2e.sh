@@ -42,7 +42,8 @@ for model in gpt llama; do
     "${ref_model[@]}" || fail "$model: reference training"
   want=$("${REF[@]}" generate --model "$model.safetensors" --ids "$prompt" --new 13 "${ref_model[@]}" | "$PY" -c "import json, sys; print(' '.join(map(str, json.load(sys.stdin)['ids'])))") ||
     fail "$model: reference generation"
-  deck+=("${data[@]}" --set checkpoint.init_from="$WORK/$model.safetensors" --set run.out_dir="$WORK/$model.out")
+  # The deck's data files need not exist: generation reads no data.
+  deck+=("${data[@]}" --set "data.path=$WORK/absent_*.bin" --set checkpoint.init_from="$WORK/$model.safetensors" --set run.out_dir="$WORK/$model.out")
   sampled=""
   for np in 1 2 3; do
     for cache in "" --no-kv-cache; do
@@ -87,4 +88,7 @@ expect_error "text without a tokenizer" "--prompt needs --tokenizer" "${MPI[@]}"
 expect_error "token past the vocabulary" "token 97 of the prompt is not below model.vocab_size 97" \
   "${MPI[@]}" -np 2 "$BIN/fsdp-generate" "${deck[@]}" --ids "1,97"
 expect_error "bad ids" "--ids \"1,x\" is not a list of integers" "$BIN/fsdp-generate" "${deck[@]}" --ids "1,x"
+expect_error "not whole integers" "--ids \"1,2x\" is not a list of integers" "$BIN/fsdp-generate" "${deck[@]}" --ids "1,2x"
+expect_error "not a language model" "model.kind \"mlp\" is not a language model" \
+  "${MPI[@]}" -np 2 "$BIN/fsdp-generate" "$SRC/inputs/ci_tiny.toml" --set run.out_dir="$WORK/cnn" --ids "1,2"
 echo "all generation cases passed"

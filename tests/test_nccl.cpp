@@ -599,7 +599,8 @@ BOOST_AUTO_TEST_CASE(slurm_file_bootstrap_with_faked_environment) {
 // A collective that never completes, at any world size (at 1 too, where no peer can be left out: NCCL
 // refuses two ranks on one GPU, so a single GPU runs this one). The test hook: the compute stream is
 // held by a host function until the test lets it go, so the collective queued behind it cannot start.
-// The host waiting for it gets fsdp.comm.deadline within the deadline plus one second, no hang.
+// The communicator is marked aborted within the deadline plus 0.5 s, and the host waiting for it gets
+// fsdp.comm.deadline within 5 s more (NCCL's own ncclCommAbort), no hang.
 BOOST_AUTO_TEST_CASE(deadline_ends_a_collective_that_never_completes) {
   auto w = MpiComm::world();
   NcclOptions o = test_options();

@@ -107,5 +107,15 @@ expect_error "not UTF-8 text" "input 'bad_utf8.txt': the text is not UTF-8 at by
   "${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out bad5 docs.jsonl bad_utf8.txt
 expect_error "existing shards" "out_gpt2_np1_train_000000.bin' exists" \
   "${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out out_gpt2_np1 docs.jsonl
-ls .bad*_*.tmp bad*_*.bin >/dev/null 2>&1 && fail "a failed run left files behind: $(ls .bad* bad*_*.bin 2>/dev/null)"
+# A rank whose write fails after every shard exists (a test hook): exit 1 on every rank, and neither the
+# temporary files nor any shard stays behind.
+out=$(FSDP_TEST_TOKENIZE_FAIL_ON_RANK=1 "${MPI[@]}" -x FSDP_TEST_TOKENIZE_FAIL_ON_RANK -np 3 "$BIN/fsdp-tokenize" --tokenizer gpt2.json \
+      --out late --shard-tokens 100 docs.jsonl plain.txt 2>&1)
+rc=$?
+((rc == 1)) || fail "a failed write: exit code $rc, expected 1: $out"
+grep -qF "test hook FSDP_TEST_TOKENIZE_FAIL_ON_RANK" <<<"$out" || fail "a failed write: not named: $out"
+ls .late_*.tmp late_*.bin >/dev/null 2>&1 && fail "a failed run left files behind: $(ls .late_* late_*.bin 2>/dev/null)"
+echo "ok a write that fails after the shards exist leaves nothing behind"
+expect_error "one document, all of it for validation" "no training tokens: 1 document(s), all of them for validation" \
+  "${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out bad6 plain.txt
 echo "all tokenize cases passed"

@@ -177,7 +177,7 @@ def shards(args):
     split = {"train": [], "val": []}
     import math
     for i, d in enumerate(docs):
-        val = math.floor((i + 1) * args.val_fraction) > math.floor(i * args.val_fraction)
+        val = math.ceil((i + 1) * args.val_fraction) > math.ceil(i * args.val_fraction)
         split["val" if val else "train"] += [sep] + ref.encode(d)
     size = max(max(ref.vocab.values()), max(t for _, t in ref.added)) + 1
     wide = size > 65536

@@ -94,14 +94,14 @@ struct LlamaAttentionImpl : torch::nn::Module {
   const std::pair<torch::Tensor, torch::Tensor>& cached_rotary(std::int64_t t, const torch::Tensor& like) {
     const std::int64_t past = cache_->keys.size() > layer_ && cache_->keys[layer_].defined() ? cache_->keys[layer_].size(2) : 0;
     const auto angles = angles_of(torch::arange(past, past + t, torch::TensorOptions().dtype(torch::kFloat).device(like.device())));
-    document_rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
-    return document_rotary_;
+    per_forward_rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
+    return per_forward_rotary_;
   }
   /// The same for the document layout's positions: [batch, 1, t, head_dim], every forward.
   const std::pair<torch::Tensor, torch::Tensor>& document_rotary(const torch::Tensor& like) {
     const auto angles = angles_of(documents_->positions.to(torch::kFloat)).unsqueeze(1);
-    document_rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
-    return document_rotary_;
+    per_forward_rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
+    return per_forward_rotary_;
   }
   /// Each position's angles (fp32): the position times theta^(-2i/head_dim), first half repeated.
   torch::Tensor angles_of(const torch::Tensor& positions) const {
@@ -135,7 +135,7 @@ struct LlamaAttentionImpl : torch::nn::Module {
   SharedDocumentLayout documents_;
   SharedKvCache cache_;
   std::size_t layer_;
-  std::pair<torch::Tensor, torch::Tensor> rotary_, document_rotary_;
+  std::pair<torch::Tensor, torch::Tensor> rotary_, per_forward_rotary_;  // per_forward_: document positions or a generation's
   torch::Tensor blocked_;
 };
 TORCH_MODULE(LlamaAttention);

@@ -150,22 +150,21 @@ class Checkpointer {
   std::string load_for_evaluation() {
     const std::string& resume = cfg_.checkpoint.resume;
     std::int64_t has_latest = 0;
-    if (resume == "auto" && root_) has_latest = std::filesystem::exists(dir_ / fsdp::ckpt::kLatestName);
+    std::error_code unreadable;  // an unreadable folder: no latest here (the init_from check below then says what is missing)
+    if (resume == "auto" && root_) has_latest = std::filesystem::exists(dir_ / fsdp::ckpt::kLatestName, unreadable);
     world_.broadcast(&has_latest, 1, fsdp::DType::kInt64, 0);
     std::string path;
+    const char* key = resume != "auto" && resume != "none" ? "checkpoint.resume" : "checkpoint.dir";
     if (resume != "auto" && resume != "none")
-      path = checkpoint_named_on_rank0("checkpoint.resume", resume);
+      path = checkpoint_named_on_rank0(key, resume);
     else if (has_latest)
-      path = checkpoint_named_on_rank0("checkpoint.dir", dir_);
+      path = checkpoint_named_on_rank0(key, dir_);
     if (!path.empty()) {
       auto options = options_;
       options.rank0_only = false;  // every rank reads its own part
       options.load_rng_state = false;
       fsdp::TrainState state;
-      on_all_ranks(world_, [&] {
-        loading_into_the_decks_model(path == resume ? "checkpoint.resume" : "checkpoint.dir", path,
-                                     [&] { fsdp::load_checkpoint(model_, nullptr, path, &state, options); });
-      });
+      on_all_ranks(world_, [&] { loading_into_the_decks_model(key, path, [&] { fsdp::load_checkpoint(model_, nullptr, path, &state, options); }); });
       return path + " (step " + std::to_string(state.step) + ")";
     }
     on_all_ranks(world_, [&] {

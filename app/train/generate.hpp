@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -45,12 +46,14 @@ inline std::int64_t pick_token(const torch::Tensor& logits, const GenerateOption
   const auto n = l.numel();
   std::vector<std::int64_t> order(static_cast<std::size_t>(n));
   std::iota(order.begin(), order.end(), 0);
-  // Most likely first; equal logits by id, so every rank and run orders them alike.
-  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return v[a] > v[b]; });
+  // Most likely first; equal logits by id, so every rank and run orders them alike; a NaN counts as
+  // least likely (and keeps the ordering strict).
+  const auto key = [&](std::int64_t i) { return std::isnan(v[i]) ? -std::numeric_limits<double>::infinity() : v[i]; };
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return key(a) > key(b); });
   if (o.temperature <= 0) return order.front();
   std::size_t keep = o.top_k > 0 ? std::min<std::size_t>(order.size(), static_cast<std::size_t>(o.top_k)) : order.size();
   std::vector<double> p(keep);
-  for (std::size_t i = 0; i < keep; ++i) p[i] = std::exp((v[order[i]] - v[order.front()]) / o.temperature);
+  for (std::size_t i = 0; i < keep; ++i) p[i] = std::exp((key(order[i]) - key(order.front())) / o.temperature);
   double total = std::accumulate(p.begin(), p.end(), 0.0);
   if (o.top_p < 1) {
     double sum = 0;
@@ -70,6 +73,7 @@ inline std::int64_t pick_token(const torch::Tensor& logits, const GenerateOption
 struct Generated {
   std::vector<std::int64_t> tokens;
   double seconds = 0;
+  bool cached = false;  ///< whether the KV cache was used
 };
 
 /// Generates after `o.prompt` with `engine` (collective: every rank calls it with the same options).
@@ -88,6 +92,7 @@ Generated generate_tokens(Engine& engine, AppModel& model, MpiComm& world, const
   std::mt19937_64 rng(o.seed);
   std::vector<std::int64_t> sequence = o.prompt;
   Generated out;
+  out.cached = cached;
   const auto start = std::chrono::steady_clock::now();
   std::size_t fed = 0;  // tokens the cache holds
   while (static_cast<std::int64_t>(out.tokens.size()) < o.max_new_tokens && static_cast<std::int64_t>(sequence.size()) < cfg.model.context) {

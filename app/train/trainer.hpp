@@ -64,10 +64,11 @@ class Trainer {
 
   explicit Trainer(const RunSetup& setup) : s_(setup), world_(setup.world), cfg_(setup.cfg), root_(setup.world.rank() == 0) {}
 
-  /// Reads the data, builds the model, engine and optimizer, prints the echo and checks that every
+  /// Reads the data (unless !with_data: generation), builds the model, engine and optimizer, prints the echo and checks that every
   /// rank runs the same job. Collective.
-  void build() {
-    on_all_ranks(world_, [&] { data_ = load_dataset(cfg_, world_.rank(), world_.size()); });
+  void build(bool with_data = true) {
+    if (with_data) on_all_ranks(world_, [&] { data_ = load_dataset(cfg_, world_.rank(), world_.size()); });
+    data_loaded_ = with_data;
     on_all_ranks(world_, [&] {
       auto net = build_model(cfg_);
       check_layer_classes(cfg_, *net);
@@ -191,11 +192,14 @@ class Trainer {
                 units.size(), static_cast<long long>(model_->num_params()));
     std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
                 static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
-    std::printf("  data %s: %lld train, %lld test samples; global batch %lld = %lld per rank x %d ranks x %lld micro-batches; out_dir %s\n\n",
-                to_string(cfg_.data.kind).c_str(), static_cast<long long>(data_.train_size()), static_cast<long long>(data_.test_size()),
-                static_cast<long long>(cfg_.data.batch_size * world_.size() * cfg_.optim.grad_accum_steps),
-                static_cast<long long>(cfg_.data.batch_size), world_.size(), static_cast<long long>(cfg_.optim.grad_accum_steps),
-                cfg_.run.out_dir.c_str());
+    if (!data_loaded_)
+      std::printf("  data not read (generation); out_dir %s\n\n", cfg_.run.out_dir.c_str());
+    else
+      std::printf("  data %s: %lld train, %lld test samples; global batch %lld = %lld per rank x %d ranks x %lld micro-batches; out_dir %s\n\n",
+                  to_string(cfg_.data.kind).c_str(), static_cast<long long>(data_.train_size()), static_cast<long long>(data_.test_size()),
+                  static_cast<long long>(cfg_.data.batch_size * world_.size() * cfg_.optim.grad_accum_steps),
+                  static_cast<long long>(cfg_.data.batch_size), world_.size(), static_cast<long long>(cfg_.optim.grad_accum_steps),
+                  cfg_.run.out_dir.c_str());
     std::fflush(stdout);
   }
 
@@ -582,6 +586,7 @@ class Trainer {
   std::filesystem::path metrics_path_;
   MetricsLog metrics_;
   std::int64_t eval_chunk_ = 0;
+  bool data_loaded_ = true;
 
   // What the run did so far: the summary is made of these.
   Phases phases_;
