@@ -60,8 +60,9 @@ class Checkpointer {
         if (stage == "writing" && step == at_step) std::this_thread::sleep_for(std::chrono::duration<double>(pause_s));
       };
     }
-    // Without any save planned there is nothing to write in the background (a stop signal saves synchronously).
-    if (cfg.checkpoint.asynchronous && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.save_final))
+    // Without any save planned there is nothing to write in the background (a stop signal saves
+    // synchronously); a checkpointer without an optimizer only loads (--eval-only, fsdp-generate).
+    if (optimizer_ && cfg.checkpoint.asynchronous && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.save_final))
       on_all_ranks(world_, [&] { async_.emplace(model_); });
   }
 
