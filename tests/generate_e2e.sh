@@ -2,7 +2,7 @@
 # fsdp-generate (fsdp-train called by that name; docs/data.md, "Text out"): a GPT and a Llama with
 # grouped-query heads, trained 20 steps by the PyTorch references (tests/pytorch_reference.py,
 # tests/llama_reference.py) and read through checkpoint.init_from, continue a prompt greedily to the
-# end of the context exactly as the references' argmax decoding does, at np 1, 2 and 3, with the KV
+# end of the context exactly as the references' argmax decoding does, at np 1-4, with the KV
 # cache and without. A sampled continuation (temperature, top-k, top-p, seeded) is the same at every
 # world size and with or without the cache. A prompt as text goes through a tokenizer. Bad requests
 # exit 2 on every rank.
@@ -15,7 +15,7 @@ if ! $PY -c "import torch" 2>/dev/null; then
   exit 77
 fi
 rm -rf "$WORK" && mkdir -p "$WORK" && cd "$WORK" || exit 1
-fail() { echo "FAIL: $*"; exit 1; }
+source "$SRC/tests/e2e_common.sh"
 export OMPI_MCA_mpi_yield_when_idle=1
 MPI=(mpirun --oversubscribe --allow-run-as-root)
 "$PY" "$SRC/tests/make_token_shards.py" train --tokens 3841 || fail "make train shard"
@@ -45,7 +45,7 @@ for model in gpt llama; do
   # The deck's data files need not exist: generation reads no data.
   deck+=("${data[@]}" --set "data.path=$WORK/absent_*.bin" --set checkpoint.init_from="$WORK/$model.safetensors" --set run.out_dir="$WORK/$model.out")
   sampled=""
-  for np in 1 2 3; do
+  for np in 1 2 3 4; do
     for cache in "" --no-kv-cache; do
       out=$("${MPI[@]}" -np $np "$BIN/fsdp-generate" "${deck[@]}" --ids "$prompt" --max-new-tokens 20 --no-stop $cache 2>&1) ||
         fail "$model np $np $cache: $out"
@@ -58,7 +58,7 @@ for model in gpt llama; do
     done
   done
   [[ $sampled != "$want" ]] || fail "$model: the sampled continuation is the greedy one: sampling did nothing"
-  echo "ok $model: greedy equals PyTorch's argmax ($want) at np 1-3 with and without the KV cache; sampled ($sampled) alike everywhere"
+  echo "ok $model: greedy equals PyTorch's argmax ($want) at np 1-4 with and without the KV cache; sampled ($sampled) alike everywhere"
 done
 
 # A prompt as text: a GPT-2-style tokenizer of the test's own (tests/tokenizer_reference.py) encodes it
@@ -72,16 +72,6 @@ if "$PY" -c "import regex" 2>/dev/null; then
   echo "ok a text prompt through a tokenizer"
 fi
 
-expect_error() {  # NAME NEEDLE COMMAND...
-  local name=$1 needle=$2
-  shift 2
-  local out rc
-  out=$("$@" 2>&1)
-  rc=$?
-  ((rc == 2)) || fail "$name: exit code $rc, expected 2: $out"
-  grep -qF -- "$needle" <<<"$out" || fail "$name: '$needle' not in: $out"
-  echo "ok $name"
-}
 expect_error "prompt too long" "the prompt has 16 tokens, model.context is 16" \
   "${MPI[@]}" -np 2 "$BIN/fsdp-generate" "${deck[@]}" --ids "$(seq -s, 1 16)"
 expect_error "text without a tokenizer" "--prompt needs --tokenizer" "${MPI[@]}" -np 2 "$BIN/fsdp-generate" "${deck[@]}" --prompt "hello"

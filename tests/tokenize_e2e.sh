@@ -4,7 +4,7 @@
 # four styles the reference writes (GPT-2's ByteLevel expression; SmolLM2's Digits before it; Llama
 # 3's Split expression, ignore_merges, merges as pairs; Qwen2's expression with NFC) and documents with Unicode, combining
 # marks, whitespace runs, digits, contractions in capitals, CRLF, added tokens inside the text and an
-# empty document: the shards are byte for byte the reference's at np 1, 2 and 3, with a validation
+# empty document: the shards are byte for byte the reference's at np 1-4, with a validation
 # share. Shards of 100 tokens hold the same stream. A GPT trains on the result. Bad input ends every
 # rank with exit 2 naming the file, line and byte offset or the tokenizer's key.
 #   tests/tokenize_e2e.sh SOURCE_DIR BUILD_BIN WORK_DIR
@@ -16,7 +16,7 @@ if ! $PY -c "import regex" 2>/dev/null; then
   exit 77
 fi
 rm -rf "$WORK" && mkdir -p "$WORK" && cd "$WORK" || exit 1
-fail() { echo "FAIL: $*"; exit 1; }
+source "$SRC/tests/e2e_common.sh"
 export OMPI_MCA_mpi_yield_when_idle=1
 MPI=(mpirun --oversubscribe --allow-run-as-root)
 REF=("$PY" "$SRC/tests/tokenizer_reference.py")
@@ -42,14 +42,14 @@ for style in gpt2 smollm2 llama3 qwen2; do
   [[ $style == llama3 ]] && sep="<|end_of_text|>"
   "${REF[@]}" make "$style.json" --style "$style" || fail "$style: make"
   "${REF[@]}" shards "$style.json" "ref_$style" --separator "$sep" --val-fraction 0.25 docs.jsonl plain.txt || fail "$style: reference"
-  for np in 1 2 3; do
+  for np in 1 2 3 4; do
     out=$("${MPI[@]}" -np $np "$BIN/fsdp-tokenize" --tokenizer "$style.json" --out "out_${style}_np$np" --separator "$sep" \
           --val-fraction 0.25 docs.jsonl plain.txt 2>&1) || fail "$style np $np: $out"
     for split in train val; do
       cmp -s "ref_${style}_${split}_000000.bin" "out_${style}_np${np}_${split}_000000.bin" || fail "$style np $np: the $split shard differs from the reference"
     done
   done
-  echo "ok $style: the reference's shards at np 1, 2 and 3 ($(grep -o '[0-9]* train and [0-9]* validation tokens' <<<"$out"))"
+  echo "ok $style: the reference's shards at np 1-4 ($(grep -o '[0-9]* train and [0-9]* validation tokens' <<<"$out"))"
 done
 
 # Shards of 100 tokens: the same stream, every shard but the last holding 100.
@@ -81,16 +81,6 @@ grep -q "eval loss" <<<"$out" || fail "training: no evaluation: $out"
 echo "ok a GPT trains on the shards"
 
 # Bad input: exit 2 on every rank, named.
-expect_error() {  # NAME NEEDLE COMMAND...
-  local name=$1 needle=$2
-  shift 2
-  local out rc
-  out=$("$@" 2>&1)
-  rc=$?
-  ((rc == 2)) || fail "$name: exit code $rc, expected 2: $out"
-  grep -qF -- "$needle" <<<"$out" || fail "$name: '$needle' not in: $out"
-  echo "ok $name: $(grep -m1 error <<<"$out")"
-}
 printf '{"text": "fine"}\n{"text": "bad \xff byte"}\n' >bad_utf8.jsonl
 expect_error "not UTF-8" "input 'bad_utf8.jsonl' line 2: not UTF-8 at byte offset 14 of the line" \
   "${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out bad1 bad_utf8.jsonl

@@ -44,14 +44,22 @@ inline std::int64_t pick_token(const torch::Tensor& logits, const GenerateOption
   const auto l = logits.to(torch::kCPU, torch::kDouble).contiguous();
   const double* v = l.data_ptr<double>();
   const auto n = l.numel();
+  // A NaN counts as least likely (and keeps the ordering strict); equal logits go by id, so every rank
+  // and run orders them alike.
+  const auto key = [&](std::int64_t i) { return std::isnan(v[i]) ? -std::numeric_limits<double>::infinity() : v[i]; };
+  const auto before = [&](std::int64_t a, std::int64_t b) { return key(a) > key(b) || (key(a) == key(b) && a < b); };
+  if (o.temperature <= 0) {  // greedy: one pass, no sort of the vocabulary every token
+    std::int64_t best = 0;
+    for (std::int64_t i = 1; i < n; ++i)
+      if (before(i, best)) best = i;
+    return best;
+  }
   std::vector<std::int64_t> order(static_cast<std::size_t>(n));
   std::iota(order.begin(), order.end(), 0);
-  // Most likely first; equal logits by id, so every rank and run orders them alike; a NaN counts as
-  // least likely (and keeps the ordering strict).
-  const auto key = [&](std::int64_t i) { return std::isnan(v[i]) ? -std::numeric_limits<double>::infinity() : v[i]; };
-  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return key(a) > key(b); });
-  if (o.temperature <= 0) return order.front();
-  std::size_t keep = o.top_k > 0 ? std::min<std::size_t>(order.size(), static_cast<std::size_t>(o.top_k)) : order.size();
+  // Most likely first: only the top_k need ordering when top_k is set.
+  const std::size_t sorted = o.top_k > 0 ? std::min<std::size_t>(order.size(), static_cast<std::size_t>(o.top_k)) : order.size();
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(sorted), order.end(), before);
+  std::size_t keep = sorted;
   std::vector<double> p(keep);
   for (std::size_t i = 0; i < keep; ++i) p[i] = std::exp((key(order[i]) - key(order.front())) / o.temperature);
   double total = std::accumulate(p.begin(), p.end(), 0.0);
