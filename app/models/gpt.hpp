@@ -128,16 +128,13 @@ struct GptImpl : AppModel {
     if (past + t > config.context)
       throw ConfigError("sequence of " + std::to_string(past + t) + " tokens exceeds model.context " + std::to_string(config.context));
     torch::Tensor x;
-    if (past > 0 || cache_->on) {
-      auto positions = torch::arange(past, past + t, idx.options().dtype(torch::kLong));
-      x = fsdp::forward(tok, idx) + fsdp::forward(pos, positions).unsqueeze(0);
-      cache_->length += t;
-    } else if (documents_) {  // positions restart in every document; the blocks read the mask
+    if (documents_ && !cache_->on) {  // positions restart in every document; the blocks read the mask
       *documents_ = document_layout(idx, config.document_token);
       x = fsdp::forward(tok, idx) + fsdp::forward(pos, documents_->positions);
     } else {
-      auto positions = torch::arange(t, idx.options().dtype(torch::kLong));  // on the input's device
+      auto positions = torch::arange(past, past + t, idx.options().dtype(torch::kLong));  // on the input's device
       x = fsdp::forward(tok, idx) + fsdp::forward(pos, positions).unsqueeze(0);
+      if (cache_->on) cache_->length += t;
     }
     x = F::dropout(x, F::DropoutFuncOptions().p(config.dropout).training(is_training()));
     for (auto& b : blocks) x = fsdp::forward(b, x);

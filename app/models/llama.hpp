@@ -92,7 +92,7 @@ struct LlamaAttentionImpl : torch::nn::Module {
   }
   /// The same for t tokens after the cache's (generation), every forward.
   const std::pair<torch::Tensor, torch::Tensor>& cached_rotary(std::int64_t t, const torch::Tensor& like) {
-    const std::int64_t past = cache_->keys.size() > layer_ && cache_->keys[layer_].defined() ? cache_->keys[layer_].size(2) : 0;
+    const std::int64_t past = cache_->length - t;  // the model counted these t tokens in before its layers ran
     const auto angles = angles_of(torch::arange(past, past + t, torch::TensorOptions().dtype(torch::kFloat).device(like.device())));
     per_forward_rotary_ = {angles.cos().to(like.scalar_type()), angles.sin().to(like.scalar_type())};
     return per_forward_rotary_;
