@@ -101,10 +101,10 @@ void print_prediction(const RunConfig& cfg, const ModelSection& shape, const Run
   std::printf("  %-40s %12.2f %12s   %s\n", "allocator retention", mib(p.retained_at_peak), "", "freed and fragmented heap glibc keeps");
   std::printf("  %-40s %12.2f %12s   %s\n", "process baseline", mib(p.baseline_bytes), "", "LibTorch + MPI before the model (--baseline-mib)");
   std::printf("  %-40s %12.2f\n", "total", mib(p.total_bytes));
-  std::printf(
-      "  allocator model at the peak: %.1f MiB in mmap()ed blocks, heap high-water %.1f MiB x %.2f (--heap-factor); most bytes live at once %.1f "
-      "MiB\n",
-      mib(p.mapped_at_peak), mib(p.heap_at_peak), run.heap_factor, mib(p.live_peak));
+  std::printf("  allocator model at the peak: %.1f MiB in mmap()ed blocks, heap high-water %.1f MiB x %.2f (--heap-factor)", mib(p.mapped_at_peak),
+              mib(p.heap_at_peak), run.heap_factor);
+  if (run.activation_heap_factor > 0) std::printf(", its activations x %.2f (recomputed by activation checkpointing)", run.activation_heap_factor);
+  std::printf("; most bytes live at once %.1f MiB\n", mib(p.live_peak));
   std::printf("  phases without the baseline: construction %.1f MiB, training step %.1f MiB, evaluation %.1f MiB\n", mib(p.construction_peak),
               mib(p.step_peak), run.evaluate ? mib(p.eval_peak) : 0.0);
   std::printf("predicted peak RSS per rank: %.1f MiB (during the %s)\n", mib(p.total_bytes), p.peak_phase.c_str());
@@ -112,8 +112,10 @@ void print_prediction(const RunConfig& cfg, const ModelSection& shape, const Run
   if (run.mmap_threshold_bytes != kReturnThresholdBytes && p.retained_at_peak > p.total_bytes / 10) {
     RunShape fixed = run;
     fixed.mmap_threshold_bytes = kReturnThresholdBytes;
-    if (run.heap_factor == default_heap_factor(run.mmap_threshold_bytes, shape.kind, run.activation_checkpointing))  // not --heap-factor
-      fixed.heap_factor = default_heap_factor(kReturnThresholdBytes, shape.kind, run.activation_checkpointing);
+    if (run.heap_factor == default_heap_factor(run.mmap_threshold_bytes, shape.kind)) {  // not --heap-factor
+      fixed.heap_factor = default_heap_factor(kReturnThresholdBytes, shape.kind);
+      fixed.activation_heap_factor = default_activation_heap_factor(kReturnThresholdBytes, run.activation_checkpointing);
+    }
     const Prediction q = predict(shape, fixed);
     std::printf(
         "  with --set run.malloc=return (freed blocks of 1 MiB or more go back to the system; page faults on every "
@@ -147,7 +149,10 @@ std::vector<StrategyRow> strategy_rows(const RunConfig& cfg, const DataFootprint
     try {
       r.run = run_shape(cfg, s, data);
       r.run->baseline_mib = baseline_mib;
-      if (heap_factor > 0) r.run->heap_factor = heap_factor;
+      if (heap_factor > 0) {
+        r.run->heap_factor = heap_factor;
+        r.run->activation_heap_factor = 0;
+      }
     } catch (const std::exception& e) {
       r.why = e.what();
     }
@@ -262,7 +267,10 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
 
   RunShape run = run_shape(cfg, strategy, data);
   run.baseline_mib = baseline_mib;
-  if (heap_factor > 0) run.heap_factor = heap_factor;
+  if (heap_factor > 0) {
+    run.heap_factor = heap_factor;
+    run.activation_heap_factor = 0;
+  }
   const Prediction p = predict(shape, run);
   print_prediction(cfg, shape, run, p, list_units);
   const auto rows = strategy_rows(cfg, data, baseline_mib, heap_factor);

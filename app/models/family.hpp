@@ -105,9 +105,10 @@ class ModelFamily {
   virtual std::vector<SizeKnob> size_knobs(const ModelSection&) const { return {}; }
   /// Checks between the model's keys in the deck, each problem "<where>: <key>: <message>".
   virtual void cross_check(const Deck&, std::vector<std::string>& /*problems*/) const {}
-  /// Resident heap per byte of the heap's live high-water mark under run.malloc = "reuse", with or
-  /// without activation checkpointing (plan/measured.hpp says how each was measured).
-  virtual double reuse_heap_factor(bool /*activation_checkpointing*/) const { return kReuseHeapFactor; }
+  /// Resident heap per byte of the heap's live high-water mark under run.malloc = "reuse"
+  /// (plan/measured.hpp says how each was measured); activations under activation checkpointing
+  /// take kReuseHeapFactorCheckpointedActivations instead.
+  virtual double reuse_heap_factor() const { return kReuseHeapFactor; }
   /// Its Hugging Face form; nullopt where transformers has no such architecture.
   virtual std::optional<HfForm> hf_form(const ModelSection&) const { return std::nullopt; }
 };

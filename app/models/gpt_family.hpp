@@ -115,9 +115,7 @@ class GptFamily final : public ModelFamily {
   /// n_heads, at the deck's n_layers.
   std::vector<SizeKnob> size_knobs(const ModelSection& m) const override { return {layers_knob(m), width_knob(m, m.n_heads, "n_heads")}; }
 
-  double reuse_heap_factor(bool activation_checkpointing) const override {
-    return activation_checkpointing ? kReuseHeapFactorCheckpointedGpt : kReuseHeapFactorGpt;
-  }
+  double reuse_heap_factor() const override { return kReuseHeapFactorGpt; }
 
   /// GPT2LMHeadModel: GPT-2's names and Conv1D layouts (gpt2_names.hpp).
   std::optional<HfForm> hf_form(const ModelSection& m) const override {

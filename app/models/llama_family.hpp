@@ -114,9 +114,7 @@ class LlamaFamily final : public ModelFamily {
     return {layers_knob(m), width_knob(m, m.head_dim > 0 ? 1 : 2 * m.n_heads, "2 n_heads")};
   }
 
-  double reuse_heap_factor(bool activation_checkpointing) const override {
-    return activation_checkpointing ? kReuseHeapFactorCheckpointedLlama : kReuseHeapFactorLlama;
-  }
+  double reuse_heap_factor() const override { return kReuseHeapFactorLlama; }
 
   /// LlamaForCausalLM, or Qwen2ForCausalLM with q/k/v biases; the modules carry their names.
   std::optional<HfForm> hf_form(const ModelSection& m) const override { return HfForm{hf_llama_config(LlamaConfig::of(m)), std::nullopt}; }

@@ -62,13 +62,14 @@ using MemArray = std::array<std::int64_t, kMemKinds>;
 
 /// Live bytes per kind plus a model of glibc malloc: blocks at or above the (dynamic) mmap threshold
 /// are mapped and return to the system when freed; smaller ones come from the heap, whose resident
-/// size is its high-water mark of live bytes (freed heap memory is kept for reuse) times `heap_factor`
-/// (fragmentation).
+/// size is its high-water mark of live bytes (freed heap memory is kept for reuse), each byte weighted
+/// by its fragmentation factor: `heap_factor`, or `activation_heap_factor` (when > 0) for activations.
 class MemorySim {
  public:
   /// `fixed_threshold` > 0: mallopt(M_MMAP_THRESHOLD) was called, the threshold no longer moves.
-  explicit MemorySim(double heap_factor = kDefaultHeapFactor, std::int64_t fixed_threshold = 0)
+  explicit MemorySim(double heap_factor = kDefaultHeapFactor, std::int64_t fixed_threshold = 0, double activation_heap_factor = 0)
       : heap_factor_(heap_factor),
+        activation_heap_factor_(activation_heap_factor > 0 ? activation_heap_factor : heap_factor),
         threshold_(fixed_threshold > 0 ? fixed_threshold : kMmapThresholdStartBytes),
         threshold_fixed_(fixed_threshold > 0) {}
   int alloc(Mem kind, std::int64_t bytes) {
@@ -84,12 +85,15 @@ class MemorySim {
       h = static_cast<int>(blocks_.size()) - 1;
     }
     live_[static_cast<std::size_t>(kind)] += bytes;
-    if (mapped)
+    if (mapped) {
       mapped_ += bytes;
-    else
+    } else {
       heap_hw_ = std::max(heap_hw_, heap_ += bytes);
+      weighted_heap_ += factor_of(kind) * static_cast<double>(bytes);
+      weighted_heap_hw_ = std::max(weighted_heap_hw_, weighted_heap_);
+    }
     max_[static_cast<std::size_t>(kind)] = std::max(max_[static_cast<std::size_t>(kind)], live_[static_cast<std::size_t>(kind)]);
-    const std::int64_t heap_resident = static_cast<std::int64_t>(static_cast<double>(heap_hw_) * heap_factor_);
+    const auto heap_resident = static_cast<std::int64_t>(weighted_heap_hw_);
     const std::int64_t rss = mapped_ + heap_resident;
     if (rss > peak_) {
       peak_ = rss;
@@ -114,6 +118,7 @@ class MemorySim {
         if (!threshold_fixed_ && b.bytes > threshold_ && b.bytes <= kMmapThresholdMaxBytes) threshold_ = b.bytes;  // glibc's dynamic threshold
       } else {
         heap_ -= b.bytes;
+        weighted_heap_ -= factor_of(b.kind) * static_cast<double>(b.bytes);
       }
       free_slots_.push_back(h);
     }
@@ -123,6 +128,7 @@ class MemorySim {
   void relabel(int h, Mem kind) {
     if (h < 0) return;
     auto& b = blocks_[static_cast<std::size_t>(h)];
+    if (!b.mapped) weighted_heap_ += (factor_of(kind) - factor_of(b.kind)) * static_cast<double>(b.bytes);
     live_[static_cast<std::size_t>(b.kind)] -= b.bytes;
     b.kind = kind;
     live_[static_cast<std::size_t>(kind)] += b.bytes;
@@ -151,10 +157,13 @@ class MemorySim {
     bool mapped;
     bool live;
   };
+  double factor_of(Mem kind) const { return kind == Mem::kActivations ? activation_heap_factor_ : heap_factor_; }
+
   std::vector<Block> blocks_;
   std::vector<int> free_slots_;
   MemArray live_{}, max_{}, at_peak_{};
-  double heap_factor_;
+  double heap_factor_, activation_heap_factor_;
+  double weighted_heap_ = 0, weighted_heap_hw_ = 0;  // live heap bytes times their factors, and its high-water
   std::int64_t heap_ = 0, heap_hw_ = 0, mapped_ = 0, threshold_ = kMmapThresholdStartBytes;
   bool threshold_fixed_ = false;
   std::int64_t peak_ = 0, retained_at_peak_ = 0, live_peak_ = 0, mapped_at_peak_ = 0, heap_at_peak_ = 0;
@@ -185,7 +194,7 @@ struct Prediction {
   MemArray at_peak{};                 ///< live bytes per kind at the peak
   std::int64_t retained_at_peak = 0;  ///< freed heap memory glibc holds at the peak
   std::int64_t mapped_at_peak = 0;    ///< bytes in mmap()ed blocks at the peak
-  std::int64_t heap_at_peak = 0;      ///< the heap's high-water of live bytes at the peak (times heap_factor: resident)
+  std::int64_t heap_at_peak = 0;      ///< the heap's high-water of live bytes at the peak (times the factors: resident)
   std::int64_t live_peak = 0;         ///< the most bytes live at once (no allocator model)
   MemArray max_by_kind{};             ///< each kind's own maximum
   std::string peak_phase;             ///< "construction", "training step", "evaluation"

@@ -155,6 +155,7 @@ struct RunShape {
   WrapDesc wrap;
   double baseline_mib = kDefaultBaselineMib;
   double heap_factor = kDefaultHeapFactor;
+  double activation_heap_factor = 0;                 ///< the activations' own factor; 0: heap_factor (fsdp-plan --heap-factor sets both)
   std::int64_t mmap_threshold_bytes = kNeverMapped;  ///< run.malloc: kNeverMapped (reuse), 1 MiB (return), 0: glibc's dynamic threshold
 };
 
@@ -168,11 +169,17 @@ inline std::int64_t mmap_threshold_of(MallocPolicy malloc_policy) {
   return kNeverMapped;
 }
 
-/// The measured heap factor for an allocator policy (mmap_threshold_of), model.kind and activation
-/// checkpointing: under run.malloc = "reuse" each family's own (plan/measured.hpp).
-inline double default_heap_factor(std::int64_t mmap_threshold_bytes, ModelKind model_kind, bool activation_checkpointing) {
+/// The measured heap factor for an allocator policy (mmap_threshold_of) and model.kind: under
+/// run.malloc = "reuse" each family's own (plan/measured.hpp).
+inline double default_heap_factor(std::int64_t mmap_threshold_bytes, ModelKind model_kind) {
   if (mmap_threshold_bytes != kNeverMapped) return kDefaultHeapFactor;
-  return model_family(model_kind).reuse_heap_factor(activation_checkpointing);
+  return model_family(model_kind).reuse_heap_factor();
+}
+
+/// The activations' own heap factor: under run.malloc = "reuse" with activation checkpointing, whose
+/// recomputed forwards fragment the heap more than the state; otherwise 0 (the heap's factor).
+inline double default_activation_heap_factor(std::int64_t mmap_threshold_bytes, bool activation_checkpointing) {
+  return mmap_threshold_bytes == kNeverMapped && activation_checkpointing ? kReuseHeapFactorCheckpointedActivations : 0;
 }
 
 /// The shape of the deck's run (`cfg`, resolved for the planned placement) under `strategy`: the deck's
@@ -206,7 +213,8 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
   r.forward_prefetch = cfg.fsdp.forward_prefetch;
   r.overlap_grad_reduce = world > 1 && cfg.fsdp.overlap_grad_reduce;  // one rank has no reductions to overlap
   r.mmap_threshold_bytes = mmap_threshold_of(cfg.run.malloc);
-  r.heap_factor = default_heap_factor(r.mmap_threshold_bytes, cfg.model.kind, r.activation_checkpointing);
+  r.heap_factor = default_heap_factor(r.mmap_threshold_bytes, cfg.model.kind);
+  r.activation_heap_factor = default_activation_heap_factor(r.mmap_threshold_bytes, r.activation_checkpointing);
   r.batch = cfg.data.batch_size;
   r.data = data;
   const std::int64_t test_per_rank = (data.test_samples + world - 1) / world;

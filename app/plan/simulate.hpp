@@ -31,7 +31,12 @@ inline std::int64_t optimized_elements(const RunShape& run, const PlanUnit& u) {
 class RunSimulator {
  public:
   RunSimulator(const ModelSection& model, const ModelDesc& desc, const std::vector<PlanUnit>& units, const RunShape& run)
-      : model_(model), family_(model_family(model.kind)), desc_(desc), units_(units), run_(run), mem_(run.heap_factor, run.mmap_threshold_bytes) {
+      : model_(model),
+        family_(model_family(model.kind)),
+        desc_(desc),
+        units_(units),
+        run_(run),
+        mem_(run.heap_factor, run.mmap_threshold_bytes, run.activation_heap_factor) {
     module_unit_.assign(desc.modules.size(), -1);
     for (const auto& u : units) module_unit_[static_cast<std::size_t>(u.module)] = u.index;
     for (const auto& u : units)
