@@ -297,7 +297,8 @@ int main(int argc, char** argv) {
   cli.add_option("--baseline-mib", baseline_mib, "resident MiB of a rank before data and model (LibTorch + MPI); default measured here")
       ->check(CLI::Range(0.0, 1e9));
   cli.add_option("--heap-factor", heap_factor,
-                 "resident heap per byte of its live high-water mark (glibc fragmentation); default measured here for run.malloc's policy")
+                 "resident heap per byte of its live high-water mark (glibc fragmentation), one factor for the whole heap; default measured here for "
+                 "run.malloc's policy")
       ->check(CLI::Range(1.0, 100.0));
   cli.add_flag("--units", list_units, "list the FSDP units");
   try {
