@@ -4,8 +4,6 @@
 
 #include "fsdp/core/strategy.hpp"
 
-#include <toml++/toml.h>
-
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -20,6 +18,7 @@
 #include <sstream>
 
 #include "deck_detail.hpp"
+#include "deck_toml.hpp"
 #include "models/families.hpp"
 
 namespace fsdp::app {
@@ -33,7 +32,7 @@ std::string DeckError::join(const std::vector<std::string>& problems) {
   return out;
 }
 
-namespace {
+namespace detail {
 
 std::string describe(const toml::node& n) {
   if (auto* s = n.as_string()) return "a string (" + toml_string(s->get()) + ")";
@@ -49,18 +48,8 @@ std::string describe(const toml::node& n) {
   return "an unknown value";
 }
 
-int line_of(const toml::node& n) { return static_cast<int>(n.source().begin.line); }
-
 // ---- values: conversion and checks -----------------------------------------------------------
 
-/// One problem with a value; `text` is "<key>: <message>".
-struct Issue {
-  std::string text;
-  int line = 0;    // for sorting problems found in the deck
-  int column = 0;  // TOML syntax errors only
-};
-
-/// Range, choices (normalized in place) and array size.
 void check_value(const KeySpec& spec, Value& v, std::vector<Issue>& issues, int line) {
   auto range = [&](double x, const std::string& label) {
     if (!std::isfinite(x)) {
@@ -94,6 +83,8 @@ void check_value(const KeySpec& spec, Value& v, std::vector<Issue>& issues, int 
   } else if (auto* fa = std::get_if<Floats>(&v)) {
     size(fa->size());
     for (std::size_t k = 0; k < fa->size(); ++k) range((*fa)[k], spec.key + "[" + std::to_string(k) + "]");
+  } else if (auto* tables = std::get_if<Tables>(&v)) {
+    check_tables(spec, *tables, issues, line);
   } else if (auto* s = std::get_if<std::string>(&v)) {
     const bool count =
         spec.count_choice && !s->empty() && s->size() < 10 && std::all_of(s->begin(), s->end(), [](char c) { return c >= '0' && c <= '9'; });
@@ -111,6 +102,10 @@ void check_value(const KeySpec& spec, Value& v, std::vector<Issue>& issues, int 
     }
   }
 }
+
+}  // namespace detail
+
+namespace {
 
 /// A TOML node as a value of `spec` (type conversion only), or nullopt with issues.
 std::optional<Value> from_node(const KeySpec& spec, const toml::node& n, std::vector<Issue>& issues) {
@@ -176,6 +171,7 @@ std::optional<Value> from_node(const KeySpec& spec, const toml::node& n, std::ve
       if (!ok) return std::nullopt;
       return spec.type == KeyType::kIntArray ? Value{std::move(ints)} : Value{std::move(floats)};
     }
+    case KeyType::kTables: return tables_from_node(spec, n, issues);
   }
   return std::nullopt;
 }
@@ -209,8 +205,12 @@ std::optional<std::string> coerce(const KeySpec& spec, Value& v) {
       if (auto* ia = std::get_if<Ints>(&v)) v = Floats(ia->begin(), ia->end());
       if (std::holds_alternative<Floats>(v)) return std::nullopt;
       break;
+    case KeyType::kTables:
+      if (std::holds_alternative<Tables>(v)) return std::nullopt;
+      break;
   }
-  static const char* const kHeld[] = {"unset", "an integer", "a float", "a boolean", "a string", "an integer array", "a float array"};
+  static const char* const kHeld[] = {"unset",    "an integer",       "a float",       "a boolean",
+                                      "a string", "an integer array", "a float array", "an array of tables"};
   return spec.key + ": expected " + expected(spec.type) + ", got " + kHeld[v.index()] + " (" + format_value(v) + ")";
 }
 
@@ -365,6 +365,7 @@ std::string format_value(const Value& v) {
       for (auto d : a) parts.push_back(toml_float(d));
       return "[" + join(parts, ", ") + "]";
     }
+    std::string operator()(const Tables& t) const { return format_tables(t); }
   } visitor;
   return std::visit(visitor, v);
 }
@@ -516,6 +517,7 @@ const std::vector<std::int64_t>& Deck::get_int_array(const std::string& key) con
 const std::vector<double>& Deck::get_float_array(const std::string& key) const {
   return std::get<Floats>(typed_entry(key, KeyType::kFloatArray, "get_float_array").value);
 }
+const Tables& Deck::get_tables(const std::string& key) const { return std::get<Tables>(typed_entry(key, KeyType::kTables, "get_tables").value); }
 
 bool Deck::is_set(const std::string& key) const { return !std::holds_alternative<std::monostate>(entry(key).value); }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -30,10 +31,24 @@ class DeckError : public fsdp::ConfigError {
   std::vector<std::string> problems_;
 };
 
-enum class KeyType { kInt, kFloat, kBool, kString, kIntArray, kFloatArray };
+/// kTables: a TOML array of tables (`[[data.sources]]` or an inline `[{ ... }, { ... }]`), each table
+/// holding the fields its KeySpec declares.
+enum class KeyType { kInt, kFloat, kBool, kString, kIntArray, kFloatArray, kTables };
+
+/// A field of one table in an array of tables; std::monostate: not given and no default.
+using TableField = std::variant<std::monostate, std::int64_t, double, bool, std::string>;
+/// One table of an array of tables: every field its key's KeySpec::fields declares, in that order,
+/// by name (monostate where the table gives none and the field has no default).
+struct TableRow {
+  std::vector<std::pair<std::string, TableField>> fields;
+  /// Field `name`; DeckError for a name the key does not declare.
+  const TableField& at(const std::string& name) const;
+  friend bool operator==(const TableRow&, const TableRow&) = default;
+};
+using Tables = std::vector<TableRow>;
 
 /// A key's value; std::monostate means unset (only for keys whose default is unset).
-using Value = std::variant<std::monostate, std::int64_t, double, bool, std::string, std::vector<std::int64_t>, std::vector<double>>;
+using Value = std::variant<std::monostate, std::int64_t, double, bool, std::string, std::vector<std::int64_t>, std::vector<double>, Tables>;
 
 /// One key of the schema.
 struct KeySpec {
@@ -48,6 +63,9 @@ struct KeySpec {
   std::size_t array_size = 0;          ///< arrays: non-zero = exactly this many elements
   bool names_list = false;             ///< strings: a TOML array of strings is accepted too, stored comma-joined
   bool count_choice = false;           ///< strings with choices: a whole number >= 2 is accepted too, stored as its digits
+  /// kTables: each table's fields (key = the field's name; a scalar type, default, range, choices).
+  std::vector<KeySpec> fields{};
+  bool required = false;  ///< a field every table must give
 
   std::string section() const { return key.substr(0, key.find('.')); }
   std::string name() const { return key.substr(key.find('.') + 1); }
@@ -99,6 +117,7 @@ class Deck {
   const std::string& get_string(const std::string& key) const;
   const std::vector<std::int64_t>& get_int_array(const std::string& key) const;
   const std::vector<double>& get_float_array(const std::string& key) const;
+  const Tables& get_tables(const std::string& key) const;
   /// False when the value is unset (monostate).
   bool is_set(const std::string& key) const;
   /// The entry of `key` (DeckError if unknown).
@@ -146,7 +165,8 @@ inline bool is_token_data(const std::string& kind) {
   return known && is_token_data(*known);
 }
 
-/// A value as TOML writes it: 1, 0.5, true, "text", [1, 2]; "(unset)" for monostate.
+/// A value as TOML writes it: 1, 0.5, true, "text", [1, 2], [{ path = "a", weight = 0.5 }];
+/// "(unset)" for monostate.
 std::string format_value(const Value& v);
 
 /// Whether `key` decides the training trajectory: [model], [data] (but its evaluation and loading

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -136,6 +137,7 @@ inline const char* type_name(KeyType t) {
     case KeyType::kString: return "string";
     case KeyType::kIntArray: return "integer array";
     case KeyType::kFloatArray: return "float array";
+    case KeyType::kTables: return "array of tables";
   }
   return "?";
 }
@@ -148,11 +150,27 @@ inline const char* expected(KeyType t) {
     case KeyType::kString: return "a string";
     case KeyType::kIntArray: return "an array of integers";
     case KeyType::kFloatArray: return "an array of numbers";
+    case KeyType::kTables: return "an array of tables";
   }
   return "?";
 }
 
-/// What a TOML node is, for "expected X, got Y".
+/// One problem with a value; `text` is "<key>: <message>".
+struct Issue {
+  std::string text;
+  int line = 0;    // for sorting problems found in the deck
+  int column = 0;  // TOML syntax errors only
+};
+
+/// Range, choices (normalized in place) and array size of a value of `spec`; for an array of tables,
+/// each field of each table against its field spec (deck.cpp).
+void check_value(const KeySpec& spec, Value& v, std::vector<Issue>& issues, int line);
+
+/// Arrays of tables (deck_tables.cpp; reading one from TOML is in deck_toml.hpp): the checks of every
+/// table's fields, the value as TOML writes it, and the fields for the reference.
+void check_tables(const KeySpec& spec, Tables& tables, std::vector<Issue>& issues, int line);
+std::string format_tables(const Tables& tables);
+std::string describe_fields(const KeySpec& spec);
 
 /// Schema key -> its index in deck_schema().
 const std::map<std::string, std::size_t>& key_index();

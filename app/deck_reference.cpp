@@ -29,7 +29,9 @@ std::string reference_markdown() {
      << "  `name = value` lines. A key is named `section.name` (`optim.lr`) in messages and on the command\n"
      << "  line. Every key has a default, so an empty deck is a valid deck; a deck names only what it changes.\n"
      << "  Unknown sections and keys are errors, with the closest known name suggested.\n"
-     << "- **Types.** integer, float, boolean, string, and arrays of integers or floats. An integer is\n"
+     << "- **Types.** integer, float, boolean, string, arrays of integers or floats, and arrays of tables\n"
+     << "  (`[[data.sources]]` blocks, or inline: `sources = [{ path = \"a\", weight = 3 }, { path = \"b\" }]`,\n"
+     << "  each table with the fields listed). An integer is\n"
      << "  accepted where a float is expected (`lr = 1`). A key with choices takes one of the listed\n"
      << "  strings in any case (`full_shard` is stored as `FULL_SHARD`). Ranges are inclusive unless\n"
      << "  written with `>`, `<` or a parenthesis; an array's range applies to each element.\n"
@@ -77,6 +79,7 @@ std::string reference_markdown() {
         range = std::string(s.max_exclusive ? "< " : "<= ") + format_number(*s.max);
       }
       if (s.array_size) range += (range.empty() ? "" : "; ") + std::to_string(s.array_size) + " elements";
+      if (s.type == KeyType::kTables) range = "each table: " + describe_fields(s);
       if (range.empty()) range = "any";
       const std::string def = std::holds_alternative<std::monostate>(s.default_value) ? "*(unset)*" : "`" + format_value(s.default_value) + "`";
       const std::string& description = s.description;

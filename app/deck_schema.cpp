@@ -101,6 +101,22 @@ void add_data_keys(std::vector<KeySpec>& s) {
                .description = "folder of the IDX files (fashion-mnist, mnist), the text file (text), or a glob of token files "
                               "(token-shards: sorted by name and read as one stream), or an indexed dataset's prefix (indexed: the path without "
                               ".bin / .idx; naming either file works too); unused for tokens"});
+  s.push_back(
+      {.key = "data.sources",
+       .type = T::kTables,
+       .default_value = Tables{},
+       .description = "a weighted mixture of token files in place of data.path (token-shards, indexed): samples are drawn "
+                      "from the source furthest below its share of all drawn so far (Megatron-LM's blend), each source "
+                      "reshuffled in its own epochs; an epoch is as many samples as all sources hold. docs/data.md",
+       .fields = {
+           {.key = "path", .type = T::kString, .description = "as data.path: a glob or an indexed dataset's prefix", .required = true},
+           {.key = "kind", .type = T::kString, .choices = {"token-shards", "indexed"}, .description = "how the source is stored; unset: data.kind"},
+           {.key = "weight",
+            .type = T::kFloat,
+            .default_value = 1.0,
+            .min = 0,
+            .description = "its share is weight / the sum of the weights",
+            .min_exclusive = true}}});
   s.push_back({.key = "data.batch_size",
                .type = T::kInt,
                .default_value = I{64},

@@ -158,7 +158,22 @@ DataSection resolve_data_section(const Deck& deck) {
   data.train_samples = deck.get_int("data.train_samples");
   data.test_samples = deck.get_int("data.test_samples");
   data.num_samples = deck.get_int("data.num_samples");
-
+  for (const auto& row : deck.get_tables("data.sources")) {
+    DataSource source;
+    source.path = std::get<std::string>(row.at("path"));
+    const auto& kind = row.at("kind");
+    source.kind = std::holds_alternative<std::string>(kind) ? parse_choice<DataKind>(std::get<std::string>(kind)) : data.kind;
+    source.weight = std::get<double>(row.at("weight"));
+    data.sources.push_back(std::move(source));
+  }
+  if (!data.sources.empty()) {
+    if (!is_token_file_data(data.kind))
+      throw DeckError(blame(deck, "data.sources") + "a mixture of token files needs data.kind \"token-shards\" or \"indexed\" (it is \"" +
+                      to_string(data.kind) + "\"); each source's kind defaults to it");
+    if (deck.entry("data.path").source != Source::kDefault && !data.path.empty())
+      throw DeckError(blame(deck, "data.path") + "give data.path or data.sources, not both (data.sources replaces data.path; an empty data.path clears it)");
+    data.path.clear();
+  }
   return data;
 }
 

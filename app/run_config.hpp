@@ -87,9 +87,17 @@ inline GptConfig gpt_config(const ModelSection& model) {
   return c;
 }
 
+/// One source of a weighted mixture (data.sources): token files read as data.path would be.
+struct DataSource {
+  std::string path;
+  DataKind kind = DataKind::kTokenShards;  ///< token-shards or indexed
+  double weight = 1;                       ///< as given; shares are weight / the sum
+};
+
 struct DataSection {
   DataKind kind = DataKind::kFashionMnist;
   std::string path;
+  std::vector<DataSource> sources;                       ///< data.sources: a mixture in place of path
   std::string val_path;                                  ///< token-shards: validation files (glob); indexed: a dataset prefix
   TokenFormat token_format = TokenFormat::kLlmc;         ///< token-shards
   std::int64_t batch_size = 64, test_batch_size = 1000;  ///< batch_size: resolved per-rank micro-batch

@@ -18,7 +18,7 @@ fi
 FLAGS=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DOMPI_SKIP_MPICXX=1)
 INC=(-I"$SRC/include" -I"$SRC/app" $(pkg-config --cflags hdf5-openmpi))
 # toml++ as users run it: Debian's compiled library (its internal debug assertions are off there).
-"$CXX" "${FLAGS[@]}" "${INC[@]}" $(pkg-config --cflags tomlplusplus) "$SRC/fuzz/deck_fuzz.cpp" "$SRC/app/deck.cpp" "$SRC/app/deck_schema.cpp" "$SRC/app/deck_schema_outputs.cpp" "$SRC/app/deck_schema_model.cpp" "$SRC/app/hf_config.cpp" -o "$OUT/deck_fuzz" \
+"$CXX" "${FLAGS[@]}" "${INC[@]}" $(pkg-config --cflags tomlplusplus) "$SRC/fuzz/deck_fuzz.cpp" "$SRC/app/deck.cpp" "$SRC/app/deck_tables.cpp" "$SRC/app/deck_schema.cpp" "$SRC/app/deck_schema_outputs.cpp" "$SRC/app/deck_schema_model.cpp" "$SRC/app/hf_config.cpp" -o "$OUT/deck_fuzz" \
   $(pkg-config --libs tomlplusplus)
 "$CXX" "${FLAGS[@]}" "${INC[@]}" "$SRC/fuzz/ckpt_fuzz.cpp" -o "$OUT/ckpt_fuzz" $(pkg-config --libs hdf5-openmpi)
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0}  # see -detect_leaks below

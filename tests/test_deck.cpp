@@ -1005,3 +1005,65 @@ BOOST_AUTO_TEST_CASE(a_schedule_that_cannot_do_what_the_deck_says_is_warned_abou
   // A deck that does what it says: nothing.
   BOOST_TEST(schedule_warnings(finetune, 200, 200, 6400, 32, true).empty());
 }
+
+BOOST_AUTO_TEST_CASE(data_sources_as_an_array_of_tables) {
+  // [[data.sources]] blocks and the inline form read alike; unset fields take their defaults (kind:
+  // data.kind's, weight 1); the value echoes and round-trips as TOML, and --set takes the inline form.
+  const std::string blocks =
+      "[model]\nkind = 'transformer'\n[data]\nkind = 'token-shards'\n"
+      "[[data.sources]]\npath = 'web/*.bin'\nweight = 3\n[[data.sources]]\npath = 'code'\nkind = 'Indexed'\n";
+  const Deck d = Deck::parse(blocks, "inputs/m.toml");
+  const Tables& t = d.get_tables("data.sources");
+  BOOST_TEST_REQUIRE(t.size() == 2u);
+  BOOST_TEST(std::get<std::string>(t[0].at("path")) == "web/*.bin");
+  BOOST_TEST(std::holds_alternative<std::monostate>(t[0].at("kind")));
+  BOOST_TEST(std::get<double>(t[0].at("weight")) == 3.0);
+  BOOST_TEST(std::get<std::string>(t[1].at("kind")) == "indexed");  // choices stored as listed
+  BOOST_TEST(std::get<double>(t[1].at("weight")) == 1.0);
+  BOOST_TEST(d.entry("data.sources").line == 5);
+  const std::string inline_form = "[{ path = \"web/*.bin\", weight = 3.0 }, { path = \"code\", kind = \"indexed\", weight = 1.0 }]";
+  BOOST_TEST(format_value(d.entry("data.sources").value) == inline_form);
+  BOOST_TEST(d.echo_table().find(inline_form) != std::string::npos);
+  const Deck again = Deck::parse(d.to_toml(), "resolved.toml");
+  BOOST_TEST((again.entry("data.sources").value == d.entry("data.sources").value));
+  const Deck set = Deck::parse("[model]\nkind = 'transformer'\n[data]\nkind = 'token-shards'\n", "inputs/m.toml", {"data.sources=" + inline_form});
+  BOOST_TEST((set.entry("data.sources").value == d.entry("data.sources").value));
+  const auto cfg = resolve_run_config(d, placement_of(2, 2));
+  BOOST_TEST_REQUIRE(cfg.data.sources.size() == 2u);
+  BOOST_TEST((cfg.data.sources[0].kind == DataKind::kTokenShards));  // data.kind's
+  BOOST_TEST((cfg.data.sources[1].kind == DataKind::kIndexed));
+  BOOST_TEST(cfg.data.sources[0].weight == 3.0);
+  BOOST_TEST(Deck().get_tables("data.sources").empty());
+  BOOST_CHECK_THROW(t[0].at("wieght"), DeckError);
+
+  // Every problem of every table at once, each at its line, named data.sources[i].field.
+  const auto problems =
+      problems_of("[data]\n[[data.sources]]\npath = 'a'\nweigth = 2\n[[data.sources]]\nkind = 'x'\nweight = -1\n[[data.sources]]\npath = 7\n");
+  BOOST_TEST_REQUIRE(problems.size() == 5u, problems.size() << " problems");
+  BOOST_TEST(problems[0] == "inputs/a.toml:4: data.sources[0].weigth: unknown field (did you mean weight?)");
+  BOOST_TEST(problems[1] == "inputs/a.toml:5: data.sources[1].path: missing (every table of data.sources gives it)");
+  BOOST_TEST(problems[2] == "inputs/a.toml:6: data.sources[1].kind: \"x\" is not one of token-shards, indexed");
+  BOOST_TEST(problems[3] == "inputs/a.toml:7: data.sources[1].weight: -1 must be greater than 0");
+  BOOST_TEST(problems[4] == "inputs/a.toml:9: data.sources[2].path: expected a string, got an integer (7)");
+  BOOST_TEST(problem_of("[data]\nsources = ['a']\n") ==
+             "inputs/a.toml:2: data.sources[0]: expected a table ({ path = ..., kind = ..., weight = ... }), got a string (\"a\")");
+  BOOST_TEST(problem_of("[data]\nsources = 'a'\n") == "inputs/a.toml:2: data.sources: expected an array of tables, got a string (\"a\")");
+  BOOST_TEST(problem_of("", {"data.sources=a"}) == "--set data.sources=a: data.sources: expected an array of tables, got a string (\"a\")");
+
+  // Between keys: a mixture of token files only, in place of data.path.
+  const std::string lm = "[model]\nkind = 'transformer'\n[data]\n";
+  auto config_error = [&](const std::string& text) {
+    try {
+      resolve_run_config(Deck::parse(text, "inputs/a.toml"), placement_of(1, 1));
+    } catch (const DeckError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  BOOST_TEST(config_error(lm + "kind = 'tokens'\nsources = [{ path = 'a' }]\n")
+                 .find("data.sources: a mixture of token files needs data.kind \"token-shards\" or \"indexed\" (it is \"tokens\")") !=
+             std::string::npos);
+  BOOST_TEST(config_error(lm + "kind = 'indexed'\npath = 'x'\nsources = [{ path = 'a' }]\n")
+                 .find("inputs/a.toml:5: data.path: give data.path or data.sources, not both") != std::string::npos);
+  BOOST_TEST(config_error(lm + "kind = 'indexed'\npath = ''\nsources = [{ path = 'a' }]\n") == "(no error)");
+}
