@@ -250,11 +250,21 @@ DistributedSampler::DistributedSampler(std::int64_t n, int num_replicas, int ran
     throw DataError("DistributedSampler: rank " + std::to_string(rank) + " out of range [0, " + std::to_string(num_replicas) + ")");
 }
 
+DistributedSampler::DistributedSampler(std::int64_t n, int num_replicas, int rank, EpochOrder order)
+    : DistributedSampler(n, num_replicas, rank, false, 0) {
+  if (!order) throw DataError("DistributedSampler: no epoch order given");
+  order_ = std::move(order);
+}
+
 std::int64_t DistributedSampler::num_samples() const { return (n_ + num_replicas_ - 1) / num_replicas_; }
 
 std::vector<std::int64_t> DistributedSampler::indices() const {
   std::vector<std::int64_t> order;
-  if (shuffle_) {
+  if (order_) {
+    order = order_(epoch_);
+    if (static_cast<std::int64_t>(order.size()) != n_)
+      throw DataError("DistributedSampler: epoch order of " + std::to_string(order.size()) + " indices for " + std::to_string(n_) + " samples");
+  } else if (shuffle_) {
     // Unsigned wrap-around is intended (a negative epoch is just another seed), as in PyTorch.
     order = random_permutation(n_, seed_ + static_cast<std::uint64_t>(epoch_));
   } else {

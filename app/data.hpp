@@ -74,6 +74,10 @@ class DistributedSampler {
  public:
   /// DataError unless n >= 0, num_replicas >= 1 and 0 <= rank < num_replicas.
   DistributedSampler(std::int64_t n, int num_replicas, int rank, bool shuffle, std::uint64_t seed);
+  /// Each epoch's global order of the n indices given by `order(epoch)` instead of a permutation (a
+  /// mixture's blend); it must return n indices in [0, n).
+  using EpochOrder = std::function<std::vector<std::int64_t>(std::int64_t epoch)>;
+  DistributedSampler(std::int64_t n, int num_replicas, int rank, EpochOrder order);
   /// Selects the permutation of `epoch` (call at the start of every epoch, as in PyTorch).
   void set_epoch(std::int64_t epoch) { epoch_ = epoch; }
   std::int64_t epoch() const { return epoch_; }
@@ -91,6 +95,7 @@ class DistributedSampler {
   bool shuffle_;
   std::uint64_t seed_;
   std::int64_t epoch_ = 0;
+  EpochOrder order_;
 };
 
 /// Number of batches of size `batch` over `num_samples` samples, the last one possibly smaller:
