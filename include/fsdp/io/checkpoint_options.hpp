@@ -45,7 +45,10 @@ struct TrainState {
   std::int64_t epoch = 0;                   ///< data position: epoch ...
   std::int64_t sample_index = 0;            ///< ... and the next sample within it
   std::map<std::string, double> scheduler;  ///< LR scheduler state (e.g. {"last_epoch": 12, "base_lr": 3e-4})
-  std::string deck;                         ///< the input deck text (rank 0's is written)
+  /// The application's data position beyond epoch and sample_index (e.g. a mixture's per-source
+  /// positions), as named counters in /train/data; empty in checkpoints that have none.
+  std::map<std::string, std::int64_t> data;
+  std::string deck;  ///< the input deck text (rank 0's is written)
   /// Set by loading: whether this rank's CPU RNG state was restored (only at the saving world size) ...
   bool rng_restored = false;
   /// ... and, on a GPU, its device generator's (/rng/cuda; not in a checkpoint saved by a CPU run).

@@ -348,6 +348,9 @@ inline void write_train_group(hid_t file, const TrainState& state) {
   h5::write_attribute(train, "sample_index", state.sample_index);
   h5::Id sched = h5::require_group(file, "/train/scheduler");
   for (const auto& [k, v] : state.scheduler) h5::write_attribute(sched, k, v);
+  if (state.data.empty()) return;
+  h5::Id data = h5::require_group(file, "/train/data");
+  for (const auto& [k, v] : state.data) h5::write_attribute(data, k, v);
 }
 
 inline void write_optimizer_attributes(hid_t file, const torch::optim::Optimizer& opt) {
@@ -521,6 +524,10 @@ inline StagedMeta read_meta(hid_t file, const std::string& path, int row, std::i
   m.train.sample_index = h5::read_int_attribute(train, "sample_index", where + " /train");
   h5::Id sched = h5::open_group(file, "/train/scheduler", path);
   for (const auto& k : h5::list_attribute_names(sched)) m.train.scheduler[k] = h5::read_double_attribute(sched, k, where + " /train/scheduler");
+  if (h5::exists(file, "/train/data")) {
+    h5::Id data = h5::open_group(file, "/train/data", path);
+    for (const auto& k : h5::list_attribute_names(data)) m.train.data[k] = h5::read_int_attribute(data, k, where + " /train/data");
+  }
   m.train.deck = h5::read_string_attribute(file, "deck", where);
   if (h5::exists(file, "/optim")) {
     h5::Id g = h5::open_group(file, "/optim", path);
@@ -541,6 +548,11 @@ inline std::string pack_meta(const StagedMeta& m) {
     p.str(k);
     p.f64(v);
   }
+  p.i64(static_cast<std::int64_t>(m.train.data.size()));
+  for (const auto& [k, v] : m.train.data) {
+    p.str(k);
+    p.i64(v);
+  }
   p.str(m.train.deck);
   p.str(m.optimizer_kind);
   p.i64(static_cast<std::int64_t>(m.lrs.size()));
@@ -557,6 +569,10 @@ inline StagedMeta unpack_meta(const std::string& bytes) {
   for (std::int64_t n = u.i64(); n > 0; --n) {
     std::string k = u.str();
     m.train.scheduler[k] = u.f64();
+  }
+  for (std::int64_t n = u.i64(); n > 0; --n) {
+    std::string k = u.str();
+    m.train.data[k] = u.i64();
   }
   m.train.deck = u.str();
   m.optimizer_kind = u.str();

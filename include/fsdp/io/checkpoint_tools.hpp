@@ -35,7 +35,7 @@ struct TensorEntry {
 /// What `fsdp-ckpt inspect` shows of one file.
 struct FileInfo {
   std::string path;
-  std::vector<std::pair<std::string, std::string>> attributes;  ///< root attributes, printable
+  std::vector<std::pair<std::string, std::string>> attributes;  ///< root attributes, then /train's as "train/epoch", "train/data/<name>"; printable
   std::vector<TensorEntry> tensors;
 };
 
@@ -131,6 +131,13 @@ inline FileInfo inspect_file(const std::string& path) {
   h5::Id file = h5::open_file_readonly(path);
   const std::string where = "checkpoint '" + path + "'";
   for (const auto& name : h5::list_attribute_names(file)) info.attributes.emplace_back(name, detail::attribute_text(file, name, where));
+  // The data position: epoch and sample, and the application's counters (a mixture's sources).
+  for (const std::string group : {"/train", "/train/data"}) {
+    if (!h5::exists(file, group)) continue;
+    h5::Id g = h5::open_group(file, group, path);
+    for (const auto& name : h5::list_attribute_names(g))
+      if (name != "step") info.attributes.emplace_back(group.substr(1) + "/" + name, detail::attribute_text(g, name, where));
+  }
   std::map<haddr_t, std::size_t> by_address;
   for (const auto& p : h5::list_datasets(file)) {
     h5::Id ds(H5Dopen2(file, p.c_str(), H5P_DEFAULT), where + ": cannot open " + p);
@@ -401,6 +408,11 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
       h5::Id ssrc = h5::open_group(f0, "/train/scheduler", first);
       h5::Id sdst = h5::require_group(out, "/train/scheduler");
       for (const auto& k : h5::list_attribute_names(ssrc)) h5::write_attribute(sdst, k, h5::read_double_attribute(ssrc, k, w0));
+      if (h5::exists(f0, "/train/data")) {
+        h5::Id dsrc = h5::open_group(f0, "/train/data", first);
+        h5::Id ddst = h5::require_group(out, "/train/data");
+        for (const auto& k : h5::list_attribute_names(dsrc)) h5::write_attribute(ddst, k, h5::read_int_attribute(dsrc, k, w0));
+      }
     }
     if (h5::exists(f0, "/rng")) {  // each generator: one row per rank, in rank order
       for (const auto& name : h5::list_names(f0, "/rng")) {
