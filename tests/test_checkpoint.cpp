@@ -28,6 +28,7 @@ BOOST_AUTO_TEST_CASE(sharded_save_loads_at_every_smaller_world_size_and_other_st
       state.epoch = 1;
       state.sample_index = 24;
       state.scheduler = {{"last_epoch", 3}, {"base_lr", 1e-2}};
+      state.data = {{"mixture_draws", 1000000000007}, {"source_1_epoch", 2}};
       state.deck = "[run]\nname = \"t\"\n";
       const std::string sub = "s" + std::to_string(si);
       const auto saved = fsdp::save_checkpoint(*model, opt.get(), dir / sub, state);
@@ -48,6 +49,7 @@ BOOST_AUTO_TEST_CASE(sharded_save_loads_at_every_smaller_world_size_and_other_st
           BOOST_TEST(got.epoch == 1);
           BOOST_TEST(got.sample_index == 24);
           BOOST_TEST(got.scheduler.at("base_lr") == 1e-2);
+          BOOST_TEST((got.data == state.data));  // the application's data counters, whatever the state dict type
           BOOST_TEST(got.deck == state.deck);
           BOOST_TEST(got.rng_restored == (k == world.size()));
         }
