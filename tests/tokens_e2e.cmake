@@ -65,6 +65,73 @@ expect_in("${last_output}" "data.eot_token: data.document_mask needs the token t
 run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set data.document_mask=true --set data.eot_token=97 --set run.out_dir=${WORK_DIR}/docs_bad --dry-run)
 expect_in("${last_output}" "data.eot_token: 97 is not below model.vocab_size 97")
 
+# 2d. data.sources: a mixture of the llm.c shards (240 samples, weight 3) and a smaller indexed dataset
+#    (100 samples, weight 1), shuffled, one global batch of 6 over 3 epochs of the mixture (340
+#    samples each): the small source runs through its own epochs. sources.csv gives each source's
+#    draws within one sample of its share at every logged step. At np 1 and 2 the same training
+#    (within 1e-5); stopped at step 70 (inside the mixture's second epoch and the small source's
+#    second) and resumed: at np 2 bit for bit, at np 3 within 1e-5 with the same data: the
+#    checkpoint's counters (global draws, each source's epoch and position) and sources.csv's rows
+#    equal the uninterrupted run's. A source whose file changed under a checkpoint is refused on every
+#    rank naming the source; weights or kinds are checked as deck keys; a bad mixture deck exits 2.
+run(0 ${make} ${d}/small --tokens 1601 --seed 3 --format megatron)
+set(mix --set data.path= --set data.shuffle=true --set run.epochs=3 --set data.global_batch_size=6 --set log.every_steps=5
+        --set "data.sources=[{ path = '${d}/train_*.bin', weight = 3 }, { path = '${d}/small', kind = 'indexed' }]")
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=100 --set run.out_dir=${WORK_DIR}/mix2)
+expect_in("${last_output}" "data token-shards: 340 train, 50 test samples")
+expect_in("${last_output}" "source 1: [^\n]*small \\(indexed\\), 100 samples, weight 1: share 0.2500")
+run(0 ${MPIEXEC} -np 1 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=100 --set run.out_dir=${WORK_DIR}/mix1)
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/mix1/checkpoints ${WORK_DIR}/mix2/checkpoints --rtol 1e-5)
+run(0 ${PYTHON} -c "
+import csv, json, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+steps = sorted({int(r['step']) for r in rows})
+assert steps == list(range(5, 101, 5)), steps
+for step in steps:
+    at = [r for r in rows if int(r['step']) == step]
+    total = sum(int(r['drawn']) for r in at)
+    for r in at:
+        off = abs(int(r['drawn']) - float(r['share']) * total)
+        assert off < 1, (step, r, total)
+        assert int(r['drawn']) == int(r['source_epoch']) * (240 if r['source'] == '0' else 100) + int(r['source_position']), r
+last = [r for r in rows if int(r['step']) == 100]
+assert int(last[1]['source_epoch']) == 1 and int(last[0]['source_epoch']) == 1, last  # both sources in their second epoch
+s = json.load(open(sys.argv[2]))['data_sources']
+assert [x['drawn'] for x in s] == [int(r['drawn']) for r in last], (s, last)
+print('mixture: draws', [int(r['drawn']) for r in last], 'of 600, shares within one sample at', len(steps), 'logged steps')
+" ${WORK_DIR}/mix2/sources.csv ${WORK_DIR}/mix2/summary.json)
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=70 --set run.out_dir=${WORK_DIR}/mix_resume2)
+file(COPY ${WORK_DIR}/mix_resume2/ DESTINATION ${WORK_DIR}/mix_resume3)
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=100 --set run.out_dir=${WORK_DIR}/mix_resume2)
+expect_in("${last_output}" "resumed from [^\n]*step_00000070.h5 at step 70")
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/mix_resume2/checkpoints ${WORK_DIR}/mix2/checkpoints)
+run(0 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=100 --set run.out_dir=${WORK_DIR}/mix_resume3)
+expect_in("${last_output}" "resumed from [^\n]*step_00000070.h5 at step 70")
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/mix_resume3/checkpoints ${WORK_DIR}/mix2/checkpoints --rtol 1e-5)
+foreach(run_dir mix2 mix_resume3)
+  run(0 ${CKPT_TOOL} inspect ${WORK_DIR}/${run_dir}/checkpoints)
+  string(REGEX MATCHALL "train/[a-z_0-9/]+ +[0-9]+" counters_${run_dir} "${last_output}")
+endforeach()
+expect_in("${counters_mix2}" "train/data/source_1_epoch +1;")
+if(NOT counters_mix2 STREQUAL counters_mix_resume3)
+  message(FATAL_ERROR "the mixture's counters differ after a resume at np 3:\n${counters_mix_resume3}\nuninterrupted:\n${counters_mix2}")
+endif()
+file(STRINGS ${WORK_DIR}/mix2/sources.csv whole_rows REGEX "^(7[5-9]|[89][0-9]|100),")
+file(STRINGS ${WORK_DIR}/mix_resume3/sources.csv resumed_rows REGEX "^(7[5-9]|[89][0-9]|100),")
+if(NOT whole_rows STREQUAL resumed_rows)
+  message(FATAL_ERROR "sources.csv after the resume at np 3 differs from the uninterrupted run's")
+endif()
+file(COPY ${WORK_DIR}/mix_resume2/ DESTINATION ${WORK_DIR}/mix_changed)
+run(0 ${make} ${d}/small --tokens 2001 --seed 3 --format megatron)  # the source grew under the checkpoint
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=110 --set run.out_dir=${WORK_DIR}/mix_changed)
+expect_in("${last_output}" "the mixture of data.sources does not stand where the checkpoint's stopped")
+expect_in("${last_output}" "data.sources\\[1\\] \\('[^']*small'\\) source_1_(epoch|position): [0-9]+ in the checkpoint, [0-9]+ with this deck and data")
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.out_dir=${WORK_DIR}/mix_bad --set data.path= --dry-run
+    --set "data.sources=[{ path = '${d}/small', kind = 'indexed', weight = 0 }]")
+expect_in("${last_output}" "data.sources\\[0\\].weight: 0 must be greater than 0")
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.out_dir=${WORK_DIR}/mix_bad --set data.path= --set "data.sources=[{ path = '${d}/none_*.bin' }]")
+expect_in("${last_output}" "none_")
+
 # 3. Stopped after step 21 (sample 126, inside the second shard) and resumed: at np 2 bit for bit; at
 #    np 3 with the same global batch within 1e-5.
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=21 --set data.batch_size=3 --set run.out_dir=${WORK_DIR}/resume2)

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "data.hpp"
+#include "mixture.hpp"
 #include "models/families.hpp"
 #include "run_config.hpp"
 
@@ -33,21 +34,32 @@ struct Dataset {
   ImageSplit train_images, test_images;
   TokenSplit train_tokens, test_tokens;
   StreamSplit train_stream, test_stream;
+  /// data.sources: each source's samples, numbered one after the other (Blend::offset); the blend
+  /// orders them (train_stream is unused).
+  std::vector<StreamSplit> train_sources;
+  std::shared_ptr<Blend> blend;
+  std::int64_t mixture_size = 0;  ///< samples per epoch of the mixture: all sources' (data.train_samples: at most that)
   bool has_test = true;
   double mean = 0, stddev = 1;  // image normalization
-  std::int64_t train_size() const { return streamed ? train_stream.n : tokens ? train_tokens.n : train_images.n; }
+  std::int64_t train_size() const { return blend ? mixture_size : streamed ? train_stream.n : tokens ? train_tokens.n : train_images.n; }
   std::int64_t test_size() const { return streamed ? test_stream.n : tokens ? test_tokens.n : test_images.n; }
   /// Tokens per sample (inputs and targets together) of a language model's data.
-  std::int64_t sequence_length() const { return streamed ? train_stream.length : train_tokens.length; }
+  std::int64_t sequence_length() const { return streamed ? (blend ? train_sources.front().length : train_stream.length) : train_tokens.length; }
+  /// The stream and sample of training sample `index` (a mixture's concatenated numbering).
+  std::pair<const StreamSplit*, std::int64_t> train_sample(std::int64_t index) const {
+    if (!blend) return {&train_stream, index};
+    const std::size_t s = blend->source_of(index);
+    return {&train_sources[s], index - blend->offset(s)};
+  }
 };
 
 /// token-shards: the files of the glob `path`; indexed: the Megatron dataset `path` (.bin + .idx); as
 /// samples of model.context + 1 tokens. Every token is checked against model.vocab_size, each rank its
 /// 1/world of the stream (the failure is agreed by the caller).
-inline StreamSplit open_token_split(const RunConfig& cfg, const std::string& path, int rank, int world) {
+inline StreamSplit open_token_split(const RunConfig& cfg, const std::string& path, int rank, int world, DataKind kind) {
   StreamSplit split;
-  auto stream = std::make_shared<TokenStream>(cfg.data.kind == DataKind::kIndexed ? TokenStream::open_indexed(path)
-                                                                                  : TokenStream::open(path, cfg.data.token_format));
+  auto stream =
+      std::make_shared<TokenStream>(kind == DataKind::kIndexed ? TokenStream::open_indexed(path) : TokenStream::open(path, cfg.data.token_format));
   const std::int64_t total = stream->size();
   stream->check_vocab(total * rank / world, total * (rank + 1) / world, cfg.model.vocab_size);
   split.n = token_stream_samples(*stream, cfg.model.context);
@@ -86,9 +98,21 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
     d.test_tokens = make_synthetic_tokens(std::max<std::int64_t>(n / 10, 1), context, vocab, seed + 1000003);
   } else if (is_token_file_data(kind)) {
     d.tokens = d.streamed = true;
-    d.train_stream = open_token_split(cfg, cfg.data.path, rank, world);
+    if (cfg.data.sources.empty()) {
+      d.train_stream = open_token_split(cfg, cfg.data.path, rank, world, kind);
+    } else {
+      std::vector<double> weights;
+      std::vector<std::int64_t> sizes;
+      for (const auto& source : cfg.data.sources) {
+        d.train_sources.push_back(open_token_split(cfg, source.path, rank, world, source.kind));
+        weights.push_back(source.weight);
+        sizes.push_back(d.train_sources.back().n);
+      }
+      d.blend = std::make_shared<Blend>(weights, sizes, cfg.data.shuffle, cfg.run.seed);
+      d.mixture_size = d.blend->total_size();
+    }
     d.has_test = !cfg.data.val_path.empty();
-    if (d.has_test) d.test_stream = open_token_split(cfg, cfg.data.val_path, rank, world);
+    if (d.has_test) d.test_stream = open_token_split(cfg, cfg.data.val_path, rank, world, kind);
   } else {
     d.tokens = true;
     auto corpus = load_text(cfg.data.path, cfg.model.context, static_cast<int>(cfg.model.vocab_size));
@@ -113,6 +137,7 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
   cut_tokens(d.train_tokens, limit_train);
   cut_tokens(d.test_tokens, limit_test);
   if (limit_train > 0) d.train_stream.n = std::min(d.train_stream.n, limit_train);
+  if (limit_train > 0) d.mixture_size = std::min(d.mixture_size, limit_train);
   if (limit_test > 0) d.test_stream.n = std::min(d.test_stream.n, limit_test);
   return d;
 }
@@ -148,13 +173,16 @@ inline Batch make_batch(const Dataset& d, bool train, const std::vector<std::int
     b.x = x;
     b.y = y;
   } else if (d.streamed) {
-    const StreamSplit& s = train ? d.train_stream : d.test_stream;
-    auto all = torch::empty({n, s.length}, torch::kLong);
+    const std::int64_t length = d.sequence_length();
+    auto all = torch::empty({n, length}, torch::kLong);
     std::int64_t* p = all.data_ptr<std::int64_t>();
-    const std::int64_t stride = s.length - 1;  // consecutive samples share one token
-    for (std::int64_t i = 0; i < n; ++i) s.stream->read(idx[begin + static_cast<std::size_t>(i)] * stride, s.length, p + i * s.length);
-    b.x = all.narrow(1, 0, s.length - 1).contiguous();
-    b.y = all.narrow(1, 1, s.length - 1).contiguous();
+    for (std::int64_t i = 0; i < n; ++i) {
+      const auto k = idx[begin + static_cast<std::size_t>(i)];
+      const auto [s, sample] = train ? d.train_sample(k) : std::pair<const StreamSplit*, std::int64_t>{&d.test_stream, k};
+      s->stream->read(sample * (length - 1), length, p + i * length);  // consecutive samples share one token
+    }
+    b.x = all.narrow(1, 0, length - 1).contiguous();
+    b.y = all.narrow(1, 1, length - 1).contiguous();
   } else {
     const TokenSplit& s = train ? d.train_tokens : d.test_tokens;
     auto all = torch::empty({n, s.length}, torch::kLong);

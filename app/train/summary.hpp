@@ -43,6 +43,7 @@ struct RunTotals {
   std::filesystem::path metrics_path;  ///< "" when metrics.csv was not written
   std::int64_t steps = 0, resumed_from_step = 0, skipped_steps = 0, samples_trained = 0;
   std::vector<std::string> resume_changed;  ///< keys deciding the training changed at the resume ("key: before -> now")
+  std::vector<SourceShare> sources;         ///< data.sources: each source's draws at the end
   std::int64_t overflow_steps = 0;          ///< of skipped_steps: fp16 gradients overflowed (the loss scale backed off)
   std::optional<double> loss_scale;         ///< fp16's loss scale at the end; unset without loss scaling
   std::int64_t tokens_per_sample = 0;       ///< language models: tokens predicted per sequence; 0 otherwise
@@ -187,6 +188,14 @@ nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& pl
   js["steps"] = t.steps;
   js["resumed_from_step"] = t.resumed_from_step;
   if (!t.resume_changed.empty()) js["resume_changed"] = t.resume_changed;
+  for (const auto& source : t.sources)
+    js["data_sources"].push_back({{"path", source.path},
+                                  {"weight", source.weight},
+                                  {"share", source.share},
+                                  {"drawn", source.drawn},
+                                  {"drawn_share", source.drawn_share},
+                                  {"epoch", source.epoch},
+                                  {"position", source.position}});
   js["skipped_steps"] = t.skipped_steps;
   if (t.loss_scale) {
     js["overflow_steps"] = t.overflow_steps;

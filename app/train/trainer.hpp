@@ -32,9 +32,12 @@
 #include "train/build.hpp"
 #include "train/checkpointer.hpp"
 #include "train/dataset.hpp"
+#include "train/echo.hpp"
+#include "train/run_setup.hpp"
 #include "train/eval_only.hpp"
 #include "train/generate.hpp"
 #include "train/metrics_log.hpp"
+#include "train/mixture_state.hpp"
 #include "train/ranks.hpp"
 #include "train/schedule.hpp"
 #include "train/signals.hpp"
@@ -44,18 +47,6 @@
 #include "train/weight_decay.hpp"
 
 namespace fsdp::app {
-
-/// What a run starts from before the engine's type is known: the rank's world, the deck as parsed
-/// and as resolved for this placement, and the memory verdict (unset with run.memory_check = off).
-struct RunSetup {
-  MpiComm& world;
-  MpiComm::Placement placement;  ///< the world and node layout (asked once: placement() is collective)
-  const Deck& deck;
-  const RunConfig& cfg;
-  std::string deck_path;
-  std::optional<FitVerdict> fit;
-  Clock::time_point wall_start;
-};
 
 template <class Comm>
 class Trainer {
@@ -76,7 +67,7 @@ class Trainer {
       optimizer_ = build_optimizer(cfg_, *model_);
       if (!cfg_.optim.no_decay.empty()) decay_mask_.emplace(*model_, cfg_.optim.no_decay);
     });
-    print_echo();
+    print_echo(*model_, s_, data_loaded_ ? &data_ : nullptr);
     check_same_job(world_, s_.deck, model_->plan_hash());
   }
 
@@ -103,6 +94,7 @@ class Trainer {
     checkpointer_->take_run_directory();
     start_ = checkpointer_->resume();
     plan_schedule();
+    compare_mixture_position();
     return !(start_.step > 0 && start_.step >= schedule_.total_steps);  // else a rerun of a finished job
   }
 
@@ -169,46 +161,16 @@ class Trainer {
  private:
   // ---- build ----------------------------------------------------------------------------------
 
-  void print_echo() const {
-    const auto units = model_->units();
-    std::int64_t shard_numel = 0, padding = 0;
-    for (const auto& u : units) {
-      shard_numel += u.shard_numel;
-      padding += u.padded_numel - u.numel;
-    }
-    std::int64_t optimized_numel = 0;  // what this rank's optimizer updates: the shards, or their replica parts
-    for (const auto& p : model_->parameters()) optimized_numel += p.numel();
-    const std::int64_t state_bytes = training_state_bytes(shard_numel, optimized_numel, cfg_.optim.state_copies());
-    if (!root_) return;
-    const auto& placement = s_.placement;
-    std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, s_.deck_path.c_str(), s_.deck.echo_table().c_str());
-    std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", world_.size(), placement.nodes, placement.local_size,
-                cfg_.run.threads);
-    std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", to_string(cfg_.fsdp.backend_resolved).c_str(),
-                to_string(cfg_.fsdp.backend).c_str(), model_->compute_device().str().c_str(),
-                cfg_.fsdp.offload_params ? ", parameter shards offloaded to host memory" : "");
-    if (s_.fit) std::printf("  memory: %s\n", fit_summary(*s_.fit, cfg_.placement.ranks_per_node).c_str());
-    std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model_->sharding_strategy()), model_->shard_group_size(),
-                units.size(), static_cast<long long>(model_->num_params()));
-    std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
-                static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
-    if (!data_loaded_)
-      std::printf("  data not read (generation); out_dir %s\n\n", cfg_.run.out_dir.c_str());
-    else
-      std::printf("  data %s: %lld train, %lld test samples; global batch %lld = %lld per rank x %d ranks x %lld micro-batches; out_dir %s\n\n",
-                  to_string(cfg_.data.kind).c_str(), static_cast<long long>(data_.train_size()), static_cast<long long>(data_.test_size()),
-                  static_cast<long long>(cfg_.data.batch_size * world_.size() * cfg_.optim.grad_accum_steps),
-                  static_cast<long long>(cfg_.data.batch_size), world_.size(), static_cast<long long>(cfg_.optim.grad_accum_steps),
-                  cfg_.run.out_dir.c_str());
-    std::fflush(stdout);
-  }
-
   /// The sampler and step counts; a checkpoint stopped inside another global batch is refused.
   void plan_schedule() {
     auto& p = schedule_;
     p.batch = cfg_.data.batch_size;
     p.accum = cfg_.optim.grad_accum_steps;
-    sampler_.emplace(data_.train_size(), world_.size(), world_.rank(), cfg_.data.shuffle, cfg_.run.seed);
+    if (data_.blend)  // a mixture: each epoch's order is the blend's next draws
+      sampler_.emplace(data_.train_size(), world_.size(), world_.rank(),
+                       [blend = data_.blend, n = data_.train_size()](std::int64_t epoch) { return blend->draws(epoch * n, n); });
+    else
+      sampler_.emplace(data_.train_size(), world_.size(), world_.rank(), cfg_.data.shuffle, cfg_.run.seed);
     p.steps_per_epoch = (sampler_->num_samples() + p.batch - 1) / p.batch / p.accum;
     if (p.steps_per_epoch == 0)
       throw RankError("data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(sampler_->num_samples()) + ")",
@@ -228,6 +190,24 @@ class Trainer {
         std::printf("warning: %s\n", w.c_str());
   }
 
+  /// A resumed mixture must stand where the checkpoint's did: other sources, weights or files (a
+  /// source that grew or shrank) would draw other samples from here on. Refused on every rank naming
+  /// each source unless checkpoint.resume_changed = "allow" (then warnings, kept for summary.json).
+  /// Every rank computes the same (the blend depends on the deck and the files' sizes only).
+  void compare_mixture_position() {
+    const auto changes = mixture_position_changes(data_, cfg_, start_);
+    if (changes.empty()) return;
+    std::string list;
+    for (const auto& c : changes) list += "\n  " + c;
+    if (cfg_.checkpoint.resume_changed == ResumeChanged::kRefuse)
+      throw RankError("the mixture of data.sources does not stand where the checkpoint's stopped (sources, weights or their files changed):" + list +
+                          "\ncheckpoint.resume_changed = \"allow\" continues from here with this deck's blend",
+                      true);
+    if (root_)
+      std::printf("warning: the mixture of data.sources continues from another position (checkpoint.resume_changed = \"allow\"):%s\n", list.c_str());
+    mixture_changes_ = changes;
+  }
+
   // ---- the loop -------------------------------------------------------------------------------
 
   /// Opens metrics.csv, continues fp16's loss scale and installs the stop signals.
@@ -237,6 +217,7 @@ class Trainer {
     metrics_path_ = std::filesystem::path(cfg_.run.out_dir) / cfg_.log.metrics_file;
     on_all_ranks(world_, [&] {
       if (root_ && write_metrics_) metrics_.open(metrics_path_, start_.step);
+      if (root_ && write_metrics_ && data_.blend) mixture_log_.open(metrics_path_.parent_path() / "sources.csv", start_.step);
     });
     window_.reset();
     train_start_ = Clock::now();
@@ -478,6 +459,7 @@ class Trainer {
       if (write_metrics_)
         metrics_.row(step_, epoch + 1, loss_avg, lr, rate, step_ms_.back(), elapsed, breakdown,
                      scaler_ ? std::optional<double>(scaler_->scale()) : std::nullopt, window_.skipped, ranks, step_eval, tokens_per_sample());
+      if (write_metrics_ && data_.blend) mixture_log_.rows(step_, mixture_shares(data_, cfg_, next_epoch_, next_sample_index_));
     }
     window_.reset();
   }
@@ -510,6 +492,7 @@ class Trainer {
     s.step = step_;
     s.epoch = next_epoch_;
     s.sample_index = next_sample_index_;
+    store_mixture_position(data_, next_epoch_, next_sample_index_, s);
     s.scheduler = {{"lr", lr_at(cfg_, step_, next_epoch_, schedule_.total_steps)}, {"total_steps", static_cast<double>(schedule_.total_steps)}};
     if (scaler_) {  // powers of two and small counts: exact as doubles
       s.scheduler["loss_scale"] = scaler_->scale();
@@ -539,6 +522,8 @@ class Trainer {
     t.steps = step_;
     t.resumed_from_step = start_.step;
     t.resume_changed = checkpointer_->resume_changes();
+    t.resume_changed.insert(t.resume_changed.end(), mixture_changes_.begin(), mixture_changes_.end());
+    t.sources = mixture_shares(data_, cfg_, next_epoch_, next_sample_index_);
     t.skipped_steps = skipped_steps_;
     t.overflow_steps = overflow_steps_;
     if (scaler_) t.loss_scale = scaler_->scale();
@@ -585,6 +570,8 @@ class Trainer {
   bool write_metrics_ = false;
   std::filesystem::path metrics_path_;
   MetricsLog metrics_;
+  MixtureLog mixture_log_;                    // sources.csv, for data.sources
+  std::vector<std::string> mixture_changes_;  // a resumed mixture's positions that differ (checkpoint.resume_changed = "allow")
   std::int64_t eval_chunk_ = 0;
   bool data_loaded_ = true;
 

@@ -1,0 +1,60 @@
+// fsdp-train (app layer): the echo at the start of a run: the deck, the placement, the engine's
+// units and state, the data (and a mixture's sources).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+#include "models/families.hpp"
+#include "plan/memory_model.hpp"
+#include "train/dataset.hpp"
+#include "train/run_setup.hpp"
+
+namespace fsdp::app {
+
+/// Rank 0 prints it; every rank takes part (the engine's units are the same on every rank). `data`:
+/// nullptr when the run reads none (generation).
+template <class Engine>
+void print_echo(const Engine& model, const RunSetup& s, const Dataset* data) {
+  const RunConfig& cfg = s.cfg;
+  const bool root = s.world.rank() == 0;
+  const auto units = model.units();
+  std::int64_t shard_numel = 0, padding = 0;
+  for (const auto& u : units) {
+    shard_numel += u.shard_numel;
+    padding += u.padded_numel - u.numel;
+  }
+  std::int64_t optimized_numel = 0;  // what this rank's optimizer updates: the shards, or their replica parts
+  for (const auto& p : model.parameters()) optimized_numel += p.numel();
+  const std::int64_t state_bytes = training_state_bytes(shard_numel, optimized_numel, cfg.optim.state_copies());
+  if (!root) return;
+  const auto& placement = s.placement;
+  std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, s.deck_path.c_str(), s.deck.echo_table().c_str());
+  std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", s.world.size(), placement.nodes, placement.local_size,
+              cfg.run.threads);
+  std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", to_string(cfg.fsdp.backend_resolved).c_str(),
+              to_string(cfg.fsdp.backend).c_str(), model.compute_device().str().c_str(),
+              cfg.fsdp.offload_params ? ", parameter shards offloaded to host memory" : "");
+  if (s.fit) std::printf("  memory: %s\n", fit_summary(*s.fit, cfg.placement.ranks_per_node).c_str());
+  std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model.sharding_strategy()), model.shard_group_size(),
+              units.size(), static_cast<long long>(model.num_params()));
+  std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
+              static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
+  if (!data)
+    std::printf("  data not read (generation); out_dir %s\n", cfg.run.out_dir.c_str());
+  else
+    std::printf("  data %s: %lld train, %lld test samples; global batch %lld = %lld per rank x %d ranks x %lld micro-batches; out_dir %s\n",
+                to_string(cfg.data.kind).c_str(), static_cast<long long>(data->train_size()), static_cast<long long>(data->test_size()),
+                static_cast<long long>(cfg.data.batch_size * s.world.size() * cfg.optim.grad_accum_steps),
+                static_cast<long long>(cfg.data.batch_size), s.world.size(), static_cast<long long>(cfg.optim.grad_accum_steps),
+                cfg.run.out_dir.c_str());
+  if (data && data->blend)
+    for (std::size_t i = 0; i < cfg.data.sources.size(); ++i)
+      std::printf("  source %zu: %s (%s), %lld samples, weight %g: share %.4f\n", i, cfg.data.sources[i].path.c_str(),
+                  to_string(cfg.data.sources[i].kind).c_str(), static_cast<long long>(data->train_sources[i].n), cfg.data.sources[i].weight,
+                  data->blend->share(i));
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+}  // namespace fsdp::app

@@ -1,0 +1,114 @@
+// fsdp-train (app layer): a mixture's (data.sources) place in the checkpoint and in the run's reports:
+// one global draw counter and each source's epoch and position, stored with every checkpoint and
+// checked on resume; the share each source has given so far.
+#pragma once
+
+#include <fsdp/fsdp.hpp>
+
+#include <cctype>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fsdp/output_file.hpp"
+#include "mixture.hpp"
+#include "run_config.hpp"
+#include "train/dataset.hpp"
+
+namespace fsdp::app {
+
+/// The draws a mixture has made when a run stands at sample `sample_index` of `epoch`: the epoch's
+/// padding (DistributedSampler's repeats at the end of an epoch) draws nothing new.
+inline std::int64_t mixture_draws(const Dataset& d, std::int64_t epoch, std::int64_t sample_index) {
+  return epoch * d.mixture_size + std::min(sample_index, d.mixture_size);
+}
+
+/// TrainState::data's names: "mixture_draws", "source_<i>_epoch", "source_<i>_position".
+inline std::string source_counter(std::size_t source, const char* what) { return "source_" + std::to_string(source) + "_" + what; }
+
+/// A checkpoint's data counters of a mixture at (epoch, sample_index); none without a mixture.
+inline void store_mixture_position(const Dataset& d, std::int64_t epoch, std::int64_t sample_index, fsdp::TrainState& state) {
+  if (!d.blend) return;
+  const std::int64_t draws = mixture_draws(d, epoch, sample_index);
+  state.data["mixture_draws"] = draws;
+  const auto positions = d.blend->positions_after(draws);
+  for (std::size_t s = 0; s < positions.size(); ++s) {
+    state.data[source_counter(s, "epoch")] = positions[s].epoch;
+    state.data[source_counter(s, "position")] = positions[s].position;
+  }
+}
+
+/// What differs between a resumed checkpoint's mixture counters and where this deck's mixture stands
+/// at the same epoch and sample: other sources, weights or files (a source that grew or shrank). One
+/// line per difference, naming the source; empty when they agree or the checkpoint stored none.
+inline std::vector<std::string> mixture_position_changes(const Dataset& d, const RunConfig& cfg, const fsdp::TrainState& resumed) {
+  std::vector<std::string> out;
+  if (!d.blend || resumed.data.empty()) return out;
+  fsdp::TrainState now;
+  store_mixture_position(d, resumed.epoch, resumed.sample_index, now);
+  for (const auto& [name, value] : now.data) {
+    const auto it = resumed.data.find(name);
+    if (it != resumed.data.end() && it->second == value) continue;
+    std::string what = name;
+    for (std::size_t s = 0; s < cfg.data.sources.size(); ++s)
+      if (name.rfind(source_counter(s, ""), 0) == 0) what = "data.sources[" + std::to_string(s) + "] ('" + cfg.data.sources[s].path + "') " + name;
+    out.push_back(what + ": " + (it == resumed.data.end() ? std::string("none") : std::to_string(it->second)) + " in the checkpoint, " +
+                  std::to_string(value) + " with this deck and data");
+  }
+  for (const auto& [name, value] : resumed.data)
+    if (!now.data.count(name)) out.push_back(name + ": " + std::to_string(value) + " in the checkpoint, no such source now");
+  return out;
+}
+
+/// Each source's part of the draws when the run stands at sample `sample_index` of `epoch`.
+inline std::vector<SourceShare> mixture_shares(const Dataset& d, const RunConfig& cfg, std::int64_t epoch, std::int64_t sample_index) {
+  std::vector<SourceShare> out;
+  if (!d.blend) return out;
+  const std::int64_t draws = mixture_draws(d, epoch, sample_index);
+  const auto positions = d.blend->positions_after(draws);
+  for (std::size_t s = 0; s < positions.size(); ++s) {
+    const auto& p = positions[s];
+    out.push_back({cfg.data.sources[s].path, cfg.data.sources[s].weight, d.blend->share(s),
+                   draws > 0 ? static_cast<double>(p.drawn) / static_cast<double>(draws) : 0.0, p.drawn, p.epoch, p.position});
+  }
+  return out;
+}
+
+/// sources.csv, beside metrics.csv for a mixture: one row per source and logged step: the samples it
+/// has given, the share asked and the share given, its epoch and position. Rank 0 writes it, as
+/// metrics.csv (a resume keeps the rows up to its step; every row is appended and checked at once).
+class MixtureLog {
+ public:
+  void open(const std::filesystem::path& path, std::int64_t resumed_step) {
+    std::vector<std::string> kept;
+    if (resumed_step > 0) {
+      std::ifstream old(path);
+      for (std::string line; std::getline(old, line);)
+        if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= resumed_step) kept.push_back(line);
+    }
+    std::ostringstream text;
+    text << "step,source,path,weight,share,drawn,drawn_share,source_epoch,source_position\n";
+    for (const auto& l : kept) text << l << "\n";
+    out_.open(path, text.str());
+  }
+  void rows(std::int64_t step, const std::vector<SourceShare>& shares) {
+    std::ostringstream r;
+    r.precision(9);
+    for (std::size_t s = 0; s < shares.size(); ++s) {
+      const auto& x = shares[s];
+      std::string path;  // a CSV field: quoted, quotes doubled
+      for (char c : x.path) path += c == '"' ? std::string("\"\"") : std::string(1, c);
+      r << step << "," << s << ",\"" << path << "\"," << x.weight << "," << x.share << "," << x.drawn << "," << x.drawn_share << "," << x.epoch << ","
+        << x.position << "\n";
+    }
+    out_.append(r.str());
+  }
+
+ private:
+  fsdp::LineAppendFile out_;
+};
+
+}  // namespace fsdp::app
