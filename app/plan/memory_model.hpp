@@ -89,11 +89,11 @@ class MemorySim {
       mapped_ += bytes;
     } else {
       heap_hw_ = std::max(heap_hw_, heap_ += bytes);
-      weighted_heap_ += factor_of(kind) * static_cast<double>(bytes);
-      weighted_heap_hw_ = std::max(weighted_heap_hw_, weighted_heap_);
+      if (kind == Mem::kActivations) heap_activations_ += bytes;
+      resident_hw_ = std::max(resident_hw_, resident_heap());
     }
     max_[static_cast<std::size_t>(kind)] = std::max(max_[static_cast<std::size_t>(kind)], live_[static_cast<std::size_t>(kind)]);
-    const auto heap_resident = static_cast<std::int64_t>(weighted_heap_hw_);
+    const std::int64_t heap_resident = resident_hw_;
     const std::int64_t rss = mapped_ + heap_resident;
     if (rss > peak_) {
       peak_ = rss;
@@ -118,7 +118,7 @@ class MemorySim {
         if (!threshold_fixed_ && b.bytes > threshold_ && b.bytes <= kMmapThresholdMaxBytes) threshold_ = b.bytes;  // glibc's dynamic threshold
       } else {
         heap_ -= b.bytes;
-        weighted_heap_ -= factor_of(b.kind) * static_cast<double>(b.bytes);
+        if (b.kind == Mem::kActivations) heap_activations_ -= b.bytes;
       }
       free_slots_.push_back(h);
     }
@@ -128,7 +128,10 @@ class MemorySim {
   void relabel(int h, Mem kind) {
     if (h < 0) return;
     auto& b = blocks_[static_cast<std::size_t>(h)];
-    if (!b.mapped) weighted_heap_ += (factor_of(kind) - factor_of(b.kind)) * static_cast<double>(b.bytes);
+    if (!b.mapped) {
+      heap_activations_ += (kind == Mem::kActivations ? b.bytes : 0) - (b.kind == Mem::kActivations ? b.bytes : 0);
+      resident_hw_ = std::max(resident_hw_, resident_heap());
+    }
     live_[static_cast<std::size_t>(b.kind)] -= b.bytes;
     b.kind = kind;
     live_[static_cast<std::size_t>(kind)] += b.bytes;
@@ -157,13 +160,18 @@ class MemorySim {
     bool mapped;
     bool live;
   };
-  double factor_of(Mem kind) const { return kind == Mem::kActivations ? activation_heap_factor_ : heap_factor_; }
+  /// The live heap bytes times their factors; with one factor exactly the former hw x factor's rounding.
+  std::int64_t resident_heap() const {
+    if (activation_heap_factor_ == heap_factor_) return static_cast<std::int64_t>(static_cast<double>(heap_) * heap_factor_);
+    return static_cast<std::int64_t>(static_cast<double>(heap_ - heap_activations_) * heap_factor_ +
+                                     static_cast<double>(heap_activations_) * activation_heap_factor_);
+  }
 
   std::vector<Block> blocks_;
   std::vector<int> free_slots_;
   MemArray live_{}, max_{}, at_peak_{};
   double heap_factor_, activation_heap_factor_;
-  double weighted_heap_ = 0, weighted_heap_hw_ = 0;  // live heap bytes times their factors, and its high-water
+  std::int64_t heap_activations_ = 0, resident_hw_ = 0;  // live heap bytes of activations; the high-water of resident_heap()
   std::int64_t heap_ = 0, heap_hw_ = 0, mapped_ = 0, threshold_ = kMmapThresholdStartBytes;
   bool threshold_fixed_ = false;
   std::int64_t peak_ = 0, retained_at_peak_ = 0, live_peak_ = 0, mapped_at_peak_ = 0, heap_at_peak_ = 0;
