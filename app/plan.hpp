@@ -16,3 +16,4 @@
 #include "plan/forward_trace.hpp"
 #include "plan/memory_model.hpp"
 #include "plan/simulate.hpp"
+#include "plan/root_unit.hpp"

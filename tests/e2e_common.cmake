@@ -26,3 +26,10 @@ function(expect_in text pattern)
     message(FATAL_ERROR "expected '${pattern}' in:\n${text}")
   endif()
 endfunction()
+
+# expect_not_in(TEXT REGEX): fails if TEXT matches REGEX.
+function(expect_not_in text pattern)
+  if(text MATCHES "${pattern}")
+    message(FATAL_ERROR "did not expect '${pattern}' in:\n${text}")
+  endif()
+endfunction()

@@ -256,6 +256,18 @@ if(a GREATER 1536 OR b LESS 1536)
 endif()
 message(STATUS "--memory 1.5 GiB: FULL_SHARD fits n_layers ${layers} (${at} MiB), not ${more} (${above} MiB)")
 
+# 4b. A deck that names only the block class on an untied GPT leaves the embeddings and the head in the
+#     root unit, gathered for the whole step: fsdp-plan and fsdp-train's echo say so, with the bytes
+#     and the setting that avoids it; "auto" makes them units and the note goes.
+set(root_heavy --set model.tie_embeddings=false --set model.vocab_size=8192 --set fsdp.transformer_layer_cls_to_wrap=TransformerBlock)
+set(root_note "note: the root unit holds [0-9]+% of the parameters \\(head \\(LmHead\\), tok \\(Embedding\\)\\), gathered from the first forward to the end of backward: [0-9.]+ MiB per rank beyond its shard, and [0-9.]+ MiB of gradient in backward; fsdp.transformer_layer_cls_to_wrap = \"auto\" \\(or adding Embedding, LmHead\\) makes them units of their own")
+run(0 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 ${root_heavy})
+expect_in("${last_output}" "${root_note}")
+run(0 ${train2} ${WORK_DIR}/gpt.toml ${common} ${root_heavy} --set run.out_dir=${WORK_DIR}/root_heavy --dry-run)
+expect_in("${last_output}" "${root_note}")
+run(0 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 ${root_heavy} --set fsdp.transformer_layer_cls_to_wrap=auto)
+expect_not_in("${last_output}" "note: the root unit")
+
 # 5. Bad decks: fsdp-plan says what fsdp-train says, with exit code 2.
 file(WRITE ${WORK_DIR}/bad.toml "[run]\nname = \"bad\"\n\n[optim]\nlrr = 0.1\n[data]\nbatch_size = -4\n")
 foreach(bad "${WORK_DIR}/bad.toml" "${WORK_DIR}/missing.toml" "${WORK_DIR}/gpt.toml;--set;data.kind=mnist"

@@ -55,6 +55,15 @@ BOOST_AUTO_TEST_CASE(schema_is_consistent) {
       // Every default passes its own checks (monostate means unset).
       Deck d;
       BOOST_CHECK_NO_THROW(d.set(s.key, s.default_value));
+      for (const auto& f : s.fields) {  // an array of tables' fields are scalars, described, with defaults that pass their checks
+        BOOST_TEST_CONTEXT(s.key << "." << f.key) {
+          BOOST_TEST((s.type == KeyType::kTables));
+          BOOST_TEST((f.type == KeyType::kInt || f.type == KeyType::kFloat || f.type == KeyType::kBool || f.type == KeyType::kString));
+          BOOST_TEST(!f.description.empty());
+          BOOST_TEST(f.fields.empty());
+          if (!std::holds_alternative<std::monostate>(f.default_value)) BOOST_TEST((f.default_value.index() == std::size_t(f.type) + 1));
+        }
+      }
       if (!s.choices.empty()) {
         const auto* def = std::get_if<std::string>(&s.default_value);
         BOOST_TEST_REQUIRE(def != nullptr);
@@ -1066,4 +1075,51 @@ BOOST_AUTO_TEST_CASE(data_sources_as_an_array_of_tables) {
   BOOST_TEST(config_error(lm + "kind = 'indexed'\npath = 'x'\nsources = [{ path = 'a' }]\n")
                  .find("inputs/a.toml:5: data.path: give data.path or data.sources, not both") != std::string::npos);
   BOOST_TEST(config_error(lm + "kind = 'indexed'\npath = ''\nsources = [{ path = 'a' }]\n") == "(no error)");
+}
+
+#include "plan/root_unit.hpp"
+
+BOOST_AUTO_TEST_CASE(a_root_unit_that_holds_much_of_the_model_is_named_with_what_avoids_it) {
+  // An untied GPT wrapped by its block class only: the embeddings and the head stay in the root, and
+  // "auto" (or naming their classes) avoids it. A tied embedding cannot leave the root; NO_WRAP and
+  // SHARD_GRAD_OP keep everything gathered by the deck's own choice; a small root is not worth a line.
+  auto note = [](const std::string& deck_text, std::int64_t group, bool frees = true) {
+    const auto cfg = resolve_run_config(Deck::parse(deck_text, "inputs/a.toml"), placement_of(static_cast<int>(group), static_cast<int>(group)));
+    const ModelFamily& family = model_family(cfg.model.kind);
+    const ModelDesc desc = family.describe(cfg.model);
+    WrapDesc wrap;
+    wrap.policy = cfg.fsdp.auto_wrap_policy;
+    wrap.types = cfg.fsdp.transformer_layer_cls_to_wrap;
+    const auto units = plan_units(desc, wrap, group);
+    const auto facts = root_unit_facts(
+        units,
+        [](const PlanUnit& u) {
+          return UnitFields{u.params, u.numel, u.padded, u.shard};
+        },
+        desc, frees && group > 1, 4, wrap.policy, wrap.types, family.layer_classes(cfg.model));
+    return root_unit_note(facts, desc);
+  };
+  const std::string gpt =
+      "[data]\nkind = 'tokens'\n[model]\nkind = 'transformer'\nvocab_size = 8192\nd_model = 64\nn_layers = 2\nn_heads = 2\ncontext = 32\n";
+  const std::string blocks = "[fsdp]\nauto_wrap_policy = 'TRANSFORMER_BASED_WRAP'\ntransformer_layer_cls_to_wrap = 'TransformerBlock'\n";
+  const auto untied = note(gpt + "tie_embeddings = false\n" + blocks, 4);
+  BOOST_TEST_REQUIRE(untied.has_value());
+  BOOST_TEST(untied->find("the root unit holds 91% of the parameters") == 0u, *untied);  // 1,050,752 of 1,150,720
+  BOOST_TEST(untied->find("(head (LmHead), tok (Embedding))") != std::string::npos, *untied);
+  BOOST_TEST(untied->find(": 3.0 MiB per rank beyond its shard, and 4.0 MiB of gradient in backward") != std::string::npos, *untied);
+  BOOST_TEST(
+      untied->find("transformer_layer_cls_to_wrap = \"auto\" (or adding Embedding, LmHead) makes them units of their own") != std::string::npos,
+      *untied);
+  BOOST_TEST(!note(gpt + "tie_embeddings = false\n[fsdp]\nauto_wrap_policy = 'TRANSFORMER_BASED_WRAP'\ntransformer_layer_cls_to_wrap = 'auto'\n", 4));
+  const auto tied = note(gpt + blocks, 4);
+  BOOST_TEST_REQUIRE(tied.has_value());
+  BOOST_TEST(tied->find("a tied embedding is used by the first and the last layer and stays in the root") != std::string::npos, *tied);
+  BOOST_TEST(!note(gpt + "tie_embeddings = false\n", 4));                  // NO_WRAP: one unit, as the deck asks
+  BOOST_TEST(!note(gpt + "tie_embeddings = false\n" + blocks, 4, false));  // SHARD_GRAD_OP keeps every unit gathered
+  BOOST_TEST(!note(gpt + "tie_embeddings = false\n" + blocks, 1));         // one rank: nothing is gathered
+  BOOST_TEST(
+      !note("[model]\nkind = 'transformer'\nvocab_size = 64\nd_model = 64\nn_layers = 4\nn_heads = 2\ncontext = 32\ntie_embeddings = "
+            "false\n[data]\nkind = 'tokens'\n" +
+                blocks,
+            4));  // a small vocabulary: the root holds little
 }

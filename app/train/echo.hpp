@@ -7,6 +7,7 @@
 
 #include "models/families.hpp"
 #include "plan/memory_model.hpp"
+#include "plan/root_unit.hpp"
 #include "train/dataset.hpp"
 #include "train/run_setup.hpp"
 
@@ -28,6 +29,16 @@ void print_echo(const Engine& model, const RunSetup& s, const Dataset* data) {
   for (const auto& p : model.parameters()) optimized_numel += p.numel();
   const std::int64_t state_bytes = training_state_bytes(shard_numel, optimized_numel, cfg.optim.state_copies());
   if (!root) return;
+  const ModelFamily& family = model_family(cfg.model.kind);
+  const bool full_precision = cfg.fsdp.mixed_precision == Precision::kNo || cfg.fsdp.mixed_precision == Precision::kFp16Reduce;
+  const auto facts = root_unit_facts(
+      units,
+      [](const auto& u) {
+        return UnitFields{u.param_names, u.numel, u.padded_numel, u.shard_numel};
+      },
+      family.describe(cfg.model), cfg.fsdp.reshard_after_forward && model.shard_group_size() > 1, full_precision ? 4 : 2, cfg.fsdp.auto_wrap_policy,
+      cfg.fsdp.transformer_layer_cls_to_wrap, family.layer_classes(cfg.model));
+  const auto root_note = root_unit_note(facts, family.describe(cfg.model));
   const auto& placement = s.placement;
   std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, s.deck_path.c_str(), s.deck.echo_table().c_str());
   std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", s.world.size(), placement.nodes, placement.local_size,
@@ -40,6 +51,7 @@ void print_echo(const Engine& model, const RunSetup& s, const Dataset* data) {
               units.size(), static_cast<long long>(model.num_params()));
   std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
               static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
+  if (root_note) std::printf("  note: %s\n", root_note->c_str());
   if (!data)
     std::printf("  data not read (generation); out_dir %s\n", cfg.run.out_dir.c_str());
   else
