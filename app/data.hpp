@@ -74,8 +74,9 @@ class DistributedSampler {
  public:
   /// DataError unless n >= 0, num_replicas >= 1 and 0 <= rank < num_replicas.
   DistributedSampler(std::int64_t n, int num_replicas, int rank, bool shuffle, std::uint64_t seed);
-  /// Each epoch's global order of the n indices given by `order(epoch)` instead of a permutation (a
-  /// mixture's blend); it must return n indices in [0, n).
+  /// Each epoch's global order given by `order(epoch)` instead of a permutation: n indices, each a
+  /// sample of the dataset (a mixture's draws, numbered over all its sources, which may hold more
+  /// than n samples).
   using EpochOrder = std::function<std::vector<std::int64_t>(std::int64_t epoch)>;
   DistributedSampler(std::int64_t n, int num_replicas, int rank, EpochOrder order);
   /// Selects the permutation of `epoch` (call at the start of every epoch, as in PyTorch).

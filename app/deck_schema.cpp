@@ -154,7 +154,8 @@ void add_data_keys(std::vector<KeySpec>& s) {
                .default_value = I{0},
                .min = 0,
                .max = 1e15,
-               .description = "use only the first this many training samples (sequences for tokens and text); 0: all"});
+               .description = "use only the first this many training samples (sequences for tokens and text); 0: all. With "
+                              "data.sources: an epoch of the mixture is this many draws (each epoch draws the next ones)"});
   s.push_back({.key = "data.test_samples",
                .type = T::kInt,
                .default_value = I{0},
@@ -177,13 +178,15 @@ void add_data_keys(std::vector<KeySpec>& s) {
                .default_value = false,
                .description = "document-aware packing (transformer, llama): attention never crosses the start of a document inside a "
                               "packed sequence and positions restart at 0 in each; a document begins at every data.eot_token (llm.c's "
-                              "shards and fsdp-tokenize put it before each document) and at the start of each sequence"});
+                              "shards and fsdp-tokenize put it before each document) or, without one, where an indexed dataset's .idx "
+                              "says, and at the start of each sequence"});
   s.push_back({.key = "data.eot_token",
                .type = T::kInt,
                .default_value = I{-1},
                .min = -1,
                .max = 1e9,
-               .description = "the token that begins every document, for data.document_mask (GPT-2's <|endoftext|>: 50256); -1: none"});
+               .description = "the token that begins every document, for data.document_mask (GPT-2's <|endoftext|>: 50256); -1: none (indexed "
+                              "data: the .idx's document boundaries)"});
   s.push_back({.key = "data.token_format",
                .type = T::kString,
                .default_value = "llmc",

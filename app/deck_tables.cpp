@@ -47,7 +47,7 @@ std::optional<TableField> field_from_node(const KeySpec& field, const toml::node
     case KeyType::kString:
       if (auto* s = n.as_string()) return TableField{s->get()};
       break;
-    default: break;  // fields are scalars (the schema's test checks it)
+    default: break;  // fields are scalars (test_deck's schema_is_consistent checks it)
   }
   return std::nullopt;
 }

@@ -32,7 +32,8 @@ struct GptConfig {
   bool gelu_tanh = false;  ///< GPT-2's tanh approximation of GELU instead of the exact one
   bool tie_embeddings = true;
   bool deferred = false;             ///< fsdp.deferred_init: layers released as built, initialized by init_module()
-  std::int64_t document_token = -1;  ///< data.document_mask's separator (models/documents.hpp); -1: none
+  bool document_mask = false;        ///< data.document_mask (models/documents.hpp)
+  std::int64_t document_token = -1;  ///< its separator; -1: the data's document starts (an indexed dataset's)
 
   /// Rows of the token embedding and the LM head.
   std::int64_t padded_vocab() const { return (vocab_size + vocab_pad_multiple - 1) / vocab_pad_multiple * vocab_pad_multiple; }

@@ -23,15 +23,17 @@ Blend::Blend(const std::vector<double>& weights, std::vector<std::int64_t> sizes
   if (weights.empty() || weights.size() != sizes_.size())
     throw DataError("a mixture needs one weight per source and at least one source (" + std::to_string(weights.size()) + " weights, " +
                     std::to_string(sizes_.size()) + " sources)");
-  double sum = 0;
+  double largest = 0;
   for (std::size_t s = 0; s < weights.size(); ++s) {
     if (!std::isfinite(weights[s]) || weights[s] <= 0) throw DataError("source " + std::to_string(s) + " of the mixture: weight must be > 0");
     if (sizes_[s] < 1) throw DataError("source " + std::to_string(s) + " of the mixture holds no sample");
-    sum += weights[s];
+    largest = std::max(largest, weights[s]);
   }
+  double sum = 0;  // of the weights over the largest: finite whatever their scale
+  for (double w : weights) sum += w / largest;
   offsets_.push_back(0);
   for (std::size_t s = 0; s < weights.size(); ++s) {
-    scaled_weights_.push_back(std::max<std::int64_t>(1, std::llround(weights[s] / sum * static_cast<double>(kShareScale))));
+    scaled_weights_.push_back(std::max<std::int64_t>(1, std::llround(weights[s] / largest / sum * static_cast<double>(kShareScale))));
     scale_ += scaled_weights_.back();
     offsets_.push_back(offsets_.back() + sizes_[s]);
   }

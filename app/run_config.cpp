@@ -171,24 +171,33 @@ DataSection resolve_data_section(const Deck& deck) {
       throw DeckError(blame(deck, "data.sources") + "a mixture of token files needs data.kind \"token-shards\" or \"indexed\" (it is \"" +
                       to_string(data.kind) + "\"); each source's kind defaults to it");
     if (deck.entry("data.path").source != Source::kDefault && !data.path.empty())
-      throw DeckError(blame(deck, "data.path") + "give data.path or data.sources, not both (data.sources replaces data.path; an empty data.path clears it)");
+      throw DeckError(blame(deck, "data.path") +
+                      "give data.path or data.sources, not both (data.sources replaces data.path; an empty data.path clears it)");
     data.path.clear();
   }
   return data;
 }
 
-/// data.document_mask: the separator token the model keeps documents apart at (-1: off).
-std::int64_t resolve_document_token(const Deck& deck, const ModelSection& model) {
-  if (!deck.get_bool("data.document_mask")) return -1;
+/// data.document_mask: the model keeps documents apart, each beginning at data.eot_token or, without
+/// one, where the .idx of indexed data says (every source of a mixture indexed).
+void resolve_document_mask(const Deck& deck, ModelSection& model, const DataSection& data) {
+  model.document_mask = deck.get_bool("data.document_mask");
+  model.document_token = -1;
+  if (!model.document_mask) return;
   if (model.kind != ModelKind::kTransformer && model.kind != ModelKind::kLlama)
     throw DeckError(blame(deck, "data.document_mask") +
                     "keeps documents apart in attention: it needs model.kind \"transformer\" or \"llama\" (it is \"" + to_string(model.kind) + "\")");
   const auto eot = deck.get_int("data.eot_token");
-  if (eot < 0)
-    throw DeckError(blame(deck, "data.eot_token") + "data.document_mask needs the token that begins every document (GPT-2's <|endoftext|>: 50256)");
   if (eot >= model.vocab_size)
     throw DeckError(blame(deck, "data.eot_token") + std::to_string(eot) + " is not below model.vocab_size " + std::to_string(model.vocab_size));
-  return eot;
+  model.document_token = eot;
+  if (eot >= 0) return;
+  bool indexed = data.sources.empty() ? data.kind == DataKind::kIndexed : true;
+  for (const auto& source : data.sources) indexed = indexed && source.kind == DataKind::kIndexed;
+  if (!indexed)
+    throw DeckError(blame(deck, "data.eot_token") +
+                    "data.document_mask needs the token that begins every document (GPT-2's <|endoftext|>: 50256), or indexed data "
+                    "(data.kind = \"indexed\", every source of data.sources indexed), whose .idx says where documents begin");
 }
 
 /// The optimizer; with data.global_batch_size, the micro-batch and accumulation over the world.
@@ -376,7 +385,7 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   c.run = resolve_run_section(deck, placement);
   c.model = resolve_model_section(deck);
   c.data = resolve_data_section(deck);
-  c.model.document_token = resolve_document_token(deck, c.model);
+  resolve_document_mask(deck, c.model, c.data);
   check_sizes_are_addressable(deck, c.model, c.data);
   c.optim = resolve_optim_section(deck, placement, c.data);
   c.fsdp = resolve_fsdp_section(deck, placement, c.run, c.model);

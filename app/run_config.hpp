@@ -65,8 +65,10 @@ struct ModelSection {
   double rope_scaling_factor = 8, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
   std::int64_t rope_original_context = 8192;
   std::int64_t max_positions = 0, bos_token_id = -1, eos_token_id = -1;
-  /// data.document_mask: the separator token whose documents attention keeps apart (data.eot_token);
-  /// -1: one causal sequence. From [data], not a [model] key: the weights do not depend on it.
+  /// data.document_mask: attention keeps documents apart, each beginning at document_token
+  /// (data.eot_token) or, with -1, where an indexed dataset's .idx says. From [data], not a [model]
+  /// key: the weights do not depend on it.
+  bool document_mask = false;
   std::int64_t document_token = -1;
 };
 
@@ -83,6 +85,7 @@ inline GptConfig gpt_config(const ModelSection& model) {
   c.dropout = model.dropout.value_or(0.1);
   c.gelu_tanh = model.activation == Activation::kGeluTanh;
   c.tie_embeddings = model.tie_embeddings;
+  c.document_mask = model.document_mask;
   c.document_token = model.document_token;
   return c;
 }

@@ -3,6 +3,7 @@
 
   make_token_shards.py OUT_PREFIX --tokens N [--shards K] [--vocab V] [--seed S]
                        [--format llmc16|llmc32|uint16|uint32|megatron] [--dtype-code C] [--bad-magic] [--bad-token INDEX]
+                       [--doc-token T]
 
 llm.c: a header of 256 little-endian int32 (magic 20240520 version 1 for uint16 tokens, magic 20240801
 version 7 for uint32; header[2] = number of tokens), then the tokens. uint16/uint32: the tokens alone
@@ -35,7 +36,7 @@ def tokens(n, vocab, seed):
 MEGATRON_DTYPES = {1: "B", 2: "b", 3: "h", 4: "i", 5: "q", 8: "H"}
 
 
-def write_megatron(prefix, toks, code, seed, bad_magic):
+def write_megatron(prefix, toks, code, seed, bad_magic, doc_token=-1):
     rng = random.Random(seed + 7)
     lengths, ends = [], [0]
     while sum(lengths) < len(toks):
@@ -44,6 +45,10 @@ def write_megatron(prefix, toks, code, seed, bad_magic):
             if sum(lengths) == len(toks):
                 break
         ends.append(len(lengths))
+    if doc_token >= 0:  # the token begins every document and nothing else
+        toks = [doc_token - 1 if t == doc_token else t for t in toks]
+        for d in ends[:-1]:
+            toks[sum(lengths[:d])] = doc_token
     letter = MEGATRON_DTYPES[code]
     width = struct.calcsize("<" + letter)
     pointers, at = [], 0
@@ -71,12 +76,14 @@ def main():
     p.add_argument("--dtype-code", type=int, default=8, choices=sorted(MEGATRON_DTYPES), help="megatron: the dtype code")
     p.add_argument("--bad-magic", action="store_true", help="write a wrong magic number into the first file")
     p.add_argument("--bad-token", type=int, default=-1, help="token INDEX (of the whole stream) becomes vocab")
+    p.add_argument("--doc-token", type=int, default=-1,
+                   help="megatron: every document's first token becomes DOC_TOKEN (> 0), which appears nowhere else")
     a = p.parse_args()
     toks = tokens(a.tokens, a.vocab, a.seed)
     if a.bad_token >= 0:
         toks[a.bad_token] = a.vocab
     if a.format == "megatron":
-        write_megatron(a.prefix, toks, a.dtype_code, a.seed, a.bad_magic)
+        write_megatron(a.prefix, toks, a.dtype_code, a.seed, a.bad_magic, a.doc_token)
         return
     wide = a.format in ("llmc32", "uint32")
     per = (len(toks) + a.shards - 1) // a.shards

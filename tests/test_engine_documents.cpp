@@ -22,6 +22,7 @@ fsdp::app::ModelSection shape(fsdp::app::ModelKind kind, std::int64_t separator)
   m.n_heads = 2;
   m.n_layers = 2;
   if (kind == fsdp::app::ModelKind::kLlama) m.n_kv_heads = 1;
+  m.document_mask = separator >= 0;
   m.document_token = separator;
   return m;
 }
@@ -71,6 +72,36 @@ BOOST_AUTO_TEST_CASE(a_packed_sequence_under_the_document_mask_equals_each_docum
       const auto x = packed();
       BOOST_TEST(worst_difference(*masked, *plain, x) < 1e-5);
       BOOST_TEST(worst_difference(*plain, *plain, x) > 1e-3);  // without the mask the documents see each other
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(document_starts_given_by_the_data_equal_a_separator_at_the_same_places) {
+  // data.document_mask without data.eot_token (an indexed dataset's .idx boundaries): the starts go
+  // into the model's layout before a forward, which consumes them. Given where the separators are,
+  // the logits are those of the separator's model, bit for bit; without starts a sequence is one
+  // document (the plain model's logits); starts of another shape are refused.
+  using namespace document_tests;
+  for (const auto kind : {fsdp::app::ModelKind::kTransformer, fsdp::app::ModelKind::kLlama}) {
+    BOOST_TEST_CONTEXT(fsdp::app::to_string(kind)) {
+      torch::NoGradGuard no_grad;
+      auto from_data_shape = shape(kind, -1);
+      from_data_shape.document_mask = true;
+      torch::manual_seed(3);
+      auto from_data = fsdp::app::build_model(from_data_shape);
+      torch::manual_seed(3);
+      auto separated = fsdp::app::build_model(shape(kind, kSeparator));
+      torch::manual_seed(3);
+      auto plain = fsdp::app::build_model(shape(kind, -1));
+      const auto x = packed();
+      BOOST_TEST_REQUIRE(from_data->documents() != nullptr);
+      BOOST_TEST(plain->documents() == nullptr);
+      from_data->documents()->given_begins = x.eq(kSeparator);
+      BOOST_TEST(torch::equal(from_data->forward(x), separated->forward(x)));
+      BOOST_TEST(!from_data->documents()->given_begins.defined());  // consumed
+      BOOST_TEST(torch::equal(from_data->forward(x), plain->forward(x)));
+      from_data->documents()->given_begins = x.eq(kSeparator).slice(1, 0, 8);
+      BOOST_CHECK_THROW(from_data->forward(x), fsdp::ConfigError);
     }
   }
 }

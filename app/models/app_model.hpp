@@ -9,6 +9,7 @@
 #include <string>
 
 #include "fsdp/errors.hpp"
+#include "models/documents.hpp"
 #include "models/kv_cache.hpp"
 
 namespace fsdp::app {
@@ -29,6 +30,9 @@ struct AppModel : torch::nn::Module {
   virtual torch::Tensor forward(torch::Tensor x) = 0;
   /// A language model's key/value cache for generation (off unless turned on); null for the others.
   virtual KvCache* kv_cache() { return nullptr; }
+  /// data.document_mask: the layout its forward computes and its attention reads (where the data's
+  /// document starts go before a forward); null without the mask.
+  virtual DocumentLayout* documents() { return nullptr; }
 };
 
 /// A language model's output projection to the vocabulary, optionally sharing the token embedding's

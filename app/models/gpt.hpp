@@ -103,7 +103,7 @@ struct GptImpl : AppModel {
     if (c.d_model % c.n_heads != 0)
       throw ConfigError("model.d_model (" + std::to_string(c.d_model) + ") must be divisible by model.n_heads (" + std::to_string(c.n_heads) + ")");
     const bool d = c.deferred;
-    if (c.document_token >= 0) documents_ = std::make_shared<DocumentLayout>();
+    if (c.document_mask) documents_ = std::make_shared<DocumentLayout>();
     tok = register_module("tok", deferred_if(d, torch::nn::Embedding(c.padded_vocab(), c.d_model)));
     pos = register_module("pos", deferred_if(d, torch::nn::Embedding(c.context, c.d_model)));
     for (std::int64_t i = 0; i < c.n_layers; ++i)
@@ -129,7 +129,7 @@ struct GptImpl : AppModel {
       throw ConfigError("sequence of " + std::to_string(past + t) + " tokens exceeds model.context " + std::to_string(config.context));
     torch::Tensor x;
     if (documents_ && !cache_->on) {  // positions restart in every document; the blocks read the mask
-      *documents_ = document_layout(idx, config.document_token);
+      *documents_ = document_layout(idx, config.document_token, *documents_);
       x = fsdp::forward(tok, idx) + fsdp::forward(pos, documents_->positions);
     } else {
       auto positions = torch::arange(past, past + t, idx.options().dtype(torch::kLong));  // on the input's device
@@ -142,6 +142,7 @@ struct GptImpl : AppModel {
     return config.padded_vocab() == config.vocab_size ? logits : logits.narrow(-1, 0, config.vocab_size);
   }
   KvCache* kv_cache() override { return cache_.get(); }
+  DocumentLayout* documents() override { return documents_.get(); }
   GptConfig config;
   SharedDocumentLayout documents_;                     // data.document_mask
   SharedKvCache cache_ = std::make_shared<KvCache>();  // generation

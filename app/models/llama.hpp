@@ -208,7 +208,7 @@ TORCH_MODULE(LlamaModel);
 /// LlamaForCausalLM. Input: (batch, t) token ids; output: (batch, t, vocab) logits.
 struct LlamaImpl : AppModel {
   explicit LlamaImpl(const LlamaConfig& c) : AppModel("Llama"), config(c) {
-    if (c.document_token >= 0) documents_ = std::make_shared<DocumentLayout>();
+    if (c.document_mask) documents_ = std::make_shared<DocumentLayout>();
     model = register_module("model", LlamaModel(c, c.deferred, documents_, cache_));
     lm_head = register_module(
         "lm_head", deferred_if(c.deferred, LmHead(c.d_model, c.vocab_size, c.tie_embeddings ? model->embed_tokens->weight : torch::Tensor())));
@@ -222,7 +222,7 @@ struct LlamaImpl : AppModel {
     if (cache_->on)
       cache_->length += idx.size(1);
     else if (documents_)
-      *documents_ = document_layout(idx, config.document_token);  // the attention modules read it
+      *documents_ = document_layout(idx, config.document_token, *documents_);  // the attention modules read it
     return fsdp::forward(lm_head, fsdp::forward(model, idx));
   }
 
@@ -243,6 +243,7 @@ struct LlamaImpl : AppModel {
   }
 
   KvCache* kv_cache() override { return cache_.get(); }
+  DocumentLayout* documents() override { return documents_.get(); }
   LlamaConfig config;
   SharedDocumentLayout documents_;                     // data.document_mask
   SharedKvCache cache_ = std::make_shared<KvCache>();  // generation

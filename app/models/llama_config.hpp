@@ -19,7 +19,8 @@ struct LlamaConfig {
   std::int64_t rope_original_context = 8192;
   std::int64_t max_positions = 64, bos_token_id = -1, eos_token_id = -1;  ///< max_positions: model.max_positions or the context
   bool deferred = false;                                                  ///< fsdp.deferred_init: layers released as built
-  std::int64_t document_token = -1;                                       ///< data.document_mask's separator (models/documents.hpp); -1: none
+  bool document_mask = false;                                             ///< data.document_mask (models/documents.hpp)
+  std::int64_t document_token = -1;                                       ///< its separator; -1: the data's document starts
 
   /// model.n_kv_heads, model.head_dim and model.intermediate_size of 0 take their defaults here.
   static LlamaConfig of(const ModelSection& m) {
@@ -41,6 +42,7 @@ struct LlamaConfig {
     c.rope_low_freq_factor = m.rope_low_freq_factor;
     c.rope_high_freq_factor = m.rope_high_freq_factor;
     c.rope_original_context = m.rope_original_context;
+    c.document_mask = m.document_mask;
     c.document_token = m.document_token;
     c.max_positions = m.max_positions > 0 ? m.max_positions : m.context;
     c.bos_token_id = m.bos_token_id;

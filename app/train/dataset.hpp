@@ -39,6 +39,8 @@ struct Dataset {
   std::vector<StreamSplit> train_sources;
   std::shared_ptr<Blend> blend;
   std::int64_t mixture_size = 0;  ///< samples per epoch of the mixture: all sources' (data.train_samples: at most that)
+  /// data.document_mask without data.eot_token: batches carry where the .idx says documents begin.
+  bool document_starts = false;
   bool has_test = true;
   double mean = 0, stddev = 1;  // image normalization
   std::int64_t train_size() const { return blend ? mixture_size : streamed ? train_stream.n : tokens ? train_tokens.n : train_images.n; }
@@ -103,8 +105,13 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
     } else {
       std::vector<double> weights;
       std::vector<std::int64_t> sizes;
-      for (const auto& source : cfg.data.sources) {
-        d.train_sources.push_back(open_token_split(cfg, source.path, rank, world, source.kind));
+      for (std::size_t i = 0; i < cfg.data.sources.size(); ++i) {
+        const auto& source = cfg.data.sources[i];
+        try {
+          d.train_sources.push_back(open_token_split(cfg, source.path, rank, world, source.kind));
+        } catch (const DataError& e) {
+          throw DataError("data.sources[" + std::to_string(i) + "] ('" + source.path + "'): " + fsdp::message_without_id(e));
+        }
         weights.push_back(source.weight);
         sizes.push_back(d.train_sources.back().n);
       }
@@ -113,6 +120,7 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
     }
     d.has_test = !cfg.data.val_path.empty();
     if (d.has_test) d.test_stream = open_token_split(cfg, cfg.data.val_path, rank, world, kind);
+    d.document_starts = cfg.model.document_mask && cfg.model.document_token < 0;  // the deck checked the data is indexed
   } else {
     d.tokens = true;
     auto corpus = load_text(cfg.data.path, cfg.model.context, static_cast<int>(cfg.model.vocab_size));
@@ -144,13 +152,33 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
 
 struct Batch {
   torch::Tensor x, y;
+  /// Dataset::document_starts: (samples, t) bool, true at each input token that begins a document.
+  torch::Tensor begins;
   std::int64_t samples = 0;
   /// The batch on `device` (the engine's compute device; a no-op on CPU).
   Batch to(const torch::Device& device) && {
     if (x.device() != device) x = x.to(device), y = y.to(device);
+    if (begins.defined() && begins.device() != device) begins = begins.to(device);
     return std::move(*this);
   }
 };
+
+/// Marks in `begins` (t of them) the tokens [first, first + t) of `stream` that begin a document.
+inline void mark_document_starts(const TokenStream& stream, std::int64_t first, std::int64_t t, bool* begins) {
+  const auto& starts = stream.document_starts();
+  for (auto it = std::lower_bound(starts.begin(), starts.end(), first); it != starts.end() && *it < first + t; ++it) begins[*it - first] = true;
+}
+
+/// The model's output for batch `b`: its document starts (if any) go to the model's layout first.
+template <class Engine>
+torch::Tensor forward_batch(Engine& model, const Batch& b) {
+  if (b.begins.defined()) {
+    DocumentLayout* documents = model.module()->documents();
+    if (!documents) throw ConfigError("a batch carries document starts, but the model keeps no document layout (data.document_mask)");
+    documents->given_begins = b.begins;
+  }
+  return model.forward(b.x);
+}
 
 inline Batch make_batch(const Dataset& d, bool train, const std::vector<std::int64_t>& idx, std::size_t begin, std::size_t end) {
   Batch b;
@@ -176,11 +204,15 @@ inline Batch make_batch(const Dataset& d, bool train, const std::vector<std::int
     const std::int64_t length = d.sequence_length();
     auto all = torch::empty({n, length}, torch::kLong);
     std::int64_t* p = all.data_ptr<std::int64_t>();
+    torch::Tensor begins;
+    if (d.document_starts) begins = torch::zeros({n, length - 1}, torch::kBool);
     for (std::int64_t i = 0; i < n; ++i) {
       const auto k = idx[begin + static_cast<std::size_t>(i)];
       const auto [s, sample] = train ? d.train_sample(k) : std::pair<const StreamSplit*, std::int64_t>{&d.test_stream, k};
       s->stream->read(sample * (length - 1), length, p + i * length);  // consecutive samples share one token
+      if (begins.defined()) mark_document_starts(*s->stream, sample * (length - 1), length - 1, begins.data_ptr<bool>() + i * (length - 1));
     }
+    b.begins = begins;
     b.x = all.narrow(1, 0, length - 1).contiguous();
     b.y = all.narrow(1, 1, length - 1).contiguous();
   } else {
@@ -240,10 +272,10 @@ inline EvalResult evaluate(Engine& model, const Dataset& d, std::int64_t batch, 
     Batch b = make_batch(d, false, idx, begin, end).to(model.compute_device());
     if (b.samples == 0) {  // keep the collectives in step with an empty batch
       b = make_batch(d, false, std::vector<std::int64_t>{0}, 0, 1).to(model.compute_device());
-      model.forward(b.x);
+      forward_batch(model, b);
       continue;
     }
-    torch::Tensor out = model.forward(b.x);
+    torch::Tensor out = forward_batch(model, b);
     sums[0] += loss_of(d, out, b.y, true).item<double>();
     sums[1] += out.argmax(-1).eq(b.y).sum().item<double>();
     sums[2] += static_cast<double>(b.y.numel());

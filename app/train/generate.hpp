@@ -86,7 +86,8 @@ struct Generated {
 
 /// Generates after `o.prompt` with `engine` (collective: every rank calls it with the same options).
 /// Stops at max_new_tokens, the stop token, or model.context. The KV cache is on when asked for and the
-/// model has one; with data.document_mask it is off (the layout is computed over the whole sequence).
+/// model has one; with data.document_mask and data.eot_token it is off (the layout is computed over the
+/// whole sequence: a separator in the text begins a document); without a separator a prompt is one document.
 template <class Engine>
 Generated generate_tokens(Engine& engine, AppModel& model, MpiComm& world, const RunConfig& cfg, const GenerateOptions& o) {
   KvCache* cache = model.kv_cache();

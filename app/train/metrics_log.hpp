@@ -20,6 +20,17 @@
 
 namespace fsdp::app {
 
+/// The data rows of a CSV log (a row begins with its step) up to `resumed_step`: what a resumed run
+/// keeps (a crashed run may have logged past its checkpoint); none for a fresh run.
+inline std::vector<std::string> rows_up_to(const std::filesystem::path& path, std::int64_t resumed_step) {
+  std::vector<std::string> kept;
+  if (resumed_step <= 0) return kept;
+  std::ifstream old(path);
+  for (std::string line; std::getline(old, line);)
+    if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= resumed_step) kept.push_back(line);
+  return kept;
+}
+
 /// metrics.csv: step, epoch, loss, lr, samples per second, step ms and elapsed seconds per logged step,
 /// the step's breakdown, fp16's loss scale after the step (empty without loss scaling) and the steps
 /// skipped since the previous row (non-finite or, under loss scaling, overflowed gradients); the
@@ -36,12 +47,7 @@ class MetricsLog {
   static constexpr long kColumns = 22;
   void open(const std::filesystem::path& path, std::int64_t resumed_step) {
     std::filesystem::create_directories(path.parent_path());
-    std::vector<std::string> kept;
-    if (resumed_step > 0) {
-      std::ifstream old(path);
-      for (std::string line; std::getline(old, line);)
-        if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= resumed_step) kept.push_back(line);
-    }
+    const auto kept = rows_up_to(path, resumed_step);
     std::ostringstream text;
     text << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,"
             "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults,loss_scale,skipped_in_window,"

@@ -17,6 +17,7 @@
 #include "mixture.hpp"
 #include "run_config.hpp"
 #include "train/dataset.hpp"
+#include "train/metrics_log.hpp"
 
 namespace fsdp::app {
 
@@ -26,16 +27,21 @@ inline std::int64_t mixture_draws(const Dataset& d, std::int64_t epoch, std::int
   return epoch * d.mixture_size + std::min(sample_index, d.mixture_size);
 }
 
-/// TrainState::data's names: "mixture_draws", "source_<i>_epoch", "source_<i>_position".
+/// TrainState::data's names: "mixture_draws", "mixture_size", "source_<i>_samples", "source_<i>_epoch",
+/// "source_<i>_position".
 inline std::string source_counter(std::size_t source, const char* what) { return "source_" + std::to_string(source) + "_" + what; }
 
-/// A checkpoint's data counters of a mixture at (epoch, sample_index); none without a mixture.
+/// A checkpoint's data counters of a mixture at (epoch, sample_index): the draws and each source's
+/// epoch and position, and the sizes they were counted with (a source that grew or shrank draws other
+/// samples even where its position is the same); none without a mixture.
 inline void store_mixture_position(const Dataset& d, std::int64_t epoch, std::int64_t sample_index, fsdp::TrainState& state) {
   if (!d.blend) return;
   const std::int64_t draws = mixture_draws(d, epoch, sample_index);
   state.data["mixture_draws"] = draws;
+  state.data["mixture_size"] = d.mixture_size;
   const auto positions = d.blend->positions_after(draws);
   for (std::size_t s = 0; s < positions.size(); ++s) {
+    state.data[source_counter(s, "samples")] = d.train_sources[s].n;
     state.data[source_counter(s, "epoch")] = positions[s].epoch;
     state.data[source_counter(s, "position")] = positions[s].position;
   }
@@ -83,15 +89,9 @@ inline std::vector<SourceShare> mixture_shares(const Dataset& d, const RunConfig
 class MixtureLog {
  public:
   void open(const std::filesystem::path& path, std::int64_t resumed_step) {
-    std::vector<std::string> kept;
-    if (resumed_step > 0) {
-      std::ifstream old(path);
-      for (std::string line; std::getline(old, line);)
-        if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= resumed_step) kept.push_back(line);
-    }
     std::ostringstream text;
     text << "step,source,path,weight,share,drawn,drawn_share,source_epoch,source_position\n";
-    for (const auto& l : kept) text << l << "\n";
+    for (const auto& l : rows_up_to(path, resumed_step)) text << l << "\n";
     out_.open(path, text.str());
   }
   void rows(std::int64_t step, const std::vector<SourceShare>& shares) {

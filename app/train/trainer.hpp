@@ -93,6 +93,8 @@ class Trainer {
     checkpointer_ = std::make_unique<Checkpointer<Engine>>(cfg_, s_.deck, world_, *model_, optimizer_.get());
     checkpointer_->take_run_directory();
     start_ = checkpointer_->resume();
+    next_epoch_ = start_.epoch;  // where the data stands (also for a finished run's summary)
+    next_sample_index_ = start_.sample_index;
     plan_schedule();
     compare_mixture_position();
     return !(start_.step > 0 && start_.step >= schedule_.total_steps);  // else a rerun of a finished job
@@ -195,14 +197,16 @@ class Trainer {
   /// each source unless checkpoint.resume_changed = "allow" (then warnings, kept for summary.json).
   /// Every rank computes the same (the blend depends on the deck and the files' sizes only).
   void compare_mixture_position() {
-    const auto changes = mixture_position_changes(data_, cfg_, start_);
-    if (changes.empty()) return;
+    std::vector<std::string> changes;
     std::string list;
-    for (const auto& c : changes) list += "\n  " + c;
-    if (cfg_.checkpoint.resume_changed == ResumeChanged::kRefuse)
-      throw RankError("the mixture of data.sources does not stand where the checkpoint's stopped (sources, weights or their files changed):" + list +
-                          "\ncheckpoint.resume_changed = \"allow\" continues from here with this deck's blend",
-                      true);
+    on_all_ranks(world_, [&] {  // each rank's own view of the files: any rank that sees a change stops all
+      changes = mixture_position_changes(data_, cfg_, start_);
+      for (const auto& c : changes) list += "\n  " + c;
+      if (!changes.empty() && cfg_.checkpoint.resume_changed == ResumeChanged::kRefuse)
+        throw DeckError("the mixture of data.sources does not stand where the checkpoint's stopped (sources, weights or their files changed):" +
+                        list + "\ncheckpoint.resume_changed = \"allow\" continues from here with this deck's blend");
+    });
+    if (changes.empty()) return;
     if (root_)
       std::printf("warning: the mixture of data.sources continues from another position (checkpoint.resume_changed = \"allow\"):%s\n", list.c_str());
     mixture_changes_ = changes;
@@ -397,8 +401,8 @@ class Trainer {
       torch::Tensor loss;
       {
         Timed t(phases_.forward, "forward + loss");
-        const auto device = model_->compute_device();
-        loss = loss_of(data_, model_->forward(b->x.to(device)), b->y.to(device)) / static_cast<double>(accum);
+        Batch on_device = std::move(*b).to(model_->compute_device());
+        loss = loss_of(data_, forward_batch(*model_, on_device), on_device.y) / static_cast<double>(accum);
       }
       {
         Timed t(phases_.backward, "backward");
