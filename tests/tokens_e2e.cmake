@@ -92,13 +92,16 @@ expect_in("${last_output}" "data.eot_token: data.document_mask needs the token t
 #    draws within one sample of its share at every logged step. At np 1 and 2 the same training
 #    (within 1e-5); stopped at step 70 (inside the mixture's second epoch and the small source's
 #    second) and resumed: at np 2 bit for bit, at np 3 within 1e-5 with the same data: the
-#    checkpoint's counters (global draws, each source's epoch and position) and sources.csv's rows
-#    equal the uninterrupted run's. A source whose file changed under a checkpoint is refused on every
-#    rank naming the source; weights or kinds are checked as deck keys; a bad mixture deck exits 2.
+#    checkpoint's counters and sources.csv's rows equal the uninterrupted run's, and so does every
+#    sample it reads (FSDP_TEST_SAMPLE_LOG). A source whose file changed under a checkpoint is refused
+#    on every rank naming the source; weights or kinds are checked as deck keys; a bad mixture deck
+#    exits 2.
 run(0 ${make} ${d}/small --tokens 1601 --seed 3 --format megatron)
 set(mix --set data.path= --set data.shuffle=true --set run.epochs=3 --set data.global_batch_size=6 --set log.every_steps=5
         --set "data.sources=[{ path = '${d}/train_*.bin', weight = 3 }, { path = '${d}/small', kind = 'indexed' }]")
-run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=100 --set run.out_dir=${WORK_DIR}/mix2)
+file(MAKE_DIRECTORY ${WORK_DIR}/mix2_samples ${WORK_DIR}/mix_resume3_samples)
+run(0 ${CMAKE_COMMAND} -E env FSDP_TEST_SAMPLE_LOG=${WORK_DIR}/mix2_samples
+    ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=100 --set run.out_dir=${WORK_DIR}/mix2)
 expect_in("${last_output}" "data token-shards: 340 train, 50 test samples")
 expect_in("${last_output}" "source 1: [^\n]*small \\(indexed\\), 100 samples, weight 1: share 0.2500")
 run(0 ${MPIEXEC} -np 1 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=100 --set run.out_dir=${WORK_DIR}/mix1)
@@ -119,15 +122,34 @@ last = [r for r in rows if int(r['step']) == 100]
 assert int(last[1]['source_epoch']) == 1 and int(last[0]['source_epoch']) == 1, last  # both sources in their second epoch
 s = json.load(open(sys.argv[2]))['data_sources']
 assert [x['drawn'] for x in s] == [int(r['drawn']) for r in last], (s, last)
-print('mixture: draws', [int(r['drawn']) for r in last], 'of 600, shares within one sample at', len(steps), 'logged steps')
+print('mixture: draws', [int(r['drawn']) for r in last], 'of', sum(int(r['drawn']) for r in last), 'shares within one sample at', len(steps), 'logged steps')
 " ${WORK_DIR}/mix2/sources.csv ${WORK_DIR}/mix2/summary.json)
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=70 --set run.out_dir=${WORK_DIR}/mix_resume2)
 file(COPY ${WORK_DIR}/mix_resume2/ DESTINATION ${WORK_DIR}/mix_resume3)
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=100 --set run.out_dir=${WORK_DIR}/mix_resume2)
 expect_in("${last_output}" "resumed from [^\n]*step_00000070.h5 at step 70")
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/mix_resume2/checkpoints ${WORK_DIR}/mix2/checkpoints)
-run(0 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=100 --set run.out_dir=${WORK_DIR}/mix_resume3)
+run(0 ${CMAKE_COMMAND} -E env FSDP_TEST_SAMPLE_LOG=${WORK_DIR}/mix_resume3_samples
+    ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=100 --set run.out_dir=${WORK_DIR}/mix_resume3)
 expect_in("${last_output}" "resumed from [^\n]*step_00000070.h5 at step 70")
+# What the resumed run at np 3 read, sample by sample, is what the uninterrupted run at np 2 read at
+# the same places of the same epochs (FSDP_TEST_SAMPLE_LOG: "epoch position sample" per rank).
+run(0 ${PYTHON} -c "
+import glob, sys
+def read(d):
+    out = {}
+    for f in glob.glob(d + '/samples.*'):
+        for line in open(f):
+            e, p, s = map(int, line.split())
+            out[(e, p)] = s
+    return out
+whole, resumed = read(sys.argv[1]), read(sys.argv[2])
+assert len(resumed) == 30 * 6, len(resumed)  # steps 71-100, 6 samples each
+assert min(resumed) == (1, 13 * 6), min(resumed)  # step 70 stopped 13 steps into the second epoch (the first took 57)
+differ = [k for k in resumed if whole.get(k) != resumed[k]]
+assert not differ, differ[:5]
+print('np 3 after the resume read the same', len(resumed), 'samples as np 2 without one')
+" ${WORK_DIR}/mix2_samples ${WORK_DIR}/mix_resume3_samples)
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/mix_resume3/checkpoints ${WORK_DIR}/mix2/checkpoints --rtol 1e-5)
 foreach(run_dir mix2 mix_resume3)
   run(0 ${CKPT_TOOL} inspect ${WORK_DIR}/${run_dir}/checkpoints)

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <chrono>
 #include <string>
@@ -50,6 +51,32 @@ inline void run_slow_rank_and_leak_test_hooks(int this_rank) {
   if (const char* v = std::getenv("FSDP_TEST_LEAK_MIB"); v && std::sscanf(v, "%d:%lld", &rank, &amount) == 2 && rank == this_rank)
     leaked.emplace_back(static_cast<std::size_t>(amount) << 20, '\1');  // written: resident
 }
+
+/// Test hook FSDP_TEST_SAMPLE_LOG=DIR: every rank appends to DIR/samples.<rank> one line per training
+/// sample it reads, "epoch position sample" (position in the epoch's global order, sample as the data
+/// numbers it), so a test can compare what runs at different world sizes read. Off when unset.
+class SampleLog {
+ public:
+  explicit SampleLog(int rank) : rank_(rank) {
+    if (const char* dir = std::getenv("FSDP_TEST_SAMPLE_LOG"); dir && *dir) path_ = std::string(dir) + "/samples." + std::to_string(rank);
+  }
+  bool on() const { return !path_.empty(); }
+  /// The samples `idx[begin, end)` of this rank's epoch order (its positions rank, rank + world, ...).
+  void write(std::int64_t epoch, const std::vector<std::int64_t>& idx, std::size_t begin, std::size_t end, int world) {
+    if (!on() || begin >= end) return;
+    std::lock_guard lock(mutex_);  // batches may be made on loader threads
+    std::FILE* f = std::fopen(path_.c_str(), "a");
+    if (!f) return;
+    for (std::size_t j = begin; j < end; ++j)
+      std::fprintf(f, "%lld %lld %lld\n", static_cast<long long>(epoch), static_cast<long long>(j) * world + rank_, static_cast<long long>(idx[j]));
+    std::fclose(f);
+  }
+
+ private:
+  int rank_;
+  std::string path_;
+  std::mutex mutex_;
+};
 
 /// Runs the step's computation `compute` and returns the communicator failure it met, for the step's
 /// agreement. With `fail_collectives` (test hook FSDP_TEST_FAIL_COLLECTIVES) this rank's collectives

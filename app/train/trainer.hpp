@@ -266,8 +266,10 @@ class Trainer {
     Prefetcher<Batch> loader(
         std::max<std::int64_t>(0, micro_end - first_micro),
         [&, first_micro](std::int64_t k) {
-          const auto begin = static_cast<std::size_t>((first_micro + k) * p.batch);
-          return make_batch(data_, true, idx, std::min(begin, idx.size()), std::min(begin + static_cast<std::size_t>(p.batch), idx.size()));
+          const auto begin = std::min(static_cast<std::size_t>((first_micro + k) * p.batch), idx.size());
+          const auto end = std::min(begin + static_cast<std::size_t>(p.batch), idx.size());
+          sample_log_.write(epoch, idx, begin, end, world_.size());
+          return make_batch(data_, true, idx, begin, end);
         },
         static_cast<int>(cfg_.data.num_workers));
     bool done = false;
@@ -575,6 +577,7 @@ class Trainer {
   std::filesystem::path metrics_path_;
   MetricsLog metrics_;
   MixtureLog mixture_log_;                    // sources.csv, for data.sources
+  SampleLog sample_log_{world_.rank()};       // test hook FSDP_TEST_SAMPLE_LOG
   std::vector<std::string> mixture_changes_;  // a resumed mixture's positions that differ (checkpoint.resume_changed = "allow")
   std::int64_t eval_chunk_ = 0;
   bool data_loaded_ = true;
