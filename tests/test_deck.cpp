@@ -1083,7 +1083,7 @@ BOOST_AUTO_TEST_CASE(a_root_unit_that_holds_much_of_the_model_is_named_with_what
   // An untied GPT wrapped by its block class only: the embeddings and the head stay in the root, and
   // "auto" (or naming their classes) avoids it. A tied embedding cannot leave the root; NO_WRAP and
   // SHARD_GRAD_OP keep everything gathered by the deck's own choice; a small root is not worth a line.
-  auto note = [](const std::string& deck_text, std::int64_t group, bool frees = true) {
+  auto note = [](const std::string& deck_text, std::int64_t group) {
     const auto cfg = resolve_run_config(Deck::parse(deck_text, "inputs/a.toml"), placement_of(static_cast<int>(group), static_cast<int>(group)));
     const ModelFamily& family = model_family(cfg.model.kind);
     const ModelDesc desc = family.describe(cfg.model);
@@ -1091,12 +1091,9 @@ BOOST_AUTO_TEST_CASE(a_root_unit_that_holds_much_of_the_model_is_named_with_what
     wrap.policy = cfg.fsdp.auto_wrap_policy;
     wrap.types = cfg.fsdp.transformer_layer_cls_to_wrap;
     const auto units = plan_units(desc, wrap, group);
-    const auto facts = root_unit_facts(
-        units,
-        [](const PlanUnit& u) {
-          return UnitFields{u.params, u.numel, u.padded, u.shard};
-        },
-        desc, frees && group > 1, 4, wrap.policy, wrap.types, family.layer_classes(cfg.model));
+    const auto fields = [](const PlanUnit& u) { return UnitFields{u.params, u.numel, u.padded}; };
+    const auto facts = root_unit_facts(units, fields, desc, units_freed_between_uses(cfg.fsdp.reshard_after_forward, group),
+                                       gathered_param_bytes(cfg.fsdp.mixed_precision), wrap.policy, wrap.types, family.layer_classes(cfg.model));
     return root_unit_note(facts, desc);
   };
   const std::string gpt =
@@ -1106,7 +1103,10 @@ BOOST_AUTO_TEST_CASE(a_root_unit_that_holds_much_of_the_model_is_named_with_what
   BOOST_TEST_REQUIRE(untied.has_value());
   BOOST_TEST(untied->find("the root unit holds 91% of the parameters") == 0u, *untied);  // 1,050,752 of 1,150,720
   BOOST_TEST(untied->find("(head (LmHead), tok (Embedding))") != std::string::npos, *untied);
-  BOOST_TEST(untied->find(": 3.0 MiB per rank beyond its shard, and 4.0 MiB of gradient in backward") != std::string::npos, *untied);
+  BOOST_TEST(untied->find(": 4.0 MiB per rank besides its shard, and as much again for its gradient in backward") != std::string::npos, *untied);
+  const auto bf16 = note(gpt + "tie_embeddings = false\n" + blocks + "mixed_precision = 'bf16'\n", 4);
+  BOOST_TEST_REQUIRE(bf16.has_value());
+  BOOST_TEST(bf16->find(": 2.0 MiB per rank besides its shard") != std::string::npos, *bf16);  // gathered in bf16
   BOOST_TEST(
       untied->find("transformer_layer_cls_to_wrap = \"auto\" (or adding Embedding, LmHead) makes them units of their own") != std::string::npos,
       *untied);
@@ -1114,9 +1114,9 @@ BOOST_AUTO_TEST_CASE(a_root_unit_that_holds_much_of_the_model_is_named_with_what
   const auto tied = note(gpt + blocks, 4);
   BOOST_TEST_REQUIRE(tied.has_value());
   BOOST_TEST(tied->find("a tied embedding is used by the first and the last layer and stays in the root") != std::string::npos, *tied);
-  BOOST_TEST(!note(gpt + "tie_embeddings = false\n", 4));                  // NO_WRAP: one unit, as the deck asks
-  BOOST_TEST(!note(gpt + "tie_embeddings = false\n" + blocks, 4, false));  // SHARD_GRAD_OP keeps every unit gathered
-  BOOST_TEST(!note(gpt + "tie_embeddings = false\n" + blocks, 1));         // one rank: nothing is gathered
+  BOOST_TEST(!note(gpt + "tie_embeddings = false\n", 4));                                                     // NO_WRAP: one unit, as the deck asks
+  BOOST_TEST(!note(gpt + "tie_embeddings = false\n" + blocks + "sharding_strategy = 'SHARD_GRAD_OP'\n", 4));  // every unit stays gathered
+  BOOST_TEST(!note(gpt + "tie_embeddings = false\n" + blocks, 1));                                            // one rank: nothing is gathered
   BOOST_TEST(
       !note("[model]\nkind = 'transformer'\nvocab_size = 64\nd_model = 64\nn_layers = 4\nn_heads = 2\ncontext = 32\ntie_embeddings = "
             "false\n[data]\nkind = 'tokens'\n" +

@@ -65,6 +65,9 @@ BOOST_AUTO_TEST_CASE(every_prefix_holds_each_share_within_one_sample) {
     const double worst = worst_window_error(blend, 20000, 20000, /*prefixes_only=*/true);
     BOOST_TEST_INFO("weights " << w.size() << " sources, first " << w.front());
     BOOST_TEST(worst < 1.0);
+    double sum = 0;
+    for (double x : w) sum += x / w.front();
+    for (std::size_t s = 0; s < w.size(); ++s) BOOST_TEST(std::fabs(blend.share(s) - w[s] / w.front() / sum) < 1e-9);  // the shares asked
   }
 }
 

@@ -25,7 +25,7 @@ namespace fsdp::app {
 struct RootUnitFacts {
   std::vector<std::string> root_params;
   std::vector<std::int64_t> root_numels;
-  std::int64_t root_padded = 0, root_shard = 0;
+  std::int64_t root_numel = 0, root_padded = 0;
   std::int64_t total_numel = 0;  ///< over every unit
   std::size_t units = 0;
   bool gathered_then_freed = true;  ///< the strategy shards parameters and frees them after use (FULL_SHARD, HYBRID_SHARD)
@@ -45,8 +45,8 @@ inline std::string module_of_param(const std::string& name) {
 }
 
 /// The facts of a run whose units are `units` (the root first): the engine's (fsdp-train) or the
-/// plan's (fsdp-plan), each giving a unit's parameter names, elements, padded elements and shard.
-/// Parameter sizes come from the model's description.
+/// plan's (fsdp-plan), each giving a unit's parameter names, elements and padded elements. The
+/// sizes of the root's parameters (to name its largest modules) come from the model's description.
 template <class Unit, class Fields>
 RootUnitFacts root_unit_facts(const std::vector<Unit>& units, Fields fields, const ModelDesc& desc, bool gathered_then_freed, int param_bytes,
                               WrapPolicy policy, std::vector<std::string> wrap_types, std::vector<std::string> auto_types) {
@@ -61,8 +61,8 @@ RootUnitFacts root_unit_facts(const std::vector<Unit>& units, Fields fields, con
       f.root_params.push_back(name);
       f.root_numels.push_back(numel_of.count(name) ? numel_of[name] : 0);
     }
+    f.root_numel = root.numel;
     f.root_padded = root.padded;
-    f.root_shard = root.shard;
   }
   f.units = units.size();
   f.gathered_then_freed = gathered_then_freed;
@@ -76,15 +76,18 @@ RootUnitFacts root_unit_facts(const std::vector<Unit>& units, Fields fields, con
 /// What root_unit_facts reads of a unit.
 struct UnitFields {
   const std::vector<std::string>& params;
-  std::int64_t numel, padded, shard;
+  std::int64_t numel, padded;
 };
+
+/// Whether the strategy frees the other units between uses, so that the root's staying gathered
+/// stands out: parameters sharded over more than one rank and resharded after forward.
+inline bool units_freed_between_uses(bool reshard_after_forward, std::int64_t shard_group) { return reshard_after_forward && shard_group > 1; }
 
 /// One line (without a trailing newline), or nothing when the root holds little, the model is one
 /// unit anyway (NO_WRAP: the deck asks for it), or the strategy keeps parameters whole.
 inline std::optional<std::string> root_unit_note(const RootUnitFacts& f, const ModelDesc& desc) {
   if (f.units < 2 || !f.gathered_then_freed || f.total_numel <= 0) return std::nullopt;
-  std::int64_t root_numel = 0;
-  for (auto n : f.root_numels) root_numel += n;
+  const std::int64_t root_numel = f.root_numel;
   const double share = static_cast<double>(root_numel) / static_cast<double>(f.total_numel);
   if (share < kRootShareWorthSaying) return std::nullopt;
   // The largest modules the root holds, with their classes.
@@ -107,14 +110,14 @@ inline std::optional<std::string> root_unit_note(const RootUnitFacts& f, const M
   std::string list;
   for (std::size_t i = 0; i < named.size(); ++i) list += (i ? ", " : "") + named[i];
   const double mib = 1024.0 * 1024.0;
-  const double gathered = static_cast<double>(f.root_padded - f.root_shard) * f.param_bytes / mib;
-  const double gradient = static_cast<double>(f.root_padded) * f.param_bytes / mib;
+  // The gathered flat buffer is allocated beside the shard; autograd's gradient is as large.
+  const double gathered = static_cast<double>(f.root_padded) * f.param_bytes / mib;
   char head[256];
   std::snprintf(head, sizeof head,
                 "the root unit holds %.0f%% of the parameters (%s), gathered from the first forward to the end of backward: ", 100 * share,
                 list.c_str());
   char cost[160];
-  std::snprintf(cost, sizeof cost, "%.1f MiB per rank beyond its shard, and %.1f MiB of gradient in backward", gathered, gradient);
+  std::snprintf(cost, sizeof cost, "%.1f MiB per rank besides its shard, and as much again for its gradient in backward", gathered);
   // What avoids it: classes "auto" makes units of their own that the deck's list leaves in the root.
   std::vector<std::string> missing;
   if (f.policy == WrapPolicy::TRANSFORMER_BASED_WRAP)

@@ -159,6 +159,9 @@ struct RunShape {
   std::int64_t mmap_threshold_bytes = kNeverMapped;  ///< run.malloc: kNeverMapped (reuse), 1 MiB (return), 0: glibc's dynamic threshold
 };
 
+/// Bytes per element of gathered parameters and activations under fsdp.mixed_precision.
+inline int gathered_param_bytes(Precision p) { return p == Precision::kNo || p == Precision::kFp16Reduce ? 4 : 2; }
+
 /// The mmap threshold that run.malloc amounts to (0: glibc's dynamic one).
 inline std::int64_t mmap_threshold_of(MallocPolicy malloc_policy) {
   switch (malloc_policy) {
@@ -197,7 +200,7 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
   r.optimizer_over_world = cfg.fsdp.optimizer_sharding == OptimizerSharding::WORLD && is_hybrid(strategy) && r.replicas > 1;
   r.reshard_after_forward = cfg.fsdp.reshard_after_forward_asked.value_or(reshard_after_forward_default(strategy));
   r.reshard_after_forward_group = strategy == cfg.fsdp.sharding_strategy ? cfg.fsdp.reshard_after_forward_group : 0;
-  r.param_bytes = cfg.fsdp.mixed_precision == Precision::kNo || cfg.fsdp.mixed_precision == Precision::kFp16Reduce ? 4 : 2;
+  r.param_bytes = gathered_param_bytes(cfg.fsdp.mixed_precision);
   r.reduce_bytes = cfg.fsdp.mixed_precision == Precision::kNo ? 4 : 2;
   r.optimizer = cfg.optim.kind;
   r.optimizer_copies = cfg.optim.state_copies();

@@ -120,7 +120,10 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
     }
     d.has_test = !cfg.data.val_path.empty();
     if (d.has_test) d.test_stream = open_token_split(cfg, cfg.data.val_path, rank, world, kind);
-    d.document_starts = cfg.model.document_mask && cfg.model.document_token < 0;  // the deck checked the data is indexed
+    d.document_starts = cfg.model.document_mask && cfg.model.document_token < 0;  // the deck checked the training data is indexed
+    if (d.document_starts && d.has_test && d.test_stream.stream->document_starts().empty())
+      throw DataError("data.val_path '" + cfg.data.val_path + "': data.document_mask without data.eot_token takes document boundaries from an " +
+                      "indexed dataset's .idx, and this validation data (data.kind \"" + to_string(kind) + "\") has none");
   } else {
     d.tokens = true;
     auto corpus = load_text(cfg.data.path, cfg.model.context, static_cast<int>(cfg.model.vocab_size));
@@ -154,6 +157,7 @@ struct Batch {
   torch::Tensor x, y;
   /// Dataset::document_starts: (samples, t) bool, true at each input token that begins a document.
   torch::Tensor begins;
+  std::string sample_lines;  ///< test hook FSDP_TEST_SAMPLE_LOG: the batch's samples, written when a step takes it
   std::int64_t samples = 0;
   /// The batch on `device` (the engine's compute device; a no-op on CPU).
   Batch to(const torch::Device& device) && {
@@ -172,12 +176,16 @@ inline void mark_document_starts(const TokenStream& stream, std::int64_t first, 
 /// The model's output for batch `b`: its document starts (if any) go to the model's layout first.
 template <class Engine>
 torch::Tensor forward_batch(Engine& model, const Batch& b) {
-  if (b.begins.defined()) {
-    DocumentLayout* documents = model.module()->documents();
-    if (!documents) throw ConfigError("a batch carries document starts, but the model keeps no document layout (data.document_mask)");
-    documents->given_begins = b.begins;
+  DocumentLayout* documents = b.begins.defined() ? model.module()->documents() : nullptr;
+  if (b.begins.defined() && !documents)
+    throw ConfigError("a batch carries document starts, but the model keeps no document layout (data.document_mask)");
+  if (documents) documents->given_begins = b.begins;
+  try {
+    return model.forward(b.x);
+  } catch (...) {
+    if (documents) documents->given_begins = torch::Tensor();  // a forward that failed before using them must not pass them on
+    throw;
   }
-  return model.forward(b.x);
 }
 
 inline Batch make_batch(const Dataset& d, bool train, const std::vector<std::int64_t>& idx, std::size_t begin, std::size_t end) {

@@ -57,12 +57,11 @@ inline std::vector<std::string> mixture_position_changes(const Dataset& d, const
   store_mixture_position(d, resumed.epoch, resumed.sample_index, now);
   for (const auto& [name, value] : now.data) {
     const auto it = resumed.data.find(name);
-    if (it != resumed.data.end() && it->second == value) continue;
+    if (it == resumed.data.end() || it->second == value) continue;  // a counter the checkpoint's version did not write: nothing to compare
     std::string what = name;
     for (std::size_t s = 0; s < cfg.data.sources.size(); ++s)
       if (name.rfind(source_counter(s, ""), 0) == 0) what = "data.sources[" + std::to_string(s) + "] ('" + cfg.data.sources[s].path + "') " + name;
-    out.push_back(what + ": " + (it == resumed.data.end() ? std::string("none") : std::to_string(it->second)) + " in the checkpoint, " +
-                  std::to_string(value) + " with this deck and data");
+    out.push_back(what + ": " + std::to_string(it->second) + " in the checkpoint, " + std::to_string(value) + " with this deck and data");
   }
   for (const auto& [name, value] : resumed.data)
     if (!now.data.count(name)) out.push_back(name + ": " + std::to_string(value) + " in the checkpoint, no such source now");

@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <mutex>
 #include <optional>
 #include <chrono>
 #include <string>
@@ -61,21 +60,31 @@ class SampleLog {
     if (const char* dir = std::getenv("FSDP_TEST_SAMPLE_LOG"); dir && *dir) path_ = std::string(dir) + "/samples." + std::to_string(rank);
   }
   bool on() const { return !path_.empty(); }
-  /// The samples `idx[begin, end)` of this rank's epoch order (its positions rank, rank + world, ...).
-  void write(std::int64_t epoch, const std::vector<std::int64_t>& idx, std::size_t begin, std::size_t end, int world) {
-    if (!on() || begin >= end) return;
-    std::lock_guard lock(mutex_);  // batches may be made on loader threads
-    std::FILE* f = std::fopen(path_.c_str(), "a");
-    if (!f) return;
-    for (std::size_t j = begin; j < end; ++j)
-      std::fprintf(f, "%lld %lld %lld\n", static_cast<long long>(epoch), static_cast<long long>(j) * world + rank_, static_cast<long long>(idx[j]));
-    std::fclose(f);
+  /// The lines of samples `idx[begin, end)` of this rank's epoch order (its positions rank, rank +
+  /// world, ...): made with the batch (on a loader thread, maybe), ...
+  std::string lines(std::int64_t epoch, const std::vector<std::int64_t>& idx, std::size_t begin, std::size_t end, int world) const {
+    std::string out;
+    if (!on()) return out;
+    char line[80];
+    for (std::size_t j = begin; j < end; ++j) {
+      std::snprintf(line, sizeof line, "%lld %lld %lld\n", static_cast<long long>(epoch), static_cast<long long>(j) * world + rank_,
+                    static_cast<long long>(idx[j]));
+      out += line;
+    }
+    return out;
+  }
+  /// ... and written when the step takes the batch (a loader makes batches ahead of the last step).
+  void append(const std::string& lines) const {
+    if (!on() || lines.empty()) return;
+    if (std::FILE* f = std::fopen(path_.c_str(), "a")) {
+      std::fputs(lines.c_str(), f);
+      std::fclose(f);
+    }
   }
 
  private:
   int rank_;
   std::string path_;
-  std::mutex mutex_;
 };
 
 /// Runs the step's computation `compute` and returns the communicator failure it met, for the step's

@@ -268,8 +268,9 @@ class Trainer {
         [&, first_micro](std::int64_t k) {
           const auto begin = std::min(static_cast<std::size_t>((first_micro + k) * p.batch), idx.size());
           const auto end = std::min(begin + static_cast<std::size_t>(p.batch), idx.size());
-          sample_log_.write(epoch, idx, begin, end, world_.size());
-          return make_batch(data_, true, idx, begin, end);
+          Batch b = make_batch(data_, true, idx, begin, end);
+          b.sample_lines = sample_log_.lines(epoch, idx, begin, end, world_.size());
+          return b;
         },
         static_cast<int>(cfg_.data.num_workers));
     bool done = false;
@@ -398,6 +399,7 @@ class Trainer {
         b = loader.next();
       }
       if (!b) throw std::runtime_error("data loader ended early");
+      sample_log_.append(b->sample_lines);
       std::optional<typename Engine::NoSyncScope> no_sync;
       if (a + 1 < accum && !cfg_.optim.reduce_every_micro_batch) no_sync.emplace(model_->no_sync());  // reduce once, on the last micro-batch
       torch::Tensor loss;
