@@ -153,6 +153,14 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
   return d;
 }
 
+/// The training sampler: each rank's share of every epoch, in a seeded per-epoch shuffle or, for a
+/// mixture, in the blend's next draws.
+inline DistributedSampler training_sampler(const Dataset& d, const RunConfig& cfg, int world, int rank) {
+  if (!d.blend) return DistributedSampler(d.train_size(), world, rank, cfg.data.shuffle, cfg.run.seed);
+  return DistributedSampler(d.train_size(), world, rank,
+                            [blend = d.blend, n = d.train_size()](std::int64_t epoch) { return blend->draws(epoch * n, n); });
+}
+
 struct Batch {
   torch::Tensor x, y;
   /// Dataset::document_starts: (samples, t) bool, true at each input token that begins a document.

@@ -7,6 +7,7 @@
 
 #include <cctype>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -18,6 +19,7 @@
 #include "run_config.hpp"
 #include "train/dataset.hpp"
 #include "train/metrics_log.hpp"
+#include "train/ranks.hpp"
 
 namespace fsdp::app {
 
@@ -66,6 +68,25 @@ inline std::vector<std::string> mixture_position_changes(const Dataset& d, const
   for (const auto& [name, value] : resumed.data)
     if (!now.data.count(name)) out.push_back(name + ": " + std::to_string(value) + " in the checkpoint, no such source now");
   return out;
+}
+
+/// A resumed mixture must stand where the checkpoint's did: other sources, weights or files (a source
+/// that grew or shrank) would draw other samples from here on. Refused on every rank naming each
+/// source (any rank that sees a change stops all) unless checkpoint.resume_changed = "allow": then a
+/// warning, and the changes are returned for summary.json. Collective.
+inline std::vector<std::string> check_mixture_position(MpiComm& world, const Dataset& d, const RunConfig& cfg, const fsdp::TrainState& resumed) {
+  std::vector<std::string> changes;
+  std::string list;
+  on_all_ranks(world, [&] {
+    changes = mixture_position_changes(d, cfg, resumed);
+    for (const auto& c : changes) list += "\n  " + c;
+    if (!changes.empty() && cfg.checkpoint.resume_changed == ResumeChanged::kRefuse)
+      throw DeckError("the mixture of data.sources does not stand where the checkpoint's stopped (sources, weights or their files changed):" + list +
+                      "\ncheckpoint.resume_changed = \"allow\" continues from here with this deck's blend");
+  });
+  if (!changes.empty() && world.rank() == 0)
+    std::printf("warning: the mixture of data.sources continues from another position (checkpoint.resume_changed = \"allow\"):%s\n", list.c_str());
+  return changes;
 }
 
 /// Each source's part of the draws when the run stands at sample `sample_index` of `epoch`.

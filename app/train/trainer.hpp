@@ -96,7 +96,7 @@ class Trainer {
     next_epoch_ = start_.epoch;  // where the data stands (also for a finished run's summary)
     next_sample_index_ = start_.sample_index;
     plan_schedule();
-    compare_mixture_position();
+    mixture_changes_ = check_mixture_position(world_, data_, cfg_, start_);
     return !(start_.step > 0 && start_.step >= schedule_.total_steps);  // else a rerun of a finished job
   }
 
@@ -168,11 +168,7 @@ class Trainer {
     auto& p = schedule_;
     p.batch = cfg_.data.batch_size;
     p.accum = cfg_.optim.grad_accum_steps;
-    if (data_.blend)  // a mixture: each epoch's order is the blend's next draws
-      sampler_.emplace(data_.train_size(), world_.size(), world_.rank(),
-                       [blend = data_.blend, n = data_.train_size()](std::int64_t epoch) { return blend->draws(epoch * n, n); });
-    else
-      sampler_.emplace(data_.train_size(), world_.size(), world_.rank(), cfg_.data.shuffle, cfg_.run.seed);
+    sampler_.emplace(training_sampler(data_, cfg_, world_.size(), world_.rank()));
     p.steps_per_epoch = (sampler_->num_samples() + p.batch - 1) / p.batch / p.accum;
     if (p.steps_per_epoch == 0)
       throw RankError("data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(sampler_->num_samples()) + ")",
@@ -190,26 +186,6 @@ class Trainer {
     if (root_ && start_.step == 0)
       for (const auto& w : schedule_warnings(cfg_, p.steps_per_epoch, p.total_steps, data_.train_size(), p.global_batch, data_.has_test))
         std::printf("warning: %s\n", w.c_str());
-  }
-
-  /// A resumed mixture must stand where the checkpoint's did: other sources, weights or files (a
-  /// source that grew or shrank) would draw other samples from here on. Refused on every rank naming
-  /// each source unless checkpoint.resume_changed = "allow" (then warnings, kept for summary.json).
-  /// Every rank computes the same (the blend depends on the deck and the files' sizes only).
-  void compare_mixture_position() {
-    std::vector<std::string> changes;
-    std::string list;
-    on_all_ranks(world_, [&] {  // each rank's own view of the files: any rank that sees a change stops all
-      changes = mixture_position_changes(data_, cfg_, start_);
-      for (const auto& c : changes) list += "\n  " + c;
-      if (!changes.empty() && cfg_.checkpoint.resume_changed == ResumeChanged::kRefuse)
-        throw DeckError("the mixture of data.sources does not stand where the checkpoint's stopped (sources, weights or their files changed):" +
-                        list + "\ncheckpoint.resume_changed = \"allow\" continues from here with this deck's blend");
-    });
-    if (changes.empty()) return;
-    if (root_)
-      std::printf("warning: the mixture of data.sources continues from another position (checkpoint.resume_changed = \"allow\"):%s\n", list.c_str());
-    mixture_changes_ = changes;
   }
 
   // ---- the loop -------------------------------------------------------------------------------
