@@ -68,10 +68,11 @@ void print_prediction(const RunConfig& cfg, const ModelSection& shape, const Run
               static_cast<long long>(p.shard_elements), static_cast<long long>(p.padding), mib(p.state_bytes));
   std::printf("  data %s: %s (%.1f MiB)\n", to_string(cfg.data.kind).c_str(), run.data.note.c_str(), mib(run.data.resident_bytes));
   const ModelFamily& family = model_family(shape.kind);
+  const ModelDesc desc = family.describe(shape);
   const auto fields = [](const PlanUnit& u) { return UnitFields{u.params, u.numel, u.padded}; };
-  const auto facts = root_unit_facts(p.unit_list, fields, family.describe(shape), units_freed_between_uses(run.reshard_after_forward, run.group),
-                                     run.param_bytes, run.wrap.policy, run.wrap.types, family.layer_classes(shape));
-  if (const auto note = root_unit_note(facts, family.describe(shape))) std::printf("  note: %s\n", note->c_str());
+  const auto facts = root_unit_facts(p.unit_list, fields, desc, units_freed_between_uses(run.reshard_after_forward, run.group), run.param_bytes,
+                                     run.wrap.policy, run.wrap.types, family.layer_classes(shape));
+  if (const auto note = root_unit_note(facts, desc)) std::printf("  note: %s\n", note->c_str());
   if (list_units) {
     std::printf("\n  unit  parent  module                         params        numel       padded        shard\n");
     for (const auto& u : p.unit_list)

@@ -94,9 +94,9 @@ expect_in("${last_output}" "data.eot_token: data.document_mask needs the token t
 #    (within 1e-5); stopped at step 70 (inside the mixture's second epoch and the small source's
 #    second) and resumed: at np 2 bit for bit, at np 3 within 1e-5 with the same data: the
 #    checkpoint's counters and sources.csv's rows equal the uninterrupted run's, and so does every
-#    sample it reads (FSDP_TEST_SAMPLE_LOG). A source whose file changed under a checkpoint is refused
-#    on every rank naming the source; weights or kinds are checked as deck keys; a bad mixture deck
-#    exits 2.
+#    sample it reads (FSDP_TEST_SAMPLE_LOG); np 4 reads what np 2 reads. A source whose file changed
+#    under a checkpoint is refused on every rank naming the source; weights or kinds are checked as
+#    deck keys; a bad mixture deck exits 2.
 run(0 ${make} ${d}/small --tokens 1601 --seed 3 --format megatron)
 set(mix --set data.path= --set data.shuffle=true --set run.epochs=3 --set data.global_batch_size=6 --set log.every_steps=5
         --set "data.sources=[{ path = '${d}/train_*.bin', weight = 3 }, { path = '${d}/small', kind = 'indexed' }]")
@@ -165,6 +165,27 @@ file(STRINGS ${WORK_DIR}/mix_resume3/sources.csv resumed_rows REGEX "^(7[5-9]|[8
 if(NOT whole_rows STREQUAL resumed_rows)
   message(FATAL_ERROR "sources.csv after the resume at np 3 differs from the uninterrupted run's")
 endif()
+# At np 4 (a global batch of 12, 3 per rank) the mixture trains as at np 2 (6 per rank) through an
+# epoch's end (step 29): the same samples at the same places, the weights within 1e-5.
+file(MAKE_DIRECTORY ${WORK_DIR}/mix12_2_samples ${WORK_DIR}/mix12_4_samples)
+foreach(np 2 4)
+  run(0 ${CMAKE_COMMAND} -E env FSDP_TEST_SAMPLE_LOG=${WORK_DIR}/mix12_${np}_samples ${MPIEXEC} -np ${np} ${TRAIN} ${DECK} ${gpt} ${mix}
+      --set data.global_batch_size=12 --set run.max_steps=40 --set run.out_dir=${WORK_DIR}/mix12_${np})
+endforeach()
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/mix12_4/checkpoints ${WORK_DIR}/mix12_2/checkpoints --rtol 1e-5)
+run(0 ${PYTHON} -c "
+import glob, sys
+def read(d):
+    out = {}
+    for f in glob.glob(d + '/samples.*'):
+        for line in open(f):
+            e, p, s = map(int, line.split())
+            out[(e, p)] = s
+    return out
+two, four = read(sys.argv[1]), read(sys.argv[2])
+assert len(two) == 28 * 12 + 4 + 11 * 12 and two == four, (len(two), len(four))
+print('np 4 read the same', len(four), 'samples as np 2')
+" ${WORK_DIR}/mix12_2_samples ${WORK_DIR}/mix12_4_samples)
 file(COPY ${WORK_DIR}/mix_resume2/ DESTINATION ${WORK_DIR}/mix_changed)
 run(0 ${make} ${d}/small --tokens 2001 --seed 3 --format megatron)  # the source grew under the checkpoint
 run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} ${mix} --set run.max_steps=110 --set run.out_dir=${WORK_DIR}/mix_changed)

@@ -30,13 +30,12 @@ void print_echo(const Engine& model, const RunSetup& s, const Dataset* data) {
   const std::int64_t state_bytes = training_state_bytes(shard_numel, optimized_numel, cfg.optim.state_copies());
   if (!root) return;
   const ModelFamily& family = model_family(cfg.model.kind);
-  const bool full_precision = cfg.fsdp.mixed_precision == Precision::kNo || cfg.fsdp.mixed_precision == Precision::kFp16Reduce;
+  const ModelDesc desc = family.describe(cfg.model);
   const auto fields = [](const UnitInfo& u) { return UnitFields{u.param_names, u.numel, u.padded_numel}; };
-  const auto facts =
-      root_unit_facts(units, fields, family.describe(cfg.model), units_freed_between_uses(cfg.fsdp.reshard_after_forward, model.shard_group_size()),
-                      gathered_param_bytes(cfg.fsdp.mixed_precision), cfg.fsdp.auto_wrap_policy, cfg.fsdp.transformer_layer_cls_to_wrap,
-                      family.layer_classes(cfg.model));
-  const auto root_note = root_unit_note(facts, family.describe(cfg.model));
+  const auto facts = root_unit_facts(units, fields, desc, units_freed_between_uses(cfg.fsdp.reshard_after_forward, model.shard_group_size()),
+                                     gathered_param_bytes(cfg.fsdp.mixed_precision), cfg.fsdp.auto_wrap_policy,
+                                     cfg.fsdp.transformer_layer_cls_to_wrap, family.layer_classes(cfg.model));
+  const auto root_note = root_unit_note(facts, desc);
   const auto& placement = s.placement;
   std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, s.deck_path.c_str(), s.deck.echo_table().c_str());
   std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", s.world.size(), placement.nodes, placement.local_size,
