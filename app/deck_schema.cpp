@@ -52,7 +52,7 @@ void add_run_keys(std::vector<KeySpec>& s) {
                .default_value = I{0},
                .min = 0,
                .max = 4096,
-               .description = "intra-op threads per rank; 0: the node's cores divided by the ranks on the node"});
+               .description = "threads per rank, LibTorch's and OpenBLAS's; 0: the node's cores divided by the ranks on the node"});
   s.push_back({.key = "run.malloc",
                .type = T::kString,
                .default_value = "reuse",

@@ -152,6 +152,13 @@ void add_log_keys(std::vector<KeySpec>& s) {
                .type = T::kString,
                .default_value = "metrics.csv",
                .description = "CSV of the metrics of every logged step, relative to run.out_dir; empty: none"});
+  s.push_back({.key = "log.timing_warmup_steps",
+               .type = T::kInt,
+               .default_value = I{3},
+               .min = 0,
+               .max = 1e12,
+               .description = "the first steps of a run (or of a resumed run) whose times summary.json reports apart (step_ms_warmup): "
+                              "step_ms_median and mfu are of the steps after them, once the heap, caches and page tables are warm"});
   s.push_back({.key = "log.trace",
                .type = T::kBool,
                .default_value = false,

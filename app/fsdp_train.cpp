@@ -99,7 +99,7 @@ void configure_diagnostics(MpiComm& world, const RunConfig& cfg) {
 /// Threads, the allocator policy (before the model exists: its shards, gathered units and gradients
 /// are allocated from here on) and the seed.
 void configure_compute(const Deck& deck, const RunConfig& cfg) {
-  torch::set_num_threads(cfg.run.threads);
+  set_compute_threads(cfg.run.threads);  // LibTorch's pool and OpenBLAS's
   if (!apply_malloc_policy(cfg.run.malloc))
     throw DeckError(deck.entry("run.malloc").where + ": run.malloc = \"" + to_string(cfg.run.malloc) + "\": glibc's mallopt refused it");
   torch::manual_seed(cfg.run.seed);

@@ -374,6 +374,7 @@ LogSection resolve_log_section(const Deck& deck) {
   log.progress = choice<ProgressMode>(deck, "log.progress");
   log.metrics_file = deck.get_string("log.metrics_file");
   log.trace = deck.get_bool("log.trace");
+  log.timing_warmup_steps = deck.get_int("log.timing_warmup_steps");
   return log;
 }
 

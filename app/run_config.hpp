@@ -194,6 +194,7 @@ struct LogSection {
   ProgressMode progress = ProgressMode::kAuto;
   std::string metrics_file;  ///< empty: none
   bool trace = false;
+  std::int64_t timing_warmup_steps = 3;  ///< first steps of a run kept out of summary.json's median step time
 };
 
 /// A deck resolved for one placement.

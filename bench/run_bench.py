@@ -114,6 +114,43 @@ NP1_ONLY = {"PyTorch, no wrapper", "fsdp FULL_SHARD, np 2's per-rank batch"}
 SIZED_ONLY = {"PyTorch, no wrapper", "fsdp FULL_SHARD, np 2's per-rank batch"}
 
 
+# The reference of a (model, np) group, the first of these it runs: every other configuration of the group
+# runs next to it (pairs_of_repetition), and its step-time ratio is taken pair by pair.
+REFERENCES = ("PyTorch, no wrapper", "PyTorch DDP")
+
+
+def pairs_of_repetition(plan, rep):
+    """Repetition `rep`'s runs in order, [(model, np, cfg, pair)]. The (model, np) groups come in a seeded
+    shuffled order. Inside a group the configurations other than the reference go two at a time around one
+    run of the reference, [a, ref, b], each of a and b adjacent to it; the next repetition swaps them,
+    [b, ref, a], so that every configuration runs before its reference in one repetition and after it in the
+    next (a lone last one: [x, ref], then [ref, x]). A slow spell of the machine then lands on both sides of
+    a pair, or shows as a gap between the pair's GEMM probes. pair: the index of the trio in its group."""
+    groups = {}
+    for model, np_, cfg in plan:
+        groups.setdefault((model, np_), []).append(cfg)
+    keys = list(groups)
+    random.Random(1000 + rep).shuffle(keys)
+    runs = []
+    for model, np_ in keys:
+        cfgs = groups[(model, np_)]
+        ref = next((c for name in REFERENCES for c in cfgs if c[0] == name), None)
+        others = [c for c in cfgs if c is not ref]
+        if ref is None:
+            runs += [(model, np_, c, None) for c in others]
+            continue
+        flip = rep % 2 == 1
+        for j in range(0, len(others), 2):
+            chunk = others[j:j + 2]
+            if len(chunk) == 2:
+                a, b = (chunk[1], chunk[0]) if flip else (chunk[0], chunk[1])
+                order = [a, ref, b]
+            else:
+                order = [ref, chunk[0]] if flip else [chunk[0], ref]
+            runs += [(model, np_, c, j // 2) for c in order]
+    return runs
+
+
 def runs_config(model, np_, cfg):
     """Whether configuration `cfg` runs for `model` at `np_` ranks."""
     if np_ < cfg[3] or (cfg[0] in NP1_ONLY and np_ != 1):
@@ -196,19 +233,23 @@ def loadavg():
 # ---------------------------------------------------------------------------------------------------
 # One training run
 
-def run_training(model, np_, cfg, rep, steps):
+def run_training(model, np_, cfg, rep, steps, pair=None):
     label, runner, strategy = cfg[0], cfg[1], cfg[2]
     extra = list(cfg[4]) if len(cfg) > 4 else []
     m = MODELS[model]
     threads = max(1, CORES // np_)
     slug = label.lower().replace(" ", "_")
-    out_dir = os.path.join(OUT, "runs", model, f"np{np_}", slug, f"rep{rep}")
+    # A reference runs once per pair of its group: each run its own folder and log.
+    run_tag = f"rep{rep}" + (f"_pair{pair}" if pair is not None and label in REFERENCES else "")
+    out_dir = os.path.join(OUT, "runs", model, f"np{np_}", slug, run_tag)
     if not REPORT_ONLY:
         shutil.rmtree(out_dir, ignore_errors=True)
         os.makedirs(out_dir, exist_ok=True)
     per_rank = m["global_batch"] // (2 if "np 2's per-rank batch" in label else np_)
     sets = [f"run.out_dir={out_dir}", f"data.batch_size={per_rank}", f"run.threads={threads}",
             f"run.max_steps={WARMUP + steps}", f"fsdp.sharding_strategy={strategy}"] + extra
+    if runner == "fsdp":
+        sets.append(f"log.timing_warmup_steps={WARMUP}")  # its own summary's median then matches this report's
     set_args = [a for s in sets for a in ("--set", s)]
     deck = os.path.join(ROOT, m["deck"])
     if runner == "fsdp":
@@ -218,7 +259,7 @@ def run_training(model, np_, cfg, rep, steps):
               ["--out-dir", out_dir, "--warmup", str(WARMUP), "--wrapper", "ddp" if runner == "ddp" else "fsdp",
                "--init-file", os.path.join(out_dir, "gloo_rendezvous")]
         cmd[cmd.index("--wrapper") + 1] = {"ddp": "ddp", "plain": "none"}.get(runner, "fsdp")
-    log_path = os.path.join(OUT, "logs", f"{model}_np{np_}_{slug}_rep{rep}.log")
+    log_path = os.path.join(OUT, "logs", f"{model}_np{np_}_{slug}_{run_tag}.log")
     for attempt in range(0 if REPORT_ONLY else 2):  # one retry when mpirun could not start the processes at all
         t0 = time.time()
         try:
@@ -237,7 +278,7 @@ def run_training(model, np_, cfg, rep, steps):
     else:
         with open(log_path, "w") as f:
             f.write("$ " + " ".join(shlex.quote(c) for c in cmd) + "\n" + text)
-    res = {"model": model, "np": np_, "config": label, "rep": rep, "threads": threads, "rc": rc, "wall_s": wall,
+    res = {"model": model, "np": np_, "config": label, "rep": rep, "pair": pair, "threads": threads, "rc": rc, "wall_s": wall,
            "command": " ".join(shlex.quote(c) for c in cmd), "log": os.path.relpath(log_path, ROOT)}
     summary_path = os.path.join(out_dir, "summary.json")
     if rc != 0 or not os.path.exists(summary_path):
@@ -276,6 +317,10 @@ def run_training(model, np_, cfg, rep, steps):
         res["losses"] = s.get("losses")
         res["patches"] = s.get("patches")
     res["params"] = s.get("params")
+    probe = s.get("gemm_probe") or {}
+    res["probe_fixed_gflops"] = (probe.get("fixed") or {}).get("gflops_per_thread")  # the same 512^3 product in every run
+    res["probe_peak_gflops"] = probe.get("peak_gflops_per_thread")  # one thread at the model's products: MFU's denominator
+    res["model_flops_per_sample"] = s.get("model_flops_per_sample")  # fsdp-train's count (the peer has the same model)
     res["steps"] = len(step_ms)
     measured = step_ms[WARMUP:] if len(step_ms) > WARMUP else step_ms
     res["step_ms"] = step_ms
@@ -402,7 +447,35 @@ def fmt(v, f="{:.1f}"):
     return "-" if v is None else f.format(v)
 
 
+def pair_up(runs):
+    """Each run's MFU (the model's training FLOPs per sample, counted by fsdp-train, x samples/s over its own GEMM
+    probe's per-thread peak x threads x ranks) and, for a configuration run next to its group's reference, the
+    step-time ratio to that very reference run (< 1: faster) and which of the two ran first."""
+    flops = {}
+    for r in runs:
+        if r.get("model_flops_per_sample"):
+            flops.setdefault(r["model"], r["model_flops_per_sample"])
+    ok = [r for r in runs if "error" not in r]
+    for r in ok:
+        peak = r.get("probe_peak_gflops")
+        if flops.get(r["model"]) and peak:
+            r["mfu"] = flops[r["model"]] * r["samples_per_s"] / (peak * 1e9 * r["threads"] * r["np"])
+    order = {id(r): i for i, r in enumerate(runs)}
+    for r in ok:
+        if r.get("pair") is None or r["config"] in REFERENCES or "per-rank batch" in r["config"]:
+            continue  # the per-rank batch one is compared with FULL_SHARD at np 2 (step_vs_one_process), not with its trio's reference
+        ref = next((x for x in ok if x["config"] in REFERENCES and (x["model"], x["np"], x["rep"], x["pair"]) ==
+                    (r["model"], r["np"], r["rep"], r["pair"])), None)
+        if ref:
+            r["pair_ref"] = ref["config"]
+            r["pair_ratio"] = r["step_ms_median"] / ref["step_ms_median"]
+            r["pair_ref_step_ms"] = ref["step_ms_median"]
+            r["pair_ran_first"] = order[id(r)] < order[id(ref)]
+            r["pair_ref_probe_fixed_gflops"] = ref.get("probe_fixed_gflops")
+
+
 def aggregate(runs):
+    pair_up(runs)
     groups = {}
     for r in runs:
         groups.setdefault((r["model"], r["np"], r["config"]), []).append(r)
@@ -418,6 +491,14 @@ def aggregate(runs):
             a["peak_rss_mb_per_rank"] = [med([r["peak_rss_mb"][i] for r in ok]) for i in range(np_)]
             a["params"] = ok[0]["params"]
             a["step_ms_median_per_rep"] = [r["step_ms_median"] for r in ok]
+            a["mfu"] = med([r.get("mfu") for r in ok])
+            probes = [r["probe_fixed_gflops"] for r in ok if r.get("probe_fixed_gflops")]
+            if probes:
+                a["probe_fixed_gflops"] = {"median": med(probes), "min": min(probes), "max": max(probes)}
+            ratios = [r["pair_ratio"] for r in ok if r.get("pair_ratio") is not None]
+            if ratios:
+                a["pair"] = {"ref": next(r["pair_ref"] for r in ok if r.get("pair_ref")), "pairs": len(ratios),
+                             "median": med(ratios), "min": min(ratios), "max": max(ratios)}
             a["breakdown"] = {k: med([r.get("breakdown_median", {}).get(k) for r in ok]) for k in ok[0].get("breakdown_median", {})}
             if ok[0].get("overlap"):  # time the computing thread waited for unit all-gathers, per step (avg over ranks)
                 a["exposed_all_gather_ms_per_step"] = med([1000 * r["overlap"]["exposed_all_gather_s"]["avg"] / r["steps"] for r in ok])
@@ -489,6 +570,20 @@ def bandwidth_rows(agg, units, mpi):
     return rows
 
 
+def paired_cell(a):
+    """The median of a configuration's per-pair step ratios with their range: "0.93 x DDP [0.90-0.97, 3 pairs]"."""
+    p = a.get("pair")
+    if not p:
+        return "-"
+    ref = {"PyTorch DDP": "DDP", "PyTorch, no wrapper": "plain"}[p["ref"]]
+    return f"{p['median']:.2f} x {ref} [{p['min']:.2f}-{p['max']:.2f}, {p['pairs']} pair{'s' if p['pairs'] > 1 else ''}]"
+
+
+def probe_cell(a):
+    p = a.get("probe_fixed_gflops")
+    return f"{p['median']:.0f} [{p['min']:.0f}-{p['max']:.0f}]" if p else "-"
+
+
 def write_report(results):
     md = []
     f = results["machine"]
@@ -504,8 +599,16 @@ def write_report(results):
               + ", ".join(f"np {n}: {max(1, CORES // n)}" + (" (oversubscribed: " + str(n) + " ranks on " + str(CORES) + " cores)" if n * max(1, CORES // n) > CORES else "")
                           for n in results["settings"]["np"]))
     s = results["settings"]
-    md.append(f"- {s['reps']} repetition(s), each running every configuration once in a shuffled order; {s['warmup']} warm-up steps per run "
-              f"excluded; measured steps per run: " + ", ".join(f"{k} {v}" for k, v in s["steps"].items()) + "; the tables give the median over the repetitions")
+    md.append(f"- {s['reps']} repetition(s); each runs every (model, np) group once, the groups in a shuffled order, and inside a group every "
+              "configuration next to the group's reference (PyTorch DDP; plain PyTorch at np 1 where it runs), two configurations around one "
+              "reference run, before it in one repetition and after it in the next (bench/run_bench.py pairs_of_repetition); "
+              f"{s['warmup']} warm-up steps per run excluded; measured steps per run: " + ", ".join(f"{k} {v}" for k, v in s["steps"].items())
+              + "; the tables give the median over the repetitions, and \"paired\" the median of the ratios to the adjacent reference run "
+              "with their range")
+    md.append("- GEMM probe: every run, ours and the peer's, times one thread's fp32 `linear` at a fixed 512x512x512 (the column: GFLOP/s, "
+              "median [range] of the runs; a low one marks a run taken while the machine was slow) and at the model's four largest "
+              "products (each dimension capped at 1024); MFU = the model's training FLOPs per sample (fsdp-train's count: 6 N + "
+              "12 L d T per token, the CNN's convolutions and linears x 3) x samples/s / (the best of the model's products x threads x ranks)")
     md.append("- step time: rank 0, from before zero_grad (batch assembly included) to after the optimizer step; samples/s = global batch x "
               "measured steps / their summed time; peak RSS = getrusage maxrss per rank (MiB), the largest rank shown")
     md.append(f"- command: `{s['command']}`; total time of this run: {results['elapsed_s'] / 60:.1f} min\n")
@@ -527,12 +630,12 @@ def write_report(results):
                       "collectives' seconds (fsdp-train: metrics.csv, blocking collectives inside those phases, and in the prefetch + "
                       "overlapped reduction rows the worker thread's collectives, which run beside computation; the DDP peer: its "
                       "gradient all-reduces from the first bucket's launch to the last one's completion, overlapped with backward), minor page faults (getrusage).\n")
-            md.append("| np | configuration | median step ms | ratio | forward ms | backward ms | optimizer ms | all-gather ms | "
-                      "reduce-scatter ms | all-reduce ms | minor faults | peak RSS MiB (max rank) |")
-            md.append("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            md.append("| np | configuration | median step ms | ratio | paired | MFU | GEMM probe GFLOP/s | forward ms | backward ms | optimizer ms | "
+                      "all-gather ms | reduce-scatter ms | all-reduce ms | minor faults | peak RSS MiB (max rank) |")
+            md.append("|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             for a in rows:
                 if "error" in a:
-                    md.append(f"| {a['np']} | {a['config']} | failed: {a['error']} | | | | | | | | | |")
+                    md.append(f"| {a['np']} | {a['config']} | failed: {a['error']} | | | | | | | | | | | | |")
                     continue
                 ratios = []
                 if a.get("step_vs_ddp") is not None:
@@ -542,21 +645,37 @@ def write_report(results):
                 if a.get("step_vs_one_process") is not None:
                     ratios.append(f"{a['step_vs_one_process']:.2f} x one process")
                 b = a.get("breakdown", {})
-                md.append(f"| {a['np']} | {a['config']} | {fmt(a['step_ms_median'])} | {'; '.join(ratios) or '-'} | {fmt(b.get('forward'))} | "
+                md.append(f"| {a['np']} | {a['config']} | {fmt(a['step_ms_median'])} | {'; '.join(ratios) or '-'} | "
+                          f"{paired_cell(a) if 'per-rank batch' not in a['config'] else '-'} | {fmt(a.get('mfu'), '{:.0%}')} | {probe_cell(a)} | {fmt(b.get('forward'))} | "
                           f"{fmt(b.get('backward'))} | {fmt(b.get('optimizer'))} | {fmt(b.get('all_gather'))} | {fmt(b.get('reduce_scatter'))} | "
                           f"{fmt(b.get('all_reduce'))} | {fmt(b.get('minor_faults'), '{:.0f}')} | {fmt(a['peak_rss_mb_max'], '{:.0f}')} |")
             md.append("")
             continue
-        md.append("| np | threads/rank | configuration | median step ms | samples/s | peak RSS MiB (max rank) | throughput / DDP peer |")
-        md.append("|---:|---:|---|---:|---:|---:|---:|")
+        md.append("| np | threads/rank | configuration | median step ms | samples/s | peak RSS MiB (max rank) | throughput / DDP peer | "
+                  "paired step ratio | MFU | GEMM probe GFLOP/s |")
+        md.append("|---:|---:|---|---:|---:|---:|---:|---|---:|---:|")
         for a in rows:
             over = " (oversubscribed)" if a["oversubscribed"] else ""
             if "error" in a:
-                md.append(f"| {a['np']} | {a['threads']}{over} | {a['config']} | failed: {a['error']} | | | |")
+                md.append(f"| {a['np']} | {a['threads']}{over} | {a['config']} | failed: {a['error']} | | | | | | |")
                 continue
             md.append(f"| {a['np']} | {a['threads']}{over} | {a['config']} | {fmt(a['step_ms_median'])} | {fmt(a['samples_per_s'])} | "
-                      f"{fmt(a['peak_rss_mb_max'], '{:.0f}')} | {fmt(a.get('throughput_vs_ddp'), '{:.2f}')} |")
+                      f"{fmt(a['peak_rss_mb_max'], '{:.0f}')} | {fmt(a.get('throughput_vs_ddp'), '{:.2f}')} | {paired_cell(a)} | "
+                      f"{fmt(a.get('mfu'), '{:.0%}')} | {probe_cell(a)} |")
         md.append("")
+
+    md.append("## Pairs\n")
+    md.append("Every configuration's run against the reference run next to it (same repetition and trio), with both runs' GEMM "
+              "probe (one thread, 512x512x512, GFLOP/s): a pair whose probes differ much was taken while the machine changed speed.\n")
+    md.append("| model | np | rep | configuration | ran | step ms | reference | reference step ms | ratio | probe | reference's probe |")
+    md.append("|---|---:|---:|---|---|---:|---|---:|---:|---:|---:|")
+    for r in results["runs"]:
+        if r.get("pair_ratio") is None:
+            continue
+        md.append(f"| {r['model']} | {r['np']} | {r['rep'] + 1} | {r['config']} | {'first' if r['pair_ran_first'] else 'second'} | "
+                  f"{r['step_ms_median']:.1f} | {r['pair_ref']} | {r['pair_ref_step_ms']:.1f} | {r['pair_ratio']:.3f} | "
+                  f"{fmt(r.get('probe_fixed_gflops'), '{:.0f}')} | {fmt(r.get('pair_ref_probe_fixed_gflops'), '{:.0f}')} |")
+    md.append("")
 
     md.append("## Overlap: exposed communication\n")
     md.append("Time the computing thread waited for unit all-gathers (summary.json \"overlap\": synchronous all-gathers in full, "
@@ -677,23 +796,20 @@ def main():
     la_start = loadavg()
     configs = [c for c in CONFIGS if TORCH_FSDP or c[1] != "torch-fsdp"]
     plan = [(m, n, c) for m in MODEL_NAMES for n in NPS for c in configs if runs_config(m, n, c)]
-    log(f"# make bench{' (BENCH_QUICK=1)' if QUICK else ''}: {len(plan)} configurations x {REPS} repetition(s), {WARMUP} warm-up + "
+    log(f"# make bench{' (BENCH_QUICK=1)' if QUICK else ''}: {len(plan)} configurations x {REPS} repetition(s) in pairs, {WARMUP} warm-up + "
         f"{', '.join(f'{k} {v}' for k, v in steps.items())} measured steps; load average {la_start}; output {OUT}")
 
     runs = []
-    k = 0
-    for rep in range(REPS):
-        order = list(plan)
-        random.Random(1000 + rep).shuffle(order)  # the same seeded order every time; a different one per repetition
-        for model, np_, cfg in order:
-            k += 1
-            r = run_training(model, np_, cfg, rep, steps[model])
-            runs.append(r)
-            if "error" in r:
-                log(f"[{k}/{len(plan) * REPS}] rep {rep + 1} {model} np={np_} {cfg[0]}: FAILED ({r['error']}), {r['wall_s']:.1f} s; log {r['log']}")
-            else:
-                log(f"[{k}/{len(plan) * REPS}] rep {rep + 1} {model} np={np_} {cfg[0]}: median step {r['step_ms_median']:.1f} ms, "
-                    f"{r['samples_per_s']:.1f} samples/s, peak RSS {max(r['peak_rss_mb']):.0f} MiB, wall {r['wall_s']:.1f} s")
+    schedule = [(rep, run) for rep in range(REPS) for run in pairs_of_repetition(plan, rep)]
+    for k, (rep, (model, np_, cfg, pair)) in enumerate(schedule, 1):
+        r = run_training(model, np_, cfg, rep, steps[model], pair)
+        runs.append(r)
+        if "error" in r:
+            log(f"[{k}/{len(schedule)}] rep {rep + 1} {model} np={np_} {cfg[0]}: FAILED ({r['error']}), {r['wall_s']:.1f} s; log {r['log']}")
+        else:
+            log(f"[{k}/{len(schedule)}] rep {rep + 1} {model} np={np_} {cfg[0]}: median step {r['step_ms_median']:.1f} ms, "
+                f"{r['samples_per_s']:.1f} samples/s, peak RSS {max(r['peak_rss_mb']):.0f} MiB, GEMM probe {fmt(r.get('probe_fixed_gflops'))} "
+                f"GFLOP/s, wall {r['wall_s']:.1f} s")
     t_train = time.time() - t_start
 
     # Parameter counts: the peer's (PyTorch model) must equal fsdp-train's.
@@ -755,9 +871,10 @@ def main():
 
     notes = [
         "model.kind for the GPT model is \"transformer\" in fsdp-train's decks (there is no \"gpt\" kind); app/models.hpp GptImpl.",
-        "fsdp-train's own summary.json step_ms_median includes the warm-up steps and its samples_per_s/tokens_per_s count all "
-        "steps over train_s; this report recomputes both sides from per-step times after the warm-up (fsdp-train's metrics.csv "
-        "with log.every_steps = 1; the peer's step_ms). fsdp-train's own values are kept in results.json (runs[].fsdp_summary).",
+        "fsdp-train runs with log.timing_warmup_steps = the bench's warm-up, so its own summary.json step_ms_median is this "
+        "report's; its samples_per_s/tokens_per_s count all steps over train_s, so this report recomputes both sides from "
+        "per-step times after the warm-up (fsdp-train's metrics.csv with log.every_steps = 1; the peer's step_ms). fsdp-train's "
+        "own values are kept in results.json (runs[].fsdp_summary).",
         "The peer uses the data of fsdp-train bit for bit: the synthetic token chain and the DistributedSampler order are "
         "re-implemented on std::mt19937_64 (checked against app/data.cpp), images normalized the same way; each rank of both "
         "trains on the same samples at each step.",

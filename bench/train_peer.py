@@ -30,7 +30,8 @@ optimizer.step() on rank 0. The first --warmup steps are excluded; step_ms_media
 rest and samples_per_s = global batch x measured steps / their summed time. Writes DIR/summary.json
 with the keys of fsdp-train's summary (world_size, threads_per_rank, strategy, params, steps,
 step_ms_median, samples_per_s, tokens_per_s, peak_rss_mb per rank) plus step_ms (every step) and the
-BLAS library mapped into the process, and every step's breakdown (phases_ms: forward with the loss,
+BLAS library mapped into the process, the GEMM probe of fsdp-train (gemm_probe: one thread's rate at the
+model's products and at a fixed 512^3 one, rank 0 before training), and every step's breakdown (phases_ms: forward with the loss,
 backward, optimizer with clipping, all_reduce: DDP's gradient all-reduces from the first bucket's launch
 to the last one's completion, timed by a comm hook that does what DDP's default does; minor_faults from getrusage), as fsdp-train's
 metrics.csv columns.
@@ -621,6 +622,72 @@ def fsdp_cpu_patches(torch):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The GEMM probe of app/train/gemm_probe.hpp, on this side: the same rule, products and timing.
+PROBE_MAX_DIM, PROBE_SHAPES, PROBE_FIXED = 1024, 4, ("fixed", 512, 512, 512)
+
+
+def model_gemm_shapes(net, rows, torch):
+    """The forward products (rows, inner, cols) of the model's linear layers and LM head, each dimension capped
+    at PROBE_MAX_DIM, distinct shapes, those doing the most FLOPs per step first (the first PROBE_SHAPES)."""
+    uses = []
+    for name, mod in net.named_modules():
+        w = getattr(mod, "weight", None)
+        if not (isinstance(mod, torch.nn.Linear) or type(mod).__name__ == "LmHead") or w is None or w.dim() != 2:
+            continue
+        cols, inner = w.shape
+        shape = (min(rows, PROBE_MAX_DIM), min(inner, PROBE_MAX_DIM), min(cols, PROBE_MAX_DIM))
+        full = 2.0 * rows * inner * cols
+        use = next((u for u in uses if u[1] == shape), None)
+        if use:
+            use[2] += full
+        else:
+            uses.append([name, shape, full])
+    uses.sort(key=lambda u: -u[2])  # stable, as std::stable_sort
+    return [(u[0],) + u[1] for u in uses[:PROBE_SHAPES]]
+
+
+def openblas_thread_calls():
+    """OpenBLAS's thread setter and getter in this process (torch.set_num_threads does not reach them)."""
+    import ctypes
+    for path in blas_in_process():
+        if "openblas" in os.path.basename(path):
+            lib = ctypes.CDLL(path)
+            return lib.openblas_set_num_threads, lib.openblas_get_num_threads
+    return None, None
+
+
+def gemm_probe(model_shapes, torch):
+    """One thread (LibTorch's and OpenBLAS's): each product as F.linear runs it, one warm-up, then repetitions
+    until 30 ms and 3 of them; the best one counts. The peak is the best of the model's products."""
+    set_blas, get_blas = openblas_thread_calls()
+    threads, blas = torch.get_num_threads(), get_blas() if get_blas else None
+    torch.set_num_threads(1)
+    if set_blas:
+        set_blas(1)
+
+    def time_linear(shape):
+        name, r, k, c = shape
+        with torch.no_grad():
+            x, w = torch.full((r, k), 0.5), torch.full((c, k), 0.25)
+            torch.nn.functional.linear(x, w)
+            best, spent, reps = float("inf"), 0.0, 0
+            while reps < 3 or spent < 0.03:
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                dt = time.perf_counter() - t0
+                best, spent, reps = min(best, dt), spent + dt, reps + 1
+        return {"name": name, "rows": r, "inner": k, "cols": c, "gflops_per_thread": 2.0 * r * k * c / best / 1e9}
+    try:
+        fixed = time_linear(PROBE_FIXED)
+        shapes = [time_linear(s) for s in model_shapes]
+    finally:
+        torch.set_num_threads(threads)
+        if set_blas and blas:
+            set_blas(blas)
+    peak = max([s["gflops_per_thread"] for s in shapes] or [fixed["gflops_per_thread"]])
+    return {"threads": 1, "peak_gflops_per_thread": peak, "fixed": fixed, "shapes": shapes}
+
+
 def blas_in_process():
     libs = set()
     with open("/proc/self/maps") as f:
@@ -694,6 +761,7 @@ def main():
         return torch.nn.functional.nll_loss(torch.log_softmax(out.reshape(-1, out.size(-1)), 1), y.reshape(-1))
 
     net, block_cls = build_model(deck, torch)
+    probe_shapes = model_gemm_shapes(net, deck["data.batch_size"] * (deck["model.context"] if tokens is not None else 1), torch)  # before any wrapper
     params = sum(p.numel() for p in net.parameters())
     units = fsdp_unit_numels(net, deck)
     assert sum(units) == params, (units, params)
@@ -734,6 +802,9 @@ def main():
     clip = deck["optim.clip_grad_norm"]
 
     batch = deck["data.batch_size"]
+    # Before training, on rank 0 while the others wait (fsdp-train probes on each node's first rank).
+    probe = gemm_probe(probe_shapes, torch) if rank == 0 else None
+    dist.barrier()
     sampler = DistributedSampler(n_train, size, rank, deck["data.shuffle"], seed)
     steps_per_epoch = (sampler.num_samples() + batch - 1) // batch
     total_steps = steps_per_epoch * deck["run.epochs"]
@@ -808,6 +879,7 @@ def main():
             "torch_version": torch.__version__, "python": sys.version.split()[0], "blas": blas_in_process(),
             "torch_threads": torch.get_num_threads(), "patches": patches, "losses": losses,
             "unit_numels": units, "global_batch": global_batch, "phases_ms": phases_ms, "minor_faults": minor_faults,
+            "gemm_probe": probe,
         }
         if tokens is not None:
             summary["tokens_per_s"] = per_s * deck["model.context"]

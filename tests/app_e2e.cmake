@@ -20,10 +20,23 @@ foreach(f deck.toml metrics.csv summary.json checkpoints/latest)
   endif()
 endforeach()
 file(READ ${WORK_DIR}/smoke/summary.json summary)
-foreach(key world_size nodes params steps final_train_loss test_loss test_accuracy wall_s step_ms_median samples_per_s peak_rss_mb phases)
+foreach(key world_size nodes params steps final_train_loss test_loss test_accuracy wall_s step_ms_median samples_per_s peak_rss_mb phases
+        model_flops_per_sample model_flops_per_s peak_flops_per_s gemm_probe)
   expect_in("${summary}" "\"${key}\": ")
 endforeach()
 expect_in("${summary}" "\"steps\": 24,")
+# The model FLOP utilization: a GEMM probe on one thread at the model's products, kept in the run
+# directory; the median step after 3 warm-up steps, whose times are reported apart.
+expect_in("${summary}" "\"timing_warmup_steps\": 3,\n  \"step_ms_warmup\": \\[\n    [0-9.]+,\n    [0-9.]+,\n    [0-9.]+\n  \\]")
+expect_in("${summary}" "\"mfu\": [0-9][0-9.e-]*,")
+expect_in("${summary}" "\"cached\": false")
+expect_in("${last_output}" "GEMM probe \\(measured, kept in gemm_probe_[^ ]+\\.json\\): [0-9.]+ GFLOP/s per thread at the model's products")
+expect_in("${last_output}" "step 24/24 [^\n]* samples/s  MFU [0-9.]+%")
+expect_in("${last_output}" "24 steps, median step [0-9.]+ ms \\(after 3 warm-up\\), MFU [0-9.]+%")
+file(GLOB probes ${WORK_DIR}/smoke/gemm_probe_*.json)
+if(NOT probes)
+  message(FATAL_ERROR "no gemm_probe_<host>.json in ${WORK_DIR}/smoke")
+endif()
 file(STRINGS ${WORK_DIR}/smoke/metrics.csv rows)
 list(LENGTH rows nrows)
 if(NOT nrows EQUAL 7)
@@ -47,12 +60,13 @@ run(0 ${train2} ${DECK} ${common} --set data.batch_size=32 --set run.out_dir=${W
 expect_in("${last_output}" "epoch 1 step 8: test loss [0-9.]+, accuracy [0-9.]+% \\(512 samples\\)")
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/np2_eval/checkpoints ${WORK_DIR}/np2/checkpoints)
 file(STRINGS ${WORK_DIR}/np2_eval/metrics.csv rows)
-expect_in("${rows}" ";8,1,[0-9.]+,[^;]*,[0-9.]+,,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9]+,,0,[0-9.]+,[01],[0-9.e+-]+,;")  # its breakdown: forward .. minor_faults; no loss scale, nothing skipped; RSS, slowest rank
+expect_in("${rows}" ";8,1,[0-9.]+,[^;]*,[0-9.]+,,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9.e+-]+,[0-9]+,,0,[0-9.]+,[01],[0-9.e+-]+,,[0-9][0-9.e-]*;")  # its breakdown: forward .. minor_faults; no loss scale, nothing skipped; RSS, slowest rank; no tokens; MFU
 
 # 3. Resume: 12 steps, then a second run continues to 24; bit-identical to the smoke run's step 24.
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/resume --set run.max_steps=12)
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/resume)
 expect_in("${last_output}" "resumed from [^\n]*step_00000012.h5 at step 12")
+expect_in("${last_output}" "GEMM probe \\(kept in gemm_probe_")  # measured by the first start
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/resume/checkpoints ${WORK_DIR}/smoke/checkpoints)
 expect_in("${last_output}" "checkpoints match")
 

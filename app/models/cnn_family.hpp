@@ -35,6 +35,11 @@ class CnnFamily final : public ImageClassifierFamily {
   static constexpr std::int64_t kNumParams = (32 * 9 + 32) + (64 * 32 * 9 + 64) + (9216 * 128 + 128) + (128 * 10 + 10);
   std::int64_t num_params(const ModelSection&) const override { return kNumParams; }
 
+  /// Forward multiply-adds x 2 (conv1 26x26x32 outputs of 9 products, conv2 24x24x64 of 288, fc1,
+  /// fc2), and backward twice the forward, as 6 N counts a linear layer.
+  static constexpr double kForwardFlops = 2.0 * (26 * 26 * 32 * 9 + 24 * 24 * 64 * 288 + 9216 * 128 + 128 * kClasses);
+  double flops_per_sample(const ModelSection&, std::int64_t) const override { return 3 * kForwardFlops; }
+
   /// Fixed sizes: the batch's own cap keeps a step small.
   SizeEstimate size_estimate(const ModelSection&, long double) const override { return {}; }
 

@@ -100,6 +100,11 @@ class ModelFamily {
   virtual std::int64_t eval_chunk(const ModelSection&, std::int64_t batch) const { return batch; }
   /// Training FLOPs per token of a language model (`num_params` counted once); 0 for the others.
   virtual double flops_per_token(const ModelSection&, std::int64_t /*num_params*/) const { return 0; }
+  /// Training FLOPs per sample (forward and backward, nothing recomputed counted): the model FLOP
+  /// utilization's numerator. A language model's per token times the tokens it predicts (model.context).
+  virtual double flops_per_sample(const ModelSection& m, std::int64_t num_params) const {
+    return flops_per_token(m, num_params) * static_cast<double>(m.context);
+  }
   virtual SizeEstimate size_estimate(const ModelSection& m, long double batch) const = 0;
   /// fsdp-plan --memory's knobs; none: only the batch is searched.
   virtual std::vector<SizeKnob> size_knobs(const ModelSection&) const { return {}; }

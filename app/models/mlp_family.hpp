@@ -37,6 +37,8 @@ class MlpFamily final : public ImageClassifierFamily {
     }
     return n + in * kClasses + kClasses;
   }
+  /// Linear layers only: 6 per parameter (the biases' few FLOPs counted alike).
+  double flops_per_sample(const ModelSection&, std::int64_t num_params) const override { return 6.0 * static_cast<double>(num_params); }
 
   SizeEstimate size_estimate(const ModelSection& m, long double batch) const override {
     SizeEstimate e{.keys = "model.hidden_sizes"};

@@ -37,21 +37,22 @@ inline std::vector<std::string> rows_up_to(const std::filesystem::path& path, st
 /// largest resident memory of any rank (MiB), the slowest rank of the window and how long the others
 /// waited for it per step (RankWatch); the evaluation's loss (and perplexity for language models) on
 /// the row of the step it followed (a row of its own, train columns empty, when that step logged nothing);
-/// a language model's tokens per second last (samples per second x model.context; empty for images).
+/// a language model's tokens per second (samples per second x model.context; empty for images); the
+/// window's model FLOP utilization last (empty on a GPU).
 class MetricsLog {
  public:
   /// Starts the file at `path`; resuming at `resumed_step` > 0 keeps the rows up to that step (a crashed
   /// run may have logged past it). The file is replaced atomically, then every row is appended and
   /// checked at once (LineAppendFile): a full disk stops the run with an OutputError naming the file,
   /// and the file still ends with a complete row.
-  static constexpr long kColumns = 22;
+  static constexpr long kColumns = 23;
   void open(const std::filesystem::path& path, std::int64_t resumed_step) {
     std::filesystem::create_directories(path.parent_path());
     const auto kept = rows_up_to(path, resumed_step);
     std::ostringstream text;
     text << "step,epoch,loss,lr,samples_per_s,step_ms,elapsed_s,eval_loss,eval_ppl,"
             "forward_ms,backward_ms,optimizer_ms,all_gather_ms,reduce_scatter_ms,all_reduce_ms,minor_faults,loss_scale,skipped_in_window,"
-            "rss_mib,slowest_rank,others_waited_ms,tokens_per_s\n";
+            "rss_mib,slowest_rank,others_waited_ms,tokens_per_s,mfu\n";
     // Rows of a file written before the later columns existed get them empty.
     for (const auto& l : kept)
       text << l << std::string(static_cast<std::size_t>(std::max<long>(0, kColumns - 1 - std::count(l.begin(), l.end(), ','))), ',') << "\n";
@@ -61,7 +62,7 @@ class MetricsLog {
   /// `tokens_per_sample` (model.context for a language model, 0 otherwise) gives tokens_per_s.
   void row(std::int64_t step, std::int64_t epoch, double loss, double lr, double rate, double step_ms, double elapsed_s, const StepBreakdown& parts,
            std::optional<double> loss_scale, std::int64_t skipped, const RankReport& ranks, const std::optional<EvalResult>& eval = std::nullopt,
-           std::int64_t tokens_per_sample = 0) {
+           std::int64_t tokens_per_sample = 0, std::optional<double> mfu = std::nullopt) {
     const bool language_model = tokens_per_sample > 0;
     std::ostringstream r;
     r << step << "," << epoch << "," << loss << "," << lr << "," << rate << "," << step_ms << "," << elapsed_s << ",";
@@ -71,6 +72,8 @@ class MetricsLog {
     if (loss_scale) r << *loss_scale;
     r << "," << skipped << "," << ranks.max_rss_mib << "," << ranks.slowest_rank << "," << ranks.others_waited_ms << ",";
     if (language_model) r << rate * static_cast<double>(tokens_per_sample);
+    r << ",";
+    if (mfu) r << *mfu;
     r << "\n";
     out_.append(r.str());
   }
@@ -79,7 +82,7 @@ class MetricsLog {
     std::ostringstream r;
     r << step << "," << epoch << ",,,,,,";
     eval_cells(r, eval, language_model);
-    r << ",,,,,,,,,,,,,\n";
+    r << ",,,,,,,,,,,,,,\n";
     out_.append(r.str());
   }
 

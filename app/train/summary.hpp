@@ -17,6 +17,7 @@
 
 #include "run_config.hpp"
 #include "train/dataset.hpp"
+#include "train/gemm_probe.hpp"
 #include "train/ranks.hpp"
 #include "train/timing.hpp"
 
@@ -48,6 +49,9 @@ struct RunTotals {
   std::optional<double> loss_scale;         ///< fp16's loss scale at the end; unset without loss scaling
   std::int64_t tokens_per_sample = 0;       ///< language models: tokens predicted per sequence; 0 otherwise
   double flops_per_token = 0;               ///< language models: training FLOPs per token (6 N + 12 L d T); 0 otherwise
+  Utilization utilization;                  ///< the model's FLOPs per sample and the run's peak (GEMM probe); no peak on a GPU
+  std::int64_t samples_per_step = 0;        ///< the global batch
+  std::int64_t timing_warmup_steps = 0;     ///< log.timing_warmup_steps: first steps kept out of the median step time
   double last_loss = std::nan("");
   std::optional<EvalResult> eval;  ///< the last evaluation, if any ran
   std::int64_t eval_step = 0;      ///< the step it followed
@@ -66,6 +70,18 @@ struct RunTotals {
 inline double median_of(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   return values.empty() ? 0 : values[values.size() / 2];
+}
+
+/// A run's step times split into the warm-up (its first `warmup` steps: the heap, caches and page
+/// tables fill) and the steps after it, whose median is the run's step time. A run of no more steps
+/// than `warmup` has no warm-up apart: all its steps are measured (the benchmark peer does the same).
+struct StepTimes {
+  std::vector<double> warmup, measured;
+  double median() const { return median_of(measured); }
+};
+inline StepTimes split_warmup(const std::vector<double>& step_ms, std::int64_t warmup) {
+  const auto n = static_cast<std::int64_t>(step_ms.size()) > warmup ? static_cast<std::ptrdiff_t>(warmup) : 0;
+  return {{step_ms.begin(), step_ms.begin() + n}, {step_ms.begin() + n, step_ms.end()}};
 }
 
 /// What summary.json reports across ranks, gathered by every rank (collective) before rank 0 writes.
@@ -169,6 +185,29 @@ inline nlohmann::ordered_json overlap_json(const RunConfig& cfg, const RunTotals
   return js;
 }
 
+/// The model FLOP utilization of the median step after the warm-up (a global batch per step).
+inline std::optional<double> steady_mfu(const RunTotals& t, const StepTimes& steps) {
+  const double step_s = steps.median() / 1000;
+  return step_s > 0 ? t.utilization.at(static_cast<double>(t.samples_per_step) / step_s) : std::nullopt;
+}
+
+/// Model FLOPs and utilization: model_flops_per_s from the throughput (all steps over train_s); mfu
+/// from the median step after the warm-up against the GEMM probe's peak (null without one: a GPU).
+inline void utilization_json(nlohmann::ordered_json& js, const RunTotals& t, const RunStatsAcrossRanks& r, const StepTimes& steps) {
+  const auto& u = t.utilization;
+  if (!(u.flops_per_sample > 0)) return;
+  js["model_flops_per_sample"] = u.flops_per_sample;
+  js["model_flops_per_s"] = u.flops_per_sample * r.rate;
+  const auto mfu = steady_mfu(t, steps);
+  js["mfu"] = mfu ? nlohmann::ordered_json(*mfu) : nlohmann::ordered_json(nullptr);
+  if (u.peak.flops_per_s > 0) {
+    js["peak_flops_per_s"] = u.peak.flops_per_s;
+    auto probe = gemm_probe_json(u.peak.probe);
+    probe["cached"] = u.peak.probe.cached;
+    js["gemm_probe"] = probe;
+  }
+}
+
 /// summary.json's document (rank 0's view).
 template <class Engine>
 nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& placement, const RunConfig& cfg, Engine& model, const RunTotals& t,
@@ -210,15 +249,18 @@ nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& pl
   }
   js["wall_s"] = t.wall_s;
   js["train_s"] = r.train_s;
-  js["step_ms_median"] = median_of(t.step_ms);
+  const StepTimes steps = split_warmup(t.step_ms, t.timing_warmup_steps);
+  js["step_ms_median"] = steps.median();
+  js["timing_warmup_steps"] = steps.warmup.size();
+  js["step_ms_warmup"] = steps.warmup;
   js[t.tokens_per_sample > 0 ? "tokens_per_s" : "samples_per_s"] =
       t.tokens_per_sample > 0 ? r.rate * static_cast<double>(t.tokens_per_sample) : r.rate;
   if (t.flops_per_token > 0) {
     // Achieved model FLOP/s: nanoGPT's and llm.c's estimate (forward and backward of every parameter,
     // plus attention), from the training throughput; hardware-independent, no recomputation counted.
     js["model_flops_per_token"] = t.flops_per_token;
-    js["model_flops_per_s"] = t.flops_per_token * r.rate * static_cast<double>(t.tokens_per_sample);
   }
+  utilization_json(js, t, r, steps);
   js["peak_rss_mb"] = r.peak_rss_mb;
   if (t.rss_warm_step) {
     js["rss_growth_mib"] = t.rss_growth_mib;
@@ -239,7 +281,13 @@ inline void print_summary(int world_size, const RunTotals& t, const RunStatsAcro
   std::printf("peak RSS per rank (MiB):");
   for (double rss : r.peak_rss_mb) std::printf(" %.0f", rss);
   const bool tokens = t.tokens_per_sample > 0;
-  std::printf("\n%lld steps, median step %.1f ms, %.0f %s, wall %.1f s\n", static_cast<long long>(t.steps), median_of(t.step_ms),
+  const StepTimes steps = split_warmup(t.step_ms, t.timing_warmup_steps);
+  char warmup[48] = "";
+  if (!steps.warmup.empty()) std::snprintf(warmup, sizeof warmup, " (after %zu warm-up)", steps.warmup.size());
+  const auto mfu = steady_mfu(t, steps);
+  char utilization[32] = "";
+  if (mfu) std::snprintf(utilization, sizeof utilization, ", MFU %.1f%%", 100 * *mfu);
+  std::printf("\n%lld steps, median step %.1f ms%s%s, %.0f %s, wall %.1f s\n", static_cast<long long>(t.steps), steps.median(), warmup, utilization,
               tokens ? r.rate * static_cast<double>(t.tokens_per_sample) : r.rate, tokens ? "tokens/s" : "samples/s", t.wall_s);
   // A language model's loss per token is read as perplexity; an image classifier's as accuracy.
   if (t.eval && tokens)

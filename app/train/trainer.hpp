@@ -35,6 +35,7 @@
 #include "train/echo.hpp"
 #include "train/run_setup.hpp"
 #include "train/eval_only.hpp"
+#include "train/gemm_probe.hpp"
 #include "train/generate.hpp"
 #include "train/metrics_log.hpp"
 #include "train/mixture_state.hpp"
@@ -199,6 +200,8 @@ class Trainer {
       if (root_ && write_metrics_) metrics_.open(metrics_path_, start_.step);
       if (root_ && write_metrics_ && data_.blend) mixture_log_.open(metrics_path_.parent_path() / "sources.csv", start_.step);
     });
+    // Before the clock starts: the probe takes a few tenths of a second on a host's first start.
+    utilization_ = measure_utilization(world_, cfg_, model_->num_params(), model_->compute_device().is_cpu());
     window_.reset();
     train_start_ = Clock::now();
     step_ = start_.step;
@@ -423,6 +426,7 @@ class Trainer {
     }
     const double loss_avg = stats[0] / world_.size();
     const double rate = stats[1] / std::max(1e-9, seconds_since(window_.start) - window_.pause);
+    const std::optional<double> mfu = utilization_.at(rate);
     last_loss_ = loss_avg;
     if (root_) {
       const double elapsed = seconds_since(train_start_);
@@ -434,15 +438,17 @@ class Trainer {
         // Several ranks: the slowest one's own work per step beyond the others' (what they waited).
         char slowest[64] = "";
         if (world_.size() > 1) std::snprintf(slowest, sizeof slowest, "  slowest rank %d +%.1f ms/step", ranks.slowest_rank, ranks.others_waited_ms);
-        std::printf("%sepoch %lld step %lld/%lld  loss %.4f  lr %.3g  %.0f %s  ETA %s%s%s", progress_.live ? "\r" : "",
+        char utilization[32] = "";
+        if (mfu) std::snprintf(utilization, sizeof utilization, "  MFU %.1f%%", 100 * *mfu);
+        std::printf("%sepoch %lld step %lld/%lld  loss %.4f  lr %.3g  %.0f %s%s  ETA %s%s%s", progress_.live ? "\r" : "",
                     static_cast<long long>(epoch + 1), static_cast<long long>(step_), static_cast<long long>(schedule_.total_steps), loss_avg, lr,
-                    shown_rate, unit, format_duration(eta).c_str(), slowest, progress_.live ? "   " : "\n");
+                    shown_rate, unit, utilization, format_duration(eta).c_str(), slowest, progress_.live ? "   " : "\n");
         std::fflush(stdout);
       }
       for (const auto& warning : ranks.warnings) std::printf("%s%s\n", progress_.live && !progress_.quiet ? "\n" : "", warning.c_str());
       if (write_metrics_)
         metrics_.row(step_, epoch + 1, loss_avg, lr, rate, step_ms_.back(), elapsed, breakdown,
-                     scaler_ ? std::optional<double>(scaler_->scale()) : std::nullopt, window_.skipped, ranks, step_eval, tokens_per_sample());
+                     scaler_ ? std::optional<double>(scaler_->scale()) : std::nullopt, window_.skipped, ranks, step_eval, tokens_per_sample(), mfu);
       if (write_metrics_ && data_.blend) mixture_log_.rows(step_, mixture_shares(data_, cfg_, next_epoch_, next_sample_index_));
     }
     window_.reset();
@@ -514,6 +520,9 @@ class Trainer {
     t.samples_trained = samples_trained_;
     t.tokens_per_sample = tokens_per_sample();
     t.flops_per_token = model_family(cfg_.model.kind).flops_per_token(cfg_.model, model_->num_params());
+    t.utilization = utilization_;
+    t.samples_per_step = schedule_.global_batch;
+    t.timing_warmup_steps = cfg_.log.timing_warmup_steps;
     t.last_loss = last_loss_;
     if (evaluated_) {
       t.eval = last_eval_;
@@ -574,6 +583,7 @@ class Trainer {
   fsdp::CommCounters comm_start_;
   StepAllGather step_all_gather_;        // training steps' all-gathers (evaluation's not counted)
   std::optional<RankWatch> rank_watch_;  // resident memory and the slowest rank, per log window
+  Utilization utilization_;              // MFU: the model's FLOPs per sample and the run's peak (GEMM probe)
 };
 
 /// The one place that picks the engine's communicator type from fsdp.backend: runs
