@@ -7,7 +7,10 @@
 #include <CLI/CLI.hpp>
 #include <fsdp/fsdp.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -137,7 +140,21 @@ int run(MpiComm& world, const std::string& deck_path, const std::vector<std::str
 
 }  // namespace
 
+/// LibTorch's OpenMP pool (libgomp) and OpenBLAS's threads share the rank's cores: a libgomp thread that
+/// has finished its part of an operation spins for the next one by default and takes the core an
+/// OpenBLAS thread needs for the matrix product running meanwhile. With 2 threads per rank that made a
+/// step 2-3x slower (docs/performance.md, "Two thread pools"). libgomp reads OMP_WAIT_POLICY only when
+/// it loads, before main: so when it is unset and the process is not yet re-executed, set it to PASSIVE
+/// and re-execute once, before MPI starts. An OMP_WAIT_POLICY the user set is kept.
+void wait_passively_in_openmp(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
+  if (setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
+  execv("/proc/self/exe", argv);  // returns only on failure: then training goes on, only slower
+  unsetenv("OMP_WAIT_POLICY");
+}
+
 int main(int argc, char** argv) {
+  wait_passively_in_openmp(argv);
   // Called as fsdp-generate (a link to this program): text from a trained model instead of training.
   const bool generating = std::filesystem::path(argv[0]).filename() == "fsdp-generate";
   CLI::App cli{generating ? "fsdp-generate: continue a prompt with the model of a deck (its latest checkpoint, checkpoint.resume's, or "

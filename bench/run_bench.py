@@ -169,6 +169,9 @@ def base_env(threads):
         "OMPI_MCA_btl": "self,vader",
         "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
         "OMP_NUM_THREADS": str(threads),
+        # libgomp's idle threads otherwise spin on the cores OpenBLAS's threads compute on (fsdp-train sets
+        # this for itself when unset; the peer gets the same: docs/performance.md, "Two thread pools").
+        "OMP_WAIT_POLICY": "PASSIVE",
         "OPENBLAS_NUM_THREADS": str(threads),
         "PYTHONDONTWRITEBYTECODE": "1",
         # fsdp-train: a timed barrier before each collective, so that its seconds are the transfer alone and
