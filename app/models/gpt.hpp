@@ -13,6 +13,7 @@
 
 #include "gpt_config.hpp"
 #include "models/app_model.hpp"
+#include "models/attention.hpp"
 #include "models/documents.hpp"
 #include "run_config.hpp"
 
@@ -38,9 +39,8 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
     const bool cached = cache_ && cache_->on;
     if (cached) std::tie(k, v) = cache_->append(layer_, k, v);  // generation: the earlier tokens' keys too
-    auto att = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
     const auto& mask = cached ? KvCache::blocked(t, k.size(2) - t, x.device()) : documents_ ? documents_->blocked : blocked(t);
-    att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
+    auto att = masked_scores(q, k, 1.0 / std::sqrt(static_cast<double>(hd)), mask);
     att = F::dropout(torch::softmax(att, -1), F::DropoutFuncOptions().p(p_).training(is_training()));
     auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
     return F::dropout(fsdp::forward(proj, y), F::DropoutFuncOptions().p(p_).training(is_training()));

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "models/app_model.hpp"
+#include "models/attention.hpp"
 #include "models/documents.hpp"
 #include "models/llama_config.hpp"
 #include "run_config.hpp"
@@ -64,9 +65,8 @@ struct LlamaAttentionImpl : torch::nn::Module {
       k = k.repeat_interleave(c_.n_heads / c_.n_kv_heads, 1);
       v = v.repeat_interleave(c_.n_heads / c_.n_kv_heads, 1);
     }
-    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
     const auto& mask = cached ? KvCache::blocked(t, k.size(2) - t, x.device()) : documents_ ? documents_->blocked : blocked(t, x.device());
-    att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
+    auto att = masked_scores(q, k, 1.0 / std::sqrt(static_cast<double>(hd)), mask);
     att = torch::softmax(att, -1, torch::kFloat).to(q.scalar_type());
     auto y = torch::matmul(att, v).transpose(1, 2).reshape({b, t, c_.q_width()});
     return fsdp::forward(o_proj, y);
