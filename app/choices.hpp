@@ -193,6 +193,15 @@ struct ChoiceNames<StateDictType> {
                                      std::pair{StateDictType::LOCAL_STATE_DICT, std::string_view("LOCAL_STATE_DICT")}};
 };
 
+/// checkpoint.async_when_writing: what a save does while the previous background write still runs.
+enum class AsyncWhenWriting { kQueue, kWait, kSkip };
+template <>
+struct ChoiceNames<AsyncWhenWriting> {
+  static constexpr std::array kNames{std::pair{AsyncWhenWriting::kQueue, std::string_view("queue")},
+                                     std::pair{AsyncWhenWriting::kWait, std::string_view("wait")},
+                                     std::pair{AsyncWhenWriting::kSkip, std::string_view("skip")}};
+};
+
 /// checkpoint.resume_changed: a resume whose deck changed a key that decides the training.
 enum class ResumeChanged { kRefuse, kAllow };
 template <>

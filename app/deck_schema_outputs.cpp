@@ -70,8 +70,16 @@ void add_checkpoint_keys(std::vector<KeySpec>& s) {
                .type = T::kBool,
                .default_value = false,
                .description = "copy the state to host memory and write the checkpoint on an I/O thread while training goes on "
-                              "(one save in flight; `latest` moves once it is on disk; host memory: one more copy of the rank's "
-                              "shards and optimizer state)"});
+                              "(`latest` moves once it is on disk; host memory: one more copy of the rank's shards and optimizer "
+                              "state, two with checkpoint.async_when_writing = \"queue\")"});
+  s.push_back({.key = "checkpoint.async_when_writing",
+               .type = T::kString,
+               .default_value = "queue",
+               .choices = choice_names<AsyncWhenWriting>(),
+               .description = "checkpoint.async: what a save does while the previous one is still being written. queue: a second "
+                              "host copy takes it at once and it is written after the previous one (a save that finds both copies "
+                              "busy waits for the older write); wait: training waits for the previous write (one host copy); skip: "
+                              "the save is skipped with a warning (one host copy; the final save and a save on a stop signal wait)"});
   s.push_back({.key = "checkpoint.rank0_only",
                .type = T::kBool,
                .default_value = true,

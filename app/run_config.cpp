@@ -318,6 +318,7 @@ CheckpointSection resolve_checkpoint_section(const Deck& deck, const RunSection&
   ckpt.resume_changed = choice<ResumeChanged>(deck, "checkpoint.resume_changed");
   ckpt.save_final = deck.get_bool("checkpoint.save_final");
   ckpt.asynchronous = deck.get_bool("checkpoint.async");
+  ckpt.async_when_writing = choice<AsyncWhenWriting>(deck, "checkpoint.async_when_writing");
   ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
   ckpt.collective_timeout_s = comm.timeout_s;
   ckpt.init_from = deck.get_string("checkpoint.init_from");

@@ -174,6 +174,9 @@ struct CheckpointSection {
   ResumeChanged resume_changed = ResumeChanged::kRefuse;
   bool save_final = true;
   bool asynchronous = false;  ///< checkpoint.async: written on an I/O thread from a host copy
+  AsyncWhenWriting async_when_writing = AsyncWhenWriting::kQueue;
+  /// Host copies of the state an asynchronous checkpointer keeps: two to queue a save behind a write.
+  int async_copies() const { return async_when_writing == AsyncWhenWriting::kQueue ? 2 : 1; }
   bool rank0_only = false;
   double collective_timeout_s = 600;  ///< comm.timeout_s
   std::string init_from;              ///< a fresh run's weights: a safetensors file or folder, or a checkpoint; empty: none

@@ -288,13 +288,31 @@ echo "ok: the flight recorder named the collective a rank skipped, and the one a
 #     bit for bit; SIGTERM waits for the write in flight and saves; a rank killed while a background
 #     write is paused (test hook FSDP_TEST_SLOW_CHECKPOINT_WRITE = STEP:SECONDS) leaves the previous
 #     checkpoint as `latest`, verifying, and resuming from it reproduces the straight run; a background
-#     write that fails stops every rank with exit 2 at a step boundary, `latest` intact.
+#     write that fails stops every rank with exit 2 at a step boundary, `latest` intact; a save during a
+#     write queues, waits or is skipped (checkpoint.async_when_writing).
 async=(--set checkpoint.async=true)
 run "$WORK/async.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/async" "${long[@]}" "${async[@]}"
 expect 0 "checkpoint .*step_00000150.h5 \\(.* in the background\\)" "$WORK/async.log"
 grep -q "step_00000025.h5: writing in the background" "$WORK/async.log" || { cat "$WORK/async.log"; fail "no background write reported"; }
 "$CKPT" diff "$WORK/async/checkpoints" "$WORK/straight/checkpoints" >"$WORK/async.diff" || { cat "$WORK/async.diff"; fail "asynchronous checkpoints changed the weights"; }
 echo "ok: a run with asynchronous checkpoints ends with the straight run's weights, bit for bit"
+# A save that comes while the previous write still runs (step 25's held 6 s): checkpoint.async_when_writing
+# = queue (the default) copies it at once into a second host copy and writes it next; wait waits for the
+# write; skip skips it with a warning. Every run ends with the straight run's weights.
+for when in queue wait skip; do
+  run "$WORK/async_$when.log" "${MPI[@]}" -np 2 -x FSDP_TEST_SLOW_CHECKPOINT_WRITE=25:6 "$TRAIN" "$DECK" --set run.out_dir="$WORK/async_$when" \
+    "${long[@]}" "${async[@]}" --set checkpoint.async_when_writing=$when
+  expect 0 "checkpoint .*step_00000150.h5 \\(.* in the background\\)" "$WORK/async_$when.log"
+  "$CKPT" diff "$WORK/async_$when/checkpoints" "$WORK/straight/checkpoints" >/dev/null || fail "async_when_writing = $when changed the weights"
+done
+grep -Eq "step_00000050.h5: writing in the background after the save still being written \(training held [0-9.]+ s: [0-9.]+ s copying the state, 0.00 s waiting" \
+  "$WORK/async_queue.log" || { cat "$WORK/async_queue.log"; fail "queue: step 50 did not queue behind step 25's write"; }
+grep -Eq "step_00000050.h5: writing in the background \(training held [0-9.]+ s: [0-9.]+ s copying the state, [1-9][0-9.]* s waiting" \
+  "$WORK/async_wait.log" || { cat "$WORK/async_wait.log"; fail "wait: step 50 did not wait for step 25's write"; }
+grep -q 'warning: checkpoint step_00000050.h5 skipped: the previous one is still being written (checkpoint.async_when_writing = "skip")' \
+  "$WORK/async_skip.log" || { cat "$WORK/async_skip.log"; fail "skip: step 50's save was not skipped"; }
+grep -A1 '"skipped_steps"' "$WORK/async_skip/summary.json" | grep -q "50" || fail "skip: summary.json does not list step 50 as skipped"
+echo "ok: a save during a write queues, waits or is skipped as checkpoint.async_when_writing says; the weights are the straight run's"
 # SIGTERM while step 25's write is held (8 s): the stop waits for it, saves the current step, exit 3.
 start=$SECONDS
 ( timeout 300 "${MPI[@]}" -np 2 -x FSDP_TEST_SLOW_CHECKPOINT_WRITE=25:8 "$TRAIN" "$DECK" --set run.out_dir="$WORK/async_term" "${long[@]}" "${async[@]}" \

@@ -1,7 +1,7 @@
 // Asynchronous checkpoints (run at np = 1..4, part of test_checkpoint): the file an asynchronous save
 // writes while training goes on is, byte for byte, the one a synchronous save writes at the same step
-// (the creation time aside, which the test sets equal), for every state dict type and strategy; saves queue one at a time and
-// prune only after committing; a failed background write reaches every rank and leaves `latest` alone.
+// (the creation time aside, which the test sets equal), for every state dict type and strategy; saves queue one at a time (or
+// behind a running write, with two host copies) and prune only after committing; a failed background write reaches every rank and leaves `latest` alone.
 #include <boost/test/unit_test.hpp>
 
 #include <fsdp/io/async_checkpoint.hpp>
@@ -167,6 +167,69 @@ BOOST_AUTO_TEST_CASE(async_saves_queue_one_at_a_time_and_resume_exactly) {
   BOOST_TEST(state.step == 6);
   for (auto s = state.step; s < 9; ++s) train_step(*second, *opt2, static_cast<int>(s));
   check_equal(expected, full_state(*second, opt2.get()), "9 steps straight == 6 + asynchronous saves + resume + 3");
+}
+
+// checkpoint.async_when_writing = "queue": with two host copies a save taken while the previous write
+// still runs is copied at once, without waiting, and written after it; both hold their own step and
+// `latest` ends on the newer. With both copies busy, the next save waits for the oldest write.
+BOOST_AUTO_TEST_CASE(two_host_copies_queue_a_save_behind_a_running_write) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  const auto options = options_for(ShardingStrategy::FULL_SHARD, world.size(), true);
+  torch::manual_seed(7 + world.rank());
+  auto model = fsdp::make_fsdp(make_net(3), world, options);
+  auto opt = make_adam(*model);
+  train_step(*model, *opt, 0);
+  Async one(*model);
+  one.reserve(*model, opt.get());
+  Async async(*model, 2);
+  async.reserve(*model, opt.get());
+  BOOST_TEST(async.staging_bytes() == 2 * one.staging_bytes());
+
+  // The first write is held at its start until the second save has been taken.
+  std::atomic<bool> release{false};
+  fsdp::CheckpointOptions held;
+  held.on_stage = [&](const std::string& stage, std::int64_t step) {
+    while (stage == "writing" && step == 1 && !release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  const auto at_step1 = full_state(*model, opt.get());
+  const auto first = async.save(*model, opt.get(), dir.path, {.step = 1}, held);
+  BOOST_TEST(!first.queued);
+  train_step(*model, *opt, 1);
+  const auto at_step2 = full_state(*model, opt.get());
+  const auto second = async.save(*model, opt.get(), dir.path, {.step = 2}, held);
+  BOOST_TEST(second.queued);
+  BOOST_TEST(!second.previous.has_value(), "the second copy took it: nothing was waited for");
+  BOOST_TEST(async.saves_in_flight() == 2);
+  BOOST_TEST(async.every_copy_busy());
+  BOOST_TEST(!fsdp::ckpt::read_latest(dir.path).has_value(), "nothing committed while the first write is held");
+  train_step(*model, *opt, 2);
+  release = true;
+  const auto r1 = async.wait();
+  const auto r2 = async.wait();
+  BOOST_REQUIRE((r1.has_value() && r2.has_value()));
+  BOOST_TEST(r1->path == dir / "step_00000001.h5");
+  BOOST_TEST(r2->path == dir / "step_00000002.h5");
+  BOOST_TEST(!async.in_flight());
+  BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value_or("") == "step_00000002.h5");
+  for (const auto& [path, expected] : {std::pair{r1->path, &at_step1}, std::pair{r2->path, &at_step2}}) {
+    auto loaded = fsdp::make_fsdp(make_net(42), world, options);
+    auto opt2 = make_adam(*loaded);
+    fsdp::load_checkpoint(*loaded, opt2.get(), path, nullptr, {});
+    check_equal(*expected, full_state(*loaded, opt2.get()), "the checkpoint holds its own step's state");
+  }
+
+  // Two saves in flight: a third waits for the oldest and reports it; the queue stays in order.
+  async.save(*model, opt.get(), dir.path, {.step = 3});
+  async.save(*model, opt.get(), dir.path, {.step = 4});
+  const auto third = async.save(*model, opt.get(), dir.path, {.step = 5});
+  BOOST_REQUIRE(third.previous.has_value());
+  BOOST_TEST(third.previous->path == dir / "step_00000003.h5");
+  BOOST_TEST(third.queued);
+  std::vector<std::string> rest;
+  while (async.in_flight()) rest.push_back(async.wait()->path);
+  BOOST_TEST(rest == (std::vector<std::string>{dir / "step_00000004.h5", dir / "step_00000005.h5"}), boost::test_tools::per_element());
+  BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value_or("") == "step_00000005.h5");
 }
 
 BOOST_AUTO_TEST_CASE(a_failed_background_write_fails_on_every_rank_and_keeps_latest) {

@@ -142,7 +142,8 @@ struct RunShape {
   bool clip = false;
   std::int64_t grad_accum = 1;
   bool reduce_every_micro_batch = false;  ///< optim.accum_reduce = every: no unsharded gradient kept between micro-batches
-  bool async_checkpoint = false;          ///< checkpoint.async with any save: a host copy of the training state from the first save on
+  bool async_checkpoint = false;          ///< checkpoint.async with any save: host copies of the training state from the first step on
+  int async_copies = 1;                   ///< how many (checkpoint.async_when_writing = "queue": 2)
   bool activation_checkpointing = false;
   bool deferred_init = false;                     ///< fsdp.deferred_init: the model is built and initialized unit by unit
   std::string backward_prefetch = "NO_PREFETCH";  ///< fsdp.backward_prefetch
@@ -210,6 +211,7 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
   r.grad_accum = cfg.optim.grad_accum_steps;
   r.reduce_every_micro_batch = cfg.optim.reduce_every_micro_batch;
   r.async_checkpoint = cfg.checkpoint.asynchronous && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.save_final);
+  r.async_copies = cfg.checkpoint.async_copies();
   r.activation_checkpointing = cfg.fsdp.activation_checkpointing;
   r.deferred_init = cfg.fsdp.deferred_init;
   r.backward_prefetch = cfg.fsdp.backward_prefetch_name;

@@ -88,14 +88,14 @@ class RunSimulator {
  private:
   bool needs_gather(const PlanUnit& u) const { return u.numel > 0 && (run_.group > 1 || run_.param_bytes != 4); }
 
-  /// The first asynchronous save allocates the host copy of the shards, the optimizer state and the
-  /// buffers (CheckpointSnapshot), and keeps it for the next saves.
+  /// After the first step the asynchronous checkpointer allocates its host copies of the shards, the
+  /// optimizer state and the buffers (CheckpointSnapshot), and keeps them for every save.
   void stage_checkpoint() {
     std::int64_t elements = 0;
     for (const auto& u : units_) elements += u.shard;
     std::int64_t bytes = elements * 4 * (1 + run_.optimizer_copies);
     for (const auto& m : desc_.modules) bytes += m.buffer_numel * 4;
-    mem_.alloc(Mem::kStaging, bytes);
+    mem_.alloc(Mem::kStaging, bytes * run_.async_copies);
   }
 
   void load_data() {

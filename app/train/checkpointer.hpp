@@ -63,7 +63,7 @@ class Checkpointer {
     // Without any save planned there is nothing to write in the background (a stop signal saves
     // synchronously); a checkpointer without an optimizer only loads (--eval-only, fsdp-generate).
     if (optimizer_ && cfg.checkpoint.asynchronous && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.save_final))
-      on_all_ranks(world_, [&] { async_.emplace(model_); });
+      on_all_ranks(world_, [&] { async_.emplace(model_, cfg.checkpoint.async_copies()); });
   }
 
   /// Holds the run directory (a second run on it stops here, exit 2, naming the holder) and writes the
@@ -211,11 +211,13 @@ class Checkpointer {
   }
 
   /// Saves `state` (the deck is added); the time training is held goes to `seconds`. With
-  /// checkpoint.async the write goes on in the background after the state is copied to the host (the
-  /// previous one, if still running, is waited for first). A failed save fails on every rank alike
-  /// (exit 2, the previous checkpoint and `latest` intact): at once, or for a background write at
-  /// the step boundary where it is learnt (poll_background) or at wait_background. Collective.
-  void save(fsdp::TrainState state, double& seconds, bool quiet) {
+  /// checkpoint.async the write goes on in the background after the state is copied to the host;
+  /// while the previous write still runs, checkpoint.async_when_writing decides: a second host copy
+  /// (queue; both busy: the older write is waited for), a wait, or, for a save that `may_skip`, no
+  /// save. A failed save fails on every rank alike (exit 2, the previous checkpoint and `latest`
+  /// intact): at once, or for a background write at the step boundary where it is learnt
+  /// (poll_background) or at wait_background. Collective.
+  void save(fsdp::TrainState state, double& seconds, bool quiet, bool may_skip = false) {
     Timed t(seconds, "checkpoint");
     const auto start = Clock::now();
     state.deck = deck_text_;
@@ -227,15 +229,26 @@ class Checkpointer {
       std::this_thread::sleep_for(std::chrono::seconds(3600));
     }
     if (async_) {
-      wait_background(quiet);  // the previous write: its failure reads as one
+      // in_flight() is the same on every rank: writes are collected only where all ranks agree.
+      if (may_skip && cfg_.checkpoint.async_when_writing == AsyncWhenWriting::kSkip && async_->in_flight()) {
+        skipped_.push_back(state.step);
+        if (root_)
+          std::printf("warning: checkpoint %s skipped: the previous one is still being written (checkpoint.async_when_writing = \"skip\")\n",
+                      fsdp::ckpt::checkpoint_name(state.step).c_str());
+        return;
+      }
+      if (async_->every_copy_busy())
+        if (const auto r = agreed_background_outcome([&] { return async_->wait(); }))
+          report(*r, quiet);  // the oldest write: its failure reads as one
       const double waited_s = seconds_since(start);
       fsdp::AsyncSaveStart started;
       on_all_ranks(world_, [&] { deadline_aborts([&] { started = async_->save(model_, optimizer_, dir_.string(), state, options_); }); });
       held_s_.push_back(seconds_since(start));
       if (root_ && !quiet)
         std::printf(
-            "checkpoint %s: writing in the background (training held %.2f s: %.2f s copying the state, %.2f s waiting for the previous save)\n",
-            fsdp::ckpt::checkpoint_name(state.step).c_str(), held_s_.back(), started.copy_seconds, waited_s);
+            "checkpoint %s: writing in the background%s (training held %.2f s: %.2f s copying the state, %.2f s waiting for the previous save)\n",
+            fsdp::ckpt::checkpoint_name(state.step).c_str(), started.queued ? " after the save still being written" : "", held_s_.back(),
+            started.copy_seconds, waited_s);
       return;
     }
     fsdp::SaveResult r;
@@ -266,12 +279,14 @@ class Checkpointer {
     if (const auto r = agreed_background_outcome([&] { return async_->poll(); })) report(*r, quiet);
   }
 
-  /// Waits for the background write in flight (before a stop, an export or the end). Collective while
-  /// a write is in flight, local otherwise.
+  /// Waits for the background writes in flight, oldest first (before a stop, an export or the end).
+  /// Collective while a write is in flight, local otherwise.
   void wait_background(bool quiet) {
-    if (!writing()) return;
-    if (const auto r = agreed_background_outcome([&] { return async_->wait(); })) report(*r, quiet);
+    while (writing())
+      if (const auto r = agreed_background_outcome([&] { return async_->wait(); })) report(*r, quiet);
   }
+  /// Steps whose save checkpoint.async_when_writing = "skip" skipped.
+  const std::vector<std::int64_t>& skipped_saves() const noexcept { return skipped_; }
 
   /// Seconds training was held by each save, and each save's write (in the background or not).
   const std::vector<double>& held_seconds() const noexcept { return held_s_; }
@@ -480,6 +495,7 @@ class Checkpointer {
   std::optional<fsdp::AsyncCheckpointer<Engine>> async_;  // checkpoint.async
   std::vector<double> held_s_, write_s_;
   bool staging_reserved_ = false;
+  std::vector<std::int64_t> skipped_;  // checkpoint.async_when_writing = "skip": the steps not saved
   double reserve_s_ = 0;
 };
 

@@ -29,6 +29,7 @@ struct CheckpointTotals {
   double reserve_s = 0;  ///< allocating the host copy after the first step (asynchronous only)
   std::vector<double> held_s, write_s;
   std::vector<double> step_ms_while_writing;  ///< steps begun while a background write was in flight
+  std::vector<std::int64_t> skipped;          ///< checkpoint.async_when_writing = "skip": steps whose save was skipped
 };
 
 /// Bytes the training steps all-gathered (this rank's count), and of them those inside the groups of
@@ -136,6 +137,7 @@ inline nlohmann::ordered_json checkpoints_json(const CheckpointTotals& c) {
     js["reserve_s"] = c.reserve_s;
     js["steps_while_writing"] = c.step_ms_while_writing.size();
     js["step_ms_median_while_writing"] = median_of(c.step_ms_while_writing);
+    js["skipped_steps"] = c.skipped;
   }
   return js;
 }

@@ -302,7 +302,7 @@ class Trainer {
     if (cfg_.checkpoint.every_steps > 0 && step_ % cfg_.checkpoint.every_steps == 0 && !(done && cfg_.checkpoint.save_final)) {
       if (progress_.live && root_ && !progress_.quiet) std::printf("\n");
       const auto pause_start = Clock::now();
-      save();
+      save(/*may_skip=*/true);
       window_.pause += seconds_since(pause_start);
     }
     return done;
@@ -476,8 +476,9 @@ class Trainer {
   }
 
   /// A checkpoint of the current state: where a run restarted from it continues (the next epoch and
-  /// global sample), the schedule's and fp16 loss scale's state. Collective.
-  void save() {
+  /// global sample), the schedule's and fp16 loss scale's state. A periodic save `may_skip` under
+  /// checkpoint.async_when_writing = "skip"; the final one and a stop's never do. Collective.
+  void save(bool may_skip = false) {
     fsdp::TrainState s;
     s.step = step_;
     s.epoch = next_epoch_;
@@ -488,7 +489,7 @@ class Trainer {
       s.scheduler["loss_scale"] = scaler_->scale();
       s.scheduler["loss_scale_good_steps"] = static_cast<double>(scaler_->good_steps());
     }
-    checkpointer_->save(s, phases_.checkpoint, progress_.quiet);
+    checkpointer_->save(s, phases_.checkpoint, progress_.quiet, may_skip);
     if (rank_watch_) rank_watch_->first_time_restarts_warmup(RankWatch::Occasion::kSave, step_);
   }
 
@@ -532,8 +533,8 @@ class Trainer {
     t.train_elapsed_s = seconds_since(train_start_);
     t.phases = phases_;
     t.step_ms = std::move(step_ms_);
-    t.checkpoints = {checkpointer_->asynchronous(), checkpointer_->reserve_seconds(), checkpointer_->held_seconds(), checkpointer_->write_seconds(),
-                     std::move(step_ms_while_writing_)};
+    t.checkpoints = {checkpointer_->asynchronous(),  checkpointer_->reserve_seconds(),  checkpointer_->held_seconds(),
+                     checkpointer_->write_seconds(), std::move(step_ms_while_writing_), checkpointer_->skipped_saves()};
     t.comm_start = comm_start_;
     t.step_all_gather = step_all_gather_;
     t.overlap_grad_reduce = cfg_.fsdp.overlap_grad_reduce;

@@ -1,18 +1,23 @@
 // Asynchronous checkpoints (io layer; PyTorch DCP's async_save): training waits only while the state is
-// copied to host buffers (CheckpointSnapshot); the save itself, every HDF5 call included, runs on one
-// I/O thread over the snapshot's own communicators. At most one save is in flight: the next one waits
-// for it. The checkpoint is committed (fsynced, renamed, `latest` moved, old ones pruned) by that
-// thread only once written, exactly as a synchronous save does, so a crash during the write leaves
-// the previous checkpoint as `latest`.
+// copied to host buffers (CheckpointSnapshot); the save itself, every HDF5 call included, runs on an
+// I/O thread over the snapshot's own communicators. With `copies` host copies, up to that many saves are
+// in flight: each is copied at once and written after the one before it (one HDF5 writer at a time, in
+// order); a save that finds every copy busy waits for the oldest write. The checkpoint is committed
+// (fsynced, renamed, `latest` moved, old ones pruned) by its thread only once written, exactly as a
+// synchronous save does, so a crash during a write leaves the previous checkpoint as `latest`.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <exception>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #ifdef __linux__
 #include <pthread.h>
@@ -46,56 +51,65 @@ inline void prepare_writing_thread() {
 struct AsyncSaveStart {
   double waited_seconds = 0;           ///< for the previous save to finish
   double copy_seconds = 0;             ///< copying the state to the host buffers
-  std::optional<SaveResult> previous;  ///< the previous save, if this call waited for it to finish
+  std::optional<SaveResult> previous;  ///< the oldest save in flight, if this call waited for it to finish (every copy was busy)
+  bool queued = false;                 ///< written after the save still in flight (a second host copy took it)
 };
 
 /// Parallel HDF5 is not thread-safe: while a save is in flight, the process must make no other HDF5
-/// call (fsdp-train makes none during training; its export waits for the write).
+/// call (fsdp-train makes none during training; its export waits for the writes).
 template <class Engine>
 class AsyncCheckpointer {
  public:
-  /// Duplicates the engine's communicators for the I/O thread and one for agreeing on its progress.
-  /// Collective over the engine's world.
-  explicit AsyncCheckpointer(Engine& engine)
-      : snapshot_(std::make_shared<CheckpointSnapshot<Engine>>(engine)), control_(detail::duplicate_as_mpi(engine.comm())) {
-    // A thread waiting for a peer must not take the core training runs on.
-    snapshot_->comm().set_waiting_yields_cpu(true);
-    snapshot_->shard_comm().set_waiting_yields_cpu(true);
-    snapshot_->replica_comm().set_waiting_yields_cpu(true);
+  /// `copies` host copies of the state (1 or more), each with duplicates of the engine's communicators
+  /// for its I/O thread, and one communicator for agreeing on their progress. Collective over the
+  /// engine's world.
+  explicit AsyncCheckpointer(Engine& engine, int copies = 1) : control_(detail::duplicate_as_mpi(engine.comm())) {
+    if (copies < 1) throw CheckpointError("AsyncCheckpointer: copies must be at least 1, not " + std::to_string(copies));
+    for (int i = 0; i < copies; ++i) {
+      auto snapshot = std::make_shared<CheckpointSnapshot<Engine>>(engine);
+      // A thread waiting for a peer must not take the core training runs on.
+      snapshot->comm().set_waiting_yields_cpu(true);
+      snapshot->shard_comm().set_waiting_yields_cpu(true);
+      snapshot->replica_comm().set_waiting_yields_cpu(true);
+      snapshots_.push_back(std::move(snapshot));
+    }
   }
 
   AsyncCheckpointer(const AsyncCheckpointer&) = delete;
   AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
 
-  /// A save still running is waited for (its outcome is lost: call wait() first to learn it). When an
-  /// exception unwinds past this, the wait is bounded by the last save's collective_timeout_s: a
-  /// rank failing alone must reach its abort even if the write cannot end (a peer died); the write,
-  /// left running, never commits a partial checkpoint.
+  /// Saves still running are waited for (their outcomes are lost: call wait() until !in_flight() first
+  /// to learn them). When an exception unwinds past this, the wait is bounded by the last save's
+  /// collective_timeout_s per save: a rank failing alone must reach its abort even if a write cannot end
+  /// (a peer died); a write left running never commits a partial checkpoint.
   ~AsyncCheckpointer() {
-    if (!thread_.joinable()) return;
-    if (std::uncaught_exceptions() > 0 && timeout_s_ > 0) {
-      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
-      while (!outcome_->finished.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until)
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      if (!outcome_->finished.load(std::memory_order_acquire)) {
-        thread_.detach();  // it holds the snapshot and the outcome itself
-        return;
+    for (auto& job : jobs_) {
+      if (std::uncaught_exceptions() > 0 && timeout_s_ > 0) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+        while (!job.outcome->finished.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        if (!job.outcome->finished.load(std::memory_order_acquire)) {
+          job.thread.detach();  // it holds its snapshot and outcome itself
+          continue;
+        }
       }
+      job.thread.join();
     }
-    thread_.join();
   }
 
-  /// Waits for the save in flight (its failure is thrown, as CheckpointError, on every rank), copies the
-  /// engine's and `optimizer`'s state to the host and starts saving it as save_checkpoint() would,
-  /// on the I/O thread. The ranks first meet within `options.collective_timeout_s` (a rank that never
-  /// comes: CommError fsdp.comm.deadline). Collective over the world.
+  /// Copies the engine's and `optimizer`'s state to a free host copy and starts saving it as
+  /// save_checkpoint() would, on an I/O thread, after the saves still in flight. When every copy is
+  /// busy, the oldest save is waited for first (its failure is thrown, as CheckpointError, on every
+  /// rank). The ranks first meet within `options.collective_timeout_s` (a rank that never comes:
+  /// CommError fsdp.comm.deadline). Collective over the world.
   AsyncSaveStart save(Engine& engine, const torch::optim::Optimizer* optimizer, const std::string& dir, const TrainState& state,
                       const CheckpointOptions& options = {}) {
     using Clock = std::chrono::steady_clock;
     AsyncSaveStart start;
     const auto t0 = Clock::now();
-    start.previous = wait();
+    if (jobs_.size() == snapshots_.size()) start.previous = wait();
     detail::arrive_together(control_, options, "save_checkpoint");
+    const auto snapshot = free_snapshot();
     const auto t1 = Clock::now();
     constexpr bool pending = detail::collectives_may_be_pending<Engine>();
     if constexpr (!pending) detail::synchronize_shards_of(engine);  // collective: every rank here, before any local failure can part them
@@ -104,7 +118,7 @@ class AsyncCheckpointer {
         detail::synchronize_shards_of(engine);
         detail::synchronize_collectives_of(engine);  // before reading
       }
-      snapshot_->capture(engine, optimizer);
+      snapshot->capture(engine, optimizer);
       detail::synchronize_collectives_of(engine);  // the capture's own gathers
     });
     detail::agree(control_, error);
@@ -114,73 +128,100 @@ class AsyncCheckpointer {
     // Every rank arrived above: the writing threads need no deadline to meet (one may start late on a busy core).
     CheckpointOptions in_thread = options;
     in_thread.collective_timeout_s = 0;
-    outcome_ = std::make_shared<Outcome>();
-    in_flight_ = true;
-    thread_ = std::thread([snapshot = snapshot_, outcome = outcome_, dir, state, in_thread] {
+    auto outcome = std::make_shared<Outcome>();
+    // The write before it must end first: one HDF5 writer at a time, and checkpoints committed in order.
+    std::shared_future<void> before = jobs_.empty() ? std::shared_future<void>() : jobs_.back().outcome->done;
+    start.queued = !jobs_.empty();
+    std::thread thread([snapshot, outcome, before, dir, state, in_thread] {
       detail::prepare_writing_thread();
       try {
+        if (before.valid()) before.wait();
         outcome->result = save_checkpoint(*snapshot, snapshot->optimizer(), dir, state, in_thread);
       } catch (...) {
         outcome->failure = std::current_exception();
       }
       outcome->finished.store(true, std::memory_order_release);
+      outcome->written.set_value();
     });
+    jobs_.push_back({snapshot, outcome, std::move(thread)});
     return start;
   }
 
-  /// Allocates the host buffers for the state as it is now (call once the optimizer has state, e.g.
-  /// after the first step), so that the first save holds training up no longer than the next ones.
-  /// Local; not while a save is in flight (its thread reads those buffers).
+  /// Allocates every host copy's buffers for the state as it is now (call once the optimizer has state,
+  /// e.g. after the first step), so that the first save holds training up no longer than the next
+  /// ones. Local; not while a save is in flight (its thread reads those buffers).
   void reserve(Engine& engine, const torch::optim::Optimizer* optimizer) {
-    if (in_flight_) throw CheckpointError("AsyncCheckpointer::reserve: a save is in flight");
-    snapshot_->reserve(engine, optimizer);
+    if (in_flight()) throw CheckpointError("AsyncCheckpointer::reserve: a save is in flight");
+    for (auto& snapshot : snapshots_) snapshot->reserve(engine, optimizer);
   }
 
   /// Whether a save was started and has not been collected by poll() or wait().
-  bool in_flight() const noexcept { return in_flight_; }
+  bool in_flight() const noexcept { return !jobs_.empty(); }
+  /// Saves started and not yet collected.
+  int saves_in_flight() const noexcept { return static_cast<int>(jobs_.size()); }
+  /// Whether a save now would wait for the oldest write (every host copy busy).
+  bool every_copy_busy() const noexcept { return jobs_.size() == snapshots_.size(); }
 
-  /// The save in flight's result once it has finished on every rank; nothing while it is still
+  /// The oldest save in flight's result once it has finished on every rank; nothing while it is still
   /// running somewhere (or none is in flight). A failure is thrown on every rank. Collective over the
   /// world while a save is in flight (one small all-reduce), local otherwise.
   std::optional<SaveResult> poll() {
-    if (!in_flight_) return std::nullopt;
-    std::int32_t running_somewhere = outcome_->finished.load(std::memory_order_acquire) ? 0 : 1;
+    if (!in_flight()) return std::nullopt;
+    std::int32_t running_somewhere = jobs_.front().outcome->finished.load(std::memory_order_acquire) ? 0 : 1;
     control_.all_reduce(&running_somewhere, &running_somewhere, 1, DType::kInt32, ReduceOp::kMax);
     if (running_somewhere) return std::nullopt;
     return collect();
   }
 
-  /// Blocks until the save in flight has finished and returns its result (nothing if none was in
-  /// flight). A failure is thrown on every rank. Collective over the world while a save is in flight.
+  /// Blocks until the oldest save in flight has finished and returns its result (nothing if none was
+  /// in flight); call until !in_flight() to wait for all. A failure is thrown on every rank.
+  /// Collective over the world while a save is in flight.
   std::optional<SaveResult> wait() {
-    if (!in_flight_) return std::nullopt;
+    if (!in_flight()) return std::nullopt;
     return collect();
   }
 
-  /// Host memory held by the staging buffers.
-  std::int64_t staging_bytes() const { return snapshot_->staging_bytes(); }
+  /// Host memory held by the staging buffers, every copy.
+  std::int64_t staging_bytes() const {
+    std::int64_t bytes = 0;
+    for (const auto& snapshot : snapshots_) bytes += snapshot->staging_bytes();
+    return bytes;
+  }
 
  private:
   struct Outcome {
     std::atomic<bool> finished{false};
     std::optional<SaveResult> result;  // written by the I/O thread, read after join
     std::exception_ptr failure;
+    std::promise<void> written;  // set when the write has ended, however: the next save's thread starts then
+    std::shared_future<void> done = written.get_future().share();
+  };
+  struct Job {
+    std::shared_ptr<CheckpointSnapshot<Engine>> snapshot;
+    std::shared_ptr<Outcome> outcome;
+    std::thread thread;
   };
 
-  std::optional<SaveResult> collect() {
-    thread_.join();
-    in_flight_ = false;
-    std::optional<std::string> error;
-    if (outcome_->failure) error = detail::capture_error([&] { std::rethrow_exception(outcome_->failure); });
-    detail::agree(control_, error);  // the save agreed already; this also covers a failure before its first collective
-    return std::move(outcome_->result);
+  /// A host copy no save in flight reads.
+  std::shared_ptr<CheckpointSnapshot<Engine>> free_snapshot() const {
+    for (const auto& snapshot : snapshots_)
+      if (std::none_of(jobs_.begin(), jobs_.end(), [&](const Job& j) { return j.snapshot == snapshot; })) return snapshot;
+    throw CheckpointError("AsyncCheckpointer: no free host copy");  // save() waits for one first
   }
 
-  std::shared_ptr<CheckpointSnapshot<Engine>> snapshot_;  // shared with the I/O thread
-  MpiComm control_;                                       // the training thread's agreement on the I/O thread's progress
-  std::thread thread_;
-  std::shared_ptr<Outcome> outcome_;
-  bool in_flight_ = false;
+  std::optional<SaveResult> collect() {
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    job.thread.join();
+    std::optional<std::string> error;
+    if (job.outcome->failure) error = detail::capture_error([&] { std::rethrow_exception(job.outcome->failure); });
+    detail::agree(control_, error);  // the save agreed already; this also covers a failure before its first collective
+    return std::move(job.outcome->result);
+  }
+
+  std::vector<std::shared_ptr<CheckpointSnapshot<Engine>>> snapshots_;  // each shared with the I/O thread writing it
+  MpiComm control_;                                                     // the training thread's agreement on the I/O threads' progress
+  std::deque<Job> jobs_;                                                // saves in flight, oldest first
   double timeout_s_ = 0;
 };
 
