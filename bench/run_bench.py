@@ -255,10 +255,12 @@ def run_training(model, np_, cfg, rep, steps, pair=None):
         sets.append(f"log.timing_warmup_steps={WARMUP}")  # its own summary's median then matches this report's
     set_args = [a for s in sets for a in ("--set", s)]
     deck = os.path.join(ROOT, m["deck"])
+    # Each rank on as many cores as it has threads (mpirun binds a rank to one core by default).
+    mpirun = MPIRUN + (["--bind-to", "none"] if threads > 1 else [])
     if runner == "fsdp":
-        cmd = MPIRUN + ["-np", str(np_), os.path.join(BIN, "fsdp-train"), deck] + set_args
+        cmd = mpirun + ["-np", str(np_), os.path.join(BIN, "fsdp-train"), deck] + set_args
     else:
-        cmd = MPIRUN + ["-np", str(np_), PY, os.path.join(ROOT, "bench", "train_peer.py"), deck] + set_args + \
+        cmd = mpirun + ["-np", str(np_), PY, os.path.join(ROOT, "bench", "train_peer.py"), deck] + set_args + \
               ["--out-dir", out_dir, "--warmup", str(WARMUP), "--wrapper", "ddp" if runner == "ddp" else "fsdp",
                "--init-file", os.path.join(out_dir, "gloo_rendezvous")]
         cmd[cmd.index("--wrapper") + 1] = {"ddp": "ddp", "plain": "none"}.get(runner, "fsdp")

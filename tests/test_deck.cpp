@@ -560,6 +560,9 @@ BOOST_AUTO_TEST_CASE(resolved_config_decides_the_autos) {
   const auto deck = Deck::parse("[run]\nname = \"x\"\n[fsdp]\nsharding_strategy = \"HYBRID_SHARD\"\n", "inputs/a.toml", {});
   const auto cfg = resolve_run_config(deck, placement_of(4, 2, 8, 8));
   BOOST_TEST(cfg.run.threads == 4);
+  // ... and no more than the CPUs the rank may run on (mpirun binds a rank to one core by default).
+  BOOST_TEST(resolve_run_config(deck, placement_of(4, 2, 8, 1)).run.threads == 1);
+  BOOST_TEST(resolve_run_config(deck, placement_of(4, 2, 8, 3)).run.threads == 3);
   BOOST_TEST(cfg.run.out_dir == "runs/x");
   BOOST_TEST(cfg.checkpoint.dir == "runs/x/checkpoints");
   BOOST_TEST(cfg.fsdp.shard_group_size == 2);  // the ranks of one node

@@ -40,6 +40,12 @@ void print_echo(const Engine& model, const RunSetup& s, const Dataset* data) {
   std::printf("fsdp-train %s: deck %s\n\n%s\n", fsdp::kVersion, s.deck_path.c_str(), s.deck.echo_table().c_str());
   std::printf("  world size %d on %d node(s), %d rank(s) per node, %d thread(s) per rank\n", s.world.size(), placement.nodes, placement.local_size,
               cfg.run.threads);
+  if (cfg.run.threads > cfg.placement.rank_cpus)
+    std::printf(
+        "warning: run.threads = %d but rank 0 may run on %d CPU(s) (its affinity mask; mpirun binds each rank to one core by default): "
+        "the threads take turns on them. Give each rank its cores: mpirun --map-by slot:PE=%d (or --bind-to none), "
+        "srun --cpus-per-task=%d\n",
+        cfg.run.threads, cfg.placement.rank_cpus, cfg.run.threads, cfg.run.threads);
   std::printf("  backend %s (fsdp.backend = %s), compute on %s%s\n", to_string(cfg.fsdp.backend_resolved).c_str(),
               to_string(cfg.fsdp.backend).c_str(), model.compute_device().str().c_str(),
               cfg.fsdp.offload_params ? ", parameter shards offloaded to host memory" : "");
