@@ -79,7 +79,7 @@ void add_checkpoint_keys(std::vector<KeySpec>& s) {
                .description = "checkpoint.async: what a save does while the previous one is still being written. queue: a second "
                               "host copy takes it at once and it is written after the previous one (a save that finds both copies "
                               "busy waits for the older write); wait: training waits for the previous write (one host copy); skip: "
-                              "the save is skipped with a warning (one host copy; the final save and a save on a stop signal wait)"});
+                              "the save is skipped with a warning (one host copy; the run's last save and a save on a stop signal wait)"});
   s.push_back({.key = "checkpoint.rank0_only",
                .type = T::kBool,
                .default_value = true,

@@ -171,7 +171,8 @@ BOOST_AUTO_TEST_CASE(async_saves_queue_one_at_a_time_and_resume_exactly) {
 
 // checkpoint.async_when_writing = "queue": with two host copies a save taken while the previous write
 // still runs is copied at once, without waiting, and written after it; both hold their own step and
-// `latest` ends on the newer. With both copies busy, the next save waits for the oldest write.
+// `latest` ends on the newer. With both copies busy, the next save waits for the oldest write; a
+// failed write cancels the one queued behind it.
 BOOST_AUTO_TEST_CASE(two_host_copies_queue_a_save_behind_a_running_write) {
   auto world = MpiComm::world();
   TempDir dir(world);
@@ -230,6 +231,30 @@ BOOST_AUTO_TEST_CASE(two_host_copies_queue_a_save_behind_a_running_write) {
   while (async.in_flight()) rest.push_back(async.wait()->path);
   BOOST_TEST(rest == (std::vector<std::string>{dir / "step_00000004.h5", dir / "step_00000005.h5"}), boost::test_tools::per_element());
   BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value_or("") == "step_00000005.h5");
+
+  // A failed write: the save queued behind it is not written either; both failures reach every rank
+  // in order, and `latest` stays on the last good one.
+  fsdp::CheckpointOptions failing;
+  const int failing_rank = world.size() - 1;
+  failing.on_stage = [&](const std::string& stage, std::int64_t step) {
+    if (stage == "writing" && step == 6 && world.rank() == failing_rank) throw std::runtime_error("disk on fire");
+  };
+  async.save(*model, opt.get(), dir.path, {.step = 6}, failing);
+  async.save(*model, opt.get(), dir.path, {.step = 7});
+  std::vector<std::string> messages;
+  while (async.in_flight()) {
+    try {
+      async.wait();
+    } catch (const fsdp::CheckpointError& e) {
+      messages.push_back(e.what());
+    }
+  }
+  BOOST_TEST_REQUIRE(messages.size() == 2u);
+  BOOST_TEST(messages[0].find("disk on fire") != std::string::npos, messages[0]);
+  BOOST_TEST(messages[1].find("not written, the background save before it failed") != std::string::npos, messages[1]);
+  BOOST_TEST(fsdp::ckpt::read_latest(dir.path).value_or("") == "step_00000005.h5");
+  world.barrier();
+  BOOST_TEST(!fs::exists(dir / "step_00000007.h5"));
 }
 
 BOOST_AUTO_TEST_CASE(a_failed_background_write_fails_on_every_rank_and_keeps_latest) {

@@ -137,7 +137,7 @@ inline nlohmann::ordered_json checkpoints_json(const CheckpointTotals& c) {
     js["reserve_s"] = c.reserve_s;
     js["steps_while_writing"] = c.step_ms_while_writing.size();
     js["step_ms_median_while_writing"] = median_of(c.step_ms_while_writing);
-    js["skipped_steps"] = c.skipped;
+    js["skipped_saves"] = c.skipped;
   }
   return js;
 }

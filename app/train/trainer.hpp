@@ -302,7 +302,7 @@ class Trainer {
     if (cfg_.checkpoint.every_steps > 0 && step_ % cfg_.checkpoint.every_steps == 0 && !(done && cfg_.checkpoint.save_final)) {
       if (progress_.live && root_ && !progress_.quiet) std::printf("\n");
       const auto pause_start = Clock::now();
-      save(/*may_skip=*/true);
+      save(/*may_skip=*/!done);  // the run's last save is never skipped
       window_.pause += seconds_since(pause_start);
     }
     return done;

@@ -83,13 +83,22 @@ class AsyncCheckpointer {
   /// collective_timeout_s per save: a rank failing alone must reach its abort even if a write cannot end
   /// (a peer died); a write left running never commits a partial checkpoint.
   ~AsyncCheckpointer() {
+    const bool unwinding = std::uncaught_exceptions() > 0;
+    if (unwinding)
+      for (auto& job : jobs_) job.outcome->cancelled.store(true);  // a save not yet begun is not written
+    bool detached = false;
     for (auto& job : jobs_) {
-      if (std::uncaught_exceptions() > 0 && timeout_s_ > 0) {
+      if (detached) {  // it waits for the detached one: it cannot begin either
+        job.thread.detach();
+        continue;
+      }
+      if (unwinding && timeout_s_ > 0) {
         const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
         while (!job.outcome->finished.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until)
           std::this_thread::sleep_for(std::chrono::milliseconds(10));
         if (!job.outcome->finished.load(std::memory_order_acquire)) {
           job.thread.detach();  // it holds its snapshot and outcome itself
+          detached = true;
           continue;
         }
       }
@@ -130,12 +139,16 @@ class AsyncCheckpointer {
     in_thread.collective_timeout_s = 0;
     auto outcome = std::make_shared<Outcome>();
     // The write before it must end first: one HDF5 writer at a time, and checkpoints committed in order.
-    std::shared_future<void> before = jobs_.empty() ? std::shared_future<void>() : jobs_.back().outcome->done;
-    start.queued = !jobs_.empty();
+    // If it failed (on every rank alike: a save agrees on its errors), this one is not written either,
+    // so that nothing commits after a failure the run is about to stop on.
+    std::shared_ptr<Outcome> before = jobs_.empty() ? nullptr : jobs_.back().outcome;
+    start.queued = before && !before->finished.load(std::memory_order_acquire);
     std::thread thread([snapshot, outcome, before, dir, state, in_thread] {
       detail::prepare_writing_thread();
       try {
-        if (before.valid()) before.wait();
+        if (before) before->done.wait();
+        if (outcome->cancelled.load() || (before && before->failure))
+          throw CheckpointError("cannot save checkpoint step " + std::to_string(state.step) + ": not written, the background save before it failed");
         outcome->result = save_checkpoint(*snapshot, snapshot->optimizer(), dir, state, in_thread);
       } catch (...) {
         outcome->failure = std::current_exception();
@@ -195,6 +208,7 @@ class AsyncCheckpointer {
     std::exception_ptr failure;
     std::promise<void> written;  // set when the write has ended, however: the next save's thread starts then
     std::shared_future<void> done = written.get_future().share();
+    std::atomic<bool> cancelled{false};  // set before it began: not to be written (an earlier save failed, or unwinding)
   };
   struct Job {
     std::shared_ptr<CheckpointSnapshot<Engine>> snapshot;
@@ -215,7 +229,12 @@ class AsyncCheckpointer {
     job.thread.join();
     std::optional<std::string> error;
     if (job.outcome->failure) error = detail::capture_error([&] { std::rethrow_exception(job.outcome->failure); });
-    detail::agree(control_, error);  // the save agreed already; this also covers a failure before its first collective
+    try {
+      detail::agree(control_, error);  // the save agreed already; this also covers a failure before its first collective
+    } catch (...) {
+      for (auto& queued : jobs_) queued.outcome->cancelled.store(true);  // nothing commits after a failure
+      throw;
+    }
     return std::move(job.outcome->result);
   }
 
