@@ -53,7 +53,7 @@ void add_run_keys(std::vector<KeySpec>& s) {
                .min = 0,
                .max = 4096,
                .description = "threads per rank, LibTorch's and OpenBLAS's; 0: the node's cores divided by the ranks on the node, at most "
-                              "the CPUs the rank may run on (its affinity mask: mpirun binds a rank to one core unless told otherwise)"});
+                              "the CPUs the rank may run on (its affinity mask: Open MPI's mpirun binds each of 2 or fewer ranks to one core)"});
   s.push_back({.key = "run.malloc",
                .type = T::kString,
                .default_value = "reuse",

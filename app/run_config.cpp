@@ -42,7 +42,7 @@ std::string backward_prefetch_resolved(const std::string& value, bool overlap_pa
 }
 
 /// run.threads = 0: the node's cores shared by its ranks, and no more than the CPUs the rank may run on
-/// (mpirun binds each rank to one core by default: more threads would only take turns on it).
+/// (Open MPI's mpirun binds each of 2 or fewer ranks to one core: more threads would only take turns on it).
 int resolve_threads(const Deck& deck, const Placement& p) {
   const auto threads = static_cast<int>(deck.get_int("run.threads"));
   return threads != 0 ? threads : std::max(1, std::min(p.node_cores / std::max(1, p.ranks_per_node), p.rank_cpus));

@@ -42,7 +42,8 @@ void print_echo(const Engine& model, const RunSetup& s, const Dataset* data) {
               cfg.run.threads);
   if (cfg.run.threads > cfg.placement.rank_cpus)
     std::printf(
-        "warning: run.threads = %d but rank 0 may run on %d CPU(s) (its affinity mask; mpirun binds each rank to one core by default): "
+        "warning: run.threads = %d but rank 0 may run on %d CPU(s) (its affinity mask; Open MPI's mpirun binds each rank to one core when it starts "
+        "2 or fewer): "
         "the threads take turns on them. Give each rank its cores: mpirun --map-by slot:PE=%d (or --bind-to none), "
         "srun --cpus-per-task=%d\n",
         cfg.run.threads, cfg.placement.rank_cpus, cfg.run.threads, cfg.run.threads);

@@ -177,9 +177,9 @@ inline GemmProbe probe_this_host(const std::filesystem::path& out_dir, const std
   return p;
 }
 
-/// The run's peak: every host's probe (its first rank measures while the others on the node wait, so
-/// that no rank's work slows it) and the model FLOP/s all ranks could reach together (per-thread
-/// peak x threads, summed over ranks). Collective.
+/// The run's peak: every host's probe (its first rank measures while the others on the node wait
+/// without spinning, so that no rank takes a core from it) and the model FLOP/s all ranks could reach
+/// together (per-thread peak x threads, summed over ranks). Collective.
 struct RunPeak {
   GemmProbe probe;  ///< this host's, on the node's first rank (world rank 0 among them); empty on the others
   double flops_per_s = 0;
@@ -188,8 +188,19 @@ struct RunPeak {
 inline RunPeak probe_run_peak(MpiComm& world, const std::filesystem::path& out_dir, const std::vector<GemmShape>& shapes, int threads) {
   RunPeak peak;
   MpiComm node = world.split_node();
+  node.set_waiting_yields_cpu(true);
+  std::optional<std::string> failed;
+  if (node.rank() == 0) {
+    try {
+      peak.probe = probe_this_host(out_dir, shapes);
+    } catch (const std::exception& e) {
+      failed = e.what();
+    }
+  }
+  std::int32_t done = 1;  // the node's other ranks wait here, yielding their cores
+  node.all_reduce(&done, &done, 1, fsdp::DType::kInt32, fsdp::ReduceOp::kMax);
   on_all_ranks(world, [&] {
-    if (node.rank() == 0) peak.probe = probe_this_host(out_dir, shapes);
+    if (failed) throw std::runtime_error("the GEMM probe failed: " + *failed);
   });
   double gflops = peak.probe.peak_gflops_per_thread();
   node.broadcast(&gflops, 1, fsdp::DType::kFloat64, 0);
