@@ -24,7 +24,7 @@ if [[ -z ${B2B_REPORT_ONLY:-} ]]; then
       rm -rf "$dir"
       policy=()
       [[ $mode == sync ]] || policy=(--set checkpoint.async=true --set checkpoint.async_when_writing="$mode")
-      cmd=(mpirun --allow-run-as-root -np 1 "$TRAIN" "$ROOT/inputs/gpt_tokens.toml"
+      cmd=(mpirun --allow-run-as-root --bind-to none -np 1 "$TRAIN" "$ROOT/inputs/gpt_tokens.toml"
            --set run.out_dir="$dir" --set run.max_steps="$STEPS" --set run.threads=1 --set log.every_steps=1 --set log.progress=plain
            --set model.d_model=1024 --set model.n_heads=16 --set model.n_layers=12 --set model.dropout=0.0
            --set data.num_samples=512 --set data.batch_size=1 --set data.test_samples=8 --set data.test_batch_size=8
@@ -60,7 +60,7 @@ for m in modes:
         per_run = [[float(w) for _, _, w in held_line.findall(open(f"{out}/{m}_{r}.log").read())] for r in range(1, reps + 1)]
         k = min(len(p) for p in per_run)
         waits = ", ".join(f"{med([p[i] for p in per_run]):.2f}" for i in range(k))
-    skipped = med([len(s["checkpoints"].get("skipped_steps", [])) for s in rs])
+    skipped = med([len(s["checkpoints"].get("skipped_saves", [])) for s in rs])
     ratio = f"{max(held) / sync_save:.3f}" if sync_save and held else "-"
     print(f"| {m} | {med([s['step_ms_median'] for s in rs]):.0f} | {', '.join(f'{h:.2f}' for h in held)} | {ratio} | {waits} | "
           f"{skipped:.0f} | {med([w for s in rs for w in s['checkpoints']['write_s']]):.2f} | {med([max(s['peak_rss_mb']) for s in rs]):.0f} |")

@@ -240,7 +240,8 @@ def run_training(model, np_, cfg, rep, steps, pair=None):
     label, runner, strategy = cfg[0], cfg[1], cfg[2]
     extra = list(cfg[4]) if len(cfg) > 4 else []
     m = MODELS[model]
-    threads = max(1, CORES // np_)
+    # The one process with np 2's per-rank batch also gets np 2's threads per rank: it measures sharding's cost.
+    threads = max(1, CORES // (2 if "np 2's per-rank batch" in label else np_))
     slug = label.lower().replace(" ", "_")
     # A reference runs once per pair of its group: each run its own folder and log.
     run_tag = f"rep{rep}" + (f"_pair{pair}" if pair is not None and label in REFERENCES else "")
