@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <fsdp/fsdp.hpp>
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -145,9 +146,20 @@ int run(MpiComm& world, const std::string& deck_path, const std::vector<std::str
 /// OpenBLAS thread needs for the matrix product running meanwhile. With 2 threads per rank that made a
 /// step 2-3x slower (docs/performance.md, "Two thread pools"). libgomp reads OMP_WAIT_POLICY only when
 /// it loads, before main: so when it is unset and the process is not yet re-executed, set it to PASSIVE
-/// and re-execute once, before MPI starts. An OMP_WAIT_POLICY the user set is kept.
+/// and re-execute once, before MPI starts. An OMP_WAIT_POLICY the user set is kept, and a rank with
+/// one CPU to itself at most (bound to one core, mpirun's default for 2 or fewer ranks, or as many ranks
+/// on the node as it has CPUs: one compute thread) is not re-executed.
 void wait_passively_in_openmp(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
+  cpu_set_t cpus;
+  if (sched_getaffinity(0, sizeof cpus, &cpus) != 0) return;
+  int ranks_here = 1;  // the launcher's word, before MPI can say
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"})
+    if (const char* v = std::getenv(name); v && std::atoi(v) > 0) {
+      ranks_here = std::atoi(v);
+      break;
+    }
+  if (CPU_COUNT(&cpus) / ranks_here <= 1) return;
   if (setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
   execv("/proc/self/exe", argv);  // returns only on failure: then training goes on, only slower
   unsetenv("OMP_WAIT_POLICY");
