@@ -1,7 +1,9 @@
-// fsdp-train (app layer): what a run starts from, shared by the trainer and its echo.
+// fsdp-train (app layer): what a run starts from, shared by the trainer and its echo, and the choice
+// of the engine's communicator type.
 #pragma once
 
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 #include "deck.hpp"
@@ -23,5 +25,19 @@ struct RunSetup {
   std::optional<FitVerdict> fit;
   Clock::time_point wall_start;
 };
+
+/// The one place that picks the engine's communicator type from fsdp.backend: runs
+/// `f.template operator()<Comm>()` with MpiComm (CPU tensors) or, built with NCCL, NcclComm (GPUs).
+template <class F>
+int with_communicator(const RunConfig& cfg, F&& f) {
+  if (cfg.fsdp.backend_resolved == Backend::kNccl) {
+#ifdef FSDP_WITH_NCCL
+    return f.template operator()<fsdp::NcclComm>();
+#else
+    throw std::logic_error("fsdp.backend resolved to nccl in a build without NCCL");  // resolve_run_config refuses it
+#endif
+  }
+  return f.template operator()<MpiComm>();
+}
 
 }  // namespace fsdp::app

@@ -587,18 +587,4 @@ class Trainer {
   Utilization utilization_;              // MFU: the model's FLOPs per sample and the run's peak (GEMM probe)
 };
 
-/// The one place that picks the engine's communicator type from fsdp.backend: runs
-/// `f.template operator()<Comm>()` with MpiComm (CPU tensors) or, built with NCCL, NcclComm (GPUs).
-template <class F>
-int with_communicator(const RunConfig& cfg, F&& f) {
-  if (cfg.fsdp.backend_resolved == Backend::kNccl) {
-#ifdef FSDP_WITH_NCCL
-    return f.template operator()<fsdp::NcclComm>();
-#else
-    throw std::logic_error("fsdp.backend resolved to nccl in a build without NCCL");  // resolve_run_config refuses it
-#endif
-  }
-  return f.template operator()<MpiComm>();
-}
-
 }  // namespace fsdp::app
