@@ -430,3 +430,79 @@ BOOST_AUTO_TEST_CASE(optimizer_state_sharded_over_the_world_round_trips_and_resu
     }
   }
 }
+
+BOOST_AUTO_TEST_CASE(bf16_moments_resume_exactly_and_load_into_either_setting) {
+  // optim.state_dtype = "bf16": the moments are stored as they are (bf16 datasets), a resume repeats
+  // the straight run bit for bit (the rounding draws from the step and the element's place), and a
+  // checkpoint loads into fp32 moments and back.
+  auto world = MpiComm::world();
+  auto make_bf16_adam = [](Engine& e) {
+    return std::make_unique<fsdp::optim::AdamBf16Moments>(e.parameters(), torch::optim::AdamOptions(1e-2), fsdp::optim::places_in_units(e));
+  };
+  auto make_model = [&world](int seed) {
+    return fsdp::make_fsdp(make_net(seed), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  };
+  auto optimizer_entries = [](const std::map<std::string, torch::Tensor>& state) {
+    std::map<std::string, torch::Tensor> out;
+    for (const auto& [k, v] : state)
+      if (k.rfind("optim/", 0) == 0 && k.find("/step") == std::string::npos) out[k] = v;
+    return out;
+  };
+  for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
+    BOOST_TEST_CONTEXT(fsdp::to_string(type)) {
+      TempDir dir(world);
+      fsdp::CheckpointOptions o;
+      o.state_dict_type = type;
+      auto straight = make_model(3);
+      auto opt = make_bf16_adam(*straight);
+      torch::manual_seed(1234 + world.rank());
+      for (int s = 0; s < 6; ++s) train_step(*straight, *opt, s);
+      const auto expected = full_state(*straight, opt.get());
+
+      std::map<std::string, torch::Tensor> at_save;
+      std::string saved;
+      {
+        auto first = make_model(3);
+        auto opt1 = make_bf16_adam(*first);
+        torch::manual_seed(1234 + world.rank());
+        for (int s = 0; s < 3; ++s) train_step(*first, *opt1, s);
+        at_save = full_state(*first, opt1.get());
+        saved = fsdp::save_checkpoint(*first, opt1.get(), dir.path, {.step = 3, .epoch = 0, .sample_index = 3}, o).path;
+      }
+      const auto moments = optimizer_entries(at_save);
+      BOOST_TEST_REQUIRE(!moments.empty());
+      for (const auto& [k, v] : moments) BOOST_TEST((v.scalar_type() == torch::kBFloat16), k);
+      if (type != StateDictType::LOCAL_STATE_DICT && world.rank() == 0) {  // stored as they are
+        fsdp::h5::Id file = fsdp::h5::open_file_readonly(saved);
+        fsdp::h5::Id ds = fsdp::h5::open_dataset(file, "/optim/fc1.weight/exp_avg", saved);
+        BOOST_TEST((fsdp::detail::tensor_element_type(ds, saved) == fsdp::h5::ElementType::kBFloat16));
+      }
+
+      torch::manual_seed(777);
+      auto second = make_model(42);
+      auto opt2 = make_bf16_adam(*second);
+      fsdp::TrainState state;
+      fsdp::resume_from_latest(*second, opt2.get(), dir.path, &state, o);
+      for (auto s = state.step; s < 6; ++s) train_step(*second, *opt2, static_cast<int>(s));
+      check_equal(expected, full_state(*second, opt2.get()), "6 steps straight == 3 + save + load + 3, bf16 moments");
+
+      // Into torch's Adam: fp32 moments holding the bf16 values exactly.
+      auto into_fp32 = make_model(42);
+      auto adam = make_adam(*into_fp32);
+      fsdp::load_checkpoint(*into_fp32, adam.get(), saved, nullptr, o);
+      auto as_fp32 = optimizer_entries(full_state(*into_fp32, adam.get()));
+      std::map<std::string, torch::Tensor> widened;
+      for (const auto& [k, v] : moments) widened[k] = v.to(torch::kFloat);
+      check_equal(widened, as_fp32, "bf16 moments loaded into fp32 moments");
+      for (const auto& [k, v] : as_fp32) BOOST_TEST((v.scalar_type() == torch::kFloat), k);
+
+      // And back: that fp32 state, saved and loaded into bf16 moments, is the same bf16 values.
+      TempDir back(world);
+      const auto fp32_saved = fsdp::save_checkpoint(*into_fp32, adam.get(), back.path, {.step = 3, .epoch = 0, .sample_index = 3}, o).path;
+      auto into_bf16 = make_model(43);
+      auto opt3 = make_bf16_adam(*into_bf16);
+      fsdp::load_checkpoint(*into_bf16, opt3.get(), fp32_saved, nullptr, o);
+      check_equal(moments, optimizer_entries(full_state(*into_bf16, opt3.get())), "fp32 moments loaded into bf16 moments");
+    }
+  }
+}

@@ -11,6 +11,19 @@ namespace detail {
 
 // ---- load -------------------------------------------------------------------------------------
 
+/// The dtype optimizer state dataset `ds_path` was stored in: a floating type as it is (bf16 moments
+/// load into fp32 ones and back), anything else as `param_dtype` (so that the read reports it).
+inline c10::ScalarType optimizer_state_dtype_stored(hid_t file, const std::string& path, const std::string& ds_path, c10::ScalarType param_dtype) {
+  h5::Id ds = h5::open_dataset(file, ds_path, path);
+  switch (tensor_element_type(ds, path + ":" + ds_path)) {
+    case h5::ElementType::kFloat32: return c10::ScalarType::Float;
+    case h5::ElementType::kFloat64: return c10::ScalarType::Double;
+    case h5::ElementType::kFloat16: return c10::ScalarType::Half;
+    case h5::ElementType::kBFloat16: return c10::ScalarType::BFloat16;
+    default: return param_dtype;
+  }
+}
+
 /// Reads the padded flat range [lo, hi) of unit `u` (and its optimizer state) from a FULL/SHARDED file.
 inline StagedUnit read_unit_range(hid_t file, const std::string& path, const ShardedUnit& u, std::int64_t lo, std::int64_t hi,
                                   const torch::optim::Optimizer* opt, std::vector<std::string>& problems) {
@@ -21,9 +34,9 @@ inline StagedUnit read_unit_range(hid_t file, const std::string& path, const Sha
     h5::Id ds = h5::open_dataset(file, ds_path, path);
     const auto shape = logical_shape(ds);
     const auto stored = tensor_element_type(ds, path + ":" + ds_path);
-    if (shape != u.shapes[i] || stored != element_type_of(dtype)) {
+    if (shape != u.shapes[i] || stored != element_type_of(dst.scalar_type())) {
       problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", model " + shape_text(u.shapes[i]) + " " +
-                         h5::element_type_name(element_type_of(dtype)) + ")");
+                         h5::element_type_name(element_type_of(dst.scalar_type())) + ")");
       return;
     }
     const ParamSlice p = u.layout.slice_in(static_cast<std::int64_t>(i), {lo, hi});
@@ -45,7 +58,11 @@ inline StagedUnit read_unit_range(hid_t file, const std::string& path, const Sha
   h5::Id g = h5::open_group(file, first, path);
   s.optim_step = h5::read_int_attribute(g, "step", "checkpoint '" + path + "' group " + first);
   for (const auto& name : h5::list_names(file, first)) {
-    auto t = torch::zeros({hi - lo}, torch::TensorOptions().dtype(dtype));
+    // Optimizer state is read in the dtype it was stored in (bf16 moments, or the parameters'); the
+    // load converts it to the optimizer's.
+    const std::string first_state = first + "/" + name;
+    const auto state_dtype = h5::exists(file, first_state) ? optimizer_state_dtype_stored(file, path, first_state, dtype) : dtype;
+    auto t = torch::zeros({hi - lo}, torch::TensorOptions().dtype(state_dtype));
     for (std::size_t i = 0; i < u.param_names.size(); ++i) {
       const std::string p = optim_path(u.param_names[i]) + "/" + name;
       if (!h5::exists(file, p)) {
@@ -167,7 +184,10 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
     names.i64(full.has_optim ? 1 : 0);
     names.i64(full.optim_step);
     names.i64(static_cast<std::int64_t>(full.optim.size()));
-    for (const auto& [n, t] : full.optim) names.str(n);
+    for (const auto& [n, t] : full.optim) {
+      names.str(n);
+      names.i64(static_cast<std::int64_t>(t.scalar_type()));
+    }
     const std::string header = broadcast_string(world, names.bytes);
     Unpacker un{header};
     StagedUnit mine;
@@ -175,15 +195,16 @@ Staged read_on_rank0(Engine& engine, const torch::optim::Optimizer* opt, const s
     mine.optim_step = un.i64();
     const auto n_states = un.i64();
     const auto dtype = u.dtype;
-    auto share = [&](torch::Tensor t) {
-      if (!t.defined()) t = torch::empty({u.layout.padded_numel()}, torch::TensorOptions().dtype(dtype));
+    auto share = [&](torch::Tensor t, c10::ScalarType t_dtype) {
+      if (!t.defined()) t = torch::empty({u.layout.padded_numel()}, torch::TensorOptions().dtype(t_dtype));
       world.broadcast(t.data_ptr(), t.numel(), to_comm_dtype(t.scalar_type()), 0);
       return t.narrow(0, u.own_range().begin, u.own_range().numel()).clone();
     };
-    mine.flat = share(full.flat);
+    mine.flat = share(full.flat, dtype);
     for (std::int64_t k = 0; k < n_states; ++k) {
       const std::string name = un.str();
-      mine.optim.emplace_back(name, share(reader ? full.optim[static_cast<std::size_t>(k)].second : torch::Tensor()));
+      const auto state_dtype = static_cast<c10::ScalarType>(un.i64());
+      mine.optim.emplace_back(name, share(reader ? full.optim[static_cast<std::size_t>(k)].second : torch::Tensor(), state_dtype));
     }
     s.units.push_back(std::move(mine));
   }
@@ -249,22 +270,25 @@ Staged read_local_file(Engine& engine, const torch::optim::Optimizer* opt, const
     }
     const std::string base = "/units/" + std::to_string(u.index);
     const auto dtype = u.dtype;
-    auto read_flat = [&](const std::string& p) {
+    auto read_flat = [&](const std::string& p, c10::ScalarType t_dtype) {
       h5::Id ds = h5::open_dataset(file, p, path);
       const auto dims = h5::dataset_dims(ds);
       if (dims != std::vector<std::int64_t>{u.layout.shard_numel()})
         throw CheckpointError("checkpoint '" + path + "' dataset " + p + " has " + shape_text(dims) + " elements, expected [" +
                               std::to_string(u.layout.shard_numel()) + "]");
-      auto t = torch::empty({u.layout.shard_numel()}, torch::TensorOptions().dtype(dtype));
-      h5::read_flat_range(ds, dims, 0, t.numel(), element_type_of(dtype), t.data_ptr(), "checkpoint '" + path + "' dataset " + p);
+      auto t = torch::empty({u.layout.shard_numel()}, torch::TensorOptions().dtype(t_dtype));
+      h5::read_flat_range(ds, dims, 0, t.numel(), element_type_of(t_dtype), t.data_ptr(), "checkpoint '" + path + "' dataset " + p);
       return t;
     };
-    su.flat = read_flat(base + "/flat");
+    su.flat = read_flat(base + "/flat", dtype);
     if (opt && h5::exists(file, base + "/optim")) {
       su.has_optim = true;
       h5::Id og = h5::open_group(file, base + "/optim", path);
       su.optim_step = h5::read_int_attribute(og, "step", "checkpoint '" + path + "' group " + base + "/optim");
-      for (const auto& name : h5::list_names(file, base + "/optim")) su.optim.emplace_back(name, read_flat(base + "/optim/" + name));
+      for (const auto& name : h5::list_names(file, base + "/optim")) {
+        const std::string p = base + "/optim/" + name;
+        su.optim.emplace_back(name, read_flat(p, optimizer_state_dtype_stored(file, path, p, dtype)));
+      }
     }
     s.units.push_back(std::move(su));
   }
@@ -360,8 +384,10 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
       view.step = staged.units[i].optim_step;
       view.tensors = staged.units[i].optim;
       // Checkpoints hold shard-shaped state, read into host memory; the optimizer keeps it where the
-      // parameter it updates lives (a GPU, or the host under offload).
-      for (auto& [name, t] : view.tensors) t = units[i].optimized_part_of(t).to(units[i].optimized.device());
+      // parameter it updates lives (a GPU, or the host under offload), in the dtype it keeps state in
+      // (a checkpoint with fp32 moments loads into bf16 moments and back).
+      const auto state_dtype = optimizer_state_dtype(*optimizer, units[i].optimized);
+      for (auto& [name, t] : view.tensors) t = units[i].optimized_part_of(t).to(units[i].optimized.device(), state_dtype);
       try {
         staged.optimizer_states[i] = make_optimizer_state(*optimizer, view);
       } catch (const ConfigError& e) {

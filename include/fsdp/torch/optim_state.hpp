@@ -14,6 +14,7 @@
 
 #include "fsdp/errors.hpp"
 #include "fsdp/torch/optim/adadelta.hpp"
+#include "fsdp/torch/optim/bf16_moments_adam.hpp"
 #include "fsdp/torch/torch_compat.hpp"
 
 namespace fsdp {
@@ -74,6 +75,15 @@ inline std::string optimizer_kind(const torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<const optim::Adadelta*>(&optimizer)) return "Adadelta";
   throw ConfigError(std::string("unsupported optimizer type ") + typeid(optimizer).name() +
                     " (supported: SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta)");
+}
+
+/// The dtype `optimizer` keeps the state of parameter `p` in: bf16 for the bf16-moment Adams, the
+/// parameter's own otherwise. A checkpoint's state is converted to it on load, so a checkpoint written
+/// with either setting loads into the other.
+inline c10::ScalarType optimizer_state_dtype(const torch::optim::Optimizer& optimizer, const torch::Tensor& p) {
+  if (dynamic_cast<const optim::AdamBf16Moments*>(&optimizer) || dynamic_cast<const optim::AdamWBf16Moments*>(&optimizer))
+    return optim::AdamBf16Moments::kStateDtype;
+  return p.scalar_type();
 }
 
 /// A fresh per-parameter state for `optimizer` holding `view` (the inverse of optimizer_state_view).
