@@ -123,6 +123,13 @@ struct ChoiceNames<OptimizerKind> {
       std::pair{OptimizerKind::kAdamW, std::string_view("adamw")}, std::pair{OptimizerKind::kAdadelta, std::string_view("adadelta")}};
 };
 
+/// optim.state_dtype: the dtype Adam's moments are kept in (fp32: as the master parameters).
+enum class StateDtype { kFp32, kBf16 };
+template <>
+struct ChoiceNames<StateDtype> {
+  static constexpr std::array kNames{std::pair{StateDtype::kFp32, std::string_view("fp32")}, std::pair{StateDtype::kBf16, std::string_view("bf16")}};
+};
+
 enum class LrSchedule { kConstant, kStep, kCosine, kWsd };
 template <>
 struct ChoiceNames<LrSchedule> {

@@ -330,9 +330,9 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
 }  // namespace
 
 bool changes_the_trajectory(const std::string& key) {
-  // model.hf_config only says where the model's sizes came from: the sizes themselves are compared.
-  static const std::set<std::string> evaluation_or_loading = {"data.test_batch_size", "data.test_samples", "data.val_path", "data.num_workers",
-                                                              "model.hf_config"};
+  // model.hf_config says where the sizes came from (they are compared); optim.state_dtype is a precision, as fsdp.mixed_precision.
+  static const std::set<std::string> evaluation_or_loading = {"data.test_batch_size", "data.test_samples", "data.val_path",
+                                                              "data.num_workers",     "model.hf_config",   "optim.state_dtype"};
   if (evaluation_or_loading.count(key)) return false;
   const std::string section = key.substr(0, key.find('.'));
   return section == "model" || section == "data" || section == "optim" || key == "run.seed";

@@ -261,6 +261,14 @@ void add_optimizer_keys(std::vector<KeySpec>& s) {
                .min = 0,
                .max = 1e12,
                .description = "linear warmup from 0 to optim.lr over this many optimizer steps"});
+  s.push_back({.key = "optim.state_dtype",
+               .type = T::kString,
+               .default_value = "fp32",
+               .choices = choice_names<StateDtype>(),
+               .description = "adam, adamw: the dtype of the moments exp_avg and exp_avg_sq. bf16 keeps them in half the bytes (12 instead "
+                              "of 16 bytes per parameter with the fp32 master shard and gradient); the update is computed in fp32 and "
+                              "the moments are rounded back stochastically. Checkpoints store them as they are and load into either "
+                              "setting; CPU shards only (a GPU run needs fsdp.offload_params)"});
   s.push_back({.key = "optim.clip_grad_norm",
                .type = T::kFloat,
                .default_value = 0.0,

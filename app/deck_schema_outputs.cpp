@@ -60,11 +60,12 @@ void add_checkpoint_keys(std::vector<KeySpec>& s) {
                .type = T::kString,
                .default_value = "refuse",
                .choices = choice_names<ResumeChanged>(),
-               .description = "resuming with a deck whose keys that decide the training differ from the checkpoint's stored deck "
-                              "([model], [data] but its evaluation and loading keys, [optim], run.seed): refuse (exit 2 naming each key "
-                              "with both values) or allow (each printed as a warning and listed in summary.json's resume_changed); "
-                              "other keys (logging, run.max_steps, evaluation and checkpoint cadence, performance settings) may "
-                              "always change"});
+               .description =
+                   "resuming with a deck whose keys that decide the training differ from the checkpoint's stored deck "
+                   "([model], [data] but its evaluation and loading keys, [optim] but optim.state_dtype, run.seed): refuse (exit 2 naming each key "
+                   "with both values) or allow (each printed as a warning and listed in summary.json's resume_changed); "
+                   "other keys (logging, run.max_steps, evaluation and checkpoint cadence, performance settings) may "
+                   "always change"});
   s.push_back({.key = "checkpoint.save_final", .type = T::kBool, .default_value = true, .description = "save a checkpoint after the last step"});
   s.push_back({.key = "checkpoint.async",
                .type = T::kBool,

@@ -239,6 +239,10 @@ OptimSection resolve_optim_section(const Deck& deck, const Placement& placement,
     data.batch_size = split->micro;
     optim.grad_accum_steps = split->accum;
   }
+  optim.state_dtype = choice<StateDtype>(deck, "optim.state_dtype");
+  if (optim.state_dtype == StateDtype::kBf16 && optim.kind != OptimizerKind::kAdam && optim.kind != OptimizerKind::kAdamW)
+    throw DeckError(blame(deck, "optim.state_dtype") + "\"bf16\" keeps adam's and adamw's moments in bf16; optim.kind is \"" + to_string(optim.kind) +
+                    "\"");
   if (optim.kind != OptimizerKind::kSgd && optim.betas.size() != 2)
     throw DeckError(blame(deck, "optim.betas") + "must have 2 values, got " + std::to_string(optim.betas.size()));
 
@@ -393,6 +397,10 @@ RunConfig resolve_run_config(const Deck& deck, const Placement& placement) {
   check_sizes_are_addressable(deck, c.model, c.data);
   c.optim = resolve_optim_section(deck, placement, c.data);
   c.fsdp = resolve_fsdp_section(deck, placement, c.run, c.model);
+  if (c.optim.state_dtype == StateDtype::kBf16 && c.fsdp.backend_resolved == Backend::kNccl && !c.fsdp.offload_params)
+    throw DeckError(blame(deck, "optim.state_dtype") +
+                    "\"bf16\" runs its update on the CPU: on a GPU it needs fsdp.offload_params = true (the shards and the optimizer in host "
+                    "memory), or optim.state_dtype = \"fp32\"");
   c.comm.timeout_s = deck.get_float("comm.timeout_s");
   c.comm.flight_recorder_entries = deck.get_int("comm.flight_recorder_entries");
 

@@ -121,9 +121,12 @@ struct OptimSection {
   std::int64_t warmup_steps = 0;
   double clip_grad_norm = 0;
   std::int64_t grad_accum_steps = 1;
-  bool reduce_every_micro_batch = false;  ///< optim.accum_reduce = every
+  bool reduce_every_micro_batch = false;       ///< optim.accum_reduce = every
+  StateDtype state_dtype = StateDtype::kFp32;  ///< optim.state_dtype (bf16: adam and adamw only)
   /// Optimizer state tensors per parameter element (for the expected-memory estimate).
   int state_copies() const { return kind == OptimizerKind::kSgd ? (momentum > 0 ? 1 : 0) : 2; }
+  /// Bytes of optimizer state per optimized element: state_copies() tensors of 4 or 2 bytes.
+  int state_bytes_per_element() const { return state_copies() * (state_dtype == StateDtype::kBf16 ? 2 : 4); }
 };
 
 struct FsdpSection {

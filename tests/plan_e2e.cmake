@@ -166,9 +166,11 @@ message(STATUS "process baseline measured: ${baseline} MiB (peak RSS ${rss0} / $
 # 3. Predicted against measured.
 set(report "")
 # A third field: run.malloc (the default reuse keeps every block on the heap; fsdp-plan models each policy).
-# A fourth: fsdp.optimizer_sharding, with groups of one rank (two replicas).
+# A fourth: fsdp.optimizer_sharding, with groups of one rank (two replicas); - for none.
+# A fifth: optim.state_dtype (bf16: Adam's moments in 2 bytes, updated without temporaries).
 foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "mlp;FULL_SHARD;return" "gpt;NO_SHARD;return" "gpt;FULL_SHARD;glibc"
-             "gpt;HYBRID_SHARD;reuse;world" "llama;FULL_SHARD" "llama;NO_SHARD" "llama_checkpointed;FULL_SHARD")
+             "gpt;HYBRID_SHARD;reuse;world" "llama;FULL_SHARD" "llama;NO_SHARD" "llama_checkpointed;FULL_SHARD" "mlp;FULL_SHARD;return;-;bf16"
+             "gpt;FULL_SHARD;reuse;-;bf16")
   list(GET case 0 deck)
   list(GET case 1 strategy)
   set(out ${WORK_DIR}/${deck}_${strategy})
@@ -180,8 +182,17 @@ foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "ml
     list(APPEND sets --set run.malloc=${malloc})
     set(strategy "${strategy} (run.malloc = ${malloc})")
   endif()
+  if(fields GREATER 4)
+    list(GET case 4 state_dtype)
+    set(out ${out}_${state_dtype})
+    list(APPEND sets --set optim.state_dtype=${state_dtype})
+    set(strategy "${strategy} (optim.state_dtype = ${state_dtype})")
+  endif()
+  set(optimizer_sharding "-")
   if(fields GREATER 3)
     list(GET case 3 optimizer_sharding)
+  endif()
+  if(NOT optimizer_sharding STREQUAL "-")
     set(out ${out}_${optimizer_sharding})
     list(APPEND sets --set fsdp.shard_group_size=1 --set fsdp.optimizer_sharding=${optimizer_sharding})
     set(strategy "${strategy} (fsdp.optimizer_sharding = ${optimizer_sharding})")

@@ -181,9 +181,10 @@ class MemorySim {
 
 /// Bytes of one rank's training state: its fp32 parameter shards, and for what its optimizer updates
 /// (the shards, or their replica parts with fsdp.optimizer_sharding = world) the fp32 gradients and
-/// `state_copies` state tensors. fsdp-train's "expected ... MiB" and fsdp-plan's state row.
-inline std::int64_t training_state_bytes(std::int64_t shard_elements, std::int64_t optimized_elements, int state_copies) {
-  return 4 * shard_elements + 4 * optimized_elements * (1 + state_copies);
+/// `state_bytes_per_element` bytes of optimizer state (OptimSection::state_bytes_per_element).
+/// fsdp-train's "expected ... MiB" and fsdp-plan's state row.
+inline std::int64_t training_state_bytes(std::int64_t shard_elements, std::int64_t optimized_elements, int state_bytes_per_element) {
+  return 4 * shard_elements + optimized_elements * (4 + state_bytes_per_element);
 }
 
 /// The prediction for one rank (all ranks hold the same: shards are padded to equal size).

@@ -137,6 +137,7 @@ struct RunShape {
   int reduce_bytes = 4;                 ///< bytes per element of reduced gradients
   OptimizerKind optimizer = OptimizerKind::kAdam;
   int optimizer_copies = 2;  ///< shard-sized state tensors per parameter shard
+  int state_bytes = 4;       ///< bytes per element of each (optim.state_dtype)
   bool weight_decay = false;
   bool momentum = false;
   bool clip = false;
@@ -205,6 +206,7 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
   r.reduce_bytes = cfg.fsdp.mixed_precision == Precision::kNo ? 4 : 2;
   r.optimizer = cfg.optim.kind;
   r.optimizer_copies = cfg.optim.state_copies();
+  r.state_bytes = cfg.optim.state_dtype == StateDtype::kBf16 ? 2 : 4;
   r.weight_decay = cfg.optim.weight_decay > 0;
   r.momentum = cfg.optim.momentum > 0;
   r.clip = cfg.optim.clip_grad_norm > 0;

@@ -115,19 +115,27 @@ inline Placement::Gpu probe_gpu() {
 }
 
 /// The optimizer of the deck. With optim.no_decay, adamw runs without decay of its own: the
-/// WeightDecayMask (weight_decay.hpp) applies it, element by element, before each step.
+/// WeightDecayMask (weight_decay.hpp) applies it, element by element, before each step. With
+/// optim.state_dtype = bf16, adam and adamw keep their moments in bf16 (fsdp::optim::Bf16MomentsAdam).
 template <class Engine>
 inline std::unique_ptr<torch::optim::Optimizer> build_optimizer(const RunConfig& cfg, Engine& model) {
   const double lr = cfg.optim.lr, wd = cfg.optim.no_decay.empty() ? cfg.optim.weight_decay : 0.0;
   const auto params = model.parameters();
   const auto& betas = cfg.optim.betas;
+  const bool bf16_moments = cfg.optim.state_dtype == StateDtype::kBf16;
   switch (cfg.optim.kind) {
     case OptimizerKind::kSgd:
       return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr).momentum(cfg.optim.momentum).weight_decay(wd));
-    case OptimizerKind::kAdam:
-      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
-    case OptimizerKind::kAdamW:
-      return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd));
+    case OptimizerKind::kAdam: {
+      const auto options = torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd);
+      if (bf16_moments) return std::make_unique<fsdp::optim::AdamBf16Moments>(params, options, fsdp::optim::places_in_units(model));
+      return std::make_unique<torch::optim::Adam>(params, options);
+    }
+    case OptimizerKind::kAdamW: {
+      const auto options = torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd);
+      if (bf16_moments) return std::make_unique<fsdp::optim::AdamWBf16Moments>(params, options, fsdp::optim::places_in_units(model));
+      return std::make_unique<torch::optim::AdamW>(params, options);
+    }
     case OptimizerKind::kAdadelta: break;
   }
   return std::make_unique<fsdp::optim::Adadelta>(params, fsdp::optim::AdadeltaOptions(lr).weight_decay(wd));

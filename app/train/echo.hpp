@@ -27,7 +27,7 @@ void print_echo(const Engine& model, const RunSetup& s, const Dataset* data) {
   }
   std::int64_t optimized_numel = 0;  // what this rank's optimizer updates: the shards, or their replica parts
   for (const auto& p : model.parameters()) optimized_numel += p.numel();
-  const std::int64_t state_bytes = training_state_bytes(shard_numel, optimized_numel, cfg.optim.state_copies());
+  const std::int64_t state_bytes = training_state_bytes(shard_numel, optimized_numel, cfg.optim.state_bytes_per_element());
   if (!root) return;
   const ModelFamily& family = model_family(cfg.model.kind);
   const ModelDesc desc = family.describe(cfg.model);

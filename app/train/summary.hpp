@@ -225,6 +225,7 @@ nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& pl
   js["shard_group_size"] = model.shard_group_size();
   js["replica_groups"] = world.size() / model.shard_group_size();
   js["optimizer_sharding"] = cfg.fsdp.optimizer_sharding == OptimizerSharding::WORLD ? "world" : "group";
+  js["optimizer_state_dtype"] = to_string(cfg.optim.state_dtype);
   js["params"] = model.num_params();
   js["steps"] = t.steps;
   js["resumed_from_step"] = t.resumed_from_step;
