@@ -65,6 +65,34 @@ BOOST_AUTO_TEST_CASE(bf16_stochastic_rounding_is_unbiased_and_exact_where_it_can
   BOOST_TEST(std::isinf(bf16_value(float_to_bf16_stochastic(std::numeric_limits<float>::infinity(), 0xffff))));
 }
 
+BOOST_AUTO_TEST_CASE(bf16_moments_are_unbiased_over_many_steps) {
+  // 2^17 elements see the same gradients for 300 steps: the mean of their bf16 moments stays on the
+  // moments computed in double (each element's rounding errors are independent draws), and so does
+  // the mean update. Round-to-nearest would hold exp_avg_sq still once a step moves it by less than
+  // half a bf16 spacing (beta2 = 0.999).
+  const std::int64_t n = std::int64_t{1} << 17;
+  auto p = torch::zeros({n}).requires_grad_();
+  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  fsdp::optim::AdamBf16Moments opt({p}, torch::optim::AdamOptions(lr).betas({beta1, beta2}).eps(eps));
+  double m = 0, v = 0, x = 0;
+  auto gen = at::detail::createCPUGenerator(3);
+  for (int step = 1; step <= 300; ++step) {
+    const double g = 0.05 + torch::rand({1}, gen).item<double>() * (step < 150 ? 1.0 : 0.1);  // the gradients shrink half way
+    p.mutable_grad() = torch::full({n}, g);
+    opt.step();
+    m = beta1 * m + (1 - beta1) * g;
+    v = beta2 * v + (1 - beta2) * g * g;
+    x -= lr / (1 - std::pow(beta1, step)) * m / (std::sqrt(v / (1 - std::pow(beta2, step))) + eps);
+  }
+  const auto view = fsdp::optimizer_state_view(*opt.state().at(fsdp::optimizer_state_key(p)));
+  const double mean_m = view.tensors[0].second.to(torch::kDouble).mean().item<double>();
+  const double mean_v = view.tensors[1].second.to(torch::kDouble).mean().item<double>();
+  const double mean_x = p.detach().to(torch::kDouble).mean().item<double>();
+  BOOST_TEST(mean_m == m, boost::test_tools::tolerance(2e-4));
+  BOOST_TEST(mean_v == v, boost::test_tools::tolerance(2e-4));
+  BOOST_TEST(mean_x == x, boost::test_tools::tolerance(2e-4));
+}
+
 BOOST_AUTO_TEST_CASE(bf16_moments_take_half_the_bytes_and_track_fp32_moments) {
   const int world = MpiComm::world().size();
   const int rank = MpiComm::world().rank();
