@@ -13,7 +13,7 @@ STEPS=${LARGEST_STEPS:-3}
 mkdir -p "$OUT"
 export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none OMP_NUM_THREADS=1
 
-# name strategy d_model n_layers [run.malloc [fsdp.mixed_precision]]
+# name strategy d_model n_layers [run.malloc [fsdp.mixed_precision [more settings, key=value,key=value]]]
 CONFIGS=(
   "gpt201m_no_shard NO_SHARD 1024 16"
   "gpt252m_no_shard NO_SHARD 1024 20"
@@ -25,11 +25,17 @@ CONFIGS=(
   "gpt252m_full_shard_return FULL_SHARD 1024 20 return"
   "gpt1208m_full_shard_bf16 FULL_SHARD 2048 24 return bf16"
   "gpt1309m_full_shard_bf16 FULL_SHARD 2048 26 return bf16"
+  # optim.state_dtype = bf16: Adam's moments in 2 bytes each (12 instead of 16 bytes per parameter);
+  # activation checkpointing and d_model 1280 keep what is not state small. The same model with fp32
+  # moments is refused by fsdp-train's memory check at start.
+  "gpt1811m_full_shard_bf16_moments FULL_SHARD 1280 92 return bf16 optim.state_dtype=bf16,fsdp.activation_checkpointing=true"
+  "gpt1811m_full_shard_fp32_moments FULL_SHARD 1280 92 return bf16 optim.state_dtype=fp32,fsdp.activation_checkpointing=true"
+  "gpt1712m_full_shard_bf16_moments FULL_SHARD 2048 34 return bf16 optim.state_dtype=bf16"
 )
 wanted=${LARGEST_CONFIGS:-}
 printf '| run | strategy | parameters | ranks | peak RSS MiB per rank | median step s | wall s | exit | fsdp-plan MiB per rank |\n|---|---|---:|---:|---|---:|---:|---:|---:|\n' >"$OUT/results.md"
 for c in "${CONFIGS[@]}"; do
-  read -r name strategy d_model n_layers malloc mp <<<"$c"
+  read -r name strategy d_model n_layers malloc mp more <<<"$c"
   [[ -z $wanted || " $wanted " == *" $name "* ]] || continue
   dir=$OUT/$name
   rm -rf "$dir"
@@ -44,6 +50,11 @@ for c in "${CONFIGS[@]}"; do
   [[ -n ${malloc:-} ]] && cmd+=(--set run.malloc="$malloc")
   # A sixth: fsdp.mixed_precision (bf16: the gathered units and activations in half the bytes).
   [[ -n ${mp:-} ]] && cmd+=(--set fsdp.mixed_precision="$mp")
+  # A seventh: more deck settings, comma-separated.
+  if [[ -n ${more:-} ]]; then
+    IFS=, read -ra settings <<<"$more"
+    for kv in "${settings[@]}"; do cmd+=(--set "$kv"); done
+  fi
   # fsdp-plan's prediction for the same deck and settings, beside the measurement.
   plan=$("${FSDP_PLAN:-$ROOT/build/bin/fsdp-plan}" "${cmd[@]:6}" --np 4 2>/dev/null | grep -oE "predicted peak RSS per rank: [0-9.]+" | grep -oE "[0-9.]+$" || echo "?")
   echo "\$ ${cmd[*]}" | tee "$OUT/$name.log"

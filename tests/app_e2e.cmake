@@ -253,7 +253,7 @@ message(STATUS "overlapped ${overlapped} gradient reductions; exposed reduction 
 #     other optimizers are refused naming the key.
 set(bf16_moments --set optim.state_dtype=bf16)
 run(0 ${train2} ${DECK} ${bf16_moments} --set run.out_dir=${WORK_DIR}/bf16_moments)
-expect_in("${last_output}" "expected [0-9.]+ MiB of params \\+ grads \\+ optimizer state")
+expect_in("${last_output}" "expected [0-9.]+ MiB of params \\+ grads \\+ optimizer state \\(moments in bf16\\)")
 file(READ ${WORK_DIR}/bf16_moments/summary.json summary)
 expect_in("${summary}" "\"optimizer_state_dtype\": \"bf16\"")
 run(0 ${train2} ${DECK} ${bf16_moments} --set run.out_dir=${WORK_DIR}/bf16_moments_resume --set run.max_steps=12)

@@ -53,8 +53,9 @@ void print_echo(const Engine& model, const RunSetup& s, const Dataset* data) {
   if (s.fit) std::printf("  memory: %s\n", fit_summary(*s.fit, cfg.placement.ranks_per_node).c_str());
   std::printf("  strategy %s, shard group %d, %zu unit(s), %lld parameters\n", to_string(model.sharding_strategy()), model.shard_group_size(),
               units.size(), static_cast<long long>(model.num_params()));
-  std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",
-              static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0);
+  std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state%s\n",
+              static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0,
+              cfg.optim.state_dtype == StateDtype::kBf16 ? " (moments in bf16)" : "");
   if (root_note) std::printf("  note: %s\n", root_note->c_str());
   if (!data)
     std::printf("  data not read (generation); out_dir %s\n", cfg.run.out_dir.c_str());
