@@ -61,7 +61,7 @@ void print_prediction(const RunConfig& cfg, const ModelSection& shape, const Run
   std::printf("  strategy %s, shard group %lld, %lld replica group(s), %s, optimizer %s (%d %s state tensor(s) per %s), batch %lld per rank%s\n",
               to_string(run.strategy), static_cast<long long>(run.group), static_cast<long long>(run.replicas),
               run.param_bytes == 4 ? "fp32" : ("mixed precision " + to_string(cfg.fsdp.mixed_precision)).c_str(), to_string(run.optimizer).c_str(),
-              run.optimizer_copies, run.state_bytes == 2 ? "bf16" : "fp32", updated.c_str(), static_cast<long long>(run.batch),
+              run.optimizer_copies, run.state_element_bytes == 2 ? "bf16" : "fp32", updated.c_str(), static_cast<long long>(run.batch),
               run.activation_checkpointing ? ", activation checkpointing" : "");
   std::printf("  parameters %lld\n", static_cast<long long>(p.num_params));
   std::printf("  per rank: %lld shard elements (%lld padding in all units), expected %.2f MiB of params + grads + optimizer state\n",

@@ -247,16 +247,17 @@ expect_in("${last_output}" "checkpoints match")
 string(JSON exposed GET "${summary}" overlap exposed_reduce_s avg)
 message(STATUS "overlapped ${overlapped} gradient reductions; exposed reduction time ${exposed} s per rank")
 
-# 14. Adam's moments in bf16 (optim.state_dtype = "bf16"): 12 instead of 16 bytes per parameter in
-#     the echo's expectation; a resumed run equals the straight one bit for bit; the checkpoint loads
-#     into fp32 moments (a precision, like fsdp.mixed_precision: no refusal) and fsdp-ckpt reads it;
-#     other optimizers are refused naming the key.
+# 14. Adam's moments in bf16 (optim.state_dtype = "bf16"): the echo says so (fsdp-plan's equal
+#     expectation is checked in plan_e2e, the state's bytes in test_engine); a resumed run whose saves
+#     were asynchronous equals the straight one bit for bit; the checkpoint loads into fp32 moments (a
+#     precision, like fsdp.mixed_precision: no refusal) and fsdp-ckpt reads it; other optimizers are
+#     refused naming the key.
 set(bf16_moments --set optim.state_dtype=bf16)
 run(0 ${train2} ${DECK} ${bf16_moments} --set run.out_dir=${WORK_DIR}/bf16_moments)
 expect_in("${last_output}" "expected [0-9.]+ MiB of params \\+ grads \\+ optimizer state \\(moments in bf16\\)")
 file(READ ${WORK_DIR}/bf16_moments/summary.json summary)
 expect_in("${summary}" "\"optimizer_state_dtype\": \"bf16\"")
-run(0 ${train2} ${DECK} ${bf16_moments} --set run.out_dir=${WORK_DIR}/bf16_moments_resume --set run.max_steps=12)
+run(0 ${train2} ${DECK} ${bf16_moments} --set run.out_dir=${WORK_DIR}/bf16_moments_resume --set run.max_steps=12 --set checkpoint.async=true)
 run(0 ${train2} ${DECK} ${bf16_moments} --set run.out_dir=${WORK_DIR}/bf16_moments_resume)
 expect_in("${last_output}" "resumed from [^\n]*step_00000012.h5 at step 12")
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/bf16_moments_resume/checkpoints ${WORK_DIR}/bf16_moments/checkpoints)

@@ -115,8 +115,8 @@ BOOST_AUTO_TEST_CASE(bf16_moments_take_half_the_bytes_and_track_fp32_moments) {
     BOOST_TEST(view.step == kSteps);
     for (const auto& [name, t] : view.tensors) BOOST_TEST((t.scalar_type() == torch::kBFloat16), name);
   }
-  BOOST_TEST(model->memory_stats(opt.get()).optimizer_state_bytes == 2 * 2 * elements);  // fp32 moments: 2 x 4 bytes
-  BOOST_TEST(fp32.optimizer_state_bytes == 2 * 4 * elements);
+  BOOST_TEST(model->memory_stats(opt.get()).optimizer_state_bytes == 2 * 2 * elements);  // two moments of 2 bytes
+  BOOST_TEST(fp32.optimizer_state_bytes == 2 * 4 * elements);                            // fp32 moments: 2 x 4 bytes
   // The moments differ from fp32's by bf16's rounding (a relative 2^-8 per element per step); after a
   // few steps the whole model is within a few 1e-4 of fp32 moments, and not equal to it.
   const double err = relative_error_of_model(bf16, fp32.params);
@@ -127,8 +127,9 @@ BOOST_AUTO_TEST_CASE(bf16_moments_take_half_the_bytes_and_track_fp32_moments) {
 
 BOOST_AUTO_TEST_CASE(bf16_moments_round_by_place_and_step_alone) {
   // The same gradients give bit-identical parameters and moments whether a tensor is updated whole,
-  // in shard-like pieces placed where they lie, or on more threads: the rounding follows the element.
-  const std::int64_t n = 1000;
+  // in shard-like pieces placed where they lie, or on more threads (n spans several of the update's
+  // parallel chunks of 2^14): the rounding follows the element.
+  const std::int64_t n = 70001;
   auto gen = at::detail::createCPUGenerator(99);
   const auto init = torch::randn({n}, gen);
   std::vector<torch::Tensor> grads;
@@ -160,7 +161,7 @@ BOOST_AUTO_TEST_CASE(bf16_moments_round_by_place_and_step_alone) {
   };
   const auto whole = run({0, n}, 1);
   for (const auto& [cuts, threads] :
-       std::vector<std::pair<std::vector<std::int64_t>, int>>{{{0, 334, 668, n}, 1}, {{0, 1, 500, n}, 1}, {{0, n}, 2}}) {
+       std::vector<std::pair<std::vector<std::int64_t>, int>>{{{0, 23334, 46668, n}, 1}, {{0, 1, 500, n}, 1}, {{0, n}, 2}, {{0, 35000, n}, 2}}) {
     const auto got = run(cuts, threads);
     BOOST_TEST_CONTEXT(cuts.size() - 1 << " piece(s), " << threads << " thread(s)") {
       for (std::size_t i = 0; i < whole.size(); ++i) BOOST_TEST(torch::equal(got[i], whole[i]));
@@ -242,11 +243,62 @@ BOOST_AUTO_TEST_CASE(bf16_moments_match_single_process_at_every_world_size_and_s
   }
 }
 
+BOOST_AUTO_TEST_CASE(one_bf16_moment_step_is_torchs_adam_step) {
+  // From the same state (bf16 moments widened to fp32 for torch), one step of Adam (L2 decay) and of
+  // AdamW (decoupled decay) gives torch's parameters to rounding, and moments within one bf16
+  // spacing of torch's fp32 ones. Two earlier steps make the bias corrections differ from 1.
+  auto gen = at::detail::createCPUGenerator(11);
+  const auto init = torch::randn({5000}, gen);
+  std::vector<torch::Tensor> grads;
+  for (int i = 0; i < 3; ++i) grads.push_back(torch::randn({5000}, gen));
+  auto check = [&](auto* ours_type, auto* torch_type, const auto& options) {
+    using Ours = std::remove_pointer_t<decltype(ours_type)>;
+    using Torch = std::remove_pointer_t<decltype(torch_type)>;
+    auto p = init.clone().requires_grad_();
+    Ours ours({p}, options);
+    for (int i = 0; i < 2; ++i) {
+      p.mutable_grad() = grads[static_cast<std::size_t>(i)].clone();
+      ours.step();
+    }
+    auto q = p.detach().clone().requires_grad_();
+    Torch reference({q}, options);
+    auto view = fsdp::optimizer_state_view(*ours.state().at(fsdp::optimizer_state_key(p)));
+    for (auto& [name, t] : view.tensors) t = t.to(torch::kFloat);
+    reference.state()[fsdp::optimizer_state_key(q)] = fsdp::make_optimizer_state(reference, view);
+    p.mutable_grad() = grads[2].clone();
+    q.mutable_grad() = grads[2].clone();
+    ours.step();
+    reference.step();
+    BOOST_TEST(relative_error_of_model({{"p", p.detach()}}, {{"p", q.detach()}}) < 1e-6);
+    const auto got = fsdp::optimizer_state_view(*ours.state().at(fsdp::optimizer_state_key(p)));
+    const auto want = fsdp::optimizer_state_view(*reference.state().at(fsdp::optimizer_state_key(q)));
+    BOOST_TEST(got.step == 3);
+    BOOST_TEST(want.step == 3);
+    for (std::size_t k = 0; k < 2; ++k) {
+      const auto diff = (got.tensors[k].second.to(torch::kFloat) - want.tensors[k].second).abs();
+      BOOST_TEST((diff <= want.tensors[k].second.abs() / 128 + 1e-30).all().template item<bool>(), got.tensors[k].first);
+    }
+  };
+  check(static_cast<fsdp::optim::AdamBf16Moments*>(nullptr), static_cast<torch::optim::Adam*>(nullptr),
+        torch::optim::AdamOptions(1e-2).betas({0.8, 0.95}).weight_decay(0.1).eps(1e-6));
+  check(static_cast<fsdp::optim::AdamWBf16Moments*>(nullptr), static_cast<torch::optim::AdamW*>(nullptr),
+        torch::optim::AdamWOptions(1e-2).betas({0.8, 0.95}).weight_decay(0.1).eps(1e-6));
+}
+
 BOOST_AUTO_TEST_CASE(bf16_moments_refuse_what_they_cannot_update) {
-  auto gpu_like = torch::zeros({4}, torch::kDouble).requires_grad_();
-  BOOST_CHECK_EXCEPTION(fsdp::optim::AdamWBf16Moments({gpu_like}, torch::optim::AdamWOptions(1e-3)), fsdp::ConfigError,
+  auto double_param = torch::zeros({4}, torch::kDouble).requires_grad_();
+  BOOST_CHECK_EXCEPTION(fsdp::optim::AdamWBf16Moments({double_param}, torch::optim::AdamWOptions(1e-3)), fsdp::ConfigError,
                         [](const fsdp::ConfigError& e) { return std::string(e.what()).find("fp32 parameters on the CPU") != std::string::npos; });
   auto p = torch::zeros({4}).requires_grad_();
   BOOST_CHECK_EXCEPTION(fsdp::optim::AdamBf16Moments({p}, torch::optim::AdamOptions(1e-3).amsgrad(true)), fsdp::ConfigError,
                         [](const fsdp::ConfigError& e) { return std::string(e.what()).find("amsgrad") != std::string::npos; });
+  // A gradient it cannot use is refused before any parameter changes.
+  auto a = torch::ones({3}).requires_grad_(), b = torch::ones({3}).requires_grad_();
+  fsdp::optim::AdamWBf16Moments opt({a, b}, torch::optim::AdamWOptions(1e-1));
+  a.mutable_grad() = torch::ones({3});
+  b.mutable_grad() = torch::ones({3}, torch::kDouble);
+  BOOST_CHECK_EXCEPTION(opt.step(), fsdp::ConfigError,
+                        [](const fsdp::ConfigError& e) { return std::string(e.what()).find("dense fp32 CPU gradient") != std::string::npos; });
+  BOOST_TEST(torch::equal(a.detach(), torch::ones({3})));
+  BOOST_TEST(opt.state().empty());
 }

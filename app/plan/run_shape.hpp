@@ -136,8 +136,8 @@ struct RunShape {
   int param_bytes = 4;                  ///< bytes per element of gathered parameters, activations and their gradients
   int reduce_bytes = 4;                 ///< bytes per element of reduced gradients
   OptimizerKind optimizer = OptimizerKind::kAdam;
-  int optimizer_copies = 2;  ///< shard-sized state tensors per parameter shard
-  int state_bytes = 4;       ///< bytes per element of each (optim.state_dtype)
+  int optimizer_copies = 2;     ///< shard-sized state tensors per parameter shard
+  int state_element_bytes = 4;  ///< bytes per element of each state tensor (optim.state_dtype)
   bool weight_decay = false;
   bool momentum = false;
   bool clip = false;
@@ -206,7 +206,7 @@ inline RunShape run_shape(const RunConfig& cfg, ShardingStrategy strategy, const
   r.reduce_bytes = cfg.fsdp.mixed_precision == Precision::kNo ? 4 : 2;
   r.optimizer = cfg.optim.kind;
   r.optimizer_copies = cfg.optim.state_copies();
-  r.state_bytes = cfg.optim.state_dtype == StateDtype::kBf16 ? 2 : 4;
+  r.state_element_bytes = cfg.optim.state_dtype == StateDtype::kBf16 ? 2 : 4;
   r.weight_decay = cfg.optim.weight_decay > 0;
   r.momentum = cfg.optim.momentum > 0;
   r.clip = cfg.optim.clip_grad_norm > 0;

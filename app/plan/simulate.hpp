@@ -93,7 +93,7 @@ class RunSimulator {
   void stage_checkpoint() {
     std::int64_t elements = 0;
     for (const auto& u : units_) elements += u.shard;
-    std::int64_t bytes = elements * (4 + run_.state_bytes * run_.optimizer_copies);
+    std::int64_t bytes = elements * (4 + run_.state_element_bytes * run_.optimizer_copies);
     for (const auto& m : desc_.modules) bytes += m.buffer_numel * 4;
     mem_.alloc(Mem::kStaging, bytes * run_.async_copies);
   }
@@ -453,8 +453,8 @@ class RunSimulator {
       const std::int64_t bytes = optimized_elements(u) * 4;
       auto& st = state_[static_cast<std::size_t>(u.index)];
       if (first)
-        for (int c = 0; c < run_.optimizer_copies; ++c) st.push_back(mem_.alloc(Mem::kOptimizer, optimized_elements(u) * run_.state_bytes));
-      if (run_.state_bytes == 2) continue;  // bf16 moments: one pass per element, no temporaries
+        for (int c = 0; c < run_.optimizer_copies; ++c) st.push_back(mem_.alloc(Mem::kOptimizer, optimized_elements(u) * run_.state_element_bytes));
+      if (run_.state_element_bytes == 2) continue;  // bf16 moments: one pass per element, no temporaries
       const bool l2 = run_.weight_decay && run_.optimizer != OptimizerKind::kAdamW;
       int wd = l2 ? mem_.alloc(Mem::kStepTemps, bytes) : -1;
       if (run_.optimizer == OptimizerKind::kAdam || run_.optimizer == OptimizerKind::kAdamW || run_.optimizer == OptimizerKind::kAdadelta) {
@@ -544,7 +544,7 @@ inline Prediction predict(const ModelSection& model, const RunShape& run) {
       p.largest_unit_path = u.path.empty() ? "(root)" : u.path;
     }
   }
-  p.state_bytes = training_state_bytes(p.shard_elements, p.optimized_elements, run.state_bytes * run.optimizer_copies);
+  p.state_bytes = training_state_bytes(p.shard_elements, p.optimized_elements, run.state_element_bytes * run.optimizer_copies);
   p.baseline_bytes = static_cast<std::int64_t>(run.baseline_mib * 1048576.0);
   p.total_bytes = p.model_bytes + p.baseline_bytes;
   p.unit_list = units;

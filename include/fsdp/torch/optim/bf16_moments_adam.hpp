@@ -65,13 +65,15 @@ constexpr std::uint32_t step_seed(const ElementPlace& place, std::int64_t step) 
 /// The per-step constants of one parameter's update.
 struct Bf16MomentsStep {
   float b1, b2, one_minus_b1, one_minus_b2, step_size, bias_correction2_sqrt, eps, l2, decay_factor;
-  std::uint32_t seed, first;
+  std::uint32_t seed, first_element_offset;
 };
 
 // One pass over [begin, end): restrict and a plain loop let the compiler vectorize it (with
 // -fno-math-errno, which fsdp::fsdp sets: GCC keeps sqrt scalar where it may set errno), for AVX2 as
 // well where the CPU has it (ATen's own kernels choose AVX2 at run time too). Each element is
-// computed alone, so neither the instruction set nor the split over threads changes a result.
+// computed alone and nothing is contracted into FMAs (-ffp-contract=off, also set by fsdp::fsdp: a
+// vector body and its scalar tail could contract differently), so neither the instruction set nor
+// where a shard or thread split falls changes a result.
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("avx2", "default")))
 #endif
@@ -85,7 +87,7 @@ bf16_moments_update(const Bf16MomentsStep c, float* __restrict param, const floa
     const float vi = c.b2 * std::bit_cast<float>(std::uint32_t{v[i]} << 16) + c.one_minus_b2 * gi * gi;
     const float denom = std::sqrt(vi) / c.bias_correction2_sqrt + c.eps;
     param[i] = x - c.step_size * (mi / denom);
-    const std::uint32_t random = hash32(c.seed ^ ((c.first + static_cast<std::uint32_t>(i)) * 0x9e3779b9U));
+    const std::uint32_t random = hash32(c.seed ^ ((c.first_element_offset + static_cast<std::uint32_t>(i)) * 0x9e3779b9U));
     m[i] = float_to_bf16_stochastic(mi, random & 0xffffU);
     v[i] = float_to_bf16_stochastic(vi, random >> 16);
   }
@@ -126,16 +128,28 @@ class Bf16MomentsAdam : public TorchAdam {
       at::AutoGradMode enable_grad(true);
       loss = closure();
     }
+    // Everything is checked and placed before anything changes: a refusal leaves the step unapplied.
+    struct Pending {
+      torch::Tensor* param;
+      const Options* options;
+      ElementPlace place;
+    };
+    std::vector<Pending> pending;
     std::uint64_t index = 0;
     for (auto& group : this->param_groups()) {
       const auto& o = static_cast<const Options&>(group.options());
       for (auto& p : group.params()) {
         const std::uint64_t position = index++;
         if (!p.grad().defined() || p.numel() == 0) continue;
-        if (p.grad().is_sparse()) throw ConfigError("bf16 optimizer moments: sparse gradients are not supported");
-        update(p, o, place_of_ ? place_of_(p) : ElementPlace{position, 0});
+        const auto& g = p.grad();
+        if (g.is_sparse() || !g.device().is_cpu() || g.scalar_type() != c10::ScalarType::Float || g.numel() != p.numel() || !p.is_contiguous())
+          throw ConfigError("bf16 optimizer moments: parameter " + std::to_string(position) +
+                            " needs a contiguous parameter and a dense fp32 CPU gradient of its size; the gradient is " +
+                            c10::toString(g.scalar_type()) + " on " + g.device().str());
+        pending.push_back({&p, &o, place_of_ ? place_of_(p) : ElementPlace{position, 0}});
       }
     }
+    for (auto& [p, o, place] : pending) update(*p, *o, place);
     return loss;
   }
 
@@ -158,7 +172,6 @@ class Bf16MomentsAdam : public TorchAdam {
   }
 
   void update(torch::Tensor& p, const Options& o, const ElementPlace& place) {
-    if (!p.is_contiguous()) throw ConfigError("bf16 optimizer moments: parameters must be contiguous");
     auto& s = state_of(p);
     s.step(s.step() + 1);
     const auto grad = p.grad().contiguous();
