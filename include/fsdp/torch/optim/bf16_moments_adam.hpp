@@ -74,7 +74,19 @@ struct Bf16MomentsStep {
 // computed alone and nothing is contracted into FMAs (-ffp-contract=off, also set by fsdp::fsdp: a
 // vector body and its scalar tail could contract differently), so neither the instruction set nor
 // where a shard or thread split falls changes a result.
-#if defined(__x86_64__) && defined(__GNUC__)
+// Not under ThreadSanitizer (GCC's macro, clang's feature): its runtime is not up yet when the loader
+// runs the clones' resolver, and the process dies at start.
+#if defined(__SANITIZE_THREAD__)
+#define FSDP_BF16_MOMENTS_CLONES 0
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define FSDP_BF16_MOMENTS_CLONES 0
+#endif
+#endif
+#if !defined(FSDP_BF16_MOMENTS_CLONES) && defined(__x86_64__) && defined(__GNUC__)
+#define FSDP_BF16_MOMENTS_CLONES 1
+#endif
+#if FSDP_BF16_MOMENTS_CLONES
 __attribute__((target_clones("avx2", "default")))
 #endif
 inline void
