@@ -35,6 +35,7 @@
 #include <map>
 #include <string>
 #include <vector>
+#include "fsdp/file_tree.hpp"
 
 namespace {
 
@@ -372,7 +373,7 @@ int main(int argc, char** argv) {
       return seconds_since(t0);
     };
     auto remove_on_rank0 = [&](const std::filesystem::path& p) {
-      if (rank == 0) std::filesystem::remove_all(p);
+      if (rank == 0) fsdp::remove_tree(p);
       world.barrier();
     };
 
@@ -414,7 +415,7 @@ int main(int argc, char** argv) {
         for (std::size_t i = 1; i < all.size(); ++i) others = std::max(others, all[i]);
         std::printf("| %s | %d | %.1f | %.1f | %s |\n", kLoadMethods.at(rss_probe).c_str(), np, 4.0 * numel / 1048576.0, all[0],
                     np > 1 ? fmt("%.1f", others).c_str() : "-");
-        if (made_dir) std::filesystem::remove_all(dir);
+        if (made_dir) fsdp::remove_tree(dir);
       }
       world.barrier();
       return 0;
@@ -578,7 +579,7 @@ int main(int argc, char** argv) {
         std::printf("| %s | %.3f | %.3f | %.3f |\n", method.c_str(), a.median(), b.median(), c.median());
       }
       std::fflush(stdout);
-      if (made_dir) std::filesystem::remove_all(dir);
+      if (made_dir) fsdp::remove_tree(dir);
     }
     world.barrier();
     return 0;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "torch_common.hpp"
+#include "fsdp/file_tree.hpp"
 
 namespace F = torch::nn::functional;
 namespace fs = std::filesystem;
@@ -148,7 +149,7 @@ struct TempDir {
   }
   ~TempDir() {
     comm_.barrier();
-    if (comm_.rank() == 0) fs::remove_all(path);
+    if (comm_.rank() == 0) fsdp::remove_tree(path);
   }
   std::string operator/(const std::string& sub) const { return (fs::path(path) / sub).string(); }
   MpiComm& comm_;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "data.hpp"
+#include "fsdp/file_tree.hpp"
 
 namespace fsdp::test {
 
@@ -27,7 +28,7 @@ struct TempDir {
   }
   ~TempDir() {
     std::error_code ec;
-    std::filesystem::remove_all(path, ec);
+    fsdp::remove_tree(path, ec);
   }
   std::string operator/(const std::string& name) const { return (path / name).string(); }
 };

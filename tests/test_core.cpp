@@ -19,6 +19,7 @@
 #include "fsdp/io/run_lock.hpp"
 #include "fsdp/io/safetensors_format.hpp"
 #include "fsdp/trace.hpp"
+#include "fsdp/file_tree.hpp"
 
 #include <filesystem>
 #include <fstream>
@@ -371,7 +372,7 @@ namespace {
 /// A fresh folder under the system's temporary directory.
 std::filesystem::path fresh_dir(const std::string& name) {
   const auto dir = std::filesystem::temp_directory_path() / ("fsdp_test_core_" + std::to_string(::getpid()) + "_" + name);
-  std::filesystem::remove_all(dir);
+  fsdp::remove_tree(dir);
   return dir;
 }
 void write_lock(const std::filesystem::path& dir, const fsdp::RunLockHolder& h) {
@@ -404,7 +405,7 @@ BOOST_AUTO_TEST_CASE(run_lock_refuses_a_second_run_and_names_the_holder) {
   // Another node's run: cannot be checked from here, so held.
   write_lock(dir, {.host = "another-node", .pid = 12345, .job_id = "77", .restart = "0", .started = "then", .flocked = true});
   BOOST_CHECK_THROW((void)fsdp::RunLock::acquire(dir, me), fsdp::RunLockError);
-  std::filesystem::remove_all(dir);
+  fsdp::remove_tree(dir);
 }
 
 BOOST_AUTO_TEST_CASE(run_lock_takes_over_a_stale_lock) {
@@ -433,7 +434,7 @@ BOOST_AUTO_TEST_CASE(run_lock_takes_over_a_stale_lock) {
     BOOST_TEST(fsdp::RunLock::read_holder(lock.path())->restart == "1");
     BOOST_TEST(fsdp::RunLock::read_holder(lock.path())->host == me.host);
   }
-  std::filesystem::remove_all(dir);
+  fsdp::remove_tree(dir);
 }
 
 #include "fsdp/comm/flight_recorder.hpp"
@@ -478,7 +479,7 @@ BOOST_AUTO_TEST_CASE(flight_recorder_keeps_the_last_collectives_per_communicator
   BOOST_TEST(fr.records().back().end_s < 0);
   BOOST_TEST(fr.oldest_unfinished()->first.step == 5);
   fr.configure(0, "", 0, 1);
-  std::filesystem::remove_all(dir);
+  fsdp::remove_tree(dir);
 }
 
 BOOST_AUTO_TEST_CASE(flight_recorder_names_where_the_ranks_part) {
@@ -763,7 +764,7 @@ BOOST_AUTO_TEST_CASE(a_periodic_thread_whose_tick_does_not_return_is_let_go) {
 // that does not fit is cut back, so the file ends with a complete line. Exit code 0: all held.
 BOOST_AUTO_TEST_CASE(output_files_are_whole_or_absent_on_a_full_disk) {
   const auto dir = std::filesystem::temp_directory_path() / ("fsdp_output_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
+  fsdp::remove_tree(dir);
   std::filesystem::create_directories(dir);
   const auto summary = dir / "summary.json", metrics = dir / "metrics.csv";
   fsdp::write_file_atomically(summary, "{\"old\": true}\n");
@@ -802,5 +803,45 @@ BOOST_AUTO_TEST_CASE(output_files_are_whole_or_absent_on_a_full_disk) {
   ::waitpid(child, &status, 0);
   BOOST_TEST(WIFEXITED(status));
   BOOST_TEST(WEXITSTATUS(status) == 0, "failed checks (bit mask): " << WEXITSTATUS(status));
-  std::filesystem::remove_all(dir);
+  fsdp::remove_tree(dir);
+}
+
+// fsdp::remove_tree and tree_size_bytes replace the standard library's remove_all and
+// recursive_directory_iterator (a PyTorch wheel's copy of remove_all crashes: fsdp/file_tree.hpp).
+BOOST_AUTO_TEST_CASE(remove_tree_removes_folders_files_and_links_without_following_them) {
+  namespace fs = std::filesystem;
+  const auto dir = fresh_dir("remove_tree");
+  const auto kept = fresh_dir("remove_tree_kept");
+  fs::create_directories(dir / "a" / "b" / "c");
+  fs::create_directories(kept);
+  std::ofstream(dir / "a" / "b" / "c" / "f.bin") << std::string(1000, 'x');
+  std::ofstream(dir / "a" / "g.bin") << std::string(24, 'y');
+  std::ofstream(kept / "outside.bin") << std::string(7, 'z');
+  fs::create_directory_symlink(kept, dir / "a" / "link_to_kept");
+  fs::create_symlink(kept / "outside.bin", dir / "file_link");
+
+  BOOST_TEST(fsdp::tree_size_bytes(dir) == 1024u);  // links are not followed
+  BOOST_TEST(fsdp::tree_size_bytes(dir / "a" / "g.bin") == 24u);
+  BOOST_TEST(fsdp::tree_size_bytes(dir / "missing") == 0u);
+
+  std::error_code ec;
+  // dir, a, b, c, f.bin, g.bin, link_to_kept, file_link
+  BOOST_TEST(fsdp::remove_tree(dir, ec) == 8u);
+  BOOST_TEST(!ec, ec.message());
+  BOOST_TEST(!fs::exists(dir));
+  BOOST_TEST(fs::exists(kept / "outside.bin"));  // what a link points to stays
+  BOOST_TEST(fsdp::remove_tree(dir, ec) == 0u);  // a missing path is no error
+  BOOST_TEST(!ec);
+
+  std::ofstream(kept / "single") << "s";
+  BOOST_TEST(fsdp::remove_tree(kept / "single") == 1u);
+  BOOST_TEST(!fs::exists(kept / "single"));
+
+  // A path under a regular file cannot be looked at: the error comes back, or is thrown naming it.
+  BOOST_TEST(fsdp::remove_tree(kept / "outside.bin" / "x", ec) == 0u);
+  BOOST_TEST(ec.value() == ENOTDIR);
+  BOOST_CHECK_EXCEPTION(fsdp::remove_tree(kept / "outside.bin" / "x"), fs::filesystem_error,
+                        [&](const fs::filesystem_error& e) { return e.path1() == kept / "outside.bin" / "x"; });
+  fsdp::remove_tree(kept);
+  BOOST_TEST(!fs::exists(kept));
 }

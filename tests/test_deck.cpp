@@ -13,6 +13,7 @@
 #include <set>
 #include <sstream>
 
+#include "fsdp/file_tree.hpp"
 #include "deck.hpp"
 #include "hf_export.hpp"
 #include "run_config.hpp"
@@ -446,7 +447,7 @@ BOOST_AUTO_TEST_CASE(from_file) {
       BOOST_TEST(std::string(e.what()).find("cannot read deck '" + bad.string() + "'") != std::string::npos, e.what());
     }
   }
-  fs::remove_all(dir);
+  fsdp::remove_tree(dir);
 }
 
 BOOST_AUTO_TEST_CASE(resolved_deck_round_trip) {
@@ -746,7 +747,7 @@ void write_file(const fs::path& p, const std::string& text) {
 
 BOOST_AUTO_TEST_CASE(memory_limits_from_cgroups_slurm_and_meminfo) {
   const fs::path root = fs::temp_directory_path() / ("fsdp_memlimit_" + std::to_string(::getpid()));
-  fs::remove_all(root);
+  fsdp::remove_tree(root);
   std::map<std::string, std::string> env;
   fsdp::app::MemoryProbe probe{root / "proc", root / "cgroup", [&](const char* k) { return env.count(k) ? env[k].c_str() : nullptr; }};
   // cgroup v2: the job's cgroup is limited, its step's is not ("max"); the smaller of the path counts.
@@ -777,7 +778,7 @@ BOOST_AUTO_TEST_CASE(memory_limits_from_cgroups_slurm_and_meminfo) {
   limits = fsdp::app::memory_limits(probe);
   BOOST_TEST(limits[0].bytes == 1073741824LL);
   BOOST_TEST(limits[0].source.find("cgroup v1 limit") == 0u, limits[0].source);
-  fs::remove_all(root);
+  fsdp::remove_tree(root);
 }
 
 BOOST_AUTO_TEST_CASE(a_run_that_does_not_fit_is_told_what_would) {

@@ -11,6 +11,7 @@
 #include "models.hpp"
 #include "train/gemm_probe.hpp"
 #include "train/summary.hpp"
+#include "fsdp/file_tree.hpp"
 
 namespace gemm_probe_tests {
 
@@ -117,7 +118,7 @@ BOOST_AUTO_TEST_CASE(run_peak_and_cache) {
     BOOST_TEST(!app::read_gemm_probe(app::gemm_probe_path(dir, app::host_name()), {shapes[0]}));
     std::ofstream(app::gemm_probe_path(dir, app::host_name())) << "{ not json";
     BOOST_TEST(!app::read_gemm_probe(app::gemm_probe_path(dir, app::host_name()), shapes));
-    std::filesystem::remove_all(dir);
+    fsdp::remove_tree(dir);
   }
   world.barrier();
 }

@@ -25,6 +25,7 @@
 #include "collective_deadline.hpp"
 #include "crash_report.hpp"
 #include "model_error.hpp"
+#include "fsdp/file_tree.hpp"
 
 namespace {
 
@@ -176,7 +177,7 @@ class Cases {
       stage("after the resume case: barrier");
       world_.barrier();
       stage("removing the checkpoint folder");
-      if (world_.rank() == 0) std::filesystem::remove_all(folder);
+      if (world_.rank() == 0) fsdp::remove_tree(folder);
       stage("leaving the resume case");
     }
     stage("summing the failures");

@@ -26,6 +26,7 @@
 
 #include "common.hpp"
 #include "fsdp/comm/nccl_comm.hpp"
+#include "fsdp/file_tree.hpp"
 
 using fsdp::DType;
 using fsdp::MpiComm;
@@ -592,7 +593,7 @@ BOOST_AUTO_TEST_CASE(slurm_file_bootstrap_with_faked_environment) {
   w.barrier();
   if (w.rank() == 0) {
     BOOST_TEST(!std::filesystem::exists(id_file));  // rank 0 removes it once the communicator is up
-    std::filesystem::remove_all(dir);
+    fsdp::remove_tree(dir);
   }
 }
 
@@ -740,7 +741,7 @@ BOOST_AUTO_TEST_CASE(round_trip_between_ranks) {
     std::vector<std::string> names;
     for (const auto& e : std::filesystem::directory_iterator(dir)) names.push_back(e.path().filename().string());
     BOOST_TEST(names == std::vector<std::string>{"nccl_id"});  // no temporary left behind
-    std::filesystem::remove_all(dir);
+    fsdp::remove_tree(dir);
   }
 }
 
@@ -771,7 +772,7 @@ BOOST_AUTO_TEST_CASE(a_file_of_another_job_is_not_used) {
     BOOST_TEST(std::string(e.what()).find("another job") != std::string::npos);
     BOOST_TEST(std::string(e.what()).find("job=1 step=0") != std::string::npos);
   }
-  std::filesystem::remove_all(pattern);
+  fsdp::remove_tree(pattern);
 }
 
 BOOST_AUTO_TEST_CASE(a_requeued_job_does_not_take_its_previous_runs_file) {
@@ -790,7 +791,7 @@ BOOST_AUTO_TEST_CASE(a_requeued_job_does_not_take_its_previous_runs_file) {
   fsdp::detail::write_id_file(path, first, ncclUniqueId{});
   BOOST_CHECK_EXCEPTION(fsdp::detail::read_id_file(path, requeued, 0.3), fsdp::CommError,
                         [](const fsdp::CommError& e) { return std::string(e.what()).find("another job") != std::string::npos; });
-  std::filesystem::remove_all(pattern);
+  fsdp::remove_tree(pattern);
 }
 
 BOOST_AUTO_TEST_CASE(an_unwritable_folder_is_an_error_naming_the_file) {

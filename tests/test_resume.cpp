@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include "fsdp/file_tree.hpp"
 
 namespace fs = std::filesystem;
 using fsdp::MpiComm;
@@ -29,7 +30,7 @@ auto make_model() {
 template <class Model>
 fs::path folder_with_three_checkpoints(Model& model, const std::string& name) {
   const fs::path dir = fs::path("resume_np" + std::to_string(MpiComm::world().size())) / name;
-  if (MpiComm::world().rank() == 0) fs::remove_all(dir);
+  if (MpiComm::world().rank() == 0) fsdp::remove_tree(dir);
   MpiComm::world().barrier();
   for (std::int64_t step : {8, 16, 24}) fsdp::save_checkpoint(*model, nullptr, dir.string(), {.step = step});
   return dir;
@@ -121,6 +122,6 @@ BOOST_AUTO_TEST_CASE(unreadable_checkpoints_stop_the_run_instead_of_a_fresh_star
   BOOST_TEST(fs::exists(dir / "step_00000024.h5"));
   // An empty folder is a fresh start.
   const auto empty = fs::path("resume_np" + std::to_string(MpiComm::world().size())) / "empty";
-  on_rank0([&] { fs::remove_all(empty); });
+  on_rank0([&] { fsdp::remove_tree(empty); });
   BOOST_TEST(fsdp::resume_from_latest(*model, nullptr, empty.string()).path.empty());
 }

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include "fsdp/file_tree.hpp"
 
 namespace fs = std::filesystem;
 using fsdp::AutoWrapPolicy;
@@ -65,7 +66,7 @@ auto make_engine(std::uint64_t seed, ShardingStrategy strategy, int group = 0) {
 std::string shared_dir(const std::string& test) {
   const auto dir = fs::path("safetensors_np" + std::to_string(MpiComm::world().size())) / test;
   if (MpiComm::world().rank() == 0) {
-    fs::remove_all(dir);
+    fsdp::remove_tree(dir);
     fs::create_directories(dir);
   }
   MpiComm::world().barrier();

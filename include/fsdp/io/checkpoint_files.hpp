@@ -33,6 +33,7 @@
 
 #include "fsdp/errors.hpp"
 #include "fsdp/output_file.hpp"
+#include "fsdp/file_tree.hpp"
 
 namespace fsdp {
 
@@ -198,17 +199,17 @@ inline void commit(const std::filesystem::path& dir, const std::string& name) {
     fsync_tree(tmp);
     if (std::filesystem::exists(final_path) && ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) == 0) {
       // Swapped atomically: the new folder is in place, the old one now sits under the temporary name.
-      std::filesystem::remove_all(tmp, ec);
+      fsdp::remove_tree(tmp, ec);
       ec.clear();
     } else if (std::filesystem::exists(final_path)) {
       // No RENAME_EXCHANGE on this file system: move the old folder aside for the instant of the rename.
       const auto old = dir / ("." + name + ".old");
-      std::filesystem::remove_all(old, ec);
+      fsdp::remove_tree(old, ec);
       std::filesystem::rename(final_path, old, ec);
       if (ec) throw CheckpointError("cannot move '" + final_path.string() + "' aside: " + ec.message());
       std::filesystem::rename(tmp, final_path, ec);
       if (ec) throw CheckpointError("cannot rename '" + tmp.string() + "' to '" + final_path.string() + "': " + ec.message());
-      std::filesystem::remove_all(old, ec);
+      fsdp::remove_tree(old, ec);
     } else {
       std::filesystem::rename(tmp, final_path, ec);
     }
@@ -320,7 +321,7 @@ inline std::vector<std::string> prune(const std::filesystem::path& dir, int keep
   for (std::size_t i = static_cast<std::size_t>(keep_last); i < all.size(); ++i) {
     if (all[i].second == latest.name || newest_good == i) continue;
     std::error_code ec;
-    std::filesystem::remove_all(dir / all[i].second, ec);
+    fsdp::remove_tree(dir / all[i].second, ec);
     if (ec) throw CheckpointError("cannot remove old checkpoint '" + (dir / all[i].second).string() + "': " + ec.message());
     removed.push_back(all[i].second);
   }

@@ -5,6 +5,7 @@
 
 #include "fsdp/io/checkpoint_state.hpp"
 #include "fsdp/io/checkpoint_tools.hpp"
+#include "fsdp/file_tree.hpp"
 
 namespace fsdp {
 
@@ -224,14 +225,7 @@ std::optional<std::string> write_local_file(Engine& engine, const torch::optim::
 
 /// Every rank enters a collective checkpoint call, or the ones that did fail after the deadline.
 
-inline std::int64_t size_on_disk(const std::filesystem::path& p) {
-  std::error_code ec;
-  if (std::filesystem::is_regular_file(p, ec)) return static_cast<std::int64_t>(std::filesystem::file_size(p, ec));
-  std::int64_t total = 0;
-  for (const auto& e : std::filesystem::recursive_directory_iterator(p, ec))
-    if (e.is_regular_file()) total += static_cast<std::int64_t>(e.file_size());
-  return total;
-}
+inline std::int64_t size_on_disk(const std::filesystem::path& p) { return static_cast<std::int64_t>(tree_size_bytes(p)); }
 
 }  // namespace detail
 
@@ -339,7 +333,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
       std::error_code ec;
       std::filesystem::create_directories(folder, ec);
       if (ec) throw CheckpointError("cannot create checkpoint folder '" + dir + "': " + ec.message());
-      std::filesystem::remove_all(tmp, ec);  // left over by a save that crashed
+      fsdp::remove_tree(tmp, ec);  // left over by a save that crashed
       if (!local) ckpt::reserve_space(tmp, detail::expected_file_bytes(engine, optimizer, world.size(), rows), (folder / name).string());
       if (local) {
         std::filesystem::create_directories(tmp, ec);
@@ -356,7 +350,7 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
     ~RemoveTemporaryOnFailure() {
       if (!armed) return;
       std::error_code ignored;
-      std::filesystem::remove_all(path, ignored);
+      fsdp::remove_tree(path, ignored);
     }
   } cleanup{tmp, world.rank() == 0};
   const std::string created = broadcast_string(world, ckpt::utc_now());
