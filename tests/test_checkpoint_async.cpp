@@ -350,3 +350,23 @@ BOOST_AUTO_TEST_CASE(checkpoints_and_exports_wait_for_the_engines_stream_ordered
   BOOST_TEST(!fs::exists(dir / "step_00000005.h5"));
   BOOST_TEST(!fs::exists(dir / "later.safetensors"));
 }
+
+// A capture's copy (fsdp::detail::copy_all): host pairs split over threads byte by byte, whatever the
+// split falls on (pieces of odd sizes and dtypes); other pairs (here a non-contiguous source) by LibTorch.
+BOOST_AUTO_TEST_CASE(a_capture_copies_every_byte_on_any_number_of_threads) {
+  torch::manual_seed(7);
+  const std::vector<torch::Tensor> sources{torch::randn({1'500'001}),
+                                           torch::randint(1 << 30, {500'003}, torch::kLong),
+                                           torch::randn({3'000'007}).to(torch::kBFloat16),
+                                           torch::randn({400, 300}).t(),  // not contiguous
+                                           torch::empty({0}),
+                                           torch::randn({5})};
+  for (const int threads : {1, 2, 3, 4, 7}) {
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
+    for (const auto& s : sources) copies.emplace_back(torch::zeros(s.sizes(), s.options()), s);
+    fsdp::detail::copy_all(copies, threads);
+    for (std::size_t i = 0; i < copies.size(); ++i)
+      BOOST_TEST(torch::equal(copies[i].first, copies[i].second), "pair " << i << " with " << threads << " threads");
+  }
+  BOOST_TEST(fsdp::detail::default_copy_threads() >= 1);
+}

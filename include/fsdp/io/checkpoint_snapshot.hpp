@@ -8,10 +8,14 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -37,6 +41,63 @@ inline torch::Tensor staging_like(const torch::Tensor& like, c10::IntArrayRef si
   return torch::zeros(sizes, torch::TensorOptions().dtype(like.scalar_type()).device(torch::kCPU).pinned_memory(like.is_cuda()));
 }
 inline torch::Tensor staging_like(const torch::Tensor& like) { return staging_like(like, like.sizes()); }
+
+/// The threads a capture copies with: the training's own (idle while it waits for the copy) and the
+/// core the asynchronous writer runs on. The copy is bound by memory bandwidth, which one thread does
+/// not fill.
+inline int default_copy_threads() {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int wanted = at::get_num_threads() + 1;
+  return cores > 0 ? std::max(1, std::min(wanted, cores)) : wanted;
+}
+
+/// Copies each (destination, source) pair. Host pairs of one dtype, contiguous and of equal size are
+/// copied with memcpy, their bytes split evenly over `threads` threads (this one and threads - 1
+/// helpers); any other pair (a GPU source, say) is copied by LibTorch on this thread first.
+inline void copy_all(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& copies, int threads) {
+  struct Piece {
+    char* dst;
+    const char* src;
+    std::size_t bytes;
+  };
+  std::vector<Piece> pieces;
+  std::size_t total = 0;
+  for (const auto& [dst, src] : copies) {
+    if (!src.defined() || src.numel() == 0) continue;
+    if (dst.is_cpu() && src.is_cpu() && dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel() && dst.is_contiguous() &&
+        src.is_contiguous()) {
+      const auto bytes = static_cast<std::size_t>(src.numel()) * src.element_size();
+      pieces.push_back({static_cast<char*>(dst.data_ptr()), static_cast<const char*>(src.data_ptr()), bytes});
+      total += bytes;
+    } else {
+      torch::Tensor(dst).copy_(src);
+    }
+  }
+  // Below a few MiB a thread costs more than it saves.
+  constexpr std::size_t kMinBytesPerThread = std::size_t{4} << 20;
+  threads = static_cast<int>(std::clamp<std::size_t>(total / kMinBytesPerThread, 1, static_cast<std::size_t>(std::max(threads, 1))));
+  // Copies the bytes [begin, end) of the pieces laid end to end.
+  auto copy_range = [&pieces](std::size_t begin, std::size_t end) {
+    std::size_t at = 0;
+    for (const auto& p : pieces) {
+      const std::size_t lo = std::max(begin, at), hi = std::min(end, at + p.bytes);
+      if (lo < hi) std::memcpy(p.dst + (lo - at), p.src + (lo - at), hi - lo);
+      at += p.bytes;
+      if (at >= end) break;
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (int t = 1; t < threads; ++t) {
+    const std::size_t begin = total * t / threads, end = total * (t + 1) / threads;
+    try {
+      helpers.emplace_back(copy_range, begin, end);
+    } catch (const std::system_error&) {
+      copy_range(begin, end);  // no thread to be had: this one does that part too
+    }
+  }
+  copy_range(0, total / threads);
+  for (auto& h : helpers) h.join();
+}
 }  // namespace detail
 
 template <class Engine>
@@ -53,22 +114,24 @@ class CheckpointSnapshot {
 
   /// Copies the engine's shards, `optimizer`'s state for them (null: none), the buffers and the CPU RNG
   /// state into host buffers, allocated at the first capture and reused by the next ones: the only part
-  /// of an asynchronous save that holds up training. Local. With the optimizer sharded over the
-  /// replicas its state is staged as the optimizer holds it (this rank's parts), and the write gathers
-  /// it over the snapshot's replica communicator; the shards must be current
-  /// (FullyShardedDataParallel::synchronize_shards(), which AsyncCheckpointer::save calls).
+  /// of an asynchronous save that holds up training, so it copies on copy_threads() threads. Local.
+  /// With the optimizer sharded over the replicas its state is staged as the optimizer holds it (this
+  /// rank's parts), and the write gathers it over the snapshot's replica communicator; the shards must
+  /// be current (FullyShardedDataParallel::synchronize_shards(), which AsyncCheckpointer::save calls).
   void capture(Engine& engine, const torch::optim::Optimizer* optimizer) {
     torch::NoGradGuard no_grad;
     const auto live = engine.sharded_units();
     reserve_units(live);
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;  // (staged, live), copied together below
     for (std::size_t k = 0; k < live.size(); ++k) {
-      if (live[k].shard.defined()) units_[k].shard.copy_(live[k].shard);
-      if (live[k].optimizer_sharded_over_replicas()) units_[k].optimized.copy_(live[k].optimized);
+      if (live[k].shard.defined()) copies.emplace_back(units_[k].shard, live[k].shard);
+      if (live[k].optimizer_sharded_over_replicas()) copies.emplace_back(units_[k].optimized, live[k].optimized);
     }
-    capture_optimizer(optimizer, live);
+    capture_optimizer(optimizer, live, copies);
     const auto buffers = detail::named_buffers_of(engine);
     reserve_buffers(buffers);
-    for (std::size_t b = 0; b < buffers.size(); ++b) buffers_[b].second.copy_(buffers[b].second);
+    for (std::size_t b = 0; b < buffers.size(); ++b) copies.emplace_back(buffers_[b].second, buffers[b].second);
+    detail::copy_all(copies, copy_threads_);
     rng_ = detail::capture_rng_state(engine.compute_device());
     world_size_ = engine.world_size();
     shard_group_size_ = engine.shard_group_size();
@@ -76,6 +139,10 @@ class CheckpointSnapshot {
     plan_hash_ = engine.plan_hash();
     aliases_ = engine.tied_parameter_aliases();
   }
+
+  /// The threads a capture copies with (default: detail::default_copy_threads()).
+  void set_copy_threads(int threads) noexcept { copy_threads_ = std::max(1, threads); }
+  int copy_threads() const noexcept { return copy_threads_; }
 
   /// Allocates (and touches) the staging buffers for the engine's state and `optimizer`'s as they are
   /// now, without copying: the first capture then costs no more than the next ones. Local.
@@ -144,7 +211,8 @@ class CheckpointSnapshot {
  private:
   /// The stand-in optimizer has the live one's type, groups and options, with the staged shards as its
   /// parameters; its per-parameter state points at staging copies of the live state.
-  void capture_optimizer(const torch::optim::Optimizer* live, const std::vector<ShardedUnit>& live_units) {
+  void capture_optimizer(const torch::optim::Optimizer* live, const std::vector<ShardedUnit>& live_units,
+                         std::vector<std::pair<torch::Tensor, torch::Tensor>>& copies) {
     has_optimizer_ = live != nullptr;
     if (!live) return;
     if (!optimizer_) {
@@ -172,7 +240,7 @@ class CheckpointSnapshot {
       if (!view) continue;
       for (auto& [name, t] : view->tensors) {
         auto& staged = staging_for(optim_staging_[k][name], t);
-        staged.copy_(t);
+        copies.emplace_back(staged, t);
         t = staged;
       }
       optimizer_->state()[optimizer_state_key(units_[k].optimized)] = make_optimizer_state(*live, *view);
@@ -216,6 +284,7 @@ class CheckpointSnapshot {
   ShardingStrategy strategy_ = ShardingStrategy::FULL_SHARD;
   std::uint64_t plan_hash_ = 0;
   std::map<std::string, std::vector<std::string>> aliases_;
+  int copy_threads_ = detail::default_copy_threads();
 };
 
 }  // namespace fsdp
