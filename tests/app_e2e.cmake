@@ -155,7 +155,7 @@ expect_in("${last_output}" "note: [0-9]+ tensor\\(s\\) of the file widened from 
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/gpt48 --set model.kind=transformer --set data.kind=tokens
     --set data.num_samples=256 --set model.d_model=48 --set model.n_layers=2 --set model.context=16 --set run.max_steps=2
     --set checkpoint.init_from=${WORK_DIR}/gpt/checkpoints)
-expect_in("${last_output}" "checkpoint.init_from: '[^']*gpt/checkpoints/step_00000006.h5' holds another model than the deck's\n  model.d_model: 32 in the file, 48 in the deck\ncheckpoint '[^']*' does not match the model:\n  /model/tok.weight \\(file \\[256, 32\\] float32, model \\[256, 48\\] float32\\)\n")
+expect_in("${last_output}" "checkpoint.init_from: '[^']*gpt/checkpoints/step_00000006.h5' holds another model than the deck's\n  model.d_model: 32 in the file, 48 in the deck\ncheckpoint '[^']*' does not match the model:\n  /model/tok.weight \\(file \\[256, 32\\] float32, expected \\[256, 48\\] float32\\)\n")
 
 # 8. bf16 mixed precision with activation checkpointing trains and evaluates.
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/bf16 --set fsdp.mixed_precision=bf16 --set fsdp.activation_checkpointing=true)
