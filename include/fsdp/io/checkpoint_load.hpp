@@ -35,8 +35,8 @@ inline StagedUnit read_unit_range(hid_t file, const std::string& path, const Sha
     const auto shape = logical_shape(ds);
     const auto stored = tensor_element_type(ds, path + ":" + ds_path);
     if (shape != u.shapes[i] || stored != element_type_of(dst.scalar_type())) {
-      problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", expected " + shape_text(u.shapes[i]) + " " +
-                         h5::element_type_name(element_type_of(dst.scalar_type())) + ")");
+      problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", expected " + shape_text(u.shapes[i]) +
+                         " " + h5::element_type_name(element_type_of(dst.scalar_type())) + ")");
       return;
     }
     const ParamSlice p = u.layout.slice_in(static_cast<std::int64_t>(i), {lo, hi});

@@ -250,8 +250,8 @@ inline torch::Tensor read_buffer(hid_t file, const std::string& path, const std:
   const auto stored = tensor_element_type(ds, "checkpoint '" + path + "' dataset " + ds_path);
   const auto wanted = element_type_of(like.scalar_type());
   if (shape != like.sizes().vec() || stored != wanted) {
-    problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", expected " + shape_text(like.sizes().vec()) +
-                       " " + h5::element_type_name(wanted) + ")");
+    problems.push_back(ds_path + " (file " + shape_text(shape) + " " + h5::element_type_name(stored) + ", expected " +
+                       shape_text(like.sizes().vec()) + " " + h5::element_type_name(wanted) + ")");
     return {};
   }
   auto t = torch::empty(like.sizes(), like.options().device(torch::kCPU).requires_grad(false));  // staged on the host
