@@ -59,8 +59,10 @@ inline std::uintmax_t remove_tree(const std::filesystem::path& root, std::error_
   }
   detail::TreeWalk walk;
   // Depth first: a folder's entries go before the folder.
-  if (detail::walk_tree(root, walk, detail::remove_tree_entry, FTW_DEPTH) != 0)
-    ec.assign(walk.error != 0 ? walk.error : errno, std::generic_category());
+  if (detail::walk_tree(root, walk, detail::remove_tree_entry, FTW_DEPTH) != 0) {
+    const int error = walk.error != 0 ? walk.error : errno;
+    if (error != ENOENT || walk.error != 0) ec.assign(error, std::generic_category());  // gone meanwhile: as remove_all
+  }
   return walk.count;
 }
 

@@ -87,6 +87,7 @@ inline void copy_all(const std::vector<std::pair<torch::Tensor, torch::Tensor>>&
     }
   };
   std::vector<std::thread> helpers;
+  helpers.reserve(static_cast<std::size_t>(threads));  // no allocation (and throw) once threads run
   for (int t = 1; t < threads; ++t) {
     const std::size_t begin = total * t / threads, end = total * (t + 1) / threads;
     try {
