@@ -61,7 +61,10 @@ inline std::uintmax_t remove_tree(const std::filesystem::path& root, std::error_
   // Depth first: a folder's entries go before the folder.
   if (detail::walk_tree(root, walk, detail::remove_tree_entry, FTW_DEPTH) != 0) {
     const int error = walk.error != 0 ? walk.error : errno;
-    if (error != ENOENT || walk.error != 0) ec.assign(error, std::generic_category());  // gone meanwhile: as remove_all
+    struct stat now {};
+    // Ignored only when the root itself is gone meanwhile (as remove_all); a vanished subfolder stops
+    // nftw with ENOENT too, and then the rest of the tree is still there.
+    if (walk.error != 0 || error != ENOENT || ::lstat(root.c_str(), &now) == 0) ec.assign(error, std::generic_category());
   }
   return walk.count;
 }

@@ -92,7 +92,7 @@ inline void copy_all(const std::vector<std::pair<torch::Tensor, torch::Tensor>>&
     const std::size_t begin = total * t / threads, end = total * (t + 1) / threads;
     try {
       helpers.emplace_back(copy_range, begin, end);
-    } catch (const std::system_error&) {
+    } catch (...) {            // no thread (or no memory for one) to be had
       copy_range(begin, end);  // no thread to be had: this one does that part too
     }
   }
