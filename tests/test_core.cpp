@@ -838,7 +838,7 @@ BOOST_AUTO_TEST_CASE(remove_tree_removes_folders_files_and_links_without_followi
   BOOST_TEST(!fs::exists(kept / "single"));
 
   // A path under a regular file cannot be looked at: the error comes back, or is thrown naming it.
-  BOOST_TEST(fsdp::remove_tree(kept / "outside.bin" / "x", ec) == 0u);
+  BOOST_TEST(fsdp::remove_tree(kept / "outside.bin" / "x", ec) == static_cast<std::uintmax_t>(-1));  // as remove_all
   BOOST_TEST(ec.value() == ENOTDIR);
   BOOST_CHECK_EXCEPTION(fsdp::remove_tree(kept / "outside.bin" / "x"), fs::filesystem_error,
                         [&](const fs::filesystem_error& e) { return e.path1() == kept / "outside.bin" / "x"; });

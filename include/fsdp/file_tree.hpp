@@ -24,7 +24,11 @@ struct TreeWalk {
 };
 inline thread_local TreeWalk* current_tree_walk = nullptr;
 
-inline int remove_tree_entry(const char* path, const struct stat*, int, struct FTW*) {
+inline int remove_tree_entry(const char* path, const struct stat*, int type, struct FTW*) {
+  if (type == FTW_DNR) {  // a folder that cannot be read: its entries cannot be removed
+    current_tree_walk->error = EACCES;
+    return 1;
+  }
   if (::remove(path) != 0) {  // remove(): unlink for a file or link, rmdir for an emptied folder
     current_tree_walk->error = errno;
     return 1;  // stops the walk
@@ -48,14 +52,16 @@ inline int walk_tree(const std::filesystem::path& root, TreeWalk& walk, int (*vi
 
 /// What std::filesystem::remove_all(path, ec) does: removes a file, a link or a folder with
 /// everything in it (links are removed, never followed) and returns the number of entries removed;
-/// a missing path is 0 and no error. On failure `ec` holds the errno of the first entry that could
-/// not be removed, and what came before it in the walk is gone.
+/// a missing path is 0 and no error. On failure it returns static_cast<std::uintmax_t>(-1) (as the
+/// standard's does) and `ec` holds the errno of the first entry that could not be removed (EACCES for
+/// a folder that cannot be read); what came before it in the walk is gone.
 inline std::uintmax_t remove_tree(const std::filesystem::path& root, std::error_code& ec) noexcept {
   ec.clear();
   struct stat st {};
   if (::lstat(root.c_str(), &st) != 0) {
-    if (errno != ENOENT) ec.assign(errno, std::generic_category());
-    return 0;
+    if (errno == ENOENT) return 0;
+    ec.assign(errno, std::generic_category());
+    return static_cast<std::uintmax_t>(-1);
   }
   detail::TreeWalk walk;
   // Depth first: a folder's entries go before the folder.
@@ -64,7 +70,10 @@ inline std::uintmax_t remove_tree(const std::filesystem::path& root, std::error_
     struct stat now {};
     // Ignored only when the root itself is gone meanwhile (as remove_all); a vanished subfolder stops
     // nftw with ENOENT too, and then the rest of the tree is still there.
-    if (walk.error != 0 || error != ENOENT || ::lstat(root.c_str(), &now) == 0) ec.assign(error, std::generic_category());
+    if (walk.error != 0 || error != ENOENT || ::lstat(root.c_str(), &now) == 0) {
+      ec.assign(error, std::generic_category());
+      return static_cast<std::uintmax_t>(-1);
+    }
   }
   return walk.count;
 }
