@@ -209,6 +209,14 @@ struct ChoiceNames<AsyncWhenWriting> {
                                      std::pair{AsyncWhenWriting::kSkip, std::string_view("skip")}};
 };
 
+/// checkpoint.async_copy: when an asynchronous save copies the shards and optimizer state to host memory.
+enum class AsyncCopy { kBackground, kAtSave };
+template <>
+struct ChoiceNames<AsyncCopy> {
+  static constexpr std::array kNames{std::pair{AsyncCopy::kBackground, std::string_view("background")},
+                                     std::pair{AsyncCopy::kAtSave, std::string_view("at_save")}};
+};
+
 /// checkpoint.resume_changed: a resume whose deck changed a key that decides the training.
 enum class ResumeChanged { kRefuse, kAllow };
 template <>

@@ -81,6 +81,14 @@ void add_checkpoint_keys(std::vector<KeySpec>& s) {
                               "host copy takes it at once and it is written after the previous one (a save that finds both copies "
                               "busy waits for the older write); wait: training waits for the previous write (one host copy); skip: "
                               "the save is skipped with a warning (one host copy; the run's last save and a save on a stop signal wait)"});
+  s.push_back({.key = "checkpoint.async_copy",
+               .type = T::kString,
+               .default_value = "background",
+               .choices = choice_names<AsyncCopy>(),
+               .description = "checkpoint.async: when a save copies the shards and optimizer state to host memory. background: "
+                              "the I/O thread copies them beside the next step's forward and backward, and the optimizer step "
+                              "waits for what is left (state on a GPU, the buffers, the RNG state and, with fsdp.optimizer_sharding "
+                              "= \"world\", everything are copied at the save); at_save: training waits for the whole copy at the save"});
   s.push_back({.key = "checkpoint.rank0_only",
                .type = T::kBool,
                .default_value = true,

@@ -325,6 +325,7 @@ CheckpointSection resolve_checkpoint_section(const Deck& deck, const RunSection&
   ckpt.save_final = deck.get_bool("checkpoint.save_final");
   ckpt.asynchronous = deck.get_bool("checkpoint.async");
   ckpt.async_when_writing = choice<AsyncWhenWriting>(deck, "checkpoint.async_when_writing");
+  ckpt.async_copy = choice<AsyncCopy>(deck, "checkpoint.async_copy");
   ckpt.rank0_only = deck.get_bool("checkpoint.rank0_only");
   ckpt.collective_timeout_s = comm.timeout_s;
   ckpt.init_from = deck.get_string("checkpoint.init_from");

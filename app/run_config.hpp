@@ -178,6 +178,7 @@ struct CheckpointSection {
   bool save_final = true;
   bool asynchronous = false;  ///< checkpoint.async: written on an I/O thread from a host copy
   AsyncWhenWriting async_when_writing = AsyncWhenWriting::kQueue;
+  AsyncCopy async_copy = AsyncCopy::kBackground;
   /// Host copies of the state an asynchronous checkpointer keeps: two to queue a save behind a write.
   int async_copies() const { return async_when_writing == AsyncWhenWriting::kQueue ? 2 : 1; }
   bool rank0_only = false;

@@ -258,6 +258,14 @@ expect_in("${last_output}" "expected [0-9.]+ MiB of params \\+ grads \\+ optimiz
 file(READ ${WORK_DIR}/bf16_moments/summary.json summary)
 expect_in("${summary}" "\"optimizer_state_dtype\": \"bf16\"")
 run(0 ${train2} ${DECK} ${bf16_moments} --set run.out_dir=${WORK_DIR}/bf16_moments_resume --set run.max_steps=12 --set checkpoint.async=true)
+# Step 8's save was copied beside step 9's forward and backward (checkpoint.async_copy = "background"), the
+# update waiting for it: a run resumed from it ends with the straight run's weights too.
+expect_in("${last_output}" "step_00000008.h5: writing in the background \\(training held [^)]*; the rest of the copy beside the next step\\)")
+run(0 ${train2} ${DECK} ${bf16_moments} --set run.out_dir=${WORK_DIR}/bf16_moments_from8
+    --set checkpoint.resume=${WORK_DIR}/bf16_moments_resume/checkpoints/step_00000008.h5)
+expect_in("${last_output}" "resumed from [^\n]*step_00000008.h5 at step 8")
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/bf16_moments_from8/checkpoints ${WORK_DIR}/bf16_moments/checkpoints)
+expect_in("${last_output}" "checkpoints match")
 run(0 ${train2} ${DECK} ${bf16_moments} --set run.out_dir=${WORK_DIR}/bf16_moments_resume)
 expect_in("${last_output}" "resumed from [^\n]*step_00000012.h5 at step 12")
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/bf16_moments_resume/checkpoints ${WORK_DIR}/bf16_moments/checkpoints)

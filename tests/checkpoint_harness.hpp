@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -75,8 +76,9 @@ inline std::unique_ptr<torch::optim::Optimizer> make_adam(Engine& e) {
   return std::make_unique<torch::optim::Adam>(e.parameters(), torch::optim::AdamOptions(1e-2));
 }
 
-/// One optimizer step on this rank's slice of global batch `step` (seeded by the step only).
-inline void train_step(Engine& model, torch::optim::Optimizer& opt, int step) {
+/// One optimizer step on this rank's slice of global batch `step` (seeded by the step only);
+/// `before_update` (if any) runs between the backward and the optimizer step.
+inline void train_step(Engine& model, torch::optim::Optimizer& opt, int step, const std::function<void()>& before_update = {}) {
   auto& comm = model.comm();
   auto gen = at::detail::createCPUGenerator(500 + step);
   const int64_t rows = 4;
@@ -84,6 +86,7 @@ inline void train_step(Engine& model, torch::optim::Optimizer& opt, int step) {
   auto y = torch::randn({rows * comm.size(), 11}, gen).narrow(0, rows * comm.rank(), rows);
   opt.zero_grad();
   F::mse_loss(model.forward(x), y).backward();
+  if (before_update) before_update();
   opt.step();
 }
 

@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <thread>
+#include <tuple>
 
 #include "checkpoint_harness.hpp"
 #include "issuing_comm.hpp"
@@ -57,19 +59,23 @@ std::vector<std::string> files_of(const std::string& path) {
 
 BOOST_AUTO_TEST_CASE(async_save_writes_the_bytes_a_sync_save_writes_while_training_goes_on) {
   auto world = MpiComm::world();
-  // Every strategy, and the hybrid one with its optimizer state sharded over the world.
-  std::vector<std::pair<ShardingStrategy, bool>> cases;
-  for (const auto strategy : kStrategies) cases.emplace_back(strategy, false);
-  cases.emplace_back(ShardingStrategy::HYBRID_SHARD, true);
+  // Every strategy, and the hybrid one with its optimizer state sharded over the world; each with the
+  // copy at the save and in the background (shards and optimizer state copied while the next steps'
+  // forwards and backwards run, each update waiting for it first).
+  std::vector<std::tuple<ShardingStrategy, bool, bool>> cases;
+  for (const bool background : {false, true}) {
+    for (const auto strategy : kStrategies) cases.emplace_back(strategy, false, background);
+    cases.emplace_back(ShardingStrategy::HYBRID_SHARD, true, background);
+  }
   auto options_of = [&](ShardingStrategy strategy, bool over_world) {
     auto o = options_for(strategy, world.size(), true);
     if (over_world) o.optimizer_sharding = fsdp::OptimizerSharding::WORLD;
     return o;
   };
   for (const auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::FULL_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
-    for (const auto& [strategy, over_world] : cases) {
+    for (const auto& [strategy, over_world, background] : cases) {
       BOOST_TEST_CONTEXT(fsdp::to_string(type) << " " << strategy << (over_world ? " (optimizer over the world)" : "") << " at world size "
-                                               << world.size()) {
+                                               << world.size() << (background ? ", copied in the background" : "")) {
         TempDir dir(world);
         torch::manual_seed(99 + world.rank());
         auto model = fsdp::make_fsdp(make_net(3), world, options_of(strategy, over_world));
@@ -81,10 +87,11 @@ BOOST_AUTO_TEST_CASE(async_save_writes_the_bytes_a_sync_save_writes_while_traini
         const auto sync = fsdp::save_checkpoint(*model, opt.get(), dir / "sync", state, o);
         const auto expected = full_state(*model, opt.get());
         // HDF5 stamps objects with the second of their creation unless told not to: make it another second once.
-        if (type == StateDictType::SHARDED_STATE_DICT && strategy == ShardingStrategy::FULL_SHARD && !over_world)
+        if (type == StateDictType::SHARDED_STATE_DICT && strategy == ShardingStrategy::FULL_SHARD && !over_world && !background)
           std::this_thread::sleep_for(std::chrono::milliseconds(1100));
 
         Async async(*model);
+        async.set_copy_in_background(background);
         // The write is held half way until training has moved on: parameters, optimizer state, learning
         // rate, buffers and the RNG all change while the I/O thread writes.
         std::atomic<bool> trained{false};
@@ -95,8 +102,14 @@ BOOST_AUTO_TEST_CASE(async_save_writes_the_bytes_a_sync_save_writes_while_traini
         const auto start = async.save(*model, opt.get(), dir / "async", state, held);
         BOOST_TEST(!start.previous.has_value());
         BOOST_TEST(async.in_flight());
+        // Host shards and Adam's moments go to the background; all of them at the save when the next
+        // forward rewrites the shards from the optimizer's parts (sharded over the world).
+        const auto units = model->sharded_units();
+        const bool parts = std::any_of(units.begin(), units.end(), [](const auto& u) { return u.optimizer_sharded_over_replicas(); });
+        BOOST_TEST((start.background_bytes > 0u) == (background && !parts));
         for (auto& g : opt->param_groups()) g.options().set_lr(0.5);
-        for (int s = 3; s < 6; ++s) train_step(*model, *opt, s);
+        for (int s = 3; s < 6; ++s) train_step(*model, *opt, s, [&] { async.wait_for_copies(); });
+        BOOST_TEST(!async.copying());
         trained = true;
         const auto done = async.wait();
         BOOST_REQUIRE(done.has_value());
@@ -351,6 +364,52 @@ BOOST_AUTO_TEST_CASE(checkpoints_and_exports_wait_for_the_engines_stream_ordered
   BOOST_TEST(!fs::exists(dir / "later.safetensors"));
 }
 
+// A background copy the I/O thread has not begun (held at "copying"): the update's wait_for_copies()
+// copies it all on the training thread, and the checkpoint is the state at the save. Without that
+// wait, the optimizer's in-place update reaches the sources first: the save fails on every rank,
+// naming the cause, and writes nothing.
+BOOST_AUTO_TEST_CASE(a_background_copy_is_finished_by_the_update_and_a_missed_wait_fails_the_save) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  torch::manual_seed(5 + world.rank());
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt = make_adam(*model);
+  for (int s = 0; s < 3; ++s) train_step(*model, *opt, s);
+  const auto expected = full_state(*model, opt.get());
+  Async async(*model);
+  async.set_copy_in_background(true);
+  std::atomic<bool> release{false};
+  fsdp::CheckpointOptions held;
+  held.on_stage = [&](const std::string& stage, std::int64_t) {
+    while (stage == "copying" && !release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  const auto start = async.save(*model, opt.get(), dir / "fenced", {.step = 3}, held);
+  BOOST_TEST(start.background_bytes > 0u);
+  BOOST_TEST(async.copying());
+  train_step(*model, *opt, 3, [&] {
+    async.wait_for_copies();
+    BOOST_TEST(!async.copying());
+  });
+  release = true;
+  const auto done = async.wait();
+  BOOST_REQUIRE(done.has_value());
+  auto loaded = fsdp::make_fsdp(make_net(42), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt2 = make_adam(*loaded);
+  fsdp::load_checkpoint(*loaded, opt2.get(), done->path);
+  check_equal(expected, full_state(*loaded, opt2.get()), "the checkpoint holds step 3");
+
+  release = false;
+  async.save(*model, opt.get(), dir / "missed", {.step = 4}, held);
+  train_step(*model, *opt, 4);  // no wait_for_copies() before the update
+  release = true;
+  BOOST_CHECK_EXCEPTION(async.wait(), fsdp::CheckpointError, [](const fsdp::CheckpointError& e) {
+    return std::string(e.what()).find("cannot save checkpoint step 4: the state was updated while it was being copied") != std::string::npos;
+  });
+  BOOST_TEST(!async.in_flight());
+  BOOST_TEST(!fs::exists(fs::path(dir / "missed") / "step_00000004.h5"));
+  BOOST_TEST(!fsdp::ckpt::read_latest(dir / "missed").has_value());
+}
+
 // A capture's copy (fsdp::detail::copy_all): host pairs split over threads byte by byte, whatever the
 // split falls on (pieces of odd sizes and dtypes); other pairs (here a non-contiguous source) by LibTorch.
 BOOST_AUTO_TEST_CASE(a_capture_copies_every_byte_on_any_number_of_threads) {
@@ -369,4 +428,69 @@ BOOST_AUTO_TEST_CASE(a_capture_copies_every_byte_on_any_number_of_threads) {
       BOOST_TEST(torch::equal(copies[i].first, copies[i].second), "pair " << i << " with " << threads << " threads");
   }
   BOOST_TEST(fsdp::detail::default_copy_threads() >= 1);
+  BOOST_TEST(fsdp::detail::default_copy_threads() <= fsdp::detail::allowed_cpus());
+}
+
+// The same with every split in play: a minimum of 1 KiB per thread lets each thread count take its share.
+BOOST_AUTO_TEST_CASE(a_capture_splits_its_copy_over_every_thread_it_is_given) {
+  torch::manual_seed(8);
+  const std::vector<torch::Tensor> sources{torch::randn({10'001}), torch::randint(1 << 20, {3'333}, torch::kInt), torch::randn({7})};
+  for (const int threads : {2, 3, 5, 8}) {
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
+    for (const auto& s : sources) copies.emplace_back(torch::zeros(s.sizes(), s.options()), s);
+    fsdp::detail::copy_all(copies, threads, /*min_bytes_per_thread=*/1024);
+    for (std::size_t i = 0; i < copies.size(); ++i)
+      BOOST_TEST(torch::equal(copies[i].first, copies[i].second), "pair " << i << " with " << threads << " threads");
+  }
+}
+
+// A background copy (fsdp::detail::BackgroundCopy): chunks taken by any number of threads at once copy
+// every byte (finish() with helpers of its own too); finish() returns only once all are copied; a
+// source written in place before the copy ends (here: before it began) is reported, one written after
+// it is not.
+BOOST_AUTO_TEST_CASE(a_background_copy_copies_every_byte_and_notices_a_source_written_meanwhile) {
+  torch::manual_seed(9);
+  const std::vector<torch::Tensor> sources{torch::randn({100'003}), torch::randn({4'097}).to(torch::kBFloat16), torch::randn({3})};
+  auto plan_of = [&](std::vector<torch::Tensor>& staged) {
+    fsdp::detail::HostCopyPlan plan;
+    staged.clear();
+    for (const auto& s : sources) {
+      staged.push_back(torch::zeros(s.sizes(), s.options()));
+      BOOST_TEST_REQUIRE(plan.add(staged.back(), s));
+    }
+    return plan;
+  };
+  BOOST_TEST(!fsdp::detail::HostCopyPlan().add(torch::zeros({4}), torch::zeros({2, 2}).t().contiguous().t()));  // not contiguous
+  BOOST_TEST(!fsdp::detail::HostCopyPlan().add(torch::zeros({4}, torch::kDouble), torch::zeros({4})));          // another dtype
+  for (const int helpers : {0, 1, 3}) {
+    std::vector<torch::Tensor> staged;
+    fsdp::detail::BackgroundCopy copy(plan_of(staged), sources, /*chunk_bytes=*/1000);
+    BOOST_TEST(!copy.finished());
+    std::vector<std::thread> threads;
+    for (int h = 0; h < helpers; ++h) threads.emplace_back([&] { copy.help(); });
+    copy.finish(/*threads=*/helpers + 1);
+    BOOST_TEST(copy.finished());
+    for (std::size_t i = 0; i < sources.size(); ++i) BOOST_TEST(torch::equal(staged[i], sources[i]), "source " << i << ", " << helpers << " helpers");
+    for (auto& t : threads) t.join();
+    BOOST_TEST(!copy.sources_changed());
+  }
+  {
+    std::vector<torch::Tensor> staged;
+    fsdp::detail::BackgroundCopy copy(plan_of(staged), sources, 1000);
+    copy.help();
+    sources[2].add_(1);  // after the last chunk: not the copy's concern
+    copy.finish();
+    BOOST_TEST(!copy.sources_changed());
+    sources[2].sub_(1);
+  }
+  {
+    std::vector<torch::Tensor> staged;
+    fsdp::detail::BackgroundCopy copy(plan_of(staged), sources, 1000);
+    sources[1].mul_(1);  // an update before the copy ended
+    copy.finish();
+    BOOST_TEST(copy.sources_changed());
+  }
+  fsdp::detail::BackgroundCopy nothing(fsdp::detail::HostCopyPlan(), {});
+  BOOST_TEST(nothing.finished());
+  nothing.finish();
 }

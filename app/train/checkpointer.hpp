@@ -63,7 +63,10 @@ class Checkpointer {
     // Without any save planned there is nothing to write in the background (a stop signal saves
     // synchronously); a checkpointer without an optimizer only loads (--eval-only, fsdp-generate).
     if (optimizer_ && cfg.checkpoint.asynchronous && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.save_final))
-      on_all_ranks(world_, [&] { async_.emplace(model_, cfg.checkpoint.async_copies()); });
+      on_all_ranks(world_, [&] {
+        async_.emplace(model_, cfg.checkpoint.async_copies());
+        async_->set_copy_in_background(cfg.checkpoint.async_copy == AsyncCopy::kBackground);
+      });
   }
 
   /// Holds the run directory (a second run on it stops here, exit 2, naming the holder) and writes the
@@ -246,9 +249,10 @@ class Checkpointer {
       held_s_.push_back(seconds_since(start));
       if (root_ && !quiet)
         std::printf(
-            "checkpoint %s: writing in the background%s (training held %.2f s: %.2f s copying the state, %.2f s waiting for the previous save)\n",
+            "checkpoint %s: writing in the background%s (training held %.2f s: %.2f s copying the state, %.2f s waiting for the previous "
+            "save%s)\n",
             fsdp::ckpt::checkpoint_name(state.step).c_str(), started.queued ? " after the save still being written" : "", held_s_.back(),
-            started.copy_seconds, waited_s);
+            started.copy_seconds, waited_s, started.background_bytes > 0 ? "; the rest of the copy beside the next step" : "");
       return;
     }
     fsdp::SaveResult r;
@@ -268,6 +272,13 @@ class Checkpointer {
     reserve_s_ = seconds_since(start);
   }
   double reserve_seconds() const noexcept { return reserve_s_; }
+
+  /// checkpoint.async_copy = "background": before the optimizer step changes the state, the copies of
+  /// the saves in flight are finished (this thread takes what is left); the time it takes is added to
+  /// the last save's held time. Local.
+  void wait_for_copies() {
+    if (writing() && async_->copying()) held_s_.back() += async_->wait_for_copies();
+  }
 
   /// Whether a background write is in flight (the same on every rank).
   bool writing() const noexcept { return async_ && async_->in_flight(); }

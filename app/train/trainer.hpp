@@ -360,6 +360,7 @@ class Trainer {
     out.overflowed = overflowed && !out.nonfinite;
     if (scaler_ && !out.nonfinite) scaler_->update(overflowed);
     if (!out.nonfinite && !out.overflowed) {
+      checkpointer_->wait_for_copies();                                  // a background copy of the state must end before the state changes
       if (decay_mask_) decay_mask_->apply(lr, cfg_.optim.weight_decay);  // optim.no_decay: adamw's decay, element by element
       optimizer_->step();
     }

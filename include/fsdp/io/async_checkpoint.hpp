@@ -1,6 +1,9 @@
 // Asynchronous checkpoints (io layer; PyTorch DCP's async_save): training waits only while the state is
 // copied to host buffers (CheckpointSnapshot); the save itself, every HDF5 call included, runs on an
-// I/O thread over the snapshot's own communicators. With `copies` host copies, up to that many saves are
+// I/O thread over the snapshot's own communicators. With set_copy_in_background(true) (DCP's
+// asynchronous staging) even most of the copy leaves the save: the I/O thread copies the shards and
+// the optimizer state while training runs its next forward and backward, and wait_for_copies() must
+// come before the next update. With `copies` host copies, up to that many saves are
 // in flight: each is copied at once and written after the one before it (one HDF5 writer at a time, in
 // order); a save that finds every copy busy waits for the oldest write. The checkpoint is committed
 // (fsynced, renamed, `latest` moved, old ones pruned) by its thread only once written, exactly as a
@@ -51,6 +54,7 @@ inline void prepare_writing_thread() {
 struct AsyncSaveStart {
   double waited_seconds = 0;           ///< for the previous save to finish
   double copy_seconds = 0;             ///< copying the state to the host buffers
+  std::size_t background_bytes = 0;    ///< of the state, left to copy beside training (set_copy_in_background)
   std::optional<SaveResult> previous;  ///< the oldest save in flight, if this call waited for it to finish (every copy was busy)
   bool queued = false;                 ///< written after the save still in flight (a second host copy took it)
 };
@@ -127,12 +131,13 @@ class AsyncCheckpointer {
         detail::synchronize_shards_of(engine);
         detail::synchronize_collectives_of(engine);  // before reading
       }
-      snapshot->capture(engine, optimizer);
+      snapshot->capture(engine, optimizer, copy_in_background_);
       detail::synchronize_collectives_of(engine);  // the capture's own gathers
     });
     detail::agree(control_, error);
     start.waited_seconds = std::chrono::duration<double>(t1 - t0).count();
     start.copy_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
+    start.background_bytes = snapshot->background_bytes();
     timeout_s_ = options.collective_timeout_s;
     // Every rank arrived above: the writing threads need no deadline to meet (one may start late on a busy core).
     CheckpointOptions in_thread = options;
@@ -146,6 +151,15 @@ class AsyncCheckpointer {
     std::thread thread([snapshot, outcome, before, dir, state, in_thread] {
       detail::prepare_writing_thread();
       try {
+        if (in_thread.on_stage) in_thread.on_stage("copying", state.step);
+        snapshot->copy_rest();    // at once, even while the write before it goes on
+        snapshot->finish_copy();  // the chunks wait_for_copies() took
+        std::optional<std::string> torn;
+        if (snapshot->copy_torn())
+          torn = "cannot save checkpoint step " + std::to_string(state.step) +
+                 ": the state was updated while it was being copied to host memory (call AsyncCheckpointer::wait_for_copies() "
+                 "before the optimizer step); not written";
+        detail::agree(snapshot->comm(), torn);  // every rank's writer alike
         if (before) before->done.wait();
         if (outcome->cancelled.load() || (before && before->failure))
           throw CheckpointError("cannot save checkpoint step " + std::to_string(state.step) + ": not written, the background save before it failed");
@@ -166,6 +180,32 @@ class AsyncCheckpointer {
   void reserve(Engine& engine, const torch::optim::Optimizer* optimizer) {
     if (in_flight()) throw CheckpointError("AsyncCheckpointer::reserve: a save is in flight");
     for (auto& snapshot : snapshots_) snapshot->reserve(engine, optimizer);
+  }
+
+  /// Whether a save copies the shards and optimizer state in the background (host memory only; pairs
+  /// on a GPU, and everything when the optimizer is sharded over the replicas, are copied at the
+  /// save), beside training's next forward and backward: then nothing may change them (an optimizer
+  /// step, a load, summon_full_params) before wait_for_copies() returns. A missed call is usually
+  /// caught: a save whose state was written in place before its copy ended (as LibTorch's version
+  /// counters tell: Adam's and the bf16-moment optimizer's updates; not a write through .data(), such
+  /// as plain SGD's) fails on every rank and is not written. Default: off, the whole copy at the save.
+  /// Local.
+  void set_copy_in_background(bool on) noexcept { copy_in_background_ = on; }
+  bool copy_in_background() const noexcept { return copy_in_background_; }
+
+  /// Finishes the background copies of the saves in flight: this thread and the snapshot's copy
+  /// threads less one take what is left of them (as a copy at the save would), and wait for the chunks
+  /// the I/O thread holds. After it the engine's and the optimizer's state may change. Returns the
+  /// seconds it took. Local; without background copies, nothing to do.
+  double wait_for_copies() {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto& job : jobs_) job.snapshot->finish_copy(job.snapshot->copy_threads());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  /// Whether a background copy of a save in flight is not finished yet. Local.
+  bool copying() const {
+    return std::any_of(jobs_.begin(), jobs_.end(), [](const Job& j) { return !j.snapshot->copy_finished(); });
   }
 
   /// Whether a save was started and has not been collected by poll() or wait().
@@ -242,6 +282,7 @@ class AsyncCheckpointer {
   MpiComm control_;                                                     // the training thread's agreement on the I/O threads' progress
   std::deque<Job> jobs_;                                                // saves in flight, oldest first
   double timeout_s_ = 0;
+  bool copy_in_background_ = false;
 };
 
 }  // namespace fsdp

@@ -70,8 +70,9 @@ struct CheckpointOptions {
   /// only then fails with CommError (fsdp.comm.deadline) instead of hanging. <= 0 waits forever.
   double collective_timeout_s = 600;
   /// Called on every rank with the step being saved at "writing" (parameters written, files still
-  /// open), "written" (files closed, not yet committed) and "committed". For tests that crash a save
-  /// half way; leave empty otherwise.
+  /// open), "written" (files closed, not yet committed) and "committed"; an asynchronous save's I/O
+  /// thread also calls it at "copying", before it copies what a background copy left. For tests that
+  /// crash or hold a save half way; leave empty otherwise.
   std::function<void(const std::string& stage, std::int64_t step)> on_stage;
 };
 

@@ -10,18 +10,16 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
-#include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "fsdp/comm/mpi_comm.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/io/checkpoint_state.hpp"
+#include "fsdp/io/host_copy.hpp"
 #include "fsdp/torch/optim_state.hpp"
 #include "fsdp/torch/options.hpp"
 
@@ -42,63 +40,6 @@ inline torch::Tensor staging_like(const torch::Tensor& like, c10::IntArrayRef si
 }
 inline torch::Tensor staging_like(const torch::Tensor& like) { return staging_like(like, like.sizes()); }
 
-/// The threads a capture copies with: the training's own (idle while it waits for the copy) and the
-/// core the asynchronous writer runs on. The copy is bound by memory bandwidth, which one thread does
-/// not fill.
-inline int default_copy_threads() {
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  const int wanted = at::get_num_threads() + 1;
-  return cores > 0 ? std::max(1, std::min(wanted, cores)) : wanted;
-}
-
-/// Copies each (destination, source) pair. Host pairs of one dtype, contiguous and of equal size are
-/// copied with memcpy, their bytes split evenly over `threads` threads (this one and threads - 1
-/// helpers); any other pair (a GPU source, say) is copied by LibTorch on this thread first.
-inline void copy_all(const std::vector<std::pair<torch::Tensor, torch::Tensor>>& copies, int threads) {
-  struct Piece {
-    char* dst;
-    const char* src;
-    std::size_t bytes;
-  };
-  std::vector<Piece> pieces;
-  std::size_t total = 0;
-  for (const auto& [dst, src] : copies) {
-    if (!src.defined() || src.numel() == 0) continue;
-    if (dst.is_cpu() && src.is_cpu() && dst.scalar_type() == src.scalar_type() && dst.numel() == src.numel() && dst.is_contiguous() &&
-        src.is_contiguous()) {
-      const auto bytes = static_cast<std::size_t>(src.numel()) * src.element_size();
-      pieces.push_back({static_cast<char*>(dst.data_ptr()), static_cast<const char*>(src.data_ptr()), bytes});
-      total += bytes;
-    } else {
-      torch::Tensor(dst).copy_(src);
-    }
-  }
-  // Below a few MiB a thread costs more than it saves.
-  constexpr std::size_t kMinBytesPerThread = std::size_t{4} << 20;
-  threads = static_cast<int>(std::clamp<std::size_t>(total / kMinBytesPerThread, 1, static_cast<std::size_t>(std::max(threads, 1))));
-  // Copies the bytes [begin, end) of the pieces laid end to end.
-  auto copy_range = [&pieces](std::size_t begin, std::size_t end) {
-    std::size_t at = 0;
-    for (const auto& p : pieces) {
-      const std::size_t lo = std::max(begin, at), hi = std::min(end, at + p.bytes);
-      if (lo < hi) std::memcpy(p.dst + (lo - at), p.src + (lo - at), hi - lo);
-      at += p.bytes;
-      if (at >= end) break;
-    }
-  };
-  std::vector<std::thread> helpers;
-  helpers.reserve(static_cast<std::size_t>(threads));  // no allocation (and throw) once threads run
-  for (int t = 1; t < threads; ++t) {
-    const std::size_t begin = total * t / threads, end = total * (t + 1) / threads;
-    try {
-      helpers.emplace_back(copy_range, begin, end);
-    } catch (...) {            // no thread (or no memory for one) to be had
-      copy_range(begin, end);  // no thread to be had: this one does that part too
-    }
-  }
-  copy_range(0, total / threads);
-  for (auto& h : helpers) h.join();
-}
 }  // namespace detail
 
 template <class Engine>
@@ -116,19 +57,43 @@ class CheckpointSnapshot {
   /// Copies the engine's shards, `optimizer`'s state for them (null: none), the buffers and the CPU RNG
   /// state into host buffers, allocated at the first capture and reused by the next ones: the only part
   /// of an asynchronous save that holds up training, so it copies on copy_threads() threads. Local.
+  /// With `in_background`, the host shards and optimizer state are only listed here and copied later by
+  /// copy_rest() and finish_copy() (any thread): the caller must call finish_copy() before
+  /// anything changes them (an optimizer step, a load). Pairs that are not plain host memory (a GPU's)
+  /// and the buffers (a forward may update them) are copied now; so is everything when the optimizer
+  /// is sharded over the replicas (the next forward rewrites the shards from its parts).
   /// With the optimizer sharded over the replicas its state is staged as the optimizer holds it (this
   /// rank's parts), and the write gathers it over the snapshot's replica communicator; the shards must
   /// be current (FullyShardedDataParallel::synchronize_shards(), which AsyncCheckpointer::save calls).
-  void capture(Engine& engine, const torch::optim::Optimizer* optimizer) {
+  void capture(Engine& engine, const torch::optim::Optimizer* optimizer, bool in_background = false) {
     torch::NoGradGuard no_grad;
     const auto live = engine.sharded_units();
     reserve_units(live);
     std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;  // (staged, live), copied together below
+    bool parts_over_replicas = false;
     for (std::size_t k = 0; k < live.size(); ++k) {
       if (live[k].shard.defined()) copies.emplace_back(units_[k].shard, live[k].shard);
-      if (live[k].optimizer_sharded_over_replicas()) copies.emplace_back(units_[k].optimized, live[k].optimized);
+      if (live[k].optimizer_sharded_over_replicas()) {
+        copies.emplace_back(units_[k].optimized, live[k].optimized);
+        parts_over_replicas = true;
+      }
     }
     capture_optimizer(optimizer, live, copies);
+    pending_.reset();
+    if (in_background && !parts_over_replicas) {
+      detail::HostCopyPlan later;
+      std::vector<torch::Tensor> sources;
+      std::vector<std::pair<torch::Tensor, torch::Tensor>> now;
+      for (auto& pair : copies) {
+        if (!pair.second.defined() || pair.second.numel() == 0) continue;
+        if (later.add(pair.first, pair.second))
+          sources.push_back(pair.second);
+        else
+          now.push_back(std::move(pair));
+      }
+      copies = std::move(now);
+      pending_ = std::make_shared<detail::BackgroundCopy>(std::move(later), std::move(sources));
+    }
     const auto buffers = detail::named_buffers_of(engine);
     reserve_buffers(buffers);
     for (std::size_t b = 0; b < buffers.size(); ++b) copies.emplace_back(buffers_[b].second, buffers[b].second);
@@ -140,6 +105,23 @@ class CheckpointSnapshot {
     plan_hash_ = engine.plan_hash();
     aliases_ = engine.tied_parameter_aliases();
   }
+
+  /// Bytes the last capture left to copy in the background (0: it copied everything).
+  std::size_t background_bytes() const noexcept { return pending_ ? pending_->bytes() : 0; }
+  /// Copies what the last capture left for the background until nothing is left to take. Any thread.
+  void copy_rest() noexcept {
+    if (pending_) pending_->help();
+  }
+  /// Copies what is left of it on this thread and `threads` - 1 helpers, and waits for the parts other
+  /// threads took: the sources may change once this returns. Any thread.
+  void finish_copy(int threads = 1) {
+    if (pending_) pending_->finish(threads);
+  }
+  /// Whether the background copy is done (true when there was none).
+  bool copy_finished() const { return !pending_ || pending_->finished(); }
+  /// After finish_copy(): whether a source was written in place before its copy ended, so that the
+  /// copy may mix two steps (the caller changed the state without calling finish_copy() first).
+  bool copy_torn() const noexcept { return pending_ && pending_->sources_changed(); }
 
   /// The threads a capture copies with (default: detail::default_copy_threads()).
   void set_copy_threads(int threads) noexcept { copy_threads_ = std::max(1, threads); }
@@ -286,6 +268,7 @@ class CheckpointSnapshot {
   std::uint64_t plan_hash_ = 0;
   std::map<std::string, std::vector<std::string>> aliases_;
   int copy_threads_ = detail::default_copy_threads();
+  std::shared_ptr<detail::BackgroundCopy> pending_;  // the last capture's copy left for the background
 };
 
 }  // namespace fsdp

@@ -206,6 +206,10 @@ class Bf16MomentsAdam : public TorchAdam {
     const float* const g = grad.data_ptr<float>();
     auto* const m = reinterpret_cast<std::uint16_t*>(s.exp_avg().data_ptr());
     auto* const v = reinterpret_cast<std::uint16_t*>(s.exp_avg_sq().data_ptr());
+    // Written through pointers: the moments' version counters say so, as an in-place operation's would
+    // (a background checkpoint copy checks them).
+    s.exp_avg().unsafeGetTensorImpl()->bump_version();
+    s.exp_avg_sq().unsafeGetTensorImpl()->bump_version();
     at::parallel_for(0, p.numel(), 1 << 14,
                      [&](std::int64_t begin, std::int64_t end) { detail::bf16_moments_update(c, param, g, m, v, begin, end); });
   }
