@@ -375,20 +375,22 @@ quick "$WORK/commfail.log"
 [[ -z $(find "$WORK/commfail/checkpoints" -name '*00000008*') ]] || fail "step 8, whose collectives failed, was saved"
 "$CKPT" verify "$WORK/commfail/checkpoints" >/dev/null || fail "the last checkpoint before the failed step does not verify"
 echo "ok: a step whose collectives failed on one rank stopped every rank before the update; latest = step 4 verifies"
-# 15. Long runs at np 3 (docs/reliability.md, "Long runs"): rank 2 works 20 ms longer every step
+# 15. Long runs at np 3 (docs/reliability.md, "Long runs"): rank 2 works 60 ms longer every step
 #     (FSDP_TEST_SLOW_RANK) and rank 1 keeps 4 MiB more every step (FSDP_TEST_LEAK_MIB): the progress
-#     line and metrics.csv name rank 2 as the slowest with about 20 ms/step waited for it, and rank 1's
-#     growth past run.rss_growth_warn_mib = 100 is warned of, with the growth in summary.json.
-run "$WORK/long.log" "${MPI[@]}" -np 3 -x FSDP_TEST_SLOW_RANK=2:20 -x FSDP_TEST_LEAK_MIB=1:4 "$TRAIN" "$DECK" --set run.out_dir="$WORK/long" \
+#     line and metrics.csv name rank 2 as the slowest with about 60 ms/step waited for it (less the
+#     others' own excess, a few ms on a busy machine: 60 rather than 20 keeps that within the
+#     -25%/+50% band), and rank 1's growth past run.rss_growth_warn_mib = 100 is warned of, with the
+#     growth in summary.json.
+run "$WORK/long.log" "${MPI[@]}" -np 3 -x FSDP_TEST_SLOW_RANK=2:60 -x FSDP_TEST_LEAK_MIB=1:4 "$TRAIN" "$DECK" --set run.out_dir="$WORK/long" \
   --set run.max_steps=200 --set run.epochs=100 --set log.every_steps=50 --set run.rss_growth_warn_mib=100 "${short[@]}"
-expect 0 "step 200/200 .*slowest rank 2 \+(1[5-9]|2[0-9])\.[0-9] ms/step" "$WORK/long.log"
+expect 0 "step 200/200 .*slowest rank 2 \+(4[5-9]|[5-8][0-9])\.[0-9] ms/step" "$WORK/long.log"
 expect 0 "warning: rank 1's resident memory grew by [0-9]+ MiB since step 100 .*past run.rss_growth_warn_mib = 100" "$WORK/long.log"
 grep -q "warning: rank [02]'s resident memory" "$WORK/long.log" && fail "a rank that keeps no memory was warned of"
 python3 - "$WORK/long/metrics.csv" "$WORK/long/summary.json" <<'PY' || fail "long runs: metrics.csv or summary.json"
 import csv, json, sys
 rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["slowest_rank"]]
 assert [int(r["step"]) for r in rows] == [50, 100, 150, 200], rows
-assert all(r["slowest_rank"] == "2" and 15 <= float(r["others_waited_ms"]) <= 30 for r in rows), rows
+assert all(r["slowest_rank"] == "2" and 45 <= float(r["others_waited_ms"]) <= 90 for r in rows), rows
 growth = json.load(open(sys.argv[2]))["rss_growth_mib"]
 assert len(growth) == 3 and growth[1] >= 300 and growth[0] < 50 and growth[2] < 50, growth
 PY
