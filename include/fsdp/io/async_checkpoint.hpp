@@ -36,16 +36,22 @@
 namespace fsdp {
 
 namespace detail {
-/// The writing thread yields its core to training where the two share one (a node whose cores all run
-/// ranks): the write only has to end before the next save. Linux threads have their own nice value.
 /// Signals go to the training thread: the writing thread blocks them, so that no handler interrupts
 /// a write (EINTR inside HDF5 or MPI-IO).
-inline void prepare_writing_thread() {
+inline void block_signals_in_writing_thread() {
 #ifdef __linux__
-  (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
   sigset_t all;
   sigfillset(&all);
   pthread_sigmask(SIG_BLOCK, &all, nullptr);
+#endif
+}
+/// The writing thread yields its core to training where the two share one (a node whose cores all run
+/// ranks): the write only has to end before the next save. Linux threads have their own nice value.
+/// Called after a background copy, which the next update waits for, so that the copy is not also
+/// behind another save's write on the core they share.
+inline void lower_writing_thread_priority() {
+#ifdef __linux__
+  (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 19);
 #endif
 }
 }  // namespace detail
@@ -149,11 +155,12 @@ class AsyncCheckpointer {
     std::shared_ptr<Outcome> before = jobs_.empty() ? nullptr : jobs_.back().outcome;
     start.queued = before && !before->finished.load(std::memory_order_acquire);
     std::thread thread([snapshot, outcome, before, dir, state, in_thread] {
-      detail::prepare_writing_thread();
+      detail::block_signals_in_writing_thread();
       try {
         if (in_thread.on_stage) in_thread.on_stage("copying", state.step);
         snapshot->copy_rest();    // at once, even while the write before it goes on
         snapshot->finish_copy();  // the chunks wait_for_copies() took
+        detail::lower_writing_thread_priority();
         std::optional<std::string> torn;
         if (snapshot->copy_torn())
           torn = "cannot save checkpoint step " + std::to_string(state.step) +
