@@ -84,7 +84,7 @@ void print_prediction(const RunConfig& cfg, const ModelSection& shape, const Run
   std::printf("  %-40s %12s %12s\n", "component", "at peak MiB", "own max MiB");
   const char* notes[kMemKinds] = {
       "fp32 master shards",
-      "shard-sized, kept between steps",
+      "shard-sized, from backward to the update",
       "",
       "unsharded units allocated (all-gathered)",
       "autograd's per-parameter grads, flat buffer, reduced shard",

@@ -58,6 +58,30 @@ BOOST_AUTO_TEST_CASE(reduce_scatter_bfloat16_uses_ring_add) {
   for (auto v : recv) BOOST_TEST(fsdp::detail::f16_to_float(v) == 0.25f);
 }
 
+// A chunk longer than a ring segment goes round in segments: every element is still added in the
+// ring's order (rank k+1's value first, rank k's last for chunk k), bit for bit, across the seams.
+BOOST_AUTO_TEST_CASE(a_chunk_longer_than_a_ring_segment_keeps_the_ring_order) {
+  auto w = MpiComm::world();
+  const int world = w.size();
+  const std::int64_t segment = fsdp::detail::kRingSegmentBytes / 4;
+  auto x = [](int rank, std::int64_t i) { return std::sin(static_cast<float>(i % 9973) * 0.37f + static_cast<float>(rank)) * 1e3f; };
+  for (std::int64_t n : {segment - 1, segment + 3, 2 * segment + 1}) {
+    BOOST_TEST_CONTEXT("n=" << n) {
+      std::vector<float> send(static_cast<std::size_t>(n * world)), recv(static_cast<std::size_t>(n), -1.0f);
+      for (std::size_t i = 0; i < send.size(); ++i) send[i] = x(w.rank(), static_cast<std::int64_t>(i));
+      w.reduce_scatter(send.data(), recv.data(), n, DType::kFloat32, ReduceOp::kSum);
+      std::int64_t mismatches = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t at = w.rank() * n + i;
+        float expect = x((w.rank() + 1) % world, at);
+        for (int k = 2; k <= world; ++k) expect += x((w.rank() + k) % world, at);
+        if (std::memcmp(&expect, &recv[static_cast<std::size_t>(i)], 4) != 0) ++mismatches;
+      }
+      BOOST_TEST(mismatches == 0);
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(all_reduce_of_16_bit_floats) {
   auto w = MpiComm::world();
   // 1, 5, 7: the gather-and-add path for small buffers; 5003 (prime: padded for every world size > 1):

@@ -276,3 +276,45 @@ BOOST_AUTO_TEST_CASE(reshard_after_forward_overrides_the_strategy) {
     }
   }
 }
+
+// fsdp::create_adam_state_ahead: the state Adam's and AdamW's first step would create, made before the
+// first forward (so that it does not take the holes the first backward leaves), gives the same bits;
+// optimizers it does not know keep creating their own.
+BOOST_AUTO_TEST_CASE(adam_state_created_ahead_updates_as_the_lazy_one) {
+  auto make = [] {
+    torch::manual_seed(11);
+    return std::vector<torch::Tensor>{torch::randn({6, 3}).requires_grad_(), torch::randn({0}).requires_grad_(), torch::randn({4}).requires_grad_()};
+  };
+  auto train = [](torch::optim::Optimizer& opt, std::vector<torch::Tensor>& p) {
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      torch::manual_seed(70 + step);
+      (p[0].mul(torch::randn({6, 3})).sum() + p[1].sum() + p[2].pow(3).sum()).backward();
+      opt.step();
+    }
+  };
+  auto lazy = make(), ahead = make(), ahead_w = make(), lazy_w = make();
+  torch::optim::Adam lazy_opt(lazy, torch::optim::AdamOptions(1e-2).amsgrad(true).weight_decay(0.1));
+  torch::optim::Adam ahead_opt(ahead, torch::optim::AdamOptions(1e-2).amsgrad(true).weight_decay(0.1));
+  torch::optim::AdamW lazy_w_opt(lazy_w, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  torch::optim::AdamW ahead_w_opt(ahead_w, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  BOOST_TEST(fsdp::create_adam_state_ahead(ahead_opt) == 3);
+  BOOST_TEST(fsdp::create_adam_state_ahead(ahead_w_opt) == 3);
+  BOOST_TEST(fsdp::create_adam_state_ahead(ahead_w_opt) == 0);  // nothing twice
+  BOOST_TEST(fsdp::optimizer_state_bytes(ahead_opt) == 3 * (6 * 3 + 4) * 4);  // exp_avg, exp_avg_sq, max_exp_avg_sq
+  BOOST_TEST(fsdp::optimizer_state_bytes(ahead_w_opt) == 2 * (6 * 3 + 4) * 4);
+  train(lazy_opt, lazy);
+  train(ahead_opt, ahead);
+  train(lazy_w_opt, lazy_w);
+  train(ahead_w_opt, ahead_w);
+  for (std::size_t i = 0; i < lazy.size(); ++i) {
+    BOOST_TEST(torch::equal(lazy[i], ahead[i]), "Adam parameter " << i);
+    BOOST_TEST(torch::equal(lazy_w[i], ahead_w[i]), "AdamW parameter " << i);
+  }
+  const auto& state = static_cast<const torch::optim::AdamParamState&>(*ahead_opt.state().at(fsdp::optimizer_state_key(ahead[0])));
+  BOOST_TEST(state.step() == 3);
+  std::vector<torch::Tensor> other = make();
+  torch::optim::SGD sgd(other, torch::optim::SGDOptions(1e-2).momentum(0.9).dampening(0.5));  // its first step copies the gradient
+  BOOST_TEST(fsdp::create_adam_state_ahead(sgd) == 0);
+  BOOST_TEST(sgd.state().empty());
+}

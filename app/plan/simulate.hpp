@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "fsdp/comm/detail/reduce.hpp"
 #include "plan/memory_model.hpp"
 
 namespace fsdp::app {
@@ -60,6 +61,7 @@ class RunSimulator {
     load_data();
     construct();
     mem_.phase("training step");
+    if (state_created_ahead()) create_optimizer_state();
     const std::int64_t micro = std::min<std::int64_t>(run_.grad_accum, 2);
     for (int step = 0; step < 2; ++step) {
       for (std::int64_t a = 0; a < micro; ++a) micro_batch(a + 1 < micro && !run_.reduce_every_micro_batch);
@@ -347,6 +349,7 @@ class RunSimulator {
   }
 
   void grow_scratch(int& handle, std::int64_t& bytes, std::int64_t want) {
+    want = std::min(want, 2 * fsdp::detail::kRingSegmentBytes);  // the ring goes round in segments
     if (want <= bytes) return;
     const int old = handle;
     handle = mem_.alloc(Mem::kComm, want);  // std::vector::resize: new block, copy, free the old one
@@ -355,7 +358,7 @@ class RunSimulator {
     bytes = want;
   }
 
-  // fsdp::MpiComm's floating-point all-reduce: the ring reduce-scatter (two chunks of scratch, kept by
+  // fsdp::MpiComm's floating-point all-reduce: the ring reduce-scatter (two segments of scratch, kept by
   // the communicator: the worker's own when overlapped) into a chunk, then MPI_Allgather; a padded
   // copy only when the elements are not a multiple of the ranks. (At most 8 KiB gathered it gathers the
   // whole buffers instead: a few KiB, not modelled.)
@@ -435,7 +438,22 @@ class RunSimulator {
     mem_.free(y);
   }
 
+  /// fsdp::create_adam_state_ahead: fp32 Adam and AdamW states exist before the first forward; the
+  /// others' come with their first step.
+  bool state_created_ahead() const {
+    return (run_.optimizer == OptimizerKind::kAdam || run_.optimizer == OptimizerKind::kAdamW) && run_.state_element_bytes == 4;
+  }
+
+  void create_optimizer_state() {
+    for (const auto& u : units_) {
+      if (u.numel == 0) continue;
+      auto& st = state_[static_cast<std::size_t>(u.index)];
+      for (int c = 0; c < run_.optimizer_copies; ++c) st.push_back(mem_.alloc(Mem::kOptimizer, optimized_elements(u) * run_.state_element_bytes));
+    }
+  }
+
   void optimizer_step(bool first) {
+    if (first && !state_created_ahead()) create_optimizer_state();
     for (const auto& u : units_) {
       if (u.numel == 0) continue;
       const std::int64_t bytes = optimized_elements(u) * 4;
@@ -451,9 +469,6 @@ class RunSimulator {
     for (const auto& u : units_) {
       if (u.numel == 0) continue;
       const std::int64_t bytes = optimized_elements(u) * 4;
-      auto& st = state_[static_cast<std::size_t>(u.index)];
-      if (first)
-        for (int c = 0; c < run_.optimizer_copies; ++c) st.push_back(mem_.alloc(Mem::kOptimizer, optimized_elements(u) * run_.state_element_bytes));
       if (run_.state_element_bytes == 2) continue;  // bf16 moments: one pass per element, no temporaries
       const bool l2 = run_.weight_decay && run_.optimizer != OptimizerKind::kAdamW;
       int wd = l2 ? mem_.alloc(Mem::kStepTemps, bytes) : -1;
@@ -466,6 +481,7 @@ class RunSimulator {
       }
       mem_.free(wd);
     }
+    for (int& g : grad_) mem_.free(g);  // fsdp-train releases the gradients after the update (release_gradients)
   }
 
   void evaluate() {

@@ -113,6 +113,23 @@ std::optional<std::string> comm_failure_of(Compute&& compute, bool fail_collecti
   return comm_failure;
 }
 
+/// Gradients live from a step's backward to its update only. LibTorch 1.13's Optimizer::zero_grad()
+/// zeroes them in place and keeps them, so every rank carried a shard-sized gradient through the next
+/// forward and backward, where activations peak (PyTorch 2 frees them by default: set_to_none).
+inline void release_gradients(torch::optim::Optimizer& optimizer) {
+  for (auto& group : optimizer.param_groups())
+    for (auto& p : group.params()) p.mutable_grad().reset();
+}
+
+/// Zeros for a parameter no backward reached since the release: the update is then the one zeroed
+/// gradients gave before (Adam's moments and the decay move on every step, not only when used).
+inline void zero_missing_gradients(torch::optim::Optimizer& optimizer) {
+  torch::NoGradGuard no_grad;
+  for (auto& group : optimizer.param_groups())
+    for (auto& p : group.params())
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+}
+
 /// How the run's progress is shown: a live line only for a process started directly on a terminal
 /// (log.progress = auto). Under mpirun or srun the ranks' stdout is a pseudo-terminal even when the
 /// job's output goes to a file.

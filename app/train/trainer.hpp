@@ -98,7 +98,9 @@ class Trainer {
     next_sample_index_ = start_.sample_index;
     plan_schedule();
     mixture_changes_ = check_mixture_position(world_, data_, cfg_, start_);
-    return !(start_.step > 0 && start_.step >= schedule_.total_steps);  // else a rerun of a finished job
+    if (start_.step > 0 && start_.step >= schedule_.total_steps) return false;  // a rerun of a finished job
+    fsdp::create_adam_state_ahead(*optimizer_);                                 // what no checkpoint gave, before training's transient tensors
+    return true;
   }
 
   /// A rerun of a finished job (resume() said so): trains nothing; what the run's end did not write
@@ -362,8 +364,10 @@ class Trainer {
     if (!out.nonfinite && !out.overflowed) {
       checkpointer_->wait_for_copies();                                  // a background copy of the state must end before the state changes
       if (decay_mask_) decay_mask_->apply(lr, cfg_.optim.weight_decay);  // optim.no_decay: adamw's decay, element by element
+      zero_missing_gradients(*optimizer_);
       optimizer_->step();
     }
+    release_gradients(*optimizer_);  // free through evaluation, saves and the next forward
     return out;
   }
 
@@ -371,7 +375,7 @@ class Trainer {
   /// after the last one or, with optim.accum_reduce = every, after each.
   void forward_backward(Prefetcher<Batch>& loader, StepOutcome& out) {
     const std::int64_t accum = schedule_.accum;
-    optimizer_->zero_grad();
+    release_gradients(*optimizer_);
     for (std::int64_t a = 0; a < accum; ++a) {
       std::optional<Batch> b;
       {

@@ -543,22 +543,33 @@ class MpiComm {
 
   // Ring reduce-scatter: at step s rank r sends its running sum of chunk (r-s-1) to r+1 and receives
   // the running sum of chunk (r-s-2) from r-1, adding its own contribution. After N-1 steps rank r
-  // holds the full sum of chunk r. The order of additions is fixed, so results are deterministic.
+  // holds the full sum of chunk r. The order of additions is fixed, so results are deterministic. Long
+  // chunks go round in segments of detail::kRingSegmentBytes: each element is still added in the same
+  // order (the same bits), and the scratch stays two segments long.
   void ring_reduce_scatter(const void* send, void* recv, std::int64_t n, DType t) {
     const int world = size();
-    const std::size_t chunk_bytes = static_cast<std::size_t>(n) * dtype_bytes(t);
-    const auto* src = static_cast<const std::byte*>(send);
     if (world == 1 || n == 0) {
       if (world == 1) copy_if_distinct(send, recv, n, t);
       return;
     }
-    const int c = detail::checked_count(n, "reduce_scatter");
+    const std::int64_t eb = static_cast<std::int64_t>(dtype_bytes(t));
+    const std::int64_t segment = std::min(n, std::max<std::int64_t>(1, detail::kRingSegmentBytes / eb));
+    state_->scratch.resize(static_cast<std::size_t>(2 * segment * eb));
+    for (std::int64_t begin = 0; begin < n; begin += segment) ring_reduce_scatter_segment(send, recv, n, begin, std::min(segment, n - begin), t);
+  }
+
+  // Elements [begin, begin + count) of every rank's chunk of `n` elements round the ring once.
+  void ring_reduce_scatter_segment(const void* send, void* recv, std::int64_t n, std::int64_t begin, std::int64_t count, DType t) {
+    const int world = size();
+    const std::size_t eb = dtype_bytes(t);
+    const std::size_t chunk_bytes = static_cast<std::size_t>(n) * eb, offset = static_cast<std::size_t>(begin) * eb;
+    const auto* src = static_cast<const std::byte*>(send) + offset;  // chunk i's segment at src + i * chunk_bytes
+    const int c = detail::checked_count(count, "reduce_scatter");
     const int r = rank();
     const int next = (r + 1) % world;
     const int prev = (r - 1 + world) % world;
-    state_->scratch.resize(2 * chunk_bytes);
     std::byte* acc = state_->scratch.data();
-    std::byte* incoming = acc + chunk_bytes;
+    std::byte* incoming = acc + static_cast<std::size_t>(count) * eb;
     const MPI_Datatype type = detail::mpi_datatype(t);
     for (int s = 0; s < world - 1; ++s) {
       const int send_idx = ((r - s - 1) % world + world) % world;
@@ -572,8 +583,8 @@ class MpiComm {
       } else {
         FSDP_MPI_CHECK(MPI_Sendrecv(out, c, type, next, 7301, incoming, c, type, prev, 7301, state_->comm, MPI_STATUS_IGNORE));
       }
-      std::byte* target = (s == world - 2) ? static_cast<std::byte*>(recv) : acc;
-      detail::add_buffers(src + recv_idx * chunk_bytes, incoming, target, n, t);
+      std::byte* target = (s == world - 2) ? static_cast<std::byte*>(recv) + offset : acc;
+      detail::add_buffers(src + recv_idx * chunk_bytes, incoming, target, count, t);
     }
   }
 
