@@ -80,6 +80,23 @@ BOOST_AUTO_TEST_CASE(a_chunk_longer_than_a_ring_segment_keeps_the_ring_order) {
       BOOST_TEST(mismatches == 0);
     }
   }
+  // bf16: segments of twice the elements, each add rounded to bf16 in the same order.
+  using fsdp::detail::bf16_to_float;
+  using fsdp::detail::float_to_bf16;
+  const std::int64_t n = 2 * (fsdp::detail::kRingSegmentBytes / 2) + 1;
+  std::vector<std::uint16_t> send(static_cast<std::size_t>(n * world)), recv(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < send.size(); ++i) send[i] = float_to_bf16(x(w.rank(), static_cast<std::int64_t>(i)));
+  w.reduce_scatter(send.data(), recv.data(), n, DType::kBFloat16, ReduceOp::kSum);
+  std::int64_t mismatches = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t at = w.rank() * n + i;
+    std::uint16_t expect = float_to_bf16(x((w.rank() + 1) % world, at));
+    for (int k = 2; k <= world; ++k) expect = float_to_bf16(bf16_to_float(float_to_bf16(x((w.rank() + k) % world, at))) + bf16_to_float(expect));
+    if (expect != recv[static_cast<std::size_t>(i)]) ++mismatches;
+  }
+  BOOST_TEST(mismatches == 0);
+  std::vector<float> none;
+  BOOST_CHECK_THROW(w.reduce_scatter(none.data(), none.data(), -1, DType::kFloat32, ReduceOp::kSum), fsdp::CommError);
 }
 
 BOOST_AUTO_TEST_CASE(all_reduce_of_16_bit_floats) {

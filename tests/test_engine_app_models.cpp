@@ -159,23 +159,29 @@ BOOST_AUTO_TEST_CASE(no_decay_equals_adamw_parameter_groups) {
 #include "train/step.hpp"
 
 // fsdp-train frees the gradients after each update (release_gradients) instead of LibTorch 1.13's
-// zero_grad(), which keeps them zeroed; a parameter no backward reached gets zeros before the update
-// (zero_missing_gradients). The same steps give the same bits: AdamW's decay and moments of a parameter
-// unused in a step move as they did with a zeroed gradient.
+// zero_grad(), which keeps them zeroed; a parameter that had a gradient before and has none in this step
+// gets zeros (ZeroedGradients), one that never had one stays skipped. The same steps give the same bits:
+// AdamW's decay and moments of a parameter unused in a step move as they did with a zeroed gradient,
+// and a parameter first used at step 2 is untouched before it, as with zero_grad().
 BOOST_AUTO_TEST_CASE(released_gradients_update_as_zeroed_ones) {
   auto make = [] {
     torch::manual_seed(3);
-    return std::vector<torch::Tensor>{torch::randn({5, 4}).requires_grad_(), torch::randn({7}).requires_grad_()};
+    return std::vector<torch::Tensor>{torch::randn({5, 4}).requires_grad_(), torch::randn({7}).requires_grad_(), torch::randn({3}).requires_grad_()};
   };
   auto kept = make(), released = make();
+  const auto untouched = released[2].detach().clone();
   torch::optim::AdamW kept_opt(kept, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   torch::optim::AdamW released_opt(released, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  for (int step = 0; step < 4; ++step) {
+  fsdp::app::ZeroedGradients zeroed;
+  for (int step = 0; step < 5; ++step) {
     const bool second_used = step != 1 && step != 2;  // unused in two steps, after and before a used one
+    const bool third_used = step >= 2;                // no gradient before step 2
     auto loss = [&](const std::vector<torch::Tensor>& p) {
       torch::manual_seed(50 + step);
       auto l = p[0].mul(torch::randn({5, 4})).sum();
-      return second_used ? l + p[1].pow(2).sum() : l;
+      if (second_used) l = l + p[1].pow(2).sum();
+      if (third_used) l = l + p[2].pow(2).sum();
+      return l;
     };
     kept_opt.zero_grad();
     loss(kept).backward();
@@ -184,12 +190,16 @@ BOOST_AUTO_TEST_CASE(released_gradients_update_as_zeroed_ones) {
     BOOST_TEST(!released[0].grad().defined());
     loss(released).backward();
     BOOST_TEST(released[1].grad().defined() == second_used);
-    fsdp::app::zero_missing_gradients(released_opt);
+    zeroed.fill_missing(released_opt);
+    BOOST_TEST(released[1].grad().defined());                // zeros when unused: it had a gradient at step 0
+    BOOST_TEST(released[2].grad().defined() == third_used);  // none before its first use
     released_opt.step();
     fsdp::app::release_gradients(released_opt);
+    if (!third_used) BOOST_TEST(torch::equal(released[2], untouched));
     for (std::size_t i = 0; i < kept.size(); ++i) {
       BOOST_TEST(!released[i].grad().defined());
       BOOST_TEST(torch::equal(kept[i], released[i]), "parameter " << i << " after step " << step);
     }
   }
+  BOOST_TEST(released_opt.state().size() == kept_opt.state().size());
 }

@@ -300,9 +300,11 @@ BOOST_AUTO_TEST_CASE(adam_state_created_ahead_updates_as_the_lazy_one) {
   torch::optim::AdamW ahead_w_opt(ahead_w, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   BOOST_TEST(fsdp::create_adam_state_ahead(ahead_opt) == 3);
   BOOST_TEST(fsdp::create_adam_state_ahead(ahead_w_opt) == 3);
-  BOOST_TEST(fsdp::create_adam_state_ahead(ahead_w_opt) == 0);  // nothing twice
+  BOOST_TEST(fsdp::create_adam_state_ahead(ahead_w_opt) == 0);                // nothing twice
   BOOST_TEST(fsdp::optimizer_state_bytes(ahead_opt) == 3 * (6 * 3 + 4) * 4);  // exp_avg, exp_avg_sq, max_exp_avg_sq
   BOOST_TEST(fsdp::optimizer_state_bytes(ahead_w_opt) == 2 * (6 * 3 + 4) * 4);
+  const auto& created = static_cast<const torch::optim::AdamWParamState&>(*ahead_w_opt.state().at(fsdp::optimizer_state_key(ahead_w[0])));
+  const void* moments = created.exp_avg().data_ptr();  // the step must use this state, not make its own
   train(lazy_opt, lazy);
   train(ahead_opt, ahead);
   train(lazy_w_opt, lazy_w);
@@ -313,6 +315,11 @@ BOOST_AUTO_TEST_CASE(adam_state_created_ahead_updates_as_the_lazy_one) {
   }
   const auto& state = static_cast<const torch::optim::AdamParamState&>(*ahead_opt.state().at(fsdp::optimizer_state_key(ahead[0])));
   BOOST_TEST(state.step() == 3);
+  BOOST_TEST(ahead_opt.state().size() == 3);
+  BOOST_TEST(ahead_w_opt.state().size() == 3);
+  const auto& used = static_cast<const torch::optim::AdamWParamState&>(*ahead_w_opt.state().at(fsdp::optimizer_state_key(ahead_w[0])));
+  BOOST_TEST(used.exp_avg().data_ptr() == moments);
+  BOOST_TEST(used.step() == 3);
   std::vector<torch::Tensor> other = make();
   torch::optim::SGD sgd(other, torch::optim::SGDOptions(1e-2).momentum(0.9).dampening(0.5));  // its first step copies the gradient
   BOOST_TEST(fsdp::create_adam_state_ahead(sgd) == 0);

@@ -445,15 +445,15 @@ class RunSimulator {
   }
 
   void create_optimizer_state() {
-    for (const auto& u : units_) {
-      if (u.numel == 0) continue;
-      auto& st = state_[static_cast<std::size_t>(u.index)];
-      for (int c = 0; c < run_.optimizer_copies; ++c) st.push_back(mem_.alloc(Mem::kOptimizer, optimized_elements(u) * run_.state_element_bytes));
-    }
+    for (const auto& u : units_)
+      if (u.numel > 0) create_optimizer_state(u);
+  }
+  void create_optimizer_state(const PlanUnit& u) {
+    auto& st = state_[static_cast<std::size_t>(u.index)];
+    for (int c = 0; c < run_.optimizer_copies; ++c) st.push_back(mem_.alloc(Mem::kOptimizer, optimized_elements(u) * run_.state_element_bytes));
   }
 
   void optimizer_step(bool first) {
-    if (first && !state_created_ahead()) create_optimizer_state();
     for (const auto& u : units_) {
       if (u.numel == 0) continue;
       const std::int64_t bytes = optimized_elements(u) * 4;
@@ -469,7 +469,8 @@ class RunSimulator {
     for (const auto& u : units_) {
       if (u.numel == 0) continue;
       const std::int64_t bytes = optimized_elements(u) * 4;
-      if (run_.state_element_bytes == 2) continue;  // bf16 moments: one pass per element, no temporaries
+      if (first && !state_created_ahead()) create_optimizer_state(u);  // LibTorch's first step, parameter by parameter
+      if (run_.state_element_bytes == 2) continue;                     // bf16 moments: one pass per element, no temporaries
       const bool l2 = run_.weight_decay && run_.optimizer != OptimizerKind::kAdamW;
       int wd = l2 ? mem_.alloc(Mem::kStepTemps, bytes) : -1;
       if (run_.optimizer == OptimizerKind::kAdam || run_.optimizer == OptimizerKind::kAdamW || run_.optimizer == OptimizerKind::kAdadelta) {

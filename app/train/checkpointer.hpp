@@ -261,8 +261,8 @@ class Checkpointer {
     report(r, quiet);
   }
 
-  /// checkpoint.async: allocates the host copy of the state once, as soon as the optimizer has state
-  /// (after the first step), so that no save pays for it. Its time goes to `seconds`. Collective.
+  /// checkpoint.async: allocates the host copy of the state once, after the first step (when
+  /// every optimizer has its state), so that no save pays for it. Its time goes to `seconds`. Collective.
   void reserve_staging(double& seconds) {
     if (!async_ || staging_reserved_) return;
     Timed t(seconds, "checkpoint");

@@ -121,14 +121,29 @@ inline void release_gradients(torch::optim::Optimizer& optimizer) {
     for (auto& p : group.params()) p.mutable_grad().reset();
 }
 
-/// Zeros for a parameter no backward reached since the release: the update is then the one zeroed
-/// gradients gave before (Adam's moments and the decay move on every step, not only when used).
-inline void zero_missing_gradients(torch::optim::Optimizer& optimizer) {
-  torch::NoGradGuard no_grad;
-  for (auto& group : optimizer.param_groups())
-    for (auto& p : group.params())
-      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-}
+/// With release_gradients, the updates zero_grad() gave: a parameter that had a gradient in an earlier
+/// step of this process and none in this one gets zeros (zero_grad() kept its gradient, zeroed, so the
+/// update moved it: Adam's moments, the decay); one that never had a gradient stays skipped.
+class ZeroedGradients {
+ public:
+  /// After the step's backward, before clipping and the update (zeros change neither). Local.
+  void fill_missing(torch::optim::Optimizer& optimizer) {
+    torch::NoGradGuard no_grad;
+    std::size_t i = 0;
+    for (auto& group : optimizer.param_groups())
+      for (auto& p : group.params()) {
+        if (had_.size() <= i) had_.push_back(false);
+        if (p.grad().defined())
+          had_[i] = true;
+        else if (had_[i])
+          p.mutable_grad() = torch::zeros_like(p);
+        ++i;
+      }
+  }
+
+ private:
+  std::vector<bool> had_;  ///< per parameter, in the optimizer's order
+};
 
 /// How the run's progress is shown: a live line only for a process started directly on a terminal
 /// (log.progress = auto). Under mpirun or srun the ranks' stdout is a pseudo-terminal even when the

@@ -342,6 +342,7 @@ class Trainer {
     const auto comm_failure = comm_failure_of<Engine>(
         [&] {
           forward_backward(loader, out);
+          zeroed_.fill_missing(*optimizer_);
           optimizer_time.emplace(phases_.optimizer, "optimizer");
           overflowed = scaler_ && model_->unscale_grads(scaler_->scale());  // agreed by every rank
           const double clip = cfg_.optim.clip_grad_norm;
@@ -364,7 +365,6 @@ class Trainer {
     if (!out.nonfinite && !out.overflowed) {
       checkpointer_->wait_for_copies();                                  // a background copy of the state must end before the state changes
       if (decay_mask_) decay_mask_->apply(lr, cfg_.optim.weight_decay);  // optim.no_decay: adamw's decay, element by element
-      zero_missing_gradients(*optimizer_);
       optimizer_->step();
     }
     release_gradients(*optimizer_);  // free through evaluation, saves and the next forward
@@ -559,6 +559,7 @@ class Trainer {
   Dataset data_;
   std::shared_ptr<Engine> model_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  ZeroedGradients zeroed_;                     // the updates zero_grad() gave, with the gradients released between steps
   std::optional<WeightDecayMask> decay_mask_;  // optim.no_decay
   std::unique_ptr<Checkpointer<Engine>> checkpointer_;
   fsdp::TrainState start_;  // the state resumed from (step 0 for a fresh run)

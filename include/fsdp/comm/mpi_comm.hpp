@@ -547,6 +547,7 @@ class MpiComm {
   // chunks go round in segments of detail::kRingSegmentBytes: each element is still added in the same
   // order (the same bits), and the scratch stays two segments long.
   void ring_reduce_scatter(const void* send, void* recv, std::int64_t n, DType t) {
+    if (n < 0) throw CommError("reduce_scatter: element count " + std::to_string(n) + " is negative");
     const int world = size();
     if (world == 1 || n == 0) {
       if (world == 1) copy_if_distinct(send, recv, n, t);
