@@ -374,8 +374,7 @@ class Trainer {
   /// The step's micro-batches: forward, loss (divided by their count) and backward; gradients reduced
   /// after the last one or, with optim.accum_reduce = every, after each.
   void forward_backward(Prefetcher<Batch>& loader, StepOutcome& out) {
-    const std::int64_t accum = schedule_.accum;
-    release_gradients(*optimizer_);
+    const std::int64_t accum = schedule_.accum;  // no gradients here: take_step released the last step's
     for (std::int64_t a = 0; a < accum; ++a) {
       std::optional<Batch> b;
       {

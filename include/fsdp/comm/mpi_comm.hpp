@@ -553,39 +553,35 @@ class MpiComm {
       if (world == 1) copy_if_distinct(send, recv, n, t);
       return;
     }
-    const std::int64_t eb = static_cast<std::int64_t>(dtype_bytes(t));
-    const std::int64_t segment = std::min(n, std::max<std::int64_t>(1, detail::kRingSegmentBytes / eb));
-    state_->scratch.resize(static_cast<std::size_t>(2 * segment * eb));
-    for (std::int64_t begin = 0; begin < n; begin += segment) ring_reduce_scatter_segment(send, recv, n, begin, std::min(segment, n - begin), t);
-  }
-
-  // Elements [begin, begin + count) of every rank's chunk of `n` elements round the ring once.
-  void ring_reduce_scatter_segment(const void* send, void* recv, std::int64_t n, std::int64_t begin, std::int64_t count, DType t) {
-    const int world = size();
-    const std::size_t eb = dtype_bytes(t);
-    const std::size_t chunk_bytes = static_cast<std::size_t>(n) * eb, offset = static_cast<std::size_t>(begin) * eb;
-    const auto* src = static_cast<const std::byte*>(send) + offset;  // chunk i's segment at src + i * chunk_bytes
-    const int c = detail::checked_count(count, "reduce_scatter");
+    const std::size_t eb = dtype_bytes(t), chunk_bytes = static_cast<std::size_t>(n) * eb;
+    const std::int64_t segment = std::min<std::int64_t>(n, std::max<std::int64_t>(1, detail::kRingSegmentBytes / static_cast<std::int64_t>(eb)));
+    state_->scratch.resize(2 * static_cast<std::size_t>(segment) * eb);
     const int r = rank();
     const int next = (r + 1) % world;
     const int prev = (r - 1 + world) % world;
-    std::byte* acc = state_->scratch.data();
-    std::byte* incoming = acc + static_cast<std::size_t>(count) * eb;
     const MPI_Datatype type = detail::mpi_datatype(t);
-    for (int s = 0; s < world - 1; ++s) {
-      const int send_idx = ((r - s - 1) % world + world) % world;
-      const int recv_idx = ((r - s - 2) % world + world) % world;
-      const void* out = s == 0 ? static_cast<const void*>(src + send_idx * chunk_bytes) : static_cast<const void*>(acc);
-      if (state_->yield_cpu) {
-        MPI_Request pair[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-        FSDP_MPI_CHECK(MPI_Irecv(incoming, c, type, prev, 7301, state_->comm, &pair[0]));
-        FSDP_MPI_CHECK(MPI_Isend(out, c, type, next, 7301, state_->comm, &pair[1]));
-        complete_yielding(pair, 2);
-      } else {
-        FSDP_MPI_CHECK(MPI_Sendrecv(out, c, type, next, 7301, incoming, c, type, prev, 7301, state_->comm, MPI_STATUS_IGNORE));
+    for (std::int64_t begin = 0; begin < n; begin += segment) {  // elements [begin, begin + count) of every chunk
+      const std::int64_t count = std::min(segment, n - begin);
+      const int c = detail::checked_count(count, "reduce_scatter");
+      const std::size_t offset = static_cast<std::size_t>(begin) * eb;
+      const auto* src = static_cast<const std::byte*>(send) + offset;  // chunk i's segment at src + i * chunk_bytes
+      std::byte* acc = state_->scratch.data();
+      std::byte* incoming = acc + static_cast<std::size_t>(count) * eb;
+      for (int s = 0; s < world - 1; ++s) {
+        const int send_idx = ((r - s - 1) % world + world) % world;
+        const int recv_idx = ((r - s - 2) % world + world) % world;
+        const void* out = s == 0 ? static_cast<const void*>(src + send_idx * chunk_bytes) : static_cast<const void*>(acc);
+        if (state_->yield_cpu) {
+          MPI_Request pair[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+          FSDP_MPI_CHECK(MPI_Irecv(incoming, c, type, prev, 7301, state_->comm, &pair[0]));
+          FSDP_MPI_CHECK(MPI_Isend(out, c, type, next, 7301, state_->comm, &pair[1]));
+          complete_yielding(pair, 2);
+        } else {
+          FSDP_MPI_CHECK(MPI_Sendrecv(out, c, type, next, 7301, incoming, c, type, prev, 7301, state_->comm, MPI_STATUS_IGNORE));
+        }
+        std::byte* target = (s == world - 2) ? static_cast<std::byte*>(recv) + offset : acc;
+        detail::add_buffers(src + recv_idx * chunk_bytes, incoming, target, count, t);
       }
-      std::byte* target = (s == world - 2) ? static_cast<std::byte*>(recv) + offset : acc;
-      detail::add_buffers(src + recv_idx * chunk_bytes, incoming, target, count, t);
     }
   }
 

@@ -180,17 +180,11 @@ inline std::int64_t create_adam_state_ahead(torch::optim::Optimizer& optimizer) 
     for (auto& p : group.params()) {
       const auto key = optimizer_state_key(p);
       if (optimizer.state().count(key)) continue;
-      auto fill = [&](auto s) {
-        s->step(0);
-        s->exp_avg(torch::zeros_like(p, at::MemoryFormat::Preserve));
-        s->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
-        if (amsgrad) s->max_exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
-        return s;
-      };
-      if (adam)
-        optimizer.state()[key] = fill(std::make_unique<torch::optim::AdamParamState>());
-      else
-        optimizer.state()[key] = fill(std::make_unique<torch::optim::AdamWParamState>());
+      OptimizerStateView fresh{.tensors = {{"exp_avg", torch::zeros_like(p, at::MemoryFormat::Preserve)},
+                                           {"exp_avg_sq", torch::zeros_like(p, at::MemoryFormat::Preserve)}},
+                               .step = 0};
+      if (amsgrad) fresh.tensors.emplace_back("max_exp_avg_sq", torch::zeros_like(p, at::MemoryFormat::Preserve));
+      optimizer.state()[key] = make_optimizer_state(optimizer, fresh);
       ++created;
     }
   }
