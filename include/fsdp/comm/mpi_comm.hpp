@@ -21,55 +21,11 @@
 #include <vector>
 
 #include "fsdp/comm/communicator.hpp"
-#include "fsdp/comm/detail/reduce.hpp"
+#include "fsdp/comm/detail/mpi_calls.hpp"
 #include "fsdp/comm/watchdog.hpp"
 #include "fsdp/trace.hpp"
 
-#define FSDP_MPI_CHECK(call)                                                                                   \
-  do {                                                                                                         \
-    const int fsdp_mpi_rc_ = (call);                                                                           \
-    if (fsdp_mpi_rc_ != MPI_SUCCESS) ::fsdp::detail::throw_mpi_error(#call, fsdp_mpi_rc_, __FILE__, __LINE__); \
-  } while (0)
-
 namespace fsdp {
-namespace detail {
-
-[[noreturn]] inline void throw_mpi_error(const char* call, int rc, const char* file, int line) {
-  char text[MPI_MAX_ERROR_STRING] = {0};
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  int rank = -1, initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  throw CommError("rank " + std::to_string(rank) + ": " + call + " failed: " + std::string(text, len) + " (" + file + ":" + std::to_string(line) +
-                  ")");
-}
-
-inline MPI_Datatype mpi_datatype(DType t) {
-  switch (t) {
-    case DType::kFloat32: return MPI_FLOAT;
-    case DType::kFloat64: return MPI_DOUBLE;
-    case DType::kInt32: return MPI_INT32_T;
-    case DType::kInt64: return MPI_INT64_T;
-    case DType::kUInt8: return MPI_UINT8_T;
-    case DType::kFloat16:
-    case DType::kBFloat16: return MPI_UINT16_T;  // moved as raw bits; reductions are done by us
-  }
-  throw CommError("unsupported dtype");
-}
-
-/// MPI cannot reduce 16-bit floats natively; those go through the ring with our own add.
-inline bool mpi_can_reduce(DType t) { return t != DType::kFloat16 && t != DType::kBFloat16; }
-
-inline MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
-
-inline int checked_count(std::int64_t n, const char* what) {
-  if (n < 0 || n > std::int64_t{2147483647}) throw CommError(std::string(what) + ": element count " + std::to_string(n) + " outside MPI's int range");
-  return static_cast<int>(n);
-}
-
-}  // namespace detail
 
 /// Initializes MPI on construction (if nobody did) and finalizes on destruction (if it initialized).
 class MpiEnvironment {
@@ -267,11 +223,11 @@ class MpiComm {
     const CollectiveWatchdog::Scope watched("all_gather");
     const auto flown = flight("all_gather", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const int c = detail::checked_count(n, "all_gather");
-    if (size() == 1) return copy_if_distinct(send, recv, n, t);
+    if (size() == 1) return detail::copy_if_distinct(send, recv, n, t);
     if (state_->yield_cpu) {
       MPI_Request r = MPI_REQUEST_NULL;
       FSDP_MPI_CHECK(MPI_Iallgather(send, c, detail::mpi_datatype(t), recv, c, detail::mpi_datatype(t), state_->comm, &r));
-      return complete_yielding(&r, 1);
+      return detail::complete_yielding(&r, 1);
     }
     FSDP_MPI_CHECK(MPI_Allgather(send, c, detail::mpi_datatype(t), recv, c, detail::mpi_datatype(t), state_->comm));
   }
@@ -299,7 +255,7 @@ class MpiComm {
     if (!detail::mpi_can_reduce(t) && op == ReduceOp::kMax) throw CommError("all_reduce max of " + std::string(dtype_name(t)) + " is not supported");
     const int c = detail::checked_count(n, "all_reduce");
     if (size() == 1) {
-      copy_if_distinct(send, recv, n, t);
+      detail::copy_if_distinct(send, recv, n, t);
       return;
     }
     if (is_floating(t) && op != ReduceOp::kMax) {
@@ -309,7 +265,7 @@ class MpiComm {
     if (state_->yield_cpu) {
       MPI_Request r = MPI_REQUEST_NULL;
       FSDP_MPI_CHECK(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, c, detail::mpi_datatype(t), detail::mpi_op(op), state_->comm, &r));
-      complete_yielding(&r, 1);
+      detail::complete_yielding(&r, 1);
     } else {
       FSDP_MPI_CHECK(MPI_Allreduce(send == recv ? MPI_IN_PLACE : send, recv, c, detail::mpi_datatype(t), detail::mpi_op(op), state_->comm));
     }
@@ -326,7 +282,7 @@ class MpiComm {
     if (state_->yield_cpu) {
       MPI_Request r = MPI_REQUEST_NULL;
       FSDP_MPI_CHECK(MPI_Ibcast(buf, detail::checked_count(n, "broadcast"), detail::mpi_datatype(t), root, state_->comm, &r));
-      return complete_yielding(&r, 1);
+      return detail::complete_yielding(&r, 1);
     }
     FSDP_MPI_CHECK(MPI_Bcast(buf, detail::checked_count(n, "broadcast"), detail::mpi_datatype(t), root, state_->comm));
   }
@@ -374,7 +330,7 @@ class MpiComm {
     flight("all_gather (non-blocking, issued)", n * static_cast<std::int64_t>(dtype_bytes(t)));
     const int c = detail::checked_count(n, "iall_gather");
     if (size() == 1) {
-      copy_if_distinct(send, recv, n, t);
+      detail::copy_if_distinct(send, recv, n, t);
       return {};
     }
     MPI_Request r = MPI_REQUEST_NULL;
@@ -473,10 +429,6 @@ class MpiComm {
     state_->counters.add_call(field, static_cast<std::uint64_t>(n) * dtype_bytes(t));
   }
 
-  static void copy_if_distinct(const void* send, void* recv, std::int64_t n, DType t) {
-    if (send != recv && n > 0) std::memmove(recv, send, static_cast<std::size_t>(n) * dtype_bytes(t));
-  }
-
   static constexpr bool is_floating(DType t) noexcept {
     return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kFloat16 || t == DType::kBFloat16;
   }
@@ -499,7 +451,7 @@ class MpiComm {
     if (state_->yield_cpu) {
       MPI_Request r = MPI_REQUEST_NULL;
       FSDP_MPI_CHECK(MPI_Iallgather(send, c, detail::mpi_datatype(t), gathered.get(), c, detail::mpi_datatype(t), state_->comm, &r));
-      complete_yielding(&r, 1);
+      detail::complete_yielding(&r, 1);
     } else {
       FSDP_MPI_CHECK(MPI_Allgather(send, c, detail::mpi_datatype(t), gathered.get(), c, detail::mpi_datatype(t), state_->comm));
     }
@@ -534,70 +486,15 @@ class MpiComm {
     if (state_->yield_cpu) {
       MPI_Request r = MPI_REQUEST_NULL;
       FSDP_MPI_CHECK(MPI_Iallgather(mine.get(), c, detail::mpi_datatype(t), target, c, detail::mpi_datatype(t), state_->comm, &r));
-      complete_yielding(&r, 1);
+      detail::complete_yielding(&r, 1);
     } else {
       FSDP_MPI_CHECK(MPI_Allgather(mine.get(), c, detail::mpi_datatype(t), target, c, detail::mpi_datatype(t), state_->comm));
     }
     if (pad) std::memcpy(recv, padded.get(), static_cast<std::size_t>(n) * eb);
   }
 
-  // Ring reduce-scatter: at step s rank r sends its running sum of chunk (r-s-1) to r+1 and receives
-  // the running sum of chunk (r-s-2) from r-1, adding its own contribution. After N-1 steps rank r
-  // holds the full sum of chunk r. The order of additions is fixed, so results are deterministic. Long
-  // chunks go round in segments of detail::kRingSegmentBytes: each element is still added in the same
-  // order (the same bits), and the scratch stays two segments long.
   void ring_reduce_scatter(const void* send, void* recv, std::int64_t n, DType t) {
-    if (n < 0) throw CommError("reduce_scatter: element count " + std::to_string(n) + " is negative");
-    const int world = size();
-    if (world == 1 || n == 0) {
-      if (world == 1) copy_if_distinct(send, recv, n, t);
-      return;
-    }
-    const std::size_t eb = dtype_bytes(t), chunk_bytes = static_cast<std::size_t>(n) * eb;
-    const std::int64_t segment = std::min<std::int64_t>(n, std::max<std::int64_t>(1, detail::kRingSegmentBytes / static_cast<std::int64_t>(eb)));
-    state_->scratch.resize(2 * static_cast<std::size_t>(segment) * eb);
-    const int r = rank();
-    const int next = (r + 1) % world;
-    const int prev = (r - 1 + world) % world;
-    const MPI_Datatype type = detail::mpi_datatype(t);
-    for (std::int64_t begin = 0; begin < n; begin += segment) {  // elements [begin, begin + count) of every chunk
-      const std::int64_t count = std::min(segment, n - begin);
-      const int c = detail::checked_count(count, "reduce_scatter");
-      const std::size_t offset = static_cast<std::size_t>(begin) * eb;
-      const auto* src = static_cast<const std::byte*>(send) + offset;  // chunk i's segment at src + i * chunk_bytes
-      std::byte* acc = state_->scratch.data();
-      std::byte* incoming = acc + static_cast<std::size_t>(count) * eb;
-      for (int s = 0; s < world - 1; ++s) {
-        const int send_idx = ((r - s - 1) % world + world) % world;
-        const int recv_idx = ((r - s - 2) % world + world) % world;
-        const void* out = s == 0 ? static_cast<const void*>(src + send_idx * chunk_bytes) : static_cast<const void*>(acc);
-        if (state_->yield_cpu) {
-          MPI_Request pair[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-          FSDP_MPI_CHECK(MPI_Irecv(incoming, c, type, prev, 7301, state_->comm, &pair[0]));
-          FSDP_MPI_CHECK(MPI_Isend(out, c, type, next, 7301, state_->comm, &pair[1]));
-          complete_yielding(pair, 2);
-        } else {
-          FSDP_MPI_CHECK(MPI_Sendrecv(out, c, type, next, 7301, incoming, c, type, prev, 7301, state_->comm, MPI_STATUS_IGNORE));
-        }
-        std::byte* target = (s == world - 2) ? static_cast<std::byte*>(recv) + offset : acc;
-        detail::add_buffers(src + recv_idx * chunk_bytes, incoming, target, count, t);
-      }
-    }
-  }
-
-  // Completes `count` requests for a thread that should not hold a core while it waits: polls them,
-  // spinning for the first kSpin (a transfer in progress needs MPI to be called to move on), then
-  // sleeping kNap between polls (the peers are late; the computing threads get the core).
-  static void complete_yielding(MPI_Request* requests, int count) {
-    constexpr auto kSpin = std::chrono::microseconds(50);
-    constexpr auto kNap = std::chrono::microseconds(20);
-    const auto began = std::chrono::steady_clock::now();
-    for (;;) {
-      int done = 0;
-      FSDP_MPI_CHECK(MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE));
-      if (done) return;
-      if (std::chrono::steady_clock::now() - began > kSpin) std::this_thread::sleep_for(kNap);
-    }
+    detail::ring_reduce_scatter(state_->comm, rank(), size(), state_->yield_cpu, state_->scratch, send, recv, n, t);
   }
 
   std::shared_ptr<State> state_;
