@@ -43,7 +43,7 @@ endforeach()
 # -g1: line tables, enough for the reports' stack traces. The tensor math is LibTorch's (not
 # instrumented), so the optimization level decides the compile time more than the run time: ASan at -O0
 # builds its LibTorch suites in two thirds of -O1's time (test_engine 200 s against 303, test_checkpoint
-# 145 against 232, from a cold cache) and runs them 5-15% slower; TSan stays at -O1, where -O0 would save
+# 145 against 232, from a cold cache) and runs them 10-15% slower in all; TSan stays at -O1, where -O0 would save
 # 100 s of build and cost 23 s of run (docs/reliability.md). RelWithDebInfo's -O2 -g took twice -O1's.
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR} -DCMAKE_BUILD_TYPE=None
                         -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_BENCH=OFF "-DCMAKE_CXX_FLAGS=${optimize} -g1 ${flags}" "-DCMAKE_EXE_LINKER_FLAGS=${flags}"

@@ -1,4 +1,4 @@
-# The GPU kit's checks (docs/gpu.md), sourced by scripts/gpu/check after its steps: each check_NAME
+# The GPU kit's checks (docs/gpu.md), sourced near the top of scripts/gpu/check: each check_NAME
 # runs one check and prints its summary line through result(). They use check's variables (BUILD,
 # WORK, LOG, PY, KIT_BIN, DEVICE_OK, REHEARSAL) and helpers (can_run, logged, limit_for, result).
 # CHECK_TABLE at the end names every check, what runs it and what it needs built.

@@ -22,6 +22,7 @@
 
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/detail/mpi_calls.hpp"
+#include "fsdp/comm/detail/reduce.hpp"
 #include "fsdp/comm/watchdog.hpp"
 #include "fsdp/trace.hpp"
 
