@@ -325,3 +325,149 @@ BOOST_AUTO_TEST_CASE(adam_state_created_ahead_updates_as_the_lazy_one) {
   BOOST_TEST(fsdp::create_adam_state_ahead(sgd) == 0);
   BOOST_TEST(sgd.state().empty());
 }
+
+// A vocabulary-sized output projection (one parameter, a unit of its own), as fsdp-train's LM head.
+struct VocabHeadImpl : torch::nn::Module {
+  VocabHeadImpl(int64_t d, int64_t vocab, bool releasing) : torch::nn::Module("VocabHead"), releasing(releasing) {
+    weight = register_parameter("weight", torch::randn({vocab, d}) * 0.02);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return releasing ? fsdp::linear_releasing_weight(*this, x, weight) : torch::nn::functional::linear(x, weight);
+  }
+  torch::Tensor weight;
+  bool releasing;
+};
+TORCH_MODULE(VocabHead);
+
+/// Calls `run` before the node it is added to runs (a tensor hook would stay on the first step's node).
+struct BeforeNode : torch::autograd::FunctionPreHook {
+  explicit BeforeNode(std::function<void()> run) : run(std::move(run)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    run();
+    return grads;
+  }
+  std::function<void()> run;
+};
+
+struct BodyAndHeadImpl : torch::nn::Module {
+  explicit BodyAndHeadImpl(bool releasing) {
+    body = register_module("body", torch::nn::Linear(32, 32));
+    head = register_module("head", VocabHead(32, 500, releasing));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fsdp::forward(head, torch::tanh(fsdp::forward(body, x))); }
+  torch::nn::Linear body{nullptr};
+  VocabHead head{nullptr};
+};
+
+// The head's backward computes its input's gradient, lets the engine free the gathered weight, then
+// computes the weight's gradient: under a sharding strategy that gathers, the two vocabulary-sized
+// matrices are never held at once; the products are F::linear's own (the same bits).
+BOOST_AUTO_TEST_CASE(a_head_frees_its_gathered_weight_before_its_gradient_exists) {
+  auto world = MpiComm::world();
+  const int64_t head_bytes = fsdp::padded_numel(500 * 32, world.size()) * 4;
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
+    BOOST_TEST_CONTEXT("strategy=" << strategy << " at world size " << world.size()) {
+      std::vector<std::vector<std::pair<std::string, torch::Tensor>>> finals;
+      std::vector<std::vector<int64_t>> gathered_at_gradient;
+      std::vector<int64_t> released;
+      for (const bool releasing : {false, true}) {
+        torch::manual_seed(5);
+        auto net = std::make_shared<BodyAndHeadImpl>(releasing);
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear", "VocabHead"});
+        auto model = fsdp::make_fsdp(net, world, options);
+        torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+        std::vector<int64_t> seen;
+        for (int step = 0; step < 3; ++step) {
+          torch::manual_seed(100 + step * world.size() + world.rank());
+          opt.zero_grad();
+          auto loss = model->forward(torch::randn({2, 6, 32})).pow(2).mean();
+          // Runs as the head's weight gradient reaches the engine's node, before it is reduced.
+          net->head->weight.grad_fn()->add_pre_hook(
+              std::make_unique<BeforeNode>([&] { seen.push_back(model->memory_stats().gathered_param_bytes); }));
+          loss.backward();
+          opt.step();
+        }
+        gathered_at_gradient.push_back(seen);
+        released.push_back(model->overlap_stats().released_before_gradient);
+        finals.push_back(model->full_parameters());
+      }
+      BOOST_TEST_REQUIRE(finals[0].size() == finals[1].size());
+      for (std::size_t i = 0; i < finals[0].size(); ++i)
+        BOOST_TEST(torch::equal(finals[0][i].second, finals[1][i].second), finals[0][i].first << ": the same bits as with F::linear");
+      BOOST_TEST(released[0] == 0);
+      const bool gathers = world.size() > 1 && strategy != ShardingStrategy::NO_SHARD;
+      BOOST_TEST(released[1] == (gathers ? 3 : 0));
+      BOOST_TEST_REQUIRE(gathered_at_gradient[0].size() == 3u);
+      BOOST_TEST_REQUIRE(gathered_at_gradient[1].size() == 3u);
+      for (std::size_t s = 0; s < 3; ++s)
+        BOOST_TEST(gathered_at_gradient[1][s] == gathered_at_gradient[0][s] - (gathers ? head_bytes : 0), "step " << s);
+    }
+  }
+}
+
+struct EmbeddingAndBodyImpl : torch::nn::Module {
+  explicit EmbeddingAndBodyImpl(bool declared) : declared(declared) {
+    tok = register_module("tok", torch::nn::Embedding(500, 32));
+    body = register_module("body", torch::nn::Linear(32, 32));
+  }
+  torch::Tensor forward(torch::Tensor idx) {
+    auto x = fsdp::forward(tok, idx);
+    if (declared) fsdp::backward_reads_no_parameter(*tok);
+    return fsdp::forward(body, torch::tanh(x));
+  }
+  torch::nn::Embedding tok{nullptr};
+  torch::nn::Linear body{nullptr};
+  bool declared;
+};
+
+// An embedding's backward reads only its indices: declared so, its unit is all-gathered once per step
+// (for forward) and not held beside its gradient at the end of backward; the same bits as without.
+BOOST_AUTO_TEST_CASE(an_embedding_declared_so_is_not_gathered_for_backward) {
+  auto world = MpiComm::world();
+  const int64_t embedding_bytes = fsdp::padded_numel(500 * 32, world.size()) * 4;
+  // A checkpointed unit runs its forward again in backward: the declaration is then ignored.
+  for (auto [strategy, checkpointed] : {std::pair{ShardingStrategy::FULL_SHARD, false}, std::pair{ShardingStrategy::NO_SHARD, false},
+                                        std::pair{ShardingStrategy::FULL_SHARD, true}}) {
+    BOOST_TEST_CONTEXT("strategy=" << strategy << (checkpointed ? " checkpointed" : "") << " at world size " << world.size()) {
+      std::vector<std::vector<std::pair<std::string, torch::Tensor>>> finals;
+      std::vector<std::vector<int64_t>> gathered_at_gradient;
+      std::vector<std::uint64_t> all_gather_bytes;
+      for (const bool declared : {false, true}) {
+        torch::manual_seed(6);
+        auto net = std::make_shared<EmbeddingAndBodyImpl>(declared);
+        FsdpOptions options;
+        options.sharding_strategy = strategy;
+        options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear", "Embedding"});
+        options.activation_checkpointing = checkpointed;
+        auto model = fsdp::make_fsdp(net, world, options);
+        torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+        std::vector<int64_t> seen;
+        for (int step = 0; step < 3; ++step) {
+          torch::manual_seed(200 + step * world.size() + world.rank());
+          opt.zero_grad();
+          auto loss = model->forward(torch::randint(500, {2, 6}, torch::kLong)).pow(2).mean();
+          net->tok->weight.grad_fn()->add_pre_hook(std::make_unique<BeforeNode>([&] { seen.push_back(model->memory_stats().gathered_param_bytes); }));
+          loss.backward();
+          opt.step();
+        }
+        gathered_at_gradient.push_back(seen);
+        all_gather_bytes.push_back(model->comm_counters().all_gather_bytes);
+        finals.push_back(model->full_parameters());
+      }
+      BOOST_TEST_REQUIRE(finals[0].size() == finals[1].size());
+      for (std::size_t i = 0; i < finals[0].size(); ++i)
+        BOOST_TEST(torch::equal(finals[0][i].second, finals[1][i].second), finals[0][i].first << ": the same bits as without the declaration");
+      const bool gathers = world.size() > 1 && strategy == ShardingStrategy::FULL_SHARD && !checkpointed;
+      if (gathers)
+        BOOST_TEST(all_gather_bytes[1] < all_gather_bytes[0]);
+      else
+        BOOST_TEST(all_gather_bytes[1] == all_gather_bytes[0]);
+      BOOST_TEST_REQUIRE(gathered_at_gradient[0].size() == 3u);
+      BOOST_TEST_REQUIRE(gathered_at_gradient[1].size() == 3u);
+      for (std::size_t s = 0; s < 3; ++s)
+        BOOST_TEST(gathered_at_gradient[1][s] == gathered_at_gradient[0][s] - (gathers ? embedding_bytes : 0), "step " << s);
+    }
+  }
+}

@@ -207,6 +207,7 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
     for (auto& u : units_) {
       u->entered = false;
       u->grafted_by_root = false;
+      u->backward_reads_no_params = false;   // each forward declares it again
       u->kept_slice = torch::Tensor();       // kept for a backward that never came: the shard may have changed since
       u->recomputed_grad = torch::Tensor();  // kept by a backward that threw before the unit's own node ran
     }
@@ -282,7 +283,7 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
     if (!groups_.worker_shard || index <= 0) return;
     auto& u = *units_[static_cast<std::size_t>(index)];
     if (u.params.empty() || u.frozen || !u.needs_gather() || u.in_flight.valid()) return;
-    if (for_backward && u.pending_backward <= 0) return;
+    if (for_backward && (u.pending_backward <= 0 || u.backward_reads_no_params)) return;
     if (u.fill_is_current()) return;
     if (options_.limit_all_gathers > 0 && prefetched_ahead() >= options_.limit_all_gathers) return;
     gather(u, /*ahead=*/true);
@@ -342,6 +343,23 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
     return false;
   }
 
+  void release_before_gradient(int unit, const at::Tensor& weight) override {
+    auto& u = *units_[static_cast<std::size_t>(unit)];
+    // Only a unit of this one parameter, gathered once for this backward (a second pending gather
+    // means a second use still to come), outside a recomputation, without a frozen companion: then
+    // no other backward node reads `full`, and its gradient is computed from the activations alone.
+    const bool sole_parameter = u.params.size() == 1 && u.params.front().unsafeGetTensorImpl() == weight.unsafeGetTensorImpl();
+    if (!sole_parameter || u.pending_backward != 1 || !recomputing_.empty() || u.companion >= 0 || !u.gathered || !u.needs_gather()) return;
+    reshard(u);
+    ++overlap_.released_before_gradient;
+  }
+
+  void backward_reads_no_parameter(int unit) override {
+    // A checkpointed unit runs its forward again in backward, which reads the parameters.
+    if (checkpoint_anchor(unit).defined()) return;
+    units_[static_cast<std::size_t>(unit)]->backward_reads_no_params = true;
+  }
+
   at::Tensor checkpoint_anchor(int unit) override {
     if (!options_.activation_checkpointing || unit == 0 || !torch::GradMode::is_enabled()) return {};
     const auto& u = *units_[static_cast<std::size_t>(unit)];
@@ -395,7 +413,7 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
     if (unit == 0) {
       for (auto& u : units_)
         if (u->grafted_by_root && (u->info.index == 0 || u->hooked != FlatUnit::Hooked::kYes)) gather(*u);
-    } else {
+    } else if (!units_[static_cast<std::size_t>(unit)]->backward_reads_no_params) {
       gather(*units_[static_cast<std::size_t>(unit)]);
     }
     // The next unit to run backward is the one that ran before this one in forward.
