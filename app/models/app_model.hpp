@@ -41,10 +41,20 @@ struct LmHeadImpl : torch::nn::Module {
   LmHeadImpl(std::int64_t d_model, std::int64_t vocab, torch::Tensor tied) : torch::nn::Module("LmHead") {
     weight = register_parameter("weight", tied.defined() ? tied : torch::empty({vocab, d_model}));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return F::linear(x, weight); }
+  /// Under FSDP, a head that is a unit of its own frees its gathered weight before computing its gradient.
+  torch::Tensor forward(const torch::Tensor& x) { return fsdp::linear_releasing_weight(*this, x, weight); }
   torch::Tensor weight;
 };
 TORCH_MODULE(LmHead);
+
+/// A token embedding's lookup through fsdp::forward. Its backward reads only the indices: unless the
+/// weight is tied to the output projection (which reads it in backward), FSDP does not gather the
+/// embedding again for backward.
+inline torch::Tensor lookup_tokens(torch::nn::Embedding& embedding, const torch::Tensor& idx, bool tied) {
+  auto out = fsdp::forward(embedding, idx);
+  if (!tied) fsdp::backward_reads_no_parameter(*embedding);
+  return out;
+}
 
 /// GPT-2's and Hugging Face's initialization (initializer_range 0.02) of the parameters `m` holds
 /// itself: N(0, 0.02) weights and embeddings, zero biases.

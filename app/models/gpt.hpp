@@ -130,10 +130,10 @@ struct GptImpl : AppModel {
     torch::Tensor x;
     if (documents_ && !cache_->on) {  // positions restart in every document; the blocks read the mask
       *documents_ = document_layout(idx, config.document_token, *documents_);
-      x = fsdp::forward(tok, idx) + fsdp::forward(pos, documents_->positions);
+      x = lookup_tokens(tok, idx, config.tie_embeddings) + fsdp::forward(pos, documents_->positions);
     } else {
       auto positions = torch::arange(past, past + t, idx.options().dtype(torch::kLong));  // on the input's device
-      x = fsdp::forward(tok, idx) + fsdp::forward(pos, positions).unsqueeze(0);
+      x = lookup_tokens(tok, idx, config.tie_embeddings) + fsdp::forward(pos, positions).unsqueeze(0);
       if (cache_->on) cache_->length += t;
     }
     x = F::dropout(x, F::DropoutFuncOptions().p(config.dropout).training(is_training()));

@@ -70,6 +70,7 @@ class GptFamily final : public ModelFamily {
     b.enter("tok", input);
     const int e = b.op(btd, {}, {}, {"tok.weight"}, btd);
     b.exit("tok");
+    if (!c.tie_embeddings) b.backward_reads_no_parameter();  // lookup_tokens
     const int positions = b.op(T * 8, {}, {}, {}, 0);
     b.enter("pos", positions);
     const int pe = b.op(T * D * eb, {positions}, {}, {"pos.weight"}, T * D * eb);
@@ -87,6 +88,7 @@ class GptFamily final : public ModelFamily {
     b.exit("ln_f");
     b.enter("head", lf);
     const int lg = b.op(logits, {lf}, {lf}, {"head.weight"}, logits + btd);
+    b.releases_weight("head");  // LmHead
     b.exit("head");
     // loss_of: fp32 logits, log_softmax (saves its result), nll_loss.
     int l32 = lg;

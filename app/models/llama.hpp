@@ -193,15 +193,18 @@ TORCH_MODULE(LlamaLayers);
 /// Hugging Face's LlamaModel: the embedding, the layers and the final norm.
 struct LlamaModelImpl : torch::nn::Module {
   LlamaModelImpl(const LlamaConfig& c, bool deferred, const SharedDocumentLayout& documents, const SharedKvCache& cache)
-      : torch::nn::Module("LlamaModel") {
+      : torch::nn::Module("LlamaModel"), tied_(c.tie_embeddings) {
     embed_tokens = register_module("embed_tokens", deferred_if(deferred, torch::nn::Embedding(c.vocab_size, c.d_model)));
     layers = register_module("layers", LlamaLayers(c, deferred, documents, cache));
     norm = register_module("norm", deferred_if(deferred, RMSNorm(c.d_model, c.norm_eps)));
   }
-  torch::Tensor forward(const torch::Tensor& idx) { return fsdp::forward(norm, fsdp::forward(layers, fsdp::forward(embed_tokens, idx))); }
+  torch::Tensor forward(const torch::Tensor& idx) { return fsdp::forward(norm, fsdp::forward(layers, lookup_tokens(embed_tokens, idx, tied_))); }
   torch::nn::Embedding embed_tokens{nullptr};
   LlamaLayers layers{nullptr};
   RMSNorm norm{nullptr};
+
+ private:
+  bool tied_;  // the embedding's weight is the head's too, read in its backward
 };
 TORCH_MODULE(LlamaModel);
 

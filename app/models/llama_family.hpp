@@ -76,6 +76,7 @@ class LlamaFamily final : public ModelFamily {
     b.enter("model.embed_tokens", input);
     int x = b.op(s.btd, {}, {}, {"model.embed_tokens.weight"}, s.btd);
     b.exit("model.embed_tokens");
+    if (!c.tie_embeddings) b.backward_reads_no_parameter();  // lookup_tokens
     b.enter("model.layers", x);
     for (std::int64_t i = 0; i < c.n_layers; ++i) x = trace_layer(b, c, "model.layers." + std::to_string(i), x, s);
     b.exit("model.layers");
@@ -84,6 +85,7 @@ class LlamaFamily final : public ModelFamily {
     const std::int64_t logits = bt * V * eb;
     b.enter("lm_head", x);
     const int lg = b.op(logits, {x}, {x}, {"lm_head.weight"}, logits + s.btd);
+    b.releases_weight("lm_head");  // LmHead
     b.exit("lm_head");
     int l32 = lg;  // loss_of: fp32 logits, log_softmax (saves its result), nll_loss
     if (eb != 4) l32 = b.op(bt * V * 4, {}, {}, {}, logits);

@@ -165,7 +165,10 @@ class RunSimulator {
       return;
     }
     const int pos = at + direction;
-    if (pos >= 0 && pos < static_cast<int>(order_.size())) gather(order_[static_cast<std::size_t>(pos)]);
+    if (pos < 0 || pos >= static_cast<int>(order_.size())) return;
+    const int next = order_[static_cast<std::size_t>(pos)];
+    if (direction < 0 && no_backward_gather_[static_cast<std::size_t>(next)]) return;  // the engine does not prefetch it for backward
+    gather(next);
   }
   void reshard(int ui) { mem_.free(full_[static_cast<std::size_t>(ui)]); }
   // A training forward's end with fsdp.reshard_after_forward = N: the rank keeps 1/N of the unit.
@@ -250,15 +253,28 @@ class RunSimulator {
   // An op's backward: its parameters' gradients join their unit's pending ones (a tied weight's second
   // gradient is added into the first), its activation gradients come and go, its saved tensors go.
   void backward_op(const TraceOp& op) {
+    int temp = -1;
+    if (op.releases_weight_of >= 0) {  // the input's gradient first, then the gathered weight goes, then its gradient comes
+      temp = mem_.alloc(Mem::kActivations, op.bwd_temp);
+      release_before_gradient(op);
+    }
     for (int pi : op.params) {
       auto& h = pending_handle_[static_cast<std::size_t>(pi)];
       if (h >= 0) continue;
       h = mem_.alloc(Mem::kGradFlight, tparam_numel_[static_cast<std::size_t>(pi)] * run_.param_bytes);
       pending_[static_cast<std::size_t>(tparam_unit_[static_cast<std::size_t>(pi)])].push_back(pi);
     }
-    int temp = mem_.alloc(Mem::kActivations, op.bwd_temp);
+    if (temp < 0) temp = mem_.alloc(Mem::kActivations, op.bwd_temp);
     mem_.free(temp);
     for (int s : op.saves) unref(s);
+  }
+
+  // ShardedRuntime::release_before_gradient: only a (non-root) unit of this one weight.
+  void release_before_gradient(const TraceOp& op) {
+    const int ui = unit_of_module(op.releases_weight_of);
+    if (ui <= 0 || op.params.size() != 1) return;
+    if (units_[static_cast<std::size_t>(ui)].params.size() != 1 || tparam_unit_[static_cast<std::size_t>(op.params.front())] != ui) return;
+    reshard(ui);
   }
 
   void free_pending(int ui) {
@@ -388,6 +404,10 @@ class RunSimulator {
     ckpt_regions_.clear();
     order_.clear();  // nested units in the order their forwards begin
     order_pos_.assign(units_.size(), -1);
+    no_backward_gather_.assign(units_.size(), false);
+    for (const auto& op : t.ops)
+      if (op.kind == TraceOp::Kind::kExit && op.no_backward_gather && unit_of_module(op.module) > 0 && !run_.activation_checkpointing)
+        no_backward_gather_[static_cast<std::size_t>(unit_of_module(op.module))] = true;
     for (const auto& op : t.ops) {
       const int ui = op.kind == TraceOp::Kind::kEnter ? unit_of_module(op.module) : -1;
       if (ui <= 0 || order_pos_[static_cast<std::size_t>(ui)] >= 0) continue;
@@ -405,7 +425,7 @@ class RunSimulator {
       const auto& op = t.ops[i];
       if (op.kind == TraceOp::Kind::kExit) {
         const int ui = unit_of_module(op.module);
-        if (ui > 0) gather(ui);  // the output hook re-gathers a freed unit
+        if (ui > 0 && !no_backward_gather_[static_cast<std::size_t>(ui)]) gather(ui);  // the output hook re-gathers a freed unit
         if (ui > 0 && run_.backward_prefetch == "BACKWARD_PRE") prefetch_after(ui, -1);
         if (region > 0 && ckpt_regions_[region - 1].end == i) {
           recomputed.clear();
@@ -521,7 +541,8 @@ class RunSimulator {
   std::unordered_map<std::string, int> param_unit_;
   std::unordered_map<std::string, std::int64_t> param_numel_;
   std::vector<int> full_, shard_, grad_, unsynced_;
-  std::vector<int> kept_;  // fsdp.reshard_after_forward = N: the slice kept between forward and backward
+  std::vector<int> kept_;                 // fsdp.reshard_after_forward = N: the slice kept between forward and backward
+  std::vector<bool> no_backward_gather_;  // per unit: fsdp::backward_reads_no_parameter
   std::vector<std::vector<int>> state_;
   std::vector<std::vector<int>> pending_;  ///< per unit: trace parameters whose gradient autograd holds
   std::vector<int> tparam_unit_, pending_handle_;

@@ -24,6 +24,8 @@ struct TraceOp {
   std::vector<int> outs, saves, drops;
   std::vector<int> params;  ///< indices into Trace::param_names
   std::int64_t bwd_temp = 0;
+  int releases_weight_of = -1;      ///< fsdp::linear_releasing_weight: this module's unit frees its gathered weight before the op's weight gradient
+  bool no_backward_gather = false;  ///< kExit: fsdp::backward_reads_no_parameter, the unit is not gathered for backward
 };
 
 struct Trace {
@@ -75,6 +77,10 @@ class TraceBuilder {
     t_.ops.push_back(std::move(op));
     return out;
   }
+  /// fsdp::backward_reads_no_parameter after the module just exited (the last operation is its exit).
+  void backward_reads_no_parameter() { t_.ops.back().no_backward_gather = true; }
+  /// The last operation is fsdp::linear_releasing_weight in module `path`'s forward.
+  void releases_weight(const std::string& path) { t_.ops.back().releases_weight_of = module(path); }
   /// A tensor the last operation creates and saves, referenced by nothing else (a dropout mask, the
   /// copies matmul makes of non-contiguous inputs, LayerNorm's statistics).
   int aux(std::int64_t bytes) {
