@@ -327,15 +327,23 @@ BOOST_AUTO_TEST_CASE(adam_state_created_ahead_updates_as_the_lazy_one) {
 }
 
 // A vocabulary-sized output projection (one parameter, a unit of its own), as fsdp-train's LM head.
+// A vocabulary-sized output projection whose forward reads its weight `reads` times.
 struct VocabHeadImpl : torch::nn::Module {
-  VocabHeadImpl(int64_t d, int64_t vocab, bool releasing) : torch::nn::Module("VocabHead"), releasing(releasing) {
+  VocabHeadImpl(int64_t d, int64_t vocab, bool releasing, int reads) : torch::nn::Module("VocabHead"), releasing(releasing), reads(reads) {
     weight = register_parameter("weight", torch::randn({vocab, d}) * 0.02);
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return releasing ? fsdp::linear_releasing_weight(*this, x, weight) : torch::nn::functional::linear(x, weight);
+    torch::Tensor y;
+    for (int r = 0; r < reads; ++r) {
+      auto input = x * static_cast<double>(r + 1);
+      auto out = releasing ? fsdp::linear_releasing_weight(*this, input, weight) : torch::nn::functional::linear(input, weight);
+      y = y.defined() ? y + out : out;
+    }
+    return y;
   }
   torch::Tensor weight;
   bool releasing;
+  int reads;
 };
 TORCH_MODULE(VocabHead);
 
@@ -349,10 +357,48 @@ struct BeforeNode : torch::autograd::FunctionPreHook {
   std::function<void()> run;
 };
 
+/// Three steps of Adam on `net` under `options`, watching the engine when `watched`'s gradient reaches
+/// its unit's node (before it is reduced).
+struct WatchedRun {
+  std::vector<std::pair<std::string, torch::Tensor>> finals;
+  std::vector<int64_t> gathered_at_gradient;  // one per backward
+  int64_t released_before_gradient = 0;
+  std::uint64_t all_gather_bytes = 0;
+};
+
+template <class Net>
+WatchedRun train_watching(const std::shared_ptr<Net>& net, const torch::Tensor& watched, const FsdpOptions& options,
+                          const std::function<torch::Tensor()>& make_input, bool twice_over_one_graph = false) {
+  auto world = MpiComm::world();
+  auto model = fsdp::make_fsdp(net, world, options);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+  WatchedRun run;
+  for (int step = 0; step < 3; ++step) {
+    torch::manual_seed(100 + step * world.size() + world.rank());
+    opt.zero_grad();
+    auto loss = model->forward(make_input()).pow(2).mean();
+    watched.grad_fn()->add_pre_hook(
+        std::make_unique<BeforeNode>([&] { run.gathered_at_gradient.push_back(model->memory_stats().gathered_param_bytes); }));
+    if (twice_over_one_graph) loss.backward({}, /*retain_graph=*/true);
+    loss.backward();
+    opt.step();
+  }
+  run.finals = model->full_parameters();
+  run.released_before_gradient = model->overlap_stats().released_before_gradient;
+  run.all_gather_bytes = model->comm_counters().all_gather_bytes;
+  return run;
+}
+
+void check_same_bits(const WatchedRun& plain, const WatchedRun& lean) {
+  BOOST_TEST_REQUIRE(plain.finals.size() == lean.finals.size());
+  for (std::size_t i = 0; i < plain.finals.size(); ++i)
+    BOOST_TEST(torch::equal(plain.finals[i].second, lean.finals[i].second), plain.finals[i].first << ": the same bits as the plain calls");
+}
+
 struct BodyAndHeadImpl : torch::nn::Module {
-  explicit BodyAndHeadImpl(bool releasing) {
+  BodyAndHeadImpl(bool releasing, int reads) {
     body = register_module("body", torch::nn::Linear(32, 32));
-    head = register_module("head", VocabHead(32, 500, releasing));
+    head = register_module("head", VocabHead(32, 500, releasing, reads));
   }
   torch::Tensor forward(torch::Tensor x) { return fsdp::forward(head, torch::tanh(fsdp::forward(body, x))); }
   torch::nn::Linear body{nullptr};
@@ -361,48 +407,62 @@ struct BodyAndHeadImpl : torch::nn::Module {
 
 // The head's backward computes its input's gradient, lets the engine free the gathered weight, then
 // computes the weight's gradient: under a sharding strategy that gathers, the two vocabulary-sized
-// matrices are never held at once; the products are F::linear's own (the same bits).
+// matrices are never held at once; the products are F::linear's own (the same bits). The engine frees
+// nothing while another node may still read the weight: a second read in the same forward (freed
+// after the last), a recomputation (activation checkpointing), a graph kept for a second backward.
 BOOST_AUTO_TEST_CASE(a_head_frees_its_gathered_weight_before_its_gradient_exists) {
   auto world = MpiComm::world();
   const int64_t head_bytes = fsdp::padded_numel(500 * 32, world.size()) * 4;
-  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::NO_SHARD}) {
-    BOOST_TEST_CONTEXT("strategy=" << strategy << " at world size " << world.size()) {
-      std::vector<std::vector<std::pair<std::string, torch::Tensor>>> finals;
-      std::vector<std::vector<int64_t>> gathered_at_gradient;
-      std::vector<int64_t> released;
+  struct Case {
+    ShardingStrategy strategy;
+    fsdp::BackwardPrefetch prefetch = fsdp::BackwardPrefetch::NO_PREFETCH;
+    int reads = 1;
+    bool checkpointed = false;
+    bool twice_over_one_graph = false;
+  };
+  using fsdp::BackwardPrefetch;
+  const std::vector<Case> cases = {
+      {ShardingStrategy::FULL_SHARD},
+      {ShardingStrategy::SHARD_GRAD_OP},
+      {ShardingStrategy::NO_SHARD},
+      {ShardingStrategy::FULL_SHARD, BackwardPrefetch::BACKWARD_PRE},
+      {ShardingStrategy::FULL_SHARD, BackwardPrefetch::BACKWARD_POST},
+      {ShardingStrategy::FULL_SHARD, BackwardPrefetch::NO_PREFETCH, /*reads=*/2},
+      {ShardingStrategy::FULL_SHARD, BackwardPrefetch::NO_PREFETCH, 1, /*checkpointed=*/true},
+      {ShardingStrategy::FULL_SHARD, BackwardPrefetch::NO_PREFETCH, 1, false, /*twice_over_one_graph=*/true},
+  };
+  for (const auto& c : cases) {
+    BOOST_TEST_CONTEXT("strategy=" << c.strategy << " prefetch=" << c.prefetch << " reads=" << c.reads << (c.checkpointed ? " checkpointed" : "")
+                                   << (c.twice_over_one_graph ? " retain_graph" : "") << " at world size " << world.size()) {
+      std::vector<WatchedRun> runs;
       for (const bool releasing : {false, true}) {
         torch::manual_seed(5);
-        auto net = std::make_shared<BodyAndHeadImpl>(releasing);
+        auto net = std::make_shared<BodyAndHeadImpl>(releasing, c.reads);
         FsdpOptions options;
-        options.sharding_strategy = strategy;
+        options.sharding_strategy = c.strategy;
+        options.backward_prefetch = c.prefetch;
+        options.activation_checkpointing = c.checkpointed;
         options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear", "VocabHead"});
-        auto model = fsdp::make_fsdp(net, world, options);
-        torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
-        std::vector<int64_t> seen;
-        for (int step = 0; step < 3; ++step) {
-          torch::manual_seed(100 + step * world.size() + world.rank());
-          opt.zero_grad();
-          auto loss = model->forward(torch::randn({2, 6, 32})).pow(2).mean();
-          // Runs as the head's weight gradient reaches the engine's node, before it is reduced.
-          net->head->weight.grad_fn()->add_pre_hook(
-              std::make_unique<BeforeNode>([&] { seen.push_back(model->memory_stats().gathered_param_bytes); }));
-          loss.backward();
-          opt.step();
-        }
-        gathered_at_gradient.push_back(seen);
-        released.push_back(model->overlap_stats().released_before_gradient);
-        finals.push_back(model->full_parameters());
+        runs.push_back(train_watching(
+            net, net->head->weight, options,
+            [] {
+              return torch::randn({2, 6, 32});
+            },
+            c.twice_over_one_graph));
       }
-      BOOST_TEST_REQUIRE(finals[0].size() == finals[1].size());
-      for (std::size_t i = 0; i < finals[0].size(); ++i)
-        BOOST_TEST(torch::equal(finals[0][i].second, finals[1][i].second), finals[0][i].first << ": the same bits as with F::linear");
-      BOOST_TEST(released[0] == 0);
-      const bool gathers = world.size() > 1 && strategy != ShardingStrategy::NO_SHARD;
-      BOOST_TEST(released[1] == (gathers ? 3 : 0));
-      BOOST_TEST_REQUIRE(gathered_at_gradient[0].size() == 3u);
-      BOOST_TEST_REQUIRE(gathered_at_gradient[1].size() == 3u);
-      for (std::size_t s = 0; s < 3; ++s)
-        BOOST_TEST(gathered_at_gradient[1][s] == gathered_at_gradient[0][s] - (gathers ? head_bytes : 0), "step " << s);
+      check_same_bits(runs[0], runs[1]);
+      BOOST_TEST(runs[0].released_before_gradient == 0);
+      // Once per step (the first of two backwards over one graph; the second re-gathers it).
+      const bool releases = world.size() > 1 && c.strategy != ShardingStrategy::NO_SHARD && !c.checkpointed;
+      BOOST_TEST(runs[1].released_before_gradient == (releases ? 3 : 0));
+      BOOST_TEST(runs[1].all_gather_bytes == runs[0].all_gather_bytes, "no all-gather more");
+      const std::size_t backwards = c.twice_over_one_graph ? 6 : 3;
+      BOOST_TEST_REQUIRE(runs[0].gathered_at_gradient.size() == backwards);
+      BOOST_TEST_REQUIRE(runs[1].gathered_at_gradient.size() == backwards);
+      for (std::size_t b = 0; b < backwards; ++b) {
+        const bool freed = releases && (!c.twice_over_one_graph || b % 2 == 0);
+        BOOST_TEST(runs[1].gathered_at_gradient[b] == runs[0].gathered_at_gradient[b] - (freed ? head_bytes : 0), "backward " << b);
+      }
     }
   }
 }
@@ -423,51 +483,45 @@ struct EmbeddingAndBodyImpl : torch::nn::Module {
 };
 
 // An embedding's backward reads only its indices: declared so, its unit is all-gathered once per step
-// (for forward) and not held beside its gradient at the end of backward; the same bits as without.
+// (for forward, and not prefetched for backward) and not held beside its gradient at the end of
+// backward; the same bits as without.
 BOOST_AUTO_TEST_CASE(an_embedding_declared_so_is_not_gathered_for_backward) {
   auto world = MpiComm::world();
   const int64_t embedding_bytes = fsdp::padded_numel(500 * 32, world.size()) * 4;
-  // A checkpointed unit runs its forward again in backward: the declaration is then ignored.
-  for (auto [strategy, checkpointed] : {std::pair{ShardingStrategy::FULL_SHARD, false}, std::pair{ShardingStrategy::NO_SHARD, false},
-                                        std::pair{ShardingStrategy::FULL_SHARD, true}}) {
-    BOOST_TEST_CONTEXT("strategy=" << strategy << (checkpointed ? " checkpointed" : "") << " at world size " << world.size()) {
-      std::vector<std::vector<std::pair<std::string, torch::Tensor>>> finals;
-      std::vector<std::vector<int64_t>> gathered_at_gradient;
-      std::vector<std::uint64_t> all_gather_bytes;
+  using fsdp::BackwardPrefetch;
+  struct Case {
+    ShardingStrategy strategy;
+    BackwardPrefetch prefetch = BackwardPrefetch::NO_PREFETCH;
+    bool checkpointed = false;  // a checkpointed unit runs its forward again in backward: the declaration is then ignored
+  };
+  const std::vector<Case> cases = {{ShardingStrategy::FULL_SHARD},
+                                   {ShardingStrategy::NO_SHARD},
+                                   {ShardingStrategy::FULL_SHARD, BackwardPrefetch::BACKWARD_PRE},
+                                   {ShardingStrategy::FULL_SHARD, BackwardPrefetch::BACKWARD_POST},
+                                   {ShardingStrategy::FULL_SHARD, BackwardPrefetch::NO_PREFETCH, /*checkpointed=*/true}};
+  for (const auto& c : cases) {
+    BOOST_TEST_CONTEXT("strategy=" << c.strategy << " prefetch=" << c.prefetch << (c.checkpointed ? " checkpointed" : "") << " at world size "
+                                   << world.size()) {
+      std::vector<WatchedRun> runs;
       for (const bool declared : {false, true}) {
         torch::manual_seed(6);
         auto net = std::make_shared<EmbeddingAndBodyImpl>(declared);
         FsdpOptions options;
-        options.sharding_strategy = strategy;
+        options.sharding_strategy = c.strategy;
+        options.backward_prefetch = c.prefetch;
+        options.activation_checkpointing = c.checkpointed;
         options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear", "Embedding"});
-        options.activation_checkpointing = checkpointed;
-        auto model = fsdp::make_fsdp(net, world, options);
-        torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
-        std::vector<int64_t> seen;
-        for (int step = 0; step < 3; ++step) {
-          torch::manual_seed(200 + step * world.size() + world.rank());
-          opt.zero_grad();
-          auto loss = model->forward(torch::randint(500, {2, 6}, torch::kLong)).pow(2).mean();
-          net->tok->weight.grad_fn()->add_pre_hook(std::make_unique<BeforeNode>([&] { seen.push_back(model->memory_stats().gathered_param_bytes); }));
-          loss.backward();
-          opt.step();
-        }
-        gathered_at_gradient.push_back(seen);
-        all_gather_bytes.push_back(model->comm_counters().all_gather_bytes);
-        finals.push_back(model->full_parameters());
+        runs.push_back(train_watching(net, net->tok->weight, options, [] { return torch::randint(500, {2, 6}, torch::kLong); }));
       }
-      BOOST_TEST_REQUIRE(finals[0].size() == finals[1].size());
-      for (std::size_t i = 0; i < finals[0].size(); ++i)
-        BOOST_TEST(torch::equal(finals[0][i].second, finals[1][i].second), finals[0][i].first << ": the same bits as without the declaration");
-      const bool gathers = world.size() > 1 && strategy == ShardingStrategy::FULL_SHARD && !checkpointed;
-      if (gathers)
-        BOOST_TEST(all_gather_bytes[1] < all_gather_bytes[0]);
-      else
-        BOOST_TEST(all_gather_bytes[1] == all_gather_bytes[0]);
-      BOOST_TEST_REQUIRE(gathered_at_gradient[0].size() == 3u);
-      BOOST_TEST_REQUIRE(gathered_at_gradient[1].size() == 3u);
+      check_same_bits(runs[0], runs[1]);
+      const bool gathers = world.size() > 1 && c.strategy == ShardingStrategy::FULL_SHARD && !c.checkpointed;
+      // One all-gather of this rank's shard of the embedding fewer per step.
+      const std::uint64_t saved = gathers ? 3 * static_cast<std::uint64_t>(embedding_bytes / world.size()) : 0;
+      BOOST_TEST(runs[0].all_gather_bytes - runs[1].all_gather_bytes == saved);
+      BOOST_TEST_REQUIRE(runs[0].gathered_at_gradient.size() == 3u);
+      BOOST_TEST_REQUIRE(runs[1].gathered_at_gradient.size() == 3u);
       for (std::size_t s = 0; s < 3; ++s)
-        BOOST_TEST(gathered_at_gradient[1][s] == gathered_at_gradient[0][s] - (gathers ? embedding_bytes : 0), "step " << s);
+        BOOST_TEST(runs[1].gathered_at_gradient[s] == runs[0].gathered_at_gradient[s] - (gathers ? embedding_bytes : 0), "step " << s);
     }
   }
 }

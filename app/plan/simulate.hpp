@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "fsdp/comm/detail/reduce.hpp"
+#include "fsdp/core/lean_backward.hpp"
 #include "plan/memory_model.hpp"
 
 namespace fsdp::app {
@@ -161,7 +162,7 @@ class RunSimulator {
     if (run_.group == 1) return;  // nothing is all-gathered: the engine does not prefetch
     const int at = order_pos_[static_cast<std::size_t>(ui)];
     if (at < 0) {
-      if (ui == 0 && direction < 0 && !order_.empty()) gather(order_.back());
+      if (ui == 0 && direction < 0 && !order_.empty() && !no_backward_gather_[static_cast<std::size_t>(order_.back())]) gather(order_.back());
       return;
     }
     const int pos = at + direction;
@@ -174,7 +175,8 @@ class RunSimulator {
   // A training forward's end with fsdp.reshard_after_forward = N: the rank keeps 1/N of the unit.
   void reshard_after_forward(int ui) {
     const auto& u = units_[static_cast<std::size_t>(ui)];
-    if (run_.reshard_after_forward_group > 1 && run_.group > 1 && full_[static_cast<std::size_t>(ui)] >= 0)
+    if (run_.reshard_after_forward_group > 1 && run_.group > 1 && full_[static_cast<std::size_t>(ui)] >= 0 &&
+        !no_backward_gather_[static_cast<std::size_t>(ui)])  // no gather for backward: nothing kept for one
       kept_[static_cast<std::size_t>(ui)] = mem_.alloc(Mem::kGathered, u.padded / run_.reshard_after_forward_group * run_.param_bytes);
     reshard(ui);
   }
@@ -269,12 +271,22 @@ class RunSimulator {
     for (int s : op.saves) unref(s);
   }
 
-  // ShardedRuntime::release_before_gradient: only a (non-root) unit of this one weight.
+  // ShardedRuntime::release_before_gradient, by the same rule. A non-root unit of the trace runs
+  // through fsdp::forward, once per step; every non-root unit is checkpointed under
+  // activation_checkpointing, and its backward then runs inside the recomputation.
   void release_before_gradient(const TraceOp& op) {
     const int ui = unit_of_module(op.releases_weight_of);
-    if (ui <= 0 || op.params.size() != 1) return;
-    if (units_[static_cast<std::size_t>(ui)].params.size() != 1 || tparam_unit_[static_cast<std::size_t>(op.params.front())] != ui) return;
-    reshard(ui);
+    if (ui <= 0) return;
+    auto& reads_left = releasing_reads_[static_cast<std::size_t>(ui)];
+    if (reads_left > 0) --reads_left;
+    UnitAtWeightRelease state;
+    state.sole_parameter = op.params.size() == 1 && units_[static_cast<std::size_t>(ui)].params.size() == 1 &&
+                           tparam_unit_[static_cast<std::size_t>(op.params.front())] == ui;
+    state.called_through_forward = true;
+    state.recomputing = run_.activation_checkpointing;
+    state.pending_backwards = 1;
+    state.releasing_reads_left = reads_left;
+    if (may_release_before_gradient(state)) reshard(ui);
   }
 
   void free_pending(int ui) {
@@ -405,9 +417,13 @@ class RunSimulator {
     order_.clear();  // nested units in the order their forwards begin
     order_pos_.assign(units_.size(), -1);
     no_backward_gather_.assign(units_.size(), false);
-    for (const auto& op : t.ops)
-      if (op.kind == TraceOp::Kind::kExit && op.no_backward_gather && unit_of_module(op.module) > 0 && !run_.activation_checkpointing)
+    releasing_reads_.assign(units_.size(), 0);
+    for (const auto& op : t.ops) {
+      if (op.kind == TraceOp::Kind::kExit && unit_of_module(op.module) > 0 && !backward_gathers(op.no_backward_gather, run_.activation_checkpointing))
         no_backward_gather_[static_cast<std::size_t>(unit_of_module(op.module))] = true;
+      if (op.releases_weight_of >= 0 && unit_of_module(op.releases_weight_of) > 0)
+        ++releasing_reads_[static_cast<std::size_t>(unit_of_module(op.releases_weight_of))];
+    }
     for (const auto& op : t.ops) {
       const int ui = op.kind == TraceOp::Kind::kEnter ? unit_of_module(op.module) : -1;
       if (ui <= 0 || order_pos_[static_cast<std::size_t>(ui)] >= 0) continue;
@@ -543,6 +559,7 @@ class RunSimulator {
   std::vector<int> full_, shard_, grad_, unsynced_;
   std::vector<int> kept_;                 // fsdp.reshard_after_forward = N: the slice kept between forward and backward
   std::vector<bool> no_backward_gather_;  // per unit: fsdp::backward_reads_no_parameter
+  std::vector<int> releasing_reads_;      // per unit: fsdp::linear_releasing_weight backwards still to run
   std::vector<std::vector<int>> state_;
   std::vector<std::vector<int>> pending_;  ///< per unit: trace parameters whose gradient autograd holds
   std::vector<int> tparam_unit_, pending_handle_;

@@ -32,4 +32,17 @@ inline CurrentStreamOrder current_stream_order(c10::Device device) {
   return order;
 }
 
+/// Orders a GPU communicator's collectives against LibTorch's current stream of `device` (as
+/// PyTorch's collectives use the caller's current stream), not the legacy default stream. Every group
+/// split from `world` shares its stream, so setting it there sets it for all. Other communicators, and
+/// a CPU device, need nothing.
+template <class Comm>
+void order_collectives_with_current_stream(Comm& world, c10::Device device) {
+  if constexpr (requires(Comm & c, std::function<void(void*)> f) { c.set_compute_stream_order(f, f); }) {
+    if (!device.is_cuda()) return;
+    auto order = current_stream_order(device);
+    world.set_compute_stream_order(std::move(order.record), std::move(order.wait));
+  }
+}
+
 }  // namespace fsdp::detail

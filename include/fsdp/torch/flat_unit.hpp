@@ -16,6 +16,7 @@
 #include "fsdp/errors.hpp"
 #include "fsdp/torch/options.hpp"
 #include "fsdp/torch/registry.hpp"
+#include "fsdp/trace.hpp"
 
 namespace fsdp {
 
@@ -48,6 +49,7 @@ struct FlatUnit {
   std::vector<torch::Tensor> param_views;          // the parameters' views of `full`, shown while `full` has storage
   std::vector<torch::Tensor> param_placeholders;   // the parameters' shapes without storage, shown while `full` is freed
   bool backward_reads_no_params = false;           // declared in this step's forward (fsdp::backward_reads_no_parameter): not gathered for backward
+  int releasing_reads = 0;                         // fsdp::linear_releasing_weight calls of this root forward whose backward is still to run
   bool backward_done_since_fill = false;           // every backward through the unit ran since `full` was last filled: a step may follow
   bool refill_needed = false;                      // the shard's values changed without its version moving (replica parts all-gathered)
   bool offloaded = false;                          // `shard` lives in host memory, `full` on the compute device
@@ -194,6 +196,14 @@ struct UnitGather : public torch::autograd::Function<UnitGather> {
     return {shard_grad, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
+
+// Records [began, now) as "<what><unit name>" when tracing is on and the span began.
+inline void trace_unit_span(std::int64_t& began_us, const char* what, const FlatUnit& u) {
+  auto& tracer = Tracer::instance();
+  if (began_us < 0 || !tracer.enabled()) return;
+  tracer.complete(what + u.trace_name(), what[0] == 'f' ? "forward" : "backward", began_us, tracer.now_us(), {{"unit", u.info.index}});
+  began_us = -1;
+}
 
 inline DType to_comm_dtype(c10::ScalarType t) {
   switch (t) {

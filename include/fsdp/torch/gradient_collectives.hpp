@@ -1,6 +1,7 @@
 // One unit's gradient collectives (torch layer): run in place by the computing thread or the
 // collective worker, or issued non-blocking where the communicator progresses on its own; and
-// on_contiguous, for the collectives on parameters and buffers that may be strided views.
+// on_contiguous, for the collectives on parameters and buffers that may be strided views, with the
+// averaging of buffers over the world.
 #pragma once
 
 #include <torch/torch.h>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "fsdp/comm/communicator.hpp"
+#include "fsdp/torch/flat_unit.hpp"
 #include "fsdp/torch/options.hpp"
 
 namespace fsdp::detail {
@@ -24,6 +26,23 @@ void on_contiguous(const torch::Tensor& t, F&& collective) {
   auto c = t.contiguous();
   collective(c);
   if (!c.is_same(t)) t.copy_(c);
+}
+
+// fsdp.buffer_sync = AVERAGE: averages `root`'s floating-point buffers over `world` and broadcasts
+// the integer ones (counters) from rank 0, so every rank holds the same.
+template <class Comm>
+void average_buffers(Comm& world, torch::nn::Module& root) {
+  if (world.size() == 1) return;
+  for (auto& b : root.buffers(/*recurse=*/true)) {
+    if (!b.defined() || b.numel() == 0) continue;
+    on_contiguous(b, [&world](const torch::Tensor& c) {
+      const DType dt = to_comm_dtype(c.scalar_type());
+      if (c.is_floating_point())
+        world.all_reduce(c.data_ptr(), c.data_ptr(), c.numel(), dt, ReduceOp::kAvg);
+      else
+        world.broadcast(c.data_ptr(), c.numel(), dt, 0);
+    });
+  }
 }
 
 // One unit's gradient collectives, on the computing thread or the collective worker (with its

@@ -41,9 +41,12 @@ class ForwardHooks {
   /// Around the backward a recomputed unit runs inside the outer one: a gradient reaching another
   /// unit there (an ancestor's weight the unit uses) must wait for that unit's own backward.
   virtual void recomputed_backward(int unit, bool begins) = 0;
-  /// In backward, no node left to run reads `weight` (a parameter of `unit`) any more: its gradient
-  /// alone remains to be computed. The engine frees the unit's gathered buffer now if nothing else of
-  /// the unit can be read either (fsdp::linear_releasing_weight).
+  /// A fsdp::linear_releasing_weight of `unit` ran forward: its backward will call
+  /// release_before_gradient once (the engine frees nothing while another such call is still to come).
+  virtual void will_release_before_gradient(int unit) = 0;
+  /// In backward, this node no longer reads `weight` (a parameter of `unit`): its gradient alone
+  /// remains to be computed. The engine frees the unit's gathered buffer now if no other node can read
+  /// it (fsdp::linear_releasing_weight).
   virtual void release_before_gradient(int unit, const at::Tensor& weight) = 0;
   /// The unit's forward just run is undone in backward without its parameters (an embedding lookup):
   /// its backward needs no gather (fsdp::backward_reads_no_parameter).
@@ -183,12 +186,6 @@ struct LinearReleasingWeight : public torch::autograd::Function<LinearReleasingW
 
 }  // namespace detail
 
-/// `torch::nn::functional::linear(input, weight)` (no bias) for the forward of a module `owner` whose
-/// only parameter is `weight`, such as a language model's output projection to the vocabulary. When
-/// `owner` is an FSDP unit of its own, its backward frees the gathered weight as soon as the input's
-/// gradient is computed, before the weight's gradient exists: the two vocabulary-sized matrices are
-/// never held at once (a 32000 x 768 head: 94 MiB less at the step's peak). Elsewhere (no FSDP, a
-/// weight shared with another unit, NO_SHARD) it is F::linear, with the same results bit for bit.
 /// Declares, after `fsdp::forward(owner, ...)`, that no backward node reads the parameters of
 /// `owner`: its forward's gradient comes from its inputs alone (an embedding lookup: its weight's
 /// gradient is a scatter of the output's gradient by the indices), and no other module uses them
@@ -200,9 +197,19 @@ inline void backward_reads_no_parameter(const torch::nn::Module& owner) {
   if (const auto found = detail::hook_registry().find(&owner)) found->engine->backward_reads_no_parameter(found->unit);
 }
 
+/// `torch::nn::functional::linear(input, weight)` (no bias) for the forward of a module `owner` whose
+/// only parameter is `weight`, such as a language model's output projection to the vocabulary, called
+/// through `fsdp::forward(owner, ...)`. When `owner` is an FSDP unit of its own whose gathered buffer
+/// backward would otherwise hold (FULL_SHARD, SHARD_GRAD_OP, or a low-precision or offloaded copy),
+/// its backward frees the gathered weight as soon as the input's gradient is computed, before the
+/// weight's gradient exists: the two vocabulary-sized matrices are never held at once (a 32000 x 768
+/// head: 94 MiB less at the step's peak). The weight may be read by several such calls, and by no
+/// other operation of the step. The results are F::linear's, bit for bit, wherever it is used.
 inline at::Tensor linear_releasing_weight(const torch::nn::Module& owner, const at::Tensor& input, const at::Tensor& weight) {
-  if (!torch::GradMode::is_enabled() || !weight.requires_grad() || !detail::hook_registry().find(&owner))
-    return torch::nn::functional::linear(input, weight);
+  if (!torch::GradMode::is_enabled() || !weight.requires_grad()) return torch::nn::functional::linear(input, weight);
+  const auto found = detail::hook_registry().find(&owner);
+  if (!found) return torch::nn::functional::linear(input, weight);
+  found->engine->will_release_before_gradient(found->unit);
   return detail::LinearReleasingWeight::apply(input, weight, &owner)[0];
 }
 

@@ -26,9 +26,9 @@ struct OverlapStats {
   std::int64_t reductions_synchronous = 0;  ///< gradient reductions run by the computing thread
   double exposed_reduce_seconds = 0;        ///< time the computing thread waited for gradient reductions
   std::int64_t reduced_in_place = 0;        ///< one-parameter units whose gradient was reduced without a packed copy
-  std::int64_t released_before_gradient =
-      0;  ///< gathered units freed in backward before their weight's gradient was computed (fsdp::linear_releasing_weight)
-  double waited_for_worker_seconds = 0;  ///< of the two exposed times, the waits for the collective worker's (or a stream's) results
+  double waited_for_worker_seconds = 0;     ///< of the two exposed times, the waits for the collective worker's (or a stream's) results
+  /// Gathered units freed in backward before their weight's gradient was computed (fsdp::linear_releasing_weight).
+  std::int64_t released_before_gradient = 0;
 };
 
 /// Mixed precision (PyTorch's MixedPrecision). The optimizer keeps full-precision master shards; an

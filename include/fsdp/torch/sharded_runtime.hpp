@@ -20,6 +20,7 @@
 #include "fsdp/comm/communicator.hpp"
 #include "fsdp/comm/watchdog.hpp"
 #include "fsdp/core/execution_order.hpp"
+#include "fsdp/core/lean_backward.hpp"
 #include "fsdp/core/strategy.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/torch/current_stream_order.hpp"
@@ -65,7 +66,7 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
   /// current stream there. Before the first collective on the units.
   void use_compute_device(torch::Device device) {
     compute_device_ = device;
-    order_collectives_with_current_stream();
+    order_collectives_with_current_stream(groups_.world, compute_device_);
   }
   /// Inside no_sync: backward keeps gradients unreduced. Returns the previous setting.
   bool exchange_no_sync(bool on) noexcept { return std::exchange(no_sync_, on); }
@@ -207,7 +208,8 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
     for (auto& u : units_) {
       u->entered = false;
       u->grafted_by_root = false;
-      u->backward_reads_no_params = false;   // each forward declares it again
+      u->backward_reads_no_params = false;  // each forward declares it again
+      u->releasing_reads = 0;
       u->kept_slice = torch::Tensor();       // kept for a backward that never came: the shard may have changed since
       u->recomputed_grad = torch::Tensor();  // kept by a backward that threw before the unit's own node ran
     }
@@ -225,7 +227,7 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
   void root_post_forward(const std::vector<at::Tensor>& outputs, bool complete) {
     for (auto& u : units_)
       if (u->info.index != 0 && !u->frozen && u->hooked == FlatUnit::Hooked::kUnknown && !u->entered) u->hooked = FlatUnit::Hooked::kNo;
-    if (wrapper_->is_training() && options_.buffer_sync == BufferSync::AVERAGE) average_buffers();
+    if (wrapper_->is_training() && options_.buffer_sync == BufferSync::AVERAGE) average_buffers(groups_.world, *root_module_);
     bool hooked = false;
     if (torch::GradMode::is_enabled()) {
       for (const auto& t : outputs) {
@@ -343,21 +345,28 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
     return false;
   }
 
+  void will_release_before_gradient(int unit) override { ++units_[static_cast<std::size_t>(unit)]->releasing_reads; }
+
   void release_before_gradient(int unit, const at::Tensor& weight) override {
     auto& u = *units_[static_cast<std::size_t>(unit)];
-    // Only a unit of this one parameter, gathered once for this backward (a second pending gather
-    // means a second use still to come), outside a recomputation, without a frozen companion: then
-    // no other backward node reads `full`, and its gradient is computed from the activations alone.
-    const bool sole_parameter = u.params.size() == 1 && u.params.front().unsafeGetTensorImpl() == weight.unsafeGetTensorImpl();
-    if (!sole_parameter || u.pending_backward != 1 || !recomputing_.empty() || u.companion >= 0 || !u.gathered || !u.needs_gather()) return;
+    if (u.releasing_reads > 0) --u.releasing_reads;
+    UnitAtWeightRelease state;
+    state.sole_parameter = u.params.size() == 1 && u.params.front().unsafeGetTensorImpl() == weight.unsafeGetTensorImpl();
+    state.called_through_forward = u.hooked == FlatUnit::Hooked::kYes;
+    state.recomputing = !recomputing_.empty();
+    state.frozen_companion = u.companion >= 0;
+    state.pending_backwards = u.pending_backward;
+    state.releasing_reads_left = u.releasing_reads;
+    if (!may_release_before_gradient(state) || !u.gathered || !u.needs_gather()) return;
     reshard(u);
     ++overlap_.released_before_gradient;
   }
 
   void backward_reads_no_parameter(int unit) override {
-    // A checkpointed unit runs its forward again in backward, which reads the parameters.
-    if (checkpoint_anchor(unit).defined()) return;
-    units_[static_cast<std::size_t>(unit)]->backward_reads_no_params = true;
+    auto& u = *units_[static_cast<std::size_t>(unit)];
+    if (fsdp::backward_gathers(/*declared_reads_no_parameter=*/true, /*checkpointed=*/checkpoint_anchor(unit).defined())) return;
+    u.backward_reads_no_params = true;
+    u.kept_slice = torch::Tensor();  // kept after forward (reshard_after_forward_group) for a gather that will not come
   }
 
   at::Tensor checkpoint_anchor(int unit) override {
@@ -386,14 +395,6 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
     if (!backward_needs_params || (EngineGroups<Comm>::reshard_after_forward(options_) && hooked && complete))
       reshard(u, /*after_forward=*/backward_needs_params);
     trace_unit_span(u.forward_began_us, "forward ", u);
-  }
-
-  // Records [began, now) as "<what><unit name>" when tracing is on and the span began.
-  static void trace_unit_span(std::int64_t& began_us, const char* what, const FlatUnit& u) {
-    auto& tracer = Tracer::instance();
-    if (began_us < 0 || !tracer.enabled()) return;
-    tracer.complete(what + u.trace_name(), what[0] == 'f' ? "forward" : "backward", began_us, tracer.now_us(), {{"unit", u.info.index}});
-    began_us = -1;
   }
 
   void queue_end_of_backward() {
@@ -569,31 +570,6 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
     // No host wait here: a GPU communicator's collectives are stream-ordered, and its lane's watcher
     // thread ends a hung or failed one (the next call then throws); the host waits where it reads.
     finish_reductions();
-  }
-
-  // A GPU communicator orders its collectives against LibTorch's current stream of the compute device
-  // (as PyTorch's collectives use the caller's current stream), not the legacy default stream. Every
-  // group shares the world's stream, so setting it there sets it for all.
-  void order_collectives_with_current_stream() {
-    if constexpr (requires(Comm & c, std::function<void(void*)> f) { c.set_compute_stream_order(f, f); }) {
-      if (!compute_device_.is_cuda()) return;
-      auto order = current_stream_order(compute_device_);
-      groups_.world.set_compute_stream_order(std::move(order.record), std::move(order.wait));
-    }
-  }
-
-  void average_buffers() {
-    if (groups_.world.size() == 1) return;
-    for (auto& b : root_module_->buffers(/*recurse=*/true)) {
-      if (!b.defined() || b.numel() == 0) continue;
-      on_contiguous(b, [this](const torch::Tensor& c) {
-        const DType dt = to_comm_dtype(c.scalar_type());
-        if (c.is_floating_point())
-          groups_.world.all_reduce(c.data_ptr(), c.data_ptr(), c.numel(), dt, ReduceOp::kAvg);
-        else
-          groups_.world.broadcast(c.data_ptr(), c.numel(), dt, 0);
-      });
-    }
   }
 
   FsdpOptions options_;
