@@ -225,13 +225,13 @@ struct ChoiceNames<ResumeChanged> {
                                      std::pair{ResumeChanged::kAllow, std::string_view("allow")}};
 };
 
-/// run.malloc: what glibc's malloc does with freed memory (signals.hpp, apply_malloc_policy).
-enum class MallocPolicy { kReuse, kReturn, kGlibc };
+/// run.malloc: what the allocator does with freed memory (signals.hpp, apply_malloc_policy).
+enum class MallocPolicy { kReuse, kReturn, kUntouched };
 template <>
 struct ChoiceNames<MallocPolicy> {
   static constexpr std::array kNames{std::pair{MallocPolicy::kReuse, std::string_view("reuse")},
                                      std::pair{MallocPolicy::kReturn, std::string_view("return")},
-                                     std::pair{MallocPolicy::kGlibc, std::string_view("glibc")}};
+                                     std::pair{MallocPolicy::kUntouched, std::string_view("untouched")}};
 };
 
 /// run.memory_check: a predicted peak over the node's limit stops the run, warns, or is not checked.

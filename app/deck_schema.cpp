@@ -58,12 +58,13 @@ void add_run_keys(std::vector<KeySpec>& s) {
                .type = T::kString,
                .default_value = "reuse",
                .choices = choice_names<MallocPolicy>(),
-               .description = "what glibc malloc does with freed memory. reuse: keeps it in the heap for the next step (no mmap per "
-                              "block, no trimming), so a step touches no new page once the first steps are done; peak RSS is the "
-                              "heap's high-water mark. return: blocks of 1 MiB or more get their own mapping and go back to the "
-                              "system when freed; peak RSS follows the bytes live, but every large allocation page-faults (costly "
-                              "under virtualization). glibc: its defaults (a threshold that rises to 32 MiB, trimming). "
-                              "docs/performance.md"});
+               .description = "what the allocator does with freed memory (fsdp-train links jemalloc where the build found it, else "
+                              "glibc's malloc; summary.json's \"allocator\" says which). reuse: keeps it for the next step, so a step "
+                              "touches no new page once the first steps are done; peak RSS is the high-water mark of what was held. "
+                              "return: gives it back to the system at once (glibc: blocks of 1 MiB or more get their own mapping); "
+                              "peak RSS follows the bytes live, but every large allocation page-faults (costly under "
+                              "virtualization). untouched: the allocator as its environment sets it (MALLOC_CONF for jemalloc, "
+                              "whose built-in settings are reuse's; GLIBC_TUNABLES for glibc). docs/performance.md"});
   s.push_back({.key = "run.memory_check",
                .type = T::kString,
                .default_value = "refuse",

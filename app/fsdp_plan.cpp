@@ -104,27 +104,30 @@ void print_prediction(const RunConfig& cfg, const ModelSection& shape, const Run
     std::printf("  %-40s %12.2f %12.2f   %s\n", label.c_str(), mib(p.at_peak[static_cast<std::size_t>(k)]),
                 mib(p.max_by_kind[static_cast<std::size_t>(k)]), notes[k]);
   }
-  std::printf("  %-40s %12.2f %12s   %s\n", "allocator retention", mib(p.retained_at_peak), "", "freed and fragmented heap glibc keeps");
+  std::printf("  %-40s %12.2f %12s   %s\n", "allocator retention", mib(p.retained_at_peak), "", "freed and fragmented memory the allocator keeps");
   std::printf("  %-40s %12.2f %12s   %s\n", "process baseline", mib(p.baseline_bytes), "", "LibTorch + MPI before the model (--baseline-mib)");
   std::printf("  %-40s %12.2f\n", "total", mib(p.total_bytes));
-  std::printf("  allocator model at the peak: %.1f MiB in mmap()ed blocks, heap high-water %.1f MiB x %.2f (--heap-factor)", mib(p.mapped_at_peak),
-              mib(p.heap_at_peak), run.heap_factor);
+  std::printf(
+      "  allocator model (%s, run.malloc = %s) at the peak: %.1f MiB in blocks given back when freed, kept high-water %.1f MiB x %.2f "
+      "(--heap-factor)",
+      kTrainAllocatorName, std::string(to_string(cfg.run.malloc)).c_str(), mib(p.mapped_at_peak), mib(p.heap_at_peak), run.heap_factor);
   if (run.activation_heap_factor > 0) std::printf(", its activations x %.2f (recomputed by activation checkpointing)", run.activation_heap_factor);
   std::printf("; most bytes live at once %.1f MiB\n", mib(p.live_peak));
   std::printf("  phases without the baseline: construction %.1f MiB, training step %.1f MiB, evaluation %.1f MiB\n", mib(p.construction_peak),
               mib(p.step_peak), run.evaluate ? mib(p.eval_peak) : 0.0);
   std::printf("predicted peak RSS per rank: %.1f MiB (during the %s)\n", mib(p.total_bytes), p.peak_phase.c_str());
-  // glibc's retained heap is the one cost a deck key removes: say what it would give.
-  if (run.mmap_threshold_bytes != kReturnThresholdBytes && p.retained_at_peak > p.total_bytes / 10) {
+  // The allocator's retention is the one cost a deck key removes: say what it would give.
+  const std::int64_t returning = mmap_threshold_of(MallocPolicy::kReturn);
+  if (run.mmap_threshold_bytes != returning && p.retained_at_peak > p.total_bytes / 10) {
     RunShape fixed = run;
-    fixed.mmap_threshold_bytes = kReturnThresholdBytes;
+    fixed.mmap_threshold_bytes = returning;
     if (run.heap_factor == default_heap_factor(run.mmap_threshold_bytes, shape.kind)) {  // not --heap-factor
-      fixed.heap_factor = default_heap_factor(kReturnThresholdBytes, shape.kind);
-      fixed.activation_heap_factor = default_activation_heap_factor(kReturnThresholdBytes, run.activation_checkpointing);
+      fixed.heap_factor = default_heap_factor(returning, shape.kind);
+      fixed.activation_heap_factor = default_activation_heap_factor(returning, run.activation_checkpointing);
     }
     const Prediction q = predict(shape, fixed);
     std::printf(
-        "  with --set run.malloc=return (freed blocks of 1 MiB or more go back to the system; page faults on every "
+        "  with --set run.malloc=return (freed memory goes back to the system at once; page faults on every "
         "large allocation, slower): %.1f MiB\n",
         mib(q.total_bytes));
   }
@@ -303,7 +306,8 @@ int main(int argc, char** argv) {
   cli.add_option("--baseline-mib", baseline_mib, "resident MiB of a rank before data and model (LibTorch + MPI); default measured here")
       ->check(CLI::Range(0.0, 1e9));
   cli.add_option("--heap-factor", heap_factor,
-                 "resident heap per byte of its live high-water mark (glibc fragmentation), one factor for the whole heap; default measured here for "
+                 "resident heap per byte of its live high-water mark (the allocator's fragmentation), one factor for the whole heap; default "
+                 "measured here for "
                  "run.malloc's policy")
       ->check(CLI::Range(1.0, 100.0));
   cli.add_flag("--units", list_units, "list the FSDP units");

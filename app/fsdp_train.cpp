@@ -36,6 +36,17 @@
 using fsdp::MpiComm;
 using namespace fsdp::app;
 
+#if FSDP_TRAIN_LINKS_JEMALLOC
+// jemalloc's settings from the start (read at its first allocation; MALLOC_CONF in the environment
+// overrides them): large blocks in the threads' arenas with the small ones, where freed extents are
+// reused and merged, instead of a separate arena that gives them back at once (page faults every step),
+// and freed pages kept (run.malloc = "reuse", the default; apply_malloc_policy sets the deck's choice).
+// Measured in docs/performance.md, "the allocator behind reuse".
+extern "C" {
+const char* malloc_conf = "oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1";
+}
+#endif
+
 namespace {
 
 std::string read_text_file(const std::string& path) {
@@ -104,8 +115,11 @@ void configure_diagnostics(MpiComm& world, const RunConfig& cfg) {
 /// are allocated from here on) and the seed.
 void configure_compute(const Deck& deck, const RunConfig& cfg) {
   set_compute_threads(cfg.run.threads);  // LibTorch's pool and OpenBLAS's
-  if (!apply_malloc_policy(cfg.run.malloc))
-    throw DeckError(deck.entry("run.malloc").where + ": run.malloc = \"" + to_string(cfg.run.malloc) + "\": glibc's mallopt refused it");
+  if (!apply_malloc_policy(cfg.run.malloc)) {
+    const std::string where = deck.entry("run.malloc").where;
+    throw DeckError((where.empty() ? "" : where + ": ") + "run.malloc = \"" + std::string(to_string(cfg.run.malloc)) + "\": " + kTrainAllocatorName +
+                    " refused it");
+  }
   torch::manual_seed(cfg.run.seed);
 }
 

@@ -4,7 +4,7 @@
 set -euo pipefail
 packages=(
   build-essential cmake make ccache pkg-config clang clang-format libclang-rt-14-dev
-  libtorch-dev libopenblas0-pthread
+  libtorch-dev libopenblas0-pthread libjemalloc-dev
   libopenmpi-dev openmpi-bin
   libhdf5-openmpi-dev hdf5-tools
   libboost-test-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev zlib1g-dev libicu-dev python3-regex

@@ -168,7 +168,7 @@ set(report "")
 # A third field: run.malloc (the default reuse keeps every block on the heap; fsdp-plan models each policy).
 # A fourth: fsdp.optimizer_sharding, with groups of one rank (two replicas); - for none.
 # A fifth: optim.state_dtype (bf16: Adam's moments in 2 bytes, updated without temporaries).
-foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "mlp;FULL_SHARD;return" "gpt;NO_SHARD;return" "gpt;FULL_SHARD;glibc"
+foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "mlp;FULL_SHARD;return" "gpt;NO_SHARD;return" "gpt;FULL_SHARD;untouched"
              "gpt;HYBRID_SHARD;reuse;world" "llama;FULL_SHARD" "llama;NO_SHARD" "llama_checkpointed;FULL_SHARD" "mlp;FULL_SHARD;return;-;bf16"
              "gpt;FULL_SHARD;reuse;-;bf16")
   list(GET case 0 deck)
@@ -223,6 +223,13 @@ foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "ml
   value_of(units_plan "${plan_out}" "([0-9]+) unit\\(s\\) under")
   if(NOT shards_train STREQUAL shards_plan OR NOT units_train STREQUAL units_plan)
     message(FATAL_ERROR "${deck} ${strategy}: fsdp-train: ${units_train} units, ${shards_train}; fsdp-plan: ${units_plan} units, ${shards_plan}")
+  endif()
+  # The allocator fsdp-train ran with and its policy are the ones fsdp-plan modelled.
+  string(JSON allocator_train GET "${summary}" allocator)
+  string(JSON malloc_train GET "${summary}" malloc)
+  value_of(allocator_plan "${plan_out}" "allocator model \\(([a-z]+, run.malloc = [a-z]+)\\)")
+  if(NOT "${allocator_train}, run.malloc = ${malloc_train}" STREQUAL allocator_plan)
+    message(FATAL_ERROR "${deck} ${strategy}: fsdp-train ran ${allocator_train} with run.malloc = ${malloc_train}; fsdp-plan modelled ${allocator_plan}")
   endif()
 
   value_of(predicted "${plan_out}" "predicted peak RSS per rank: ([0-9.]+) MiB")

@@ -1,5 +1,6 @@
 // Memory planning (app layer): the measured constants of the memory model (the process baseline, glibc's
-// mmap thresholds, the heap's fragmentation); docs/planning.md says how each was measured.
+// mmap thresholds, the heap's fragmentation under glibc and under jemalloc); docs/planning.md says how
+// each was measured.
 #pragma once
 
 #include <cstdint>
@@ -46,5 +47,17 @@ inline constexpr double kReuseHeapFactorLlama = 1.6;
 /// grouped heads or not, FULL_SHARD and NO_SHARD; docs/planning.md): 2.33 by least squares, the same
 /// for both families; every case within 6% of the largest rank's peak RSS.
 inline constexpr double kReuseHeapFactorCheckpointedActivations = 2.3;
+
+/// fsdp-train built with jemalloc (app_build.hpp), under its settings (app/fsdp_train.cpp: large blocks
+/// in the threads' arenas, where a freed extent serves the next request or merges with its neighbours)
+/// with freed pages kept (run.malloc = "reuse"): resident memory per byte of the live high-water mark,
+/// one factor for every family and for activation checkpointing. Measured (docs/planning.md): 1.06-1.10
+/// GPT, 1.13-1.15 Llama, 1.19-1.25 Llama with activation checkpointing, 1.21-1.24 MLP (the cases of
+/// tests/plan_e2e.cmake at 2 ranks), 1.13 NO_SHARD and 1.30 FULL_SHARD on the 134M GPT at 4 ranks
+/// (bench/lean_memory.sh): 1.2 predicts each within 7%.
+inline constexpr double kJemallocReuseHeapFactor = 1.2;
+/// jemalloc's smallest "large" size class (with 4 KiB pages): blocks from here on are extents of pages
+/// of their own, which run.malloc = "return" (decay time 0) gives back when they are freed.
+inline constexpr std::int64_t kJemallocLargeBytes = std::int64_t{16} << 10;
 
 }  // namespace fsdp::app

@@ -17,6 +17,7 @@
 
 #include <zlib.h>
 
+#include "app_build.hpp"
 #include "fsdp/core/strategy.hpp"
 #include "plan/measured.hpp"
 #include "models/families.hpp"
@@ -158,33 +159,38 @@ struct RunShape {
   double baseline_mib = kDefaultBaselineMib;
   double heap_factor = kDefaultHeapFactor;
   double activation_heap_factor = 0;                 ///< the activations' own factor; 0: heap_factor (fsdp-plan --heap-factor sets both)
-  std::int64_t mmap_threshold_bytes = kNeverMapped;  ///< run.malloc: kNeverMapped (reuse), 1 MiB (return), 0: glibc's dynamic threshold
+  std::int64_t mmap_threshold_bytes = kNeverMapped;  ///< run.malloc through mmap_threshold_of: from what size freed blocks go back
 };
 
 /// Bytes per element of gathered parameters and activations under fsdp.mixed_precision.
 inline int gathered_param_bytes(Precision p) { return p == Precision::kNo || p == Precision::kFp16Reduce ? 4 : 2; }
 
-/// The mmap threshold that run.malloc amounts to (0: glibc's dynamic one).
+/// The size from which freed blocks go back to the system under run.malloc, for the allocator
+/// fsdp-train links (app_build.hpp). glibc: the mmap threshold (0: its dynamic one, "untouched").
+/// jemalloc: its large size classes under "return"; nothing under "reuse" and "untouched" (its
+/// built-in settings keep freed pages).
 inline std::int64_t mmap_threshold_of(MallocPolicy malloc_policy) {
+  if constexpr (kTrainLinksJemalloc) return malloc_policy == MallocPolicy::kReturn ? kJemallocLargeBytes : kNeverMapped;
   switch (malloc_policy) {
     case MallocPolicy::kReturn: return kReturnThresholdBytes;
-    case MallocPolicy::kGlibc: return 0;
+    case MallocPolicy::kUntouched: return 0;
     case MallocPolicy::kReuse: break;
   }
   return kNeverMapped;
 }
 
-/// The measured heap factor for an allocator policy (mmap_threshold_of) and model.kind: under
-/// run.malloc = "reuse" each family's own (plan/measured.hpp).
+/// The measured heap factor for an allocator policy (mmap_threshold_of) and model.kind: when freed
+/// memory is kept, jemalloc's one factor, or under glibc each family's own (plan/measured.hpp).
 inline double default_heap_factor(std::int64_t mmap_threshold_bytes, ModelKind model_kind) {
   if (mmap_threshold_bytes != kNeverMapped) return kDefaultHeapFactor;
+  if constexpr (kTrainLinksJemalloc) return kJemallocReuseHeapFactor;
   return model_family(model_kind).reuse_heap_factor();
 }
 
-/// The activations' own heap factor: under run.malloc = "reuse" with activation checkpointing, whose
+/// The activations' own heap factor: under glibc's "reuse" with activation checkpointing, whose
 /// recomputed forwards fragment the heap more than the state; otherwise 0 (the heap's factor).
 inline double default_activation_heap_factor(std::int64_t mmap_threshold_bytes, bool activation_checkpointing) {
-  return mmap_threshold_bytes == kNeverMapped && activation_checkpointing ? kReuseHeapFactorCheckpointedActivations : 0;
+  return !kTrainLinksJemalloc && mmap_threshold_bytes == kNeverMapped && activation_checkpointing ? kReuseHeapFactorCheckpointedActivations : 0;
 }
 
 /// The shape of the deck's run (`cfg`, resolved for the planned placement) under `strategy`: the deck's

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "app_build.hpp"
 #include "run_config.hpp"
 #include "train/dataset.hpp"
 #include "train/gemm_probe.hpp"
@@ -265,6 +266,8 @@ nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& pl
   }
   utilization_json(js, t, r, steps);
   js["peak_rss_mb"] = r.peak_rss_mb;
+  js["allocator"] = kTrainAllocatorName;  // what run.malloc set (fsdp-plan models the same one)
+  js["malloc"] = std::string(to_string(cfg.run.malloc));
   if (t.rss_warm_step) {
     js["rss_growth_mib"] = t.rss_growth_mib;
     js["rss_growth_since_step"] = *t.rss_warm_step;
