@@ -231,6 +231,19 @@ foreach(case "mlp;FULL_SHARD" "mlp;NO_SHARD" "gpt;FULL_SHARD" "gpt;NO_SHARD" "ml
   if(NOT "${allocator_train}, run.malloc = ${malloc_train}" STREQUAL allocator_plan)
     message(FATAL_ERROR "${deck} ${strategy}: fsdp-train ran ${allocator_train} with run.malloc = ${malloc_train}; fsdp-plan modelled ${allocator_plan}")
   endif()
+  # ... and jemalloc ran with fsdp-train's settings (app/fsdp_train.cpp) and the policy's decay time.
+  if(allocator_train STREQUAL "jemalloc")
+    string(JSON oversize GET "${summary}" allocator_settings oversize_threshold)
+    string(JSON decay GET "${summary}" allocator_settings dirty_decay_ms)
+    set(want_decay -1)
+    if(malloc_train STREQUAL "return")
+      set(want_decay 0)
+    endif()
+    if(NOT oversize EQUAL 0 OR NOT decay EQUAL want_decay)
+      message(FATAL_ERROR "${deck} ${strategy}: jemalloc ran with oversize_threshold ${oversize} and dirty_decay_ms ${decay}; "
+                          "expected 0 and ${want_decay}")
+    endif()
+  endif()
 
   value_of(predicted "${plan_out}" "predicted peak RSS per rank: ([0-9.]+) MiB")
   whole(p ${predicted})

@@ -11,6 +11,7 @@
 
 #include "fsdp/core/device_choice.hpp"
 #include "fsdp/core/layout.hpp"
+#include "fsdp/core/lean_backward.hpp"
 #include "fsdp/core/loss_scale.hpp"
 #include "fsdp/core/execution_order.hpp"
 #include "fsdp/core/strategy.hpp"
@@ -312,6 +313,31 @@ BOOST_AUTO_TEST_CASE(unit_plan_one_element_and_empty_units) {
   const auto custom =
       fsdp::plan_units(t, fsdp::WrapRule::custom([](const fsdp::TreeModule& m, int index, std::int64_t) { return index == 1 && m.path == "a"; }), 1);
   BOOST_TEST(custom.units.size() == 2u);
+}
+
+// A unit's gathered weight is freed before its gradient only when nothing else can read it: every
+// condition alone keeps it.
+BOOST_AUTO_TEST_CASE(a_weight_is_released_early_only_when_nothing_else_reads_it) {
+  fsdp::UnitAtWeightRelease alone;
+  alone.sole_parameter = true;
+  alone.called_through_forward = true;
+  alone.pending_backwards = 1;
+  BOOST_TEST(fsdp::may_release_before_gradient(alone));
+  auto with = [&](auto change) {
+    auto u = alone;
+    change(u);
+    return fsdp::may_release_before_gradient(u);
+  };
+  BOOST_TEST(!with([](auto& u) { u.sole_parameter = false; }), "another parameter of the unit");
+  BOOST_TEST(!with([](auto& u) { u.called_through_forward = false; }), "gathered with the root");
+  BOOST_TEST(!with([](auto& u) { u.recomputing = true; }), "inside a recomputation");
+  BOOST_TEST(!with([](auto& u) { u.frozen_companion = true; }), "a frozen companion");
+  BOOST_TEST(!with([](auto& u) { u.pending_backwards = 2; }), "a second forward's backward to come");
+  BOOST_TEST(!with([](auto& u) { u.pending_backwards = 0; }), "no backward to come (retain_graph's second)");
+  BOOST_TEST(!with([](auto& u) { u.releasing_reads_left = 1; }), "another read still to run");
+  BOOST_TEST(fsdp::backward_gathers(false, false));
+  BOOST_TEST(!fsdp::backward_gathers(true, false), "declared: not gathered");
+  BOOST_TEST(fsdp::backward_gathers(true, true), "declared but checkpointed: its recomputation reads it");
 }
 
 BOOST_AUTO_TEST_CASE(execution_order_picks_the_next_unit_to_prefetch) {

@@ -467,6 +467,43 @@ BOOST_AUTO_TEST_CASE(a_head_frees_its_gathered_weight_before_its_gradient_exists
   }
 }
 
+// The reads of a weight read twice are counted until backward ends, across forwards: an evaluation
+// forward between a training forward and its backward, or a second training forward whose loss is
+// added to the first, frees nothing while a read is to come (the same bits as F::linear).
+BOOST_AUTO_TEST_CASE(a_weight_read_twice_stays_gathered_until_its_last_read_across_forwards) {
+  auto world = MpiComm::world();
+  for (const bool summed : {false, true}) {
+    BOOST_TEST_CONTEXT((summed ? "two forwards, one backward" : "an evaluation forward before the backward") << " at world size " << world.size()) {
+      std::vector<std::vector<std::pair<std::string, torch::Tensor>>> finals;
+      for (const bool releasing : {false, true}) {
+        torch::manual_seed(7);
+        auto net = std::make_shared<BodyAndHeadImpl>(releasing, /*reads=*/2);
+        FsdpOptions options;
+        options.auto_wrap_policy = AutoWrapPolicy::module_types({"Linear", "VocabHead"});
+        auto model = fsdp::make_fsdp(net, world, options);
+        torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+        for (int step = 0; step < 3; ++step) {
+          torch::manual_seed(300 + step * world.size() + world.rank());
+          opt.zero_grad();
+          auto loss = model->forward(torch::randn({2, 6, 32})).pow(2).mean();
+          if (summed) {
+            loss = loss + model->forward(torch::randn({2, 6, 32})).pow(2).mean();
+          } else {
+            torch::NoGradGuard evaluation;
+            (void)model->forward(torch::randn({2, 6, 32}));
+          }
+          BOOST_REQUIRE_NO_THROW(loss.backward());
+          opt.step();
+        }
+        finals.push_back(model->full_parameters());
+      }
+      BOOST_TEST_REQUIRE(finals[0].size() == finals[1].size());
+      for (std::size_t i = 0; i < finals[0].size(); ++i)
+        BOOST_TEST(torch::equal(finals[0][i].second, finals[1][i].second), finals[0][i].first << ": the same bits as F::linear");
+    }
+  }
+}
+
 struct EmbeddingAndBodyImpl : torch::nn::Module {
   explicit EmbeddingAndBodyImpl(bool declared) : declared(declared) {
     tok = register_module("tok", torch::nn::Embedding(500, 32));

@@ -272,8 +272,8 @@ class RunSimulator {
   }
 
   // ShardedRuntime::release_before_gradient, by the same rule. A non-root unit of the trace runs
-  // through fsdp::forward, once per step; every non-root unit is checkpointed under
-  // activation_checkpointing, and its backward then runs inside the recomputation.
+  // through fsdp::forward (each forward a gather for backward); every non-root unit is checkpointed
+  // under activation_checkpointing, and its backward then runs inside the recomputation.
   void release_before_gradient(const TraceOp& op) {
     const int ui = unit_of_module(op.releases_weight_of);
     if (ui <= 0) return;
@@ -284,7 +284,7 @@ class RunSimulator {
                            tparam_unit_[static_cast<std::size_t>(op.params.front())] == ui;
     state.called_through_forward = true;
     state.recomputing = run_.activation_checkpointing;
-    state.pending_backwards = 1;
+    state.pending_backwards = forwards_[static_cast<std::size_t>(ui)];
     state.releasing_reads_left = reads_left;
     if (may_release_before_gradient(state)) reshard(ui);
   }
@@ -418,7 +418,9 @@ class RunSimulator {
     order_pos_.assign(units_.size(), -1);
     no_backward_gather_.assign(units_.size(), false);
     releasing_reads_.assign(units_.size(), 0);
+    forwards_.assign(units_.size(), 0);
     for (const auto& op : t.ops) {
+      if (op.kind == TraceOp::Kind::kEnter && unit_of_module(op.module) > 0) ++forwards_[static_cast<std::size_t>(unit_of_module(op.module))];
       if (op.kind == TraceOp::Kind::kExit && unit_of_module(op.module) > 0 && !backward_gathers(op.no_backward_gather, run_.activation_checkpointing))
         no_backward_gather_[static_cast<std::size_t>(unit_of_module(op.module))] = true;
       if (op.releases_weight_of >= 0 && unit_of_module(op.releases_weight_of) > 0)
@@ -560,6 +562,7 @@ class RunSimulator {
   std::vector<int> kept_;                 // fsdp.reshard_after_forward = N: the slice kept between forward and backward
   std::vector<bool> no_backward_gather_;  // per unit: fsdp::backward_reads_no_parameter
   std::vector<int> releasing_reads_;      // per unit: fsdp::linear_releasing_weight backwards still to run
+  std::vector<int> forwards_;             // per unit: its forwards in the step (the engine's pending gathers for backward)
   std::vector<std::vector<int>> state_;
   std::vector<std::vector<int>> pending_;  ///< per unit: trace parameters whose gradient autograd holds
   std::vector<int> tparam_unit_, pending_handle_;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "app_build.hpp"
+#include "train/allocator.hpp"
 #include "run_config.hpp"
 #include "train/dataset.hpp"
 #include "train/gemm_probe.hpp"
@@ -268,6 +269,8 @@ nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& pl
   js["peak_rss_mb"] = r.peak_rss_mb;
   js["allocator"] = kTrainAllocatorName;  // what run.malloc set (fsdp-plan models the same one)
   js["malloc"] = std::string(to_string(cfg.run.malloc));
+  auto& settings_js = js["allocator_settings"] = nlohmann::ordered_json::object();
+  for (const auto& [name, value] : allocator_settings()) settings_js[name] = value;
   if (t.rss_warm_step) {
     js["rss_growth_mib"] = t.rss_growth_mib;
     js["rss_growth_since_step"] = *t.rss_warm_step;

@@ -49,7 +49,7 @@ struct FlatUnit {
   std::vector<torch::Tensor> param_views;          // the parameters' views of `full`, shown while `full` has storage
   std::vector<torch::Tensor> param_placeholders;   // the parameters' shapes without storage, shown while `full` is freed
   bool backward_reads_no_params = false;           // declared in this step's forward (fsdp::backward_reads_no_parameter): not gathered for backward
-  int releasing_reads = 0;                         // fsdp::linear_releasing_weight calls of this root forward whose backward is still to run
+  int releasing_reads = 0;                         // fsdp::linear_releasing_weight calls whose backward is still to run (until backward ends)
   bool backward_done_since_fill = false;           // every backward through the unit ran since `full` was last filled: a step may follow
   bool refill_needed = false;                      // the shard's values changed without its version moving (replica parts all-gathered)
   bool offloaded = false;                          // `shard` lives in host memory, `full` on the compute device

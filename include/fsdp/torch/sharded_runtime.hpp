@@ -208,10 +208,10 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
     for (auto& u : units_) {
       u->entered = false;
       u->grafted_by_root = false;
-      u->backward_reads_no_params = false;  // each forward declares it again
-      u->releasing_reads = 0;
-      u->kept_slice = torch::Tensor();       // kept for a backward that never came: the shard may have changed since
-      u->recomputed_grad = torch::Tensor();  // kept by a backward that threw before the unit's own node ran
+      u->backward_reads_no_params = false;                   // each forward declares it again
+      if (u->pending_backward == 0) u->releasing_reads = 0;  // else reads of a forward whose backward is to come
+      u->kept_slice = torch::Tensor();                       // kept for a backward that never came: the shard may have changed since
+      u->recomputed_grad = torch::Tensor();                  // kept by a backward that threw before the unit's own node ran
     }
     // The root unit and every nested unit not known to be called through fsdp::forward (frozen
     // companions follow their unit).
@@ -562,6 +562,7 @@ class ShardedRuntime final : private ForwardHooks, private GradReducer {
     }
     for (auto& u : units_) {
       u->pending_backward = 0;
+      u->releasing_reads = 0;
       reshard(*u);
       // A slice kept for a backward that did not reach the unit: the next step's optimizer may change
       // the shard without moving its version counter (LibTorch's SGD writes through .data()).
