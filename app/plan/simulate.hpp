@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "fsdp/comm/detail/reduce.hpp"
-#include "fsdp/core/lean_backward.hpp"
+#include "plan/lean_backward_units.hpp"
 #include "plan/memory_model.hpp"
 
 namespace fsdp::app {
@@ -162,13 +162,13 @@ class RunSimulator {
     if (run_.group == 1) return;  // nothing is all-gathered: the engine does not prefetch
     const int at = order_pos_[static_cast<std::size_t>(ui)];
     if (at < 0) {
-      if (ui == 0 && direction < 0 && !order_.empty() && !no_backward_gather_[static_cast<std::size_t>(order_.back())]) gather(order_.back());
+      if (ui == 0 && direction < 0 && !order_.empty() && lean_.gathers_for_backward(order_.back())) gather(order_.back());
       return;
     }
     const int pos = at + direction;
     if (pos < 0 || pos >= static_cast<int>(order_.size())) return;
     const int next = order_[static_cast<std::size_t>(pos)];
-    if (direction < 0 && no_backward_gather_[static_cast<std::size_t>(next)]) return;  // the engine does not prefetch it for backward
+    if (direction < 0 && !lean_.gathers_for_backward(next)) return;  // the engine does not prefetch it for backward
     gather(next);
   }
   void reshard(int ui) { mem_.free(full_[static_cast<std::size_t>(ui)]); }
@@ -176,7 +176,7 @@ class RunSimulator {
   void reshard_after_forward(int ui) {
     const auto& u = units_[static_cast<std::size_t>(ui)];
     if (run_.reshard_after_forward_group > 1 && run_.group > 1 && full_[static_cast<std::size_t>(ui)] >= 0 &&
-        !no_backward_gather_[static_cast<std::size_t>(ui)])  // no gather for backward: nothing kept for one
+        lean_.gathers_for_backward(ui))  // no gather for backward: nothing kept for one
       kept_[static_cast<std::size_t>(ui)] = mem_.alloc(Mem::kGathered, u.padded / run_.reshard_after_forward_group * run_.param_bytes);
     reshard(ui);
   }
@@ -271,22 +271,13 @@ class RunSimulator {
     for (int s : op.saves) unref(s);
   }
 
-  // ShardedRuntime::release_before_gradient, by the same rule. A non-root unit of the trace runs
-  // through fsdp::forward (each forward a gather for backward); every non-root unit is checkpointed
-  // under activation_checkpointing, and its backward then runs inside the recomputation.
+  // ShardedRuntime::release_before_gradient, by the same rule (LeanBackwardUnits::may_release).
   void release_before_gradient(const TraceOp& op) {
     const int ui = unit_of_module(op.releases_weight_of);
     if (ui <= 0) return;
-    auto& reads_left = releasing_reads_[static_cast<std::size_t>(ui)];
-    if (reads_left > 0) --reads_left;
-    UnitAtWeightRelease state;
-    state.sole_parameter = op.params.size() == 1 && units_[static_cast<std::size_t>(ui)].params.size() == 1 &&
-                           tparam_unit_[static_cast<std::size_t>(op.params.front())] == ui;
-    state.called_through_forward = true;
-    state.recomputing = run_.activation_checkpointing;
-    state.pending_backwards = forwards_[static_cast<std::size_t>(ui)];
-    state.releasing_reads_left = reads_left;
-    if (may_release_before_gradient(state)) reshard(ui);
+    const bool sole_parameter = op.params.size() == 1 && units_[static_cast<std::size_t>(ui)].params.size() == 1 &&
+                                tparam_unit_[static_cast<std::size_t>(op.params.front())] == ui;
+    if (lean_.may_release(ui, sole_parameter, run_.activation_checkpointing)) reshard(ui);
   }
 
   void free_pending(int ui) {
@@ -416,16 +407,7 @@ class RunSimulator {
     ckpt_regions_.clear();
     order_.clear();  // nested units in the order their forwards begin
     order_pos_.assign(units_.size(), -1);
-    no_backward_gather_.assign(units_.size(), false);
-    releasing_reads_.assign(units_.size(), 0);
-    forwards_.assign(units_.size(), 0);
-    for (const auto& op : t.ops) {
-      if (op.kind == TraceOp::Kind::kEnter && unit_of_module(op.module) > 0) ++forwards_[static_cast<std::size_t>(unit_of_module(op.module))];
-      if (op.kind == TraceOp::Kind::kExit && unit_of_module(op.module) > 0 && !backward_gathers(op.no_backward_gather, run_.activation_checkpointing))
-        no_backward_gather_[static_cast<std::size_t>(unit_of_module(op.module))] = true;
-      if (op.releases_weight_of >= 0 && unit_of_module(op.releases_weight_of) > 0)
-        ++releasing_reads_[static_cast<std::size_t>(unit_of_module(op.releases_weight_of))];
-    }
+    lean_.count(t, module_unit_, units_.size(), run_.activation_checkpointing);
     for (const auto& op : t.ops) {
       const int ui = op.kind == TraceOp::Kind::kEnter ? unit_of_module(op.module) : -1;
       if (ui <= 0 || order_pos_[static_cast<std::size_t>(ui)] >= 0) continue;
@@ -443,7 +425,7 @@ class RunSimulator {
       const auto& op = t.ops[i];
       if (op.kind == TraceOp::Kind::kExit) {
         const int ui = unit_of_module(op.module);
-        if (ui > 0 && !no_backward_gather_[static_cast<std::size_t>(ui)]) gather(ui);  // the output hook re-gathers a freed unit
+        if (ui > 0 && lean_.gathers_for_backward(ui)) gather(ui);  // the output hook re-gathers a freed unit
         if (ui > 0 && run_.backward_prefetch == "BACKWARD_PRE") prefetch_after(ui, -1);
         if (region > 0 && ckpt_regions_[region - 1].end == i) {
           recomputed.clear();
@@ -559,10 +541,8 @@ class RunSimulator {
   std::unordered_map<std::string, int> param_unit_;
   std::unordered_map<std::string, std::int64_t> param_numel_;
   std::vector<int> full_, shard_, grad_, unsynced_;
-  std::vector<int> kept_;                 // fsdp.reshard_after_forward = N: the slice kept between forward and backward
-  std::vector<bool> no_backward_gather_;  // per unit: fsdp::backward_reads_no_parameter
-  std::vector<int> releasing_reads_;      // per unit: fsdp::linear_releasing_weight backwards still to run
-  std::vector<int> forwards_;             // per unit: its forwards in the step (the engine's pending gathers for backward)
+  std::vector<int> kept_;  // fsdp.reshard_after_forward = N: the slice kept between forward and backward
+  LeanBackwardUnits lean_;
   std::vector<std::vector<int>> state_;
   std::vector<std::vector<int>> pending_;  ///< per unit: trace parameters whose gradient autograd holds
   std::vector<int> tparam_unit_, pending_handle_;
