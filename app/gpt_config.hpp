@@ -29,7 +29,8 @@ struct GptConfig {
   /// 50257 to 50304 for faster matrix shapes); the logits are cut back to vocab_size.
   std::int64_t vocab_pad_multiple = 1;
   double dropout = 0.1;
-  bool gelu_tanh = false;  ///< GPT-2's tanh approximation of GELU instead of the exact one
+  bool gelu_tanh = false;           ///< GPT-2's tanh approximation of GELU instead of the exact one
+  bool recompute_attention = true;  ///< attention's backward recomputes the probabilities (models/recomputed.hpp)
   bool tie_embeddings = true;
   bool deferred = false;             ///< fsdp.deferred_init: layers released as built, initialized by init_module()
   bool document_mask = false;        ///< data.document_mask (models/documents.hpp)

@@ -105,6 +105,7 @@ ModelSection resolve_model_section(const Deck& deck) {
   model.tie_embeddings = deck.get_bool("model.tie_embeddings");
   model.vocab_pad_multiple = deck.get_int("model.vocab_pad_multiple");
   model.activation = choice<Activation>(deck, "model.activation");
+  model.recompute_attention = deck.get_bool("model.recompute_attention");
   model.n_kv_heads = deck.get_int("model.n_kv_heads");
   model.head_dim = deck.get_int("model.head_dim");
   model.intermediate_size = deck.get_int("model.intermediate_size");

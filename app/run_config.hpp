@@ -57,6 +57,7 @@ struct ModelSection {
   bool tie_embeddings = true;
   std::int64_t vocab_pad_multiple = 1;
   Activation activation = Activation::kGelu;  ///< transformer
+  bool recompute_attention = true;            ///< transformer: attention's probabilities recomputed in backward
   // llama (0: derived, see LlamaConfig)
   std::int64_t n_kv_heads = 0, head_dim = 0, intermediate_size = 0;
   double norm_eps = 1e-5, rope_theta = 10000;
@@ -84,6 +85,7 @@ inline GptConfig gpt_config(const ModelSection& model) {
   c.vocab_pad_multiple = model.vocab_pad_multiple;
   c.dropout = model.dropout.value_or(0.1);
   c.gelu_tanh = model.activation == Activation::kGeluTanh;
+  c.recompute_attention = model.recompute_attention;
   c.tie_embeddings = model.tie_embeddings;
   c.document_mask = model.document_mask;
   c.document_token = model.document_token;

@@ -203,3 +203,239 @@ BOOST_AUTO_TEST_CASE(released_gradients_update_as_zeroed_ones) {
   }
   BOOST_TEST(released_opt.state().size() == kept_opt.state().size());
 }
+
+#include "train/cross_entropy.hpp"
+
+// A language model's loss builds the logits' gradient in log_softmax's buffer (one logits-sized tensor
+// in backward instead of three). The loss is autograd's log_softmax + nll_loss's, bit for bit, for both
+// reductions and a scaled upstream gradient (the division by the accumulated micro-batches); the
+// gradient has the same bits away from the targets where the vocabulary is a multiple of 8, and is
+// within one rounding of the upstream scale at the targets (LibTorch fuses that multiply and subtract)
+// and, for other vocabularies, in a few elements elsewhere. Confident rows (a large target logit) are
+// where the target's rounding shows. A second backward over one graph is refused.
+BOOST_AUTO_TEST_CASE(token_cross_entropy_equals_log_softmax_nll_loss) {
+  for (const auto& [rows, vocab] : {std::pair<std::int64_t, std::int64_t>{37, 53}, {256, 4096}, {512, 8}}) {
+    for (const bool sum : {false, true}) {
+      torch::manual_seed(rows + vocab);
+      auto base = torch::randn({rows, vocab}) * 4;
+      const auto targets = torch::randint(vocab, {rows}, torch::kLong);
+      base.scatter_add_(1, targets.unsqueeze(1), torch::full({rows, 1}, 6.0));  // confident rows
+      const auto plain_logits = base.clone().requires_grad_(), fused_logits = base.clone().requires_grad_();
+      const auto plain = torch::nll_loss(torch::log_softmax(plain_logits, 1), targets, {}, sum ? at::Reduction::Sum : at::Reduction::Mean);
+      const auto fused = fsdp::app::token_cross_entropy(fused_logits, targets, sum);
+      BOOST_TEST(torch::equal(plain, fused), rows << "x" << vocab << " sum " << sum);
+      (plain / 3.0).backward();
+      (fused / 3.0).backward();
+      const auto& a = plain_logits.grad();
+      const auto& b = fused_logits.grad();
+      const double scale = (sum ? 1.0 : 1.0 / static_cast<double>(rows)) / 3.0;
+      const auto at_target = torch::zeros({rows, vocab}, torch::kBool).scatter_(1, targets.unsqueeze(1), true);
+      const auto within_rounding = (a - b).abs().le(std::numeric_limits<float>::epsilon() * (a.abs() + scale));
+      BOOST_TEST(within_rounding.all().item<bool>(), rows << "x" << vocab << " sum " << sum);
+      if (vocab % 8 == 0) {
+        BOOST_TEST(torch::equal(a.masked_select(at_target.logical_not()), b.masked_select(at_target.logical_not())),
+                   rows << "x" << vocab << " sum " << sum << ": away from the targets");
+      } else {
+        BOOST_TEST(a.ne(b).logical_and(at_target.logical_not()).sum().item<std::int64_t>() <= rows * vocab / 1000);
+      }
+    }
+  }
+  const auto logits = torch::randn({4, 9}).requires_grad_();
+  const auto loss = fsdp::app::token_cross_entropy(logits, torch::randint(9, {4}, torch::kLong), false);
+  loss.backward({}, /*retain_graph=*/true);
+  BOOST_CHECK_THROW(loss.backward(), std::exception);
+  torch::NoGradGuard no_grad;  // evaluation: the plain expression
+  BOOST_TEST(!fsdp::app::token_cross_entropy(logits, torch::randint(9, {4}, torch::kLong), true).requires_grad());
+}
+
+#include <c10/core/CPUAllocator.h>
+
+#include <mutex>
+
+#include "models/recomputed.hpp"
+
+namespace {
+
+/// LibTorch's CPU allocator with a count of the bytes it holds, installed for one scope: what a forward
+/// leaves allocated is what its graph keeps for backward. (Its blocks are the base allocator's, data
+/// and context alike, as LibTorch's raw_allocate requires.)
+class CountedCpuAllocation final : public at::Allocator {
+ public:
+  CountedCpuAllocation() : at_start_(live_) {
+    BOOST_TEST_REQUIRE(!dynamic_cast<CountedCpuAllocation*>(c10::GetCPUAllocator()), "one counted scope at a time");
+    base_ = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(this);
+  }
+  ~CountedCpuAllocation() override { c10::SetCPUAllocator(base_); }
+  at::DataPtr allocate(std::size_t n) const override {
+    void* data = base_->raw_allocate(n);
+    const std::lock_guard<std::mutex> lock(mutex_);  // LibTorch's intra-op threads may allocate
+    sizes_[data] = n;
+    live_ += static_cast<std::int64_t>(n);
+    return {data, data, &release, at::Device(at::kCPU)};
+  }
+  at::DeleterFnPtr raw_deleter() const override { return &release; }
+  std::int64_t live() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return live_ - at_start_;
+  }
+
+ private:
+  std::int64_t at_start_;
+  static void release(void* data) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = sizes_.find(data);
+    live_ -= static_cast<std::int64_t>(found->second);
+    sizes_.erase(found);
+    base_->raw_deallocate(data);
+  }
+  static inline at::Allocator* base_ = nullptr;
+  static inline std::map<void*, std::size_t> sizes_;
+  static inline std::int64_t live_ = 0;
+  static inline std::mutex mutex_;
+};
+
+}  // namespace
+
+// GPT's MLP output projection applies the GELU itself and keeps its input only: the same parameters,
+// initialization draws, outputs and gradients as Linear(gelu(h)), bit for bit, for both GELUs.
+BOOST_AUTO_TEST_CASE(gelu_linear_equals_a_linear_of_the_gelu_bit_for_bit) {
+  for (const std::string approximate : {"none", "tanh"}) {
+    for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+      for (const bool batched : {true, false}) {  // (batch, tokens, features) as in the GPT, and 2-D
+        torch::manual_seed(5);
+        torch::nn::Linear plain(48, 16);
+        torch::manual_seed(5);
+        fsdp::app::GeluLinear fused(48, 16, approximate);
+        BOOST_TEST(torch::equal(plain->weight, fused->weight));
+        BOOST_TEST(torch::equal(plain->bias, fused->bias));
+        plain->to(dtype);
+        fused->to(dtype);
+        const auto base = (batched ? torch::randn({3, 7, 48}) : torch::randn({21, 48})).mul(2).to(dtype);
+        const auto grad = (batched ? torch::randn({3, 7, 16}) : torch::randn({21, 16})).to(dtype);
+        const auto h_plain = base.clone().requires_grad_(), h_fused = base.clone().requires_grad_();
+        const auto out_plain = plain->forward(F::gelu(h_plain, F::GELUFuncOptions().approximate(approximate)));
+        const auto out_fused = fused->forward(h_fused);
+        const auto label = approximate + (dtype == torch::kFloat ? " fp32" : " bf16") + (batched ? " 3-D" : " 2-D");
+        BOOST_TEST(torch::equal(out_plain, out_fused), label);
+        out_plain.backward(grad);
+        out_fused.backward(grad);
+        BOOST_TEST(torch::equal(h_plain.grad(), h_fused.grad()), label);
+        BOOST_TEST(torch::equal(plain->weight.grad(), fused->weight.grad()), label);
+        BOOST_TEST(torch::equal(plain->bias.grad(), fused->bias.grad()), label);
+      }
+    }
+  }
+}
+
+// Attention whose backward recomputes the probabilities: the plain expression's output, random draws
+// (dropout) and gradients, bit for bit, on q, k and v that are views of one projection as in the model.
+BOOST_AUTO_TEST_CASE(recomputed_attention_equals_the_plain_expression_bit_for_bit) {
+  const std::int64_t b = 2, h = 3, t = 9, hd = 8;
+  const auto blocked = torch::ones({t, t}).tril().view({1, 1, t, t}) == 0;
+  for (const double p : {0.0, 0.3, 1.0}) {  // at 1 both are the plain expression (F::dropout's zeros)
+    torch::manual_seed(11);
+    const auto base = torch::randn({b, t, 3 * h * hd});
+    const auto grad = torch::randn({b, h, t, hd});
+    auto run = [&](bool recomputed, torch::Tensor& qkv) {
+      qkv = base.clone().requires_grad_();
+      auto parts = qkv.split(h * hd, 2);
+      auto heads = [&](const torch::Tensor& y) { return y.view({b, t, h, hd}).transpose(1, 2); };
+      const auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+      torch::manual_seed(12);
+      torch::Tensor y;
+      if (recomputed) {
+        y = fsdp::app::attend(q, k, v, blocked, 0.35, p);
+      } else {
+        auto att = torch::softmax(fsdp::app::masked_scores(q, k, 0.35, blocked), -1);
+        y = torch::matmul(F::dropout(att, F::DropoutFuncOptions().p(p).training(true)), v);
+      }
+      const auto next_draw = torch::rand({1});
+      y.backward(grad);
+      return std::make_pair(y, next_draw);
+    };
+    torch::Tensor qkv_plain, qkv_fused;
+    const auto [y_plain, draw_plain] = run(false, qkv_plain);
+    const auto [y_fused, draw_fused] = run(true, qkv_fused);
+    BOOST_TEST(torch::equal(y_plain, y_fused), "dropout " << p);
+    BOOST_TEST(torch::equal(draw_plain, draw_fused), "dropout " << p << ": the same random draws");
+    BOOST_TEST(torch::equal(qkv_plain.grad(), qkv_fused.grad()), "dropout " << p);
+    BOOST_TEST(!y_fused.isnan().any().item<bool>(), "dropout " << p);
+  }
+}
+
+// What the two recomputed parts spare: after forward, the MLP keeps no GELU output (4 bytes per
+// element of its input) and attention keeps no probabilities nor matmul's copies of q, k and v
+// (with dropout, one byte per score).
+BOOST_AUTO_TEST_CASE(recomputed_parts_keep_less_for_backward) {
+  torch::manual_seed(3);
+  torch::nn::Linear plain(64, 16);
+  fsdp::app::GeluLinear fused(64, 16, "none");
+  const auto h = torch::randn({4, 10, 64}).requires_grad_();
+  auto kept_after = [](const std::function<torch::Tensor()>& forward) {
+    CountedCpuAllocation counted;
+    const auto out = forward();
+    return counted.live() - static_cast<std::int64_t>(out.nbytes());
+  };
+  const auto mlp_plain = kept_after([&] { return plain->forward(F::gelu(h)); });
+  const auto mlp_fused = kept_after([&] { return fused->forward(h); });
+  BOOST_TEST(mlp_plain - mlp_fused == static_cast<std::int64_t>(h.nbytes()));
+  BOOST_TEST(mlp_fused == 0);
+
+  const std::int64_t b = 2, heads = 4, t = 16, hd = 8;
+  const auto blocked = torch::ones({t, t}).tril().view({1, 1, t, t}) == 0;
+  const auto qkv = torch::randn({b, t, 3 * heads * hd}).requires_grad_();
+  auto split = [&] {
+    auto parts = qkv.split(heads * hd, 2);
+    std::vector<torch::Tensor> r;
+    for (const auto& y : parts) r.push_back(y.view({b, t, heads, hd}).transpose(1, 2));
+    return r;
+  };
+  const auto attn_plain = kept_after([&] {
+    const auto s = split();
+    return torch::matmul(torch::softmax(fsdp::app::masked_scores(s[0], s[1], 0.35, blocked), -1), s[2]);
+  });
+  const auto attn_fused = kept_after([&] {
+    const auto s = split();
+    return fsdp::app::attend(s[0], s[1], s[2], blocked, 0.35, 0.0);
+  });
+  const std::int64_t probabilities = b * heads * t * t * 4, head_views = b * heads * t * hd * 4;
+  BOOST_TEST(attn_plain - attn_fused >= probabilities + 3 * head_views);
+  BOOST_TEST(attn_fused == 0);
+  const auto attn_dropout = kept_after([&] {  // with dropout: the kept positions, a byte per score
+    const auto s = split();
+    return fsdp::app::attend(s[0], s[1], s[2], blocked, 0.35, 0.3);
+  });
+  BOOST_TEST(attn_dropout == b * heads * t * t);
+}
+
+// model.recompute_attention only changes what backward keeps: the GPT's loss and every gradient are
+// the same bits with it on (the default) and off, with dropout (the same random draws) and without.
+BOOST_AUTO_TEST_CASE(recompute_attention_changes_no_bit_of_the_gpt) {
+  for (const double dropout : {0.0, 0.2}) {
+    std::vector<std::vector<torch::Tensor>> grads;
+    std::vector<torch::Tensor> losses;
+    for (const bool recompute : {true, false}) {
+      fsdp::app::GptConfig c;
+      c.vocab_size = 50;
+      c.context = 12;
+      c.d_model = 32;
+      c.n_heads = 4;
+      c.n_layers = 2;
+      c.dropout = dropout;
+      c.recompute_attention = recompute;
+      torch::manual_seed(21);
+      auto gpt = std::make_shared<fsdp::app::GptImpl>(c);
+      const auto idx = torch::randint(50, {3, 12}, torch::kLong);
+      torch::manual_seed(22);
+      const auto loss = gpt->forward(idx).pow(2).mean();
+      loss.backward();
+      losses.push_back(loss.detach());
+      grads.emplace_back();
+      for (const auto& p : gpt->parameters()) grads.back().push_back(p.grad().clone());
+    }
+    BOOST_TEST(torch::equal(losses[0], losses[1]), "dropout " << dropout);
+    for (std::size_t i = 0; i < grads[0].size(); ++i)
+      BOOST_TEST(torch::equal(grads[0][i], grads[1][i]), "dropout " << dropout << ", parameter " << i);
+  }
+}

@@ -15,6 +15,7 @@
 #include "models/app_model.hpp"
 #include "models/attention.hpp"
 #include "models/documents.hpp"
+#include "models/recomputed.hpp"
 #include "run_config.hpp"
 
 namespace fsdp::app {
@@ -25,6 +26,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
       : torch::nn::Module("CausalSelfAttention"),
         heads_(c.n_heads),
         p_(c.dropout),
+        recompute_(c.recompute_attention),
         documents_(std::move(documents)),
         cache_(std::move(cache)),
         layer_(layer) {
@@ -40,14 +42,16 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     const bool cached = cache_ && cache_->on;
     if (cached) std::tie(k, v) = cache_->append(layer_, k, v);  // generation: the earlier tokens' keys too
     const auto& mask = cached ? KvCache::blocked(t, k.size(2) - t, x.device()) : documents_ ? documents_->blocked : blocked(t);
-    auto att = masked_scores(q, k, 1.0 / std::sqrt(static_cast<double>(hd)), mask);
-    att = F::dropout(torch::softmax(att, -1), F::DropoutFuncOptions().p(p_).training(is_training()));
-    auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
+    auto y = attend(q, k, v, mask, 1.0 / std::sqrt(static_cast<double>(hd)), is_training() ? p_ : 0.0, recompute_)
+                 .transpose(1, 2)
+                 .contiguous()
+                 .view({b, t, d});
     return F::dropout(fsdp::forward(proj, y), F::DropoutFuncOptions().p(p_).training(is_training()));
   }
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
   std::int64_t heads_;
   double p_;
+  bool recompute_;  // model.recompute_attention
   SharedDocumentLayout documents_;
   SharedKvCache cache_;
   std::size_t layer_;
@@ -75,23 +79,23 @@ TORCH_MODULE(CausalSelfAttention);
 /// Pre-norm transformer block; the unit TRANSFORMER_BASED_WRAP wraps ("TransformerBlock").
 struct TransformerBlockImpl : torch::nn::Module {
   explicit TransformerBlockImpl(const GptConfig& c, SharedDocumentLayout documents = nullptr, SharedKvCache cache = nullptr, std::size_t layer = 0)
-      : torch::nn::Module("TransformerBlock"), p_(c.dropout), gelu_(F::GELUFuncOptions().approximate(c.gelu_tanh ? "tanh" : "none")) {
+      : torch::nn::Module("TransformerBlock"), p_(c.dropout) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
     attn = register_module("attn", CausalSelfAttention(c, std::move(documents), std::move(cache), layer));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
     fc = register_module("fc", torch::nn::Linear(c.d_model, c.mlp_ratio * c.d_model));
-    out = register_module("out", torch::nn::Linear(c.mlp_ratio * c.d_model, c.d_model));
+    out = register_module("out", GeluLinear(c.mlp_ratio * c.d_model, c.d_model, c.gelu_tanh ? "tanh" : "none"));
   }
   torch::Tensor forward(torch::Tensor x) {
     x = x + fsdp::forward(attn, fsdp::forward(ln1, x));
-    auto h = fsdp::forward(out, F::gelu(fsdp::forward(fc, fsdp::forward(ln2, x)), gelu_));
+    auto h = fsdp::forward(out, fsdp::forward(fc, fsdp::forward(ln2, x)));  // out applies the GELU
     return x + F::dropout(h, F::DropoutFuncOptions().p(p_).training(is_training()));
   }
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
-  torch::nn::Linear fc{nullptr}, out{nullptr};
+  torch::nn::Linear fc{nullptr};
+  GeluLinear out{nullptr};
   double p_;
-  F::GELUFuncOptions gelu_;
 };
 TORCH_MODULE(TransformerBlock);
 

@@ -42,7 +42,9 @@ class GptFamily final : public ModelFamily {
       d.modules[static_cast<std::size_t>(attn)].buffer_numel = c.context * c.context;  // the causal mask
       detail::describe_layer_norm(d, b, "ln2", c.d_model);
       detail::describe_linear(d, b, "fc", c.d_model, c.mlp_ratio * c.d_model);
-      detail::describe_linear(d, b, "out", c.mlp_ratio * c.d_model, c.d_model);
+      const int out = d.add(b, "out", "GeluLinear", "fsdp::app::GeluLinear");  // a Linear that applies the GELU first
+      d.param(out, "weight", {c.d_model, c.mlp_ratio * c.d_model});
+      d.param(out, "bias", {c.d_model});
     }
     detail::describe_layer_norm(d, root, "ln_f", c.d_model);
     const int head = d.add(root, "head", "LmHead", "LmHead");
@@ -59,7 +61,11 @@ class GptFamily final : public ModelFamily {
   std::int64_t num_params(const ModelSection& m) const override { return num_params(gpt_config(m)); }
 
   /// Saved per transformer block (B batch, T context, d d_model, r mlp_ratio, h heads, dropout p > 0):
-  /// (10 + 2r)·B·T·d + 3·B·h·T² elements plus LayerNorm statistics; with p = 0: (8 + 2r)·B·T·d + B·h·T².
+  /// (10 + r)·B·T·d elements, B·h·T² bytes (attention's kept positions) and LayerNorm statistics; with
+  /// p = 0: (8 + r)·B·T·d. The GELU's output and attention's probabilities are recomputed in backward;
+  /// with model.recompute_attention = false, attention keeps its probabilities (and matmul's copies of q,
+  /// k and v instead of the qkv output): (10 + r)·B·T·d + 3·B·h·T² elements with dropout,
+  /// (8 + r)·B·T·d + B·h·T² without.
   void trace(TraceBuilder& b, const ModelSection& m, std::int64_t batch, int eb, bool training, bool /*cast_input: token ids*/) const override {
     constexpr int input = 0;
     const GptConfig c = gpt_config(m);
@@ -81,7 +87,7 @@ class GptFamily final : public ModelFamily {
       b.aux(btd);
       x = dd;
     }
-    for (std::int64_t i = 0; i < c.n_layers; ++i) x = trace_block(b, c, i, x, p, btd, scores, stats);
+    for (std::int64_t i = 0; i < c.n_layers; ++i) x = trace_block(b, c, i, x, p, btd, scores, stats, eb);
     b.enter("ln_f", x);
     const int lf = b.op(btd, {x}, {x}, {"ln_f.weight", "ln_f.bias"}, 2 * btd);
     b.aux(stats);
@@ -90,11 +96,11 @@ class GptFamily final : public ModelFamily {
     const int lg = b.op(logits, {lf}, {lf}, {"head.weight"}, logits + btd);
     b.releases_weight("head");  // LmHead
     b.exit("head");
-    // loss_of: fp32 logits, log_softmax (saves its result), nll_loss.
+    // loss_of: fp32 logits, log_softmax (saves its result), nll_loss (train/cross_entropy.hpp).
     int l32 = lg;
-    if (eb != 4) l32 = b.op(B * T * V * 4, {}, {}, {}, logits);
-    const int ls = b.op(B * T * V * 4, {}, {}, {}, 2 * B * T * V * 4, true);
-    b.op(8, {ls}, {ls, lg, l32 == lg ? -1 : l32}, {}, B * T * V * 4);
+    if (eb != 4) l32 = b.op(B * T * V * 4, {}, {}, {}, logits + B * T * V * 4);  // backward: the fp32 gradient and its cast
+    const int ls = b.op(B * T * V * 4, {}, {}, {}, 0, true);                     // token_cross_entropy: the logits' gradient takes this buffer
+    b.op(8, {ls}, {ls, lg, l32 == lg ? -1 : l32}, {}, 0);
   }
 
   std::int64_t input_bytes(const ModelSection& m, std::int64_t batch) const override { return batch * m.context * 8; }  // token ids (int64)
@@ -109,8 +115,14 @@ class GptFamily final : public ModelFamily {
                       D = static_cast<long double>(c.d_model), L = static_cast<long double>(c.n_layers), R = static_cast<long double>(c.mlp_ratio),
                       H = static_cast<long double>(c.n_heads);
     return {.params = V * D * (c.tie_embeddings ? 1 : 2) + T * D + L * ((4 + 2 * R) * D * D + (9 + R) * D) + 2 * D,
-            .activations = batch * T * (L * (12 + 2 * R) * D + 3 * L * H * T + 2 * V),
+            .activations = batch * T * (L * (12 + R) * D + kept_scores(c) * L * H * T + 2 * V),
             .keys = "model.vocab_size, model.context, model.d_model, model.n_layers, model.mlp_ratio"};
+  }
+
+  /// Attention scores' elements kept per score for backward (a bool mask is a quarter of a float).
+  static long double kept_scores(const GptConfig& c) {
+    if (c.recompute_attention) return c.dropout > 0 ? 0.25L : 0.0L;
+    return c.dropout > 0 ? 3.0L : 1.0L;
   }
 
   /// n_layers at the deck's d_model (every block adds the same tensors), and d_model, a multiple of
@@ -139,7 +151,7 @@ class GptFamily final : public ModelFamily {
  private:
   /// Transformer block `i` on the residual stream `x`; returns the stream after the block.
   static int trace_block(TraceBuilder& b, const GptConfig& c, std::int64_t i, int x, double p, std::int64_t btd, std::int64_t scores,
-                         std::int64_t stats) {
+                         std::int64_t stats, int eb) {
     const std::int64_t R = c.mlp_ratio;
     const std::string blk = "block" + std::to_string(i);
     b.enter(blk, x);
@@ -150,21 +162,37 @@ class GptFamily final : public ModelFamily {
     b.exit(blk + ".ln1");
     b.enter(blk + ".attn", a1);
     const int q3 = b.linear(blk + ".attn.qkv", a1, btd, 3 * btd, btd);
-    // q @ k^T: matmul copies the transposed head views into contiguous [B*h, T, hd] operands it saves.
-    const int s0 = b.op(scores, {}, {}, {}, scores + 3 * btd);
-    b.aux(btd);
-    b.aux(btd);
-    const int s1 = b.op(scores, {}, {s0}, {}, 2 * scores + btd);  // / sqrt(hd)
-    const int s2 = b.op(scores, {}, {s1}, {}, 2 * scores + btd);  // masked_fill
-    int pr = b.op(scores, {}, {s2}, {}, 2 * scores + btd, true);  // softmax saves its result
-    int pd = pr;
-    if (p > 0) {
-      pd = b.op(scores, {}, {}, {}, 2 * scores + btd);
-      b.aux(scores);
+    int o = -1, y = -1;
+    if (c.recompute_attention) {
+      // attend (models/recomputed.hpp): the scores and probabilities live in forward only; it keeps q,
+      // k and v (views of the qkv output) and, under dropout, one byte per score. Its backward computes
+      // them again (with matmul's copies of q, k and v) beside their gradients.
+      const int pr = b.op(scores, {}, {}, {}, 0);
+      int noise = -1, dropped = -1;
+      if (p > 0) {  // the noise, then the product, beside the probabilities
+        noise = b.op(scores, {}, {}, {}, 0);
+        dropped = b.op(scores, {}, {}, {}, 0);
+      }
+      o = b.op(btd, {q3}, {pr, noise, dropped}, {}, (p > 0 ? 6 : 4) * scores + 5 * btd);
+      if (p > 0) b.aux(scores / eb);        // the kept positions, a bool each
+      y = b.op(btd, {}, {o}, {}, 3 * btd);  // transpose(1, 2).contiguous()
+    } else {
+      // q @ k^T: matmul copies the transposed head views into contiguous [B*h, T, hd] operands it saves.
+      const int s0 = b.op(scores, {}, {}, {}, scores + 3 * btd);
+      b.aux(btd);
+      b.aux(btd);
+      const int s1 = b.op(scores, {}, {s0}, {}, 2 * scores + btd);        // / sqrt(hd)
+      const int s2 = b.op(scores, {}, {s1}, {}, 2 * scores + btd);        // masked_fill
+      const int pr = b.op(scores, {}, {s2}, {}, 2 * scores + btd, true);  // softmax saves its result
+      int pd = pr;
+      if (p > 0) {
+        pd = b.op(scores, {}, {}, {}, 2 * scores + btd);
+        b.aux(scores);
+      }
+      o = b.op(btd, {pd}, {}, {}, scores + 3 * btd);  // att @ v (v copied and saved)
+      b.aux(btd);
+      y = b.op(btd, {}, {o, pd, pd == pr ? -1 : pr}, {}, 3 * btd);  // transpose(1, 2).contiguous()
     }
-    const int o = b.op(btd, {pd}, {}, {}, scores + 3 * btd);  // att @ v (v copied and saved)
-    b.aux(btd);
-    const int y = b.op(btd, {}, {o, pd, pd == pr ? -1 : pr}, {}, 3 * btd);  // transpose(1, 2).contiguous()
     int ao = b.linear(blk + ".attn.proj", y, btd, btd, btd);
     b.drop({y, q3});
     if (p > 0) {
@@ -179,9 +207,11 @@ class GptFamily final : public ModelFamily {
     b.aux(stats);
     b.exit(blk + ".ln2");
     const int f = b.linear(blk + ".fc", a2, btd, R * btd, btd);
-    const int g = b.op(R * btd, {f}, {f, a2}, {}, 2 * R * btd + btd);  // gelu saves its input
-    int h = b.linear(blk + ".out", g, R * btd, btd, btd);
-    b.drop({g});
+    // out = linear(gelu(f)) (GeluLinear) keeps f, not the GELU's output, and recomputes it in backward.
+    b.enter(blk + ".out", f);
+    const int g = b.op(R * btd, {}, {}, {}, 0);
+    int h = b.op(btd, {f}, {g, f, a2}, {blk + ".out.weight", blk + ".out.bias"}, 2 * R * btd + btd);
+    b.exit(blk + ".out");
     if (p > 0) {
       const int dd = b.op(btd, {}, {h}, {}, 3 * btd);
       b.aux(btd);

@@ -87,10 +87,10 @@ class LlamaFamily final : public ModelFamily {
     const int lg = b.op(logits, {x}, {x}, {"lm_head.weight"}, logits + s.btd);
     b.releases_weight("lm_head");  // LmHead
     b.exit("lm_head");
-    int l32 = lg;  // loss_of: fp32 logits, log_softmax (saves its result), nll_loss
-    if (eb != 4) l32 = b.op(bt * V * 4, {}, {}, {}, logits);
-    const int ls = b.op(bt * V * 4, {}, {}, {}, 2 * bt * V * 4, true);
-    b.op(8, {ls}, {ls, lg, l32 == lg ? -1 : l32}, {}, bt * V * 4);
+    int l32 = lg;  // loss_of: fp32 logits, log_softmax (saves its result), nll_loss (train/cross_entropy.hpp)
+    if (eb != 4) l32 = b.op(bt * V * 4, {}, {}, {}, logits + bt * V * 4);  // backward: the fp32 gradient and its cast
+    const int ls = b.op(bt * V * 4, {}, {}, {}, 0, true);                  // token_cross_entropy: the logits' gradient takes this buffer
+    b.op(8, {ls}, {ls, lg, l32 == lg ? -1 : l32}, {}, 0);
   }
 
   std::int64_t input_bytes(const ModelSection& m, std::int64_t batch) const override { return batch * m.context * 8; }  // token ids (int64)

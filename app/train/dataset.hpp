@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "data.hpp"
+#include "train/cross_entropy.hpp"
 #include "mixture.hpp"
 #include "models/families.hpp"
 #include "run_config.hpp"
@@ -249,7 +250,7 @@ inline torch::Tensor loss_of(const Dataset& d, const torch::Tensor& model_out, c
   const auto reduction = sum ? torch::Reduction::Sum : torch::Reduction::Mean;
   const auto out = model_out.to(torch::kFloat);  // under mixed precision the model answers in bf16/fp16; the loss is fp32
   if (!d.tokens) return torch::nll_loss(out, y, {}, reduction);
-  return torch::nll_loss(torch::log_softmax(out.reshape({-1, out.size(-1)}), 1), y.reshape({-1}), {}, reduction);
+  return token_cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}), sum);
 }
 
 struct EvalResult {
