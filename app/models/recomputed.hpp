@@ -3,9 +3,10 @@
 // projection kept for its weight's gradient beside the GELU's input) and the attention's probabilities
 // (heads x context floats per token, with the copies matmul made of q, k and v). The MLP keeps the
 // GELU's input, which the plain expression keeps too; attention keeps the qkv projection's output in
-// place of matmul's copies of q, k and v. The gradients are the plain expression's, bit for bit. Activation memory per block falls by about a third. The GELU costs no
-// measurable time; the attention's recomputation (two small batched products and a softmax) 1-6% of
-// a step, so model.recompute_attention can turn it off.
+// place of matmul's copies of q, k and v. The gradients are the plain expression's, bit for bit.
+// Activation memory per block falls by about a third. The GELU costs no measurable time; the
+// attention's recomputation (two small batched products and a softmax) 1-6% of a step, so
+// model.recompute_attention can turn it off.
 #pragma once
 
 #include <torch/torch.h>
