@@ -93,9 +93,9 @@ void add_model_keys(std::vector<KeySpec>& s) {
   s.push_back({.key = "model.recompute_attention",
                .type = T::kBool,
                .default_value = true,
-               .description = "transformer: attention's backward computes the probabilities again from q, k and v instead of keeping "
-                              "them from forward (heads x context floats per token and block less memory, the same bits; measured 1-6% "
-                              "more step time, the more the larger context / d_model)"});
+               .description = "transformer, llama: attention's backward computes the probabilities again from q, k and v instead of "
+                              "keeping them from forward (heads x context floats per token and block less memory, twice that for a "
+                              "llama's fp32 softmax, the same bits; measured 1-6% more step time, the more the larger context / d_model)"});
   s.push_back({.key = "model.n_kv_heads",
                .type = T::kInt,
                .default_value = I{0},

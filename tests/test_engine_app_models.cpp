@@ -439,3 +439,134 @@ BOOST_AUTO_TEST_CASE(recompute_attention_changes_no_bit_of_the_gpt) {
       BOOST_TEST(torch::equal(grads[0][i], grads[1][i]), "dropout " << dropout << ", parameter " << i);
   }
 }
+
+// Llama's MLP down projection applies silu(gate) * up itself and keeps gate and up only: the same
+// parameter, initialization draws, output and gradients as Linear(silu(gate) * up), bit for bit, also
+// with the weight frozen or the inputs constant (each gradient asked for alone).
+BOOST_AUTO_TEST_CASE(swiglu_linear_equals_a_linear_of_silu_gate_times_up_bit_for_bit) {
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (const bool batched : {true, false}) {
+      for (const int wanted : {0, 1, 2}) {  // 0: every gradient; 1: the weight's only; 2: the inputs' only
+        torch::manual_seed(6);
+        torch::nn::Linear plain(torch::nn::LinearOptions(40, 12).bias(false));
+        torch::manual_seed(6);
+        fsdp::app::SwiGluLinear fused(40, 12);
+        BOOST_TEST(torch::equal(plain->weight, fused->weight));
+        BOOST_TEST(!fused->bias.defined());
+        plain->to(dtype);
+        fused->to(dtype);
+        plain->weight.requires_grad_(wanted != 2);
+        fused->weight.requires_grad_(wanted != 2);
+        const auto shape = batched ? std::vector<std::int64_t>{3, 7, 40} : std::vector<std::int64_t>{21, 40};
+        const auto gate = torch::randn(shape).mul(3).to(dtype), up = torch::randn(shape).to(dtype);
+        const auto grad = (batched ? torch::randn({3, 7, 12}) : torch::randn({21, 12})).to(dtype);
+        auto input = [&](const torch::Tensor& t) { return wanted == 1 ? t.clone() : t.clone().requires_grad_(); };
+        const auto gate_plain = input(gate), up_plain = input(up), gate_fused = input(gate), up_fused = input(up);
+        const auto out_plain = plain->forward(torch::silu(gate_plain) * up_plain);
+        const auto out_fused = fused->forward(gate_fused, up_fused);
+        const std::string label =
+            std::string(dtype == torch::kFloat ? "fp32" : "bf16") + (batched ? " 3-D" : " 2-D") + " case " + std::to_string(wanted);
+        BOOST_TEST(torch::equal(out_plain, out_fused), label);
+        out_plain.backward(grad);
+        out_fused.backward(grad);
+        if (wanted != 1) {
+          BOOST_TEST(torch::equal(gate_plain.grad(), gate_fused.grad()), label);
+          BOOST_TEST(torch::equal(up_plain.grad(), up_fused.grad()), label);
+        }
+        if (wanted != 2) BOOST_TEST(torch::equal(plain->weight.grad(), fused->weight.grad()), label);
+        if (wanted == 2) BOOST_TEST(!fused->weight.grad().defined(), label);
+      }
+    }
+  }
+}
+
+// Llama's attention: the softmax in fp32, cast back to q's type, over repeated key and value heads
+// (grouped queries). Recomputed in backward, it equals the plain expression bit for bit in fp32 and
+// bf16, and keeps no scores: the fp32 probabilities and their cast were 6 bytes per score in bf16.
+BOOST_AUTO_TEST_CASE(recomputed_fp32_softmax_attention_equals_the_plain_expression_bit_for_bit) {
+  const std::int64_t b = 2, heads = 4, kv_heads = 2, t = 9, hd = 8;
+  const auto blocked = torch::ones({t, t}).tril() == 0;
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    torch::manual_seed(13);
+    const auto q0 = torch::randn({b, heads, t, hd}).to(dtype), k0 = torch::randn({b, kv_heads, t, hd}).to(dtype);
+    const auto v0 = torch::randn({b, kv_heads, t, hd}).to(dtype), grad = torch::randn({b, heads, t, hd}).to(dtype);
+    std::vector<torch::Tensor> outs, leaves_grads;
+    std::vector<std::int64_t> kept;
+    for (const bool recomputed : {false, true}) {
+      const auto q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
+      torch::Tensor y;
+      const auto kx = k.repeat_interleave(heads / kv_heads, 1), vx = v.repeat_interleave(heads / kv_heads, 1);
+      {
+        CountedCpuAllocation counted;
+        if (recomputed) {
+          y = fsdp::app::attend(q, kx, vx, blocked, 0.35, 0.0, true, /*softmax_in_fp32=*/true);
+        } else {
+          const auto att = torch::softmax(fsdp::app::masked_scores(q, kx, 0.35, blocked), -1, torch::kFloat).to(dtype);
+          y = torch::matmul(att, vx);
+        }
+        kept.push_back(counted.live() - static_cast<std::int64_t>(y.nbytes()));
+      }
+      y.backward(grad);
+      outs.push_back(y);
+      for (const auto& leaf : {q, k, v}) leaves_grads.push_back(leaf.grad());
+    }
+    const auto label = dtype == torch::kFloat ? "fp32" : "bf16";
+    BOOST_TEST(torch::equal(outs[0], outs[1]), label);
+    for (std::size_t i = 0; i < 3; ++i) BOOST_TEST(torch::equal(leaves_grads[i], leaves_grads[i + 3]), label << ", input " << i);
+    const std::int64_t scores = b * heads * t * t;
+    BOOST_TEST(kept[1] == 0, label);  // q and the repeated k and v, which were there before
+    BOOST_TEST(kept[0] - kept[1] >= scores * (dtype == torch::kFloat ? 4 : 6), label);
+  }
+}
+
+// What the SwiGLU down projection spares: silu(gate) and the product (two intermediate-size tensors
+// per token), which Linear(silu(gate) * up) keeps.
+BOOST_AUTO_TEST_CASE(swiglu_linear_keeps_neither_the_silu_nor_the_product) {
+  torch::manual_seed(4);
+  torch::nn::Linear plain(torch::nn::LinearOptions(64, 16).bias(false));
+  fsdp::app::SwiGluLinear fused(64, 16);
+  const auto gate = torch::randn({4, 10, 64}).requires_grad_(), up = torch::randn({4, 10, 64}).requires_grad_();
+  auto kept_after = [](const std::function<torch::Tensor()>& forward) {
+    CountedCpuAllocation counted;
+    const auto out = forward();
+    return counted.live() - static_cast<std::int64_t>(out.nbytes());
+  };
+  const auto kept_plain = kept_after([&] { return plain->forward(torch::silu(gate) * up); });
+  const auto kept_fused = kept_after([&] { return fused->forward(gate, up); });
+  BOOST_TEST(kept_plain - kept_fused == 2 * static_cast<std::int64_t>(gate.nbytes()));
+  BOOST_TEST(kept_fused == 0);
+}
+
+// A whole Llama (grouped-query heads, untied): model.recompute_attention changes no bit of the loss or
+// of any gradient, in fp32 and with bf16 parameters.
+BOOST_AUTO_TEST_CASE(recompute_attention_changes_no_bit_of_the_llama) {
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    std::vector<std::vector<torch::Tensor>> grads;
+    std::vector<torch::Tensor> losses;
+    for (const bool recompute : {true, false}) {
+      fsdp::app::LlamaConfig c;
+      c.vocab_size = 50;
+      c.context = 12;
+      c.d_model = 32;
+      c.n_heads = 4;
+      c.n_kv_heads = 2;
+      c.head_dim = 8;
+      c.intermediate_size = 40;
+      c.n_layers = 2;
+      c.tie_embeddings = false;
+      c.recompute_attention = recompute;
+      torch::manual_seed(23);
+      auto llama = std::make_shared<fsdp::app::LlamaImpl>(c);
+      llama->to(dtype);
+      const auto idx = torch::randint(50, {3, 12}, torch::kLong);
+      const auto loss = llama->forward(idx).to(torch::kFloat).pow(2).mean();
+      loss.backward();
+      losses.push_back(loss.detach());
+      grads.emplace_back();
+      for (const auto& p : llama->parameters()) grads.back().push_back(p.grad().clone());
+    }
+    const auto label = dtype == torch::kFloat ? "fp32" : "bf16";
+    BOOST_TEST(torch::equal(losses[0], losses[1]), label);
+    for (std::size_t i = 0; i < grads[0].size(); ++i) BOOST_TEST(torch::equal(grads[0][i], grads[1][i]), label << ", parameter " << i);
+  }
+}

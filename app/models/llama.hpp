@@ -19,6 +19,7 @@
 #include "models/app_model.hpp"
 #include "models/attention.hpp"
 #include "models/documents.hpp"
+#include "models/recomputed.hpp"
 #include "models/llama_config.hpp"
 #include "run_config.hpp"
 
@@ -66,9 +67,10 @@ struct LlamaAttentionImpl : torch::nn::Module {
       v = v.repeat_interleave(c_.n_heads / c_.n_kv_heads, 1);
     }
     const auto& mask = cached ? KvCache::blocked(t, k.size(2) - t, x.device()) : documents_ ? documents_->blocked : blocked(t, x.device());
-    auto att = masked_scores(q, k, 1.0 / std::sqrt(static_cast<double>(hd)), mask);
-    att = torch::softmax(att, -1, torch::kFloat).to(q.scalar_type());
-    auto y = torch::matmul(att, v).transpose(1, 2).reshape({b, t, c_.q_width()});
+    // The softmax in fp32, as Hugging Face's; recomputed in backward with model.recompute_attention.
+    auto y = attend(q, k, v, mask, 1.0 / std::sqrt(static_cast<double>(hd)), /*p=*/0.0, c_.recompute_attention, /*softmax_in_fp32=*/true)
+                 .transpose(1, 2)
+                 .reshape({b, t, c_.q_width()});
     return fsdp::forward(o_proj, y);
   }
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
@@ -140,17 +142,21 @@ struct LlamaAttentionImpl : torch::nn::Module {
 };
 TORCH_MODULE(LlamaAttention);
 
-/// SwiGLU: down(silu(gate(x)) * up(x)).
+/// SwiGLU: down(silu(gate(x)) * up(x)); down_proj (SwiGluLinear) applies silu(gate) * up itself and
+/// recomputes it in backward.
 struct LlamaMlpImpl : torch::nn::Module {
   explicit LlamaMlpImpl(const LlamaConfig& c) : torch::nn::Module("LlamaMlp") {
     gate_proj = register_module("gate_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.intermediate_size).bias(false)));
     up_proj = register_module("up_proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.intermediate_size).bias(false)));
-    down_proj = register_module("down_proj", torch::nn::Linear(torch::nn::LinearOptions(c.intermediate_size, c.d_model).bias(false)));
+    down_proj = register_module("down_proj", SwiGluLinear(c.intermediate_size, c.d_model));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return fsdp::forward(down_proj, torch::silu(fsdp::forward(gate_proj, x)) * fsdp::forward(up_proj, x));
+    const auto gate = fsdp::forward(gate_proj, x);
+    const auto up = fsdp::forward(up_proj, x);
+    return fsdp::forward(down_proj, gate, up);
   }
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr};
+  SwiGluLinear down_proj{nullptr};
 };
 TORCH_MODULE(LlamaMlp);
 

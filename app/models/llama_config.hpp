@@ -14,6 +14,7 @@ struct LlamaConfig {
   std::int64_t n_heads = 4, n_kv_heads = 4, head_dim = 32, intermediate_size = 512;
   double norm_eps = 1e-5, rope_theta = 10000;
   bool attention_bias = false, tie_embeddings = true;
+  bool recompute_attention = true;  ///< attention's backward recomputes the probabilities (models/recomputed.hpp)
   RopeScaling rope_scaling = RopeScaling::kNone;
   double rope_scaling_factor = 8, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
   std::int64_t rope_original_context = 8192;
@@ -36,6 +37,7 @@ struct LlamaConfig {
     c.norm_eps = m.norm_eps;
     c.rope_theta = m.rope_theta;
     c.attention_bias = m.attention_bias;
+    c.recompute_attention = m.recompute_attention;
     c.tie_embeddings = m.tie_embeddings;
     c.rope_scaling = m.rope_scaling;
     c.rope_scaling_factor = m.rope_scaling_factor;

@@ -45,7 +45,8 @@ class LlamaFamily final : public ModelFamily {
       const int mlp = d.add(layer, "mlp", "LlamaMlp", "LlamaMlp");
       detail::describe_linear(d, mlp, "gate_proj", c.d_model, c.intermediate_size, false);
       detail::describe_linear(d, mlp, "up_proj", c.d_model, c.intermediate_size, false);
-      detail::describe_linear(d, mlp, "down_proj", c.intermediate_size, c.d_model, false);
+      const int down = d.add(mlp, "down_proj", "SwiGluLinear", "fsdp::app::SwiGluLinear");  // a Linear of silu(gate) * up
+      d.param(down, "weight", {c.d_model, c.intermediate_size});
     }
     rms_norm(d, model, "norm", c.d_model);
     const int head = d.add(root, "lm_head", "LmHead", "LmHead");
@@ -57,8 +58,9 @@ class LlamaFamily final : public ModelFamily {
 
   /// One layer saves (B batch, T context, D d_model, q = heads x head_dim, kv = kv heads x head_dim,
   /// I intermediate, h heads): its input, both norms' fp32 statistics and outputs, q, k and v before
-  /// and after the rotation, the repeated k and v, the scores and their fp32 softmax, the attention
-  /// output, and the MLP's gate, up, silu and product.
+  /// and after the rotation, the repeated k and v, the attention output (with
+  /// model.recompute_attention = false also the scores and their fp32 softmax), and the MLP's gate
+  /// and up (models/recomputed.hpp: the silu and the product are recomputed in backward).
   void trace(TraceBuilder& b, const ModelSection& m, std::int64_t batch, int eb, bool /*training: no dropout*/,
              bool /*cast_input: token ids*/) const override {
     constexpr int input = 0;
@@ -105,7 +107,7 @@ class LlamaFamily final : public ModelFamily {
     const long double V = ld(c.vocab_size), T = ld(c.context), D = ld(c.d_model), L = ld(c.n_layers), Q = ld(c.q_width()), KV = ld(c.kv_width()),
                       I = ld(c.intermediate_size), H = ld(c.n_heads);
     return {.params = V * D * (c.tie_embeddings ? 1 : 2) + L * (2 * D * Q + 2 * D * KV + 3 * D * I + 2 * D) + D,
-            .activations = batch * T * (L * (6 * D + 6 * Q + 2 * KV + 4 * I + 3 * H * T) + 2 * V),
+            .activations = batch * T * (L * (6 * D + 6 * Q + 2 * KV + 2 * I + (c.recompute_attention ? 0 : 3) * H * T) + 2 * V),
             .keys = "model.vocab_size, model.context, model.d_model, model.n_layers, model.n_heads, model.head_dim, model.intermediate_size"};
   }
 
@@ -184,11 +186,22 @@ class LlamaFamily final : public ModelFamily {
     const bool grouped = c.n_kv_heads != c.n_heads;
     const int kx = grouped ? b.op(s.q, {}, {kr}, {}, s.q + s.kv) : kr;  // repeat_interleave
     const int vx = grouped ? b.op(s.q, {}, {v}, {}, s.q + s.kv) : v;
-    const int sc = b.op(s.scores, {qr, kx}, {qr, kx}, {}, s.scores + 2 * s.q);         // q k^T, scaled, masked
-    const int sm = b.op(s.scores32, {}, {sc}, {}, 2 * s.scores32, /*save_out=*/true);  // fp32 softmax saves its result
-    const int pr = s.scores32 == s.scores ? sm : b.op(s.scores, {}, {}, {}, s.scores + s.scores32);
-    const int o = b.op(s.q, {pr, vx}, {pr, sm == pr ? -1 : sm, vx}, {}, s.scores + 2 * s.q);  // att v
-    const int y = b.op(s.q, {}, {o}, {}, 2 * s.q);                                            // transpose(1, 2).reshape
+    int o = -1;
+    if (c.recompute_attention) {
+      // attend (models/recomputed.hpp): the scores, their fp32 softmax and its cast live in forward
+      // only; it keeps q, k and v, and its backward computes them again (with matmul's copies of q and
+      // k) beside their gradients.
+      const int sc = b.op(s.scores, {}, {}, {}, 0);
+      const int sm = b.op(s.scores32, {}, {sc}, {}, 0);
+      const int pr = s.scores32 == s.scores ? sm : b.op(s.scores, {}, {sm}, {}, 0);
+      o = b.op(s.q, {qr, kx, vx}, {pr, qr, kx, vx}, {}, 2 * s.scores + 2 * s.scores32 + 5 * s.q);
+    } else {
+      const int sc = b.op(s.scores, {qr, kx}, {qr, kx}, {}, s.scores + 2 * s.q);         // q k^T, scaled, masked
+      const int sm = b.op(s.scores32, {}, {sc}, {}, 2 * s.scores32, /*save_out=*/true);  // fp32 softmax saves its result
+      const int pr = s.scores32 == s.scores ? sm : b.op(s.scores, {}, {}, {}, s.scores + s.scores32);
+      o = b.op(s.q, {pr, vx}, {pr, sm == pr ? -1 : sm, vx}, {}, s.scores + 2 * s.q);  // att v
+    }
+    const int y = b.op(s.q, {}, {o}, {}, 2 * s.q);  // transpose(1, 2).reshape
     const int ao = b.linear(at + ".o_proj", y, s.q, s.btd);
     b.drop({y, a});
     b.exit(at);
@@ -198,10 +211,13 @@ class LlamaFamily final : public ModelFamily {
     b.enter(mp, n);
     const int g = b.linear(mp + ".gate_proj", n, s.btd, s.mlp);
     const int u = b.linear(mp + ".up_proj", n, s.btd, s.mlp);
-    const int sg = b.op(s.mlp, {g}, {g}, {}, 2 * s.mlp);  // silu saves its input
-    const int pu = b.op(s.mlp, {sg, u}, {sg, u}, {}, 3 * s.mlp);
-    const int dn = b.linear(mp + ".down_proj", pu, s.mlp, s.btd);
-    b.drop({pu, n});
+    // down = linear(silu(g) * u) (SwiGluLinear) keeps g and u; in backward it computes silu(g) and the
+    // product again, beside the product's gradient and the gate's and up's.
+    b.enter(mp + ".down_proj", g);
+    const int pu = b.op(s.mlp, {}, {}, {}, 0);  // silu(g), multiplied by u in place
+    const int dn = b.op(s.btd, {g, u}, {pu, g, u}, {mp + ".down_proj.weight"}, 4 * s.mlp + s.btd);
+    b.exit(mp + ".down_proj");
+    b.drop({n});
     b.exit(mp);
     const int out = b.op(s.btd, {}, {dn, h, x}, {}, s.btd);  // residual
     b.exit(p);

@@ -57,7 +57,7 @@ inline std::vector<GemmShape> model_gemm_shapes(const ModelDesc& desc, std::int6
   };
   std::vector<Use> uses;
   for (const auto& m : desc.modules) {
-    if (m.type != "Linear" && m.type != "GeluLinear" && m.type != "LmHead") continue;
+    if (m.type != "Linear" && m.type != "GeluLinear" && m.type != "SwiGluLinear" && m.type != "LmHead") continue;
     for (const auto& p : m.params) {
       if (p.shape.size() != 2 || !p.name.ends_with("weight")) continue;
       GemmShape s{m.path, std::min(rows, kProbeMaxDim), std::min(p.shape[1], kProbeMaxDim), std::min(p.shape[0], kProbeMaxDim)};
