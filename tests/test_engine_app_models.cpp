@@ -441,12 +441,14 @@ BOOST_AUTO_TEST_CASE(recompute_attention_changes_no_bit_of_the_gpt) {
 }
 
 // Llama's MLP down projection applies silu(gate) * up itself and keeps gate and up only: the same
-// parameter, initialization draws, output and gradients as Linear(silu(gate) * up), bit for bit, also
-// with the weight frozen or the inputs constant (each gradient asked for alone).
+// parameter, initialization draws, output and gradients as Linear(silu(gate) * up), bit for bit, for
+// every gradient together and each alone (the others frozen or constant).
 BOOST_AUTO_TEST_CASE(swiglu_linear_equals_a_linear_of_silu_gate_times_up_bit_for_bit) {
   for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
     for (const bool batched : {true, false}) {
-      for (const int wanted : {0, 1, 2}) {  // 0: every gradient; 1: the weight's only; 2: the inputs' only
+      for (const std::string wanted : {"weight gate up", "weight", "gate up", "gate", "up"}) {
+        const bool weight_grad = wanted.find("weight") != std::string::npos, gate_grad = wanted.find("gate") != std::string::npos,
+                   up_grad = wanted.find("up") != std::string::npos;
         torch::manual_seed(6);
         torch::nn::Linear plain(torch::nn::LinearOptions(40, 12).bias(false));
         torch::manual_seed(6);
@@ -455,26 +457,28 @@ BOOST_AUTO_TEST_CASE(swiglu_linear_equals_a_linear_of_silu_gate_times_up_bit_for
         BOOST_TEST(!fused->bias.defined());
         plain->to(dtype);
         fused->to(dtype);
-        plain->weight.requires_grad_(wanted != 2);
-        fused->weight.requires_grad_(wanted != 2);
+        plain->weight.requires_grad_(weight_grad);
+        fused->weight.requires_grad_(weight_grad);
         const auto shape = batched ? std::vector<std::int64_t>{3, 7, 40} : std::vector<std::int64_t>{21, 40};
         const auto gate = torch::randn(shape).mul(3).to(dtype), up = torch::randn(shape).to(dtype);
         const auto grad = (batched ? torch::randn({3, 7, 12}) : torch::randn({21, 12})).to(dtype);
-        auto input = [&](const torch::Tensor& t) { return wanted == 1 ? t.clone() : t.clone().requires_grad_(); };
-        const auto gate_plain = input(gate), up_plain = input(up), gate_fused = input(gate), up_fused = input(up);
+        const auto gate_plain = gate.clone().requires_grad_(gate_grad), up_plain = up.clone().requires_grad_(up_grad);
+        const auto gate_fused = gate.clone().requires_grad_(gate_grad), up_fused = up.clone().requires_grad_(up_grad);
         const auto out_plain = plain->forward(torch::silu(gate_plain) * up_plain);
         const auto out_fused = fused->forward(gate_fused, up_fused);
-        const std::string label =
-            std::string(dtype == torch::kFloat ? "fp32" : "bf16") + (batched ? " 3-D" : " 2-D") + " case " + std::to_string(wanted);
+        const std::string label = std::string(dtype == torch::kFloat ? "fp32" : "bf16") + (batched ? " 3-D" : " 2-D") + ", gradients of " + wanted;
         BOOST_TEST(torch::equal(out_plain, out_fused), label);
         out_plain.backward(grad);
         out_fused.backward(grad);
-        if (wanted != 1) {
-          BOOST_TEST(torch::equal(gate_plain.grad(), gate_fused.grad()), label);
-          BOOST_TEST(torch::equal(up_plain.grad(), up_fused.grad()), label);
-        }
-        if (wanted != 2) BOOST_TEST(torch::equal(plain->weight.grad(), fused->weight.grad()), label);
-        if (wanted == 2) BOOST_TEST(!fused->weight.grad().defined(), label);
+        auto same_gradient = [&](bool asked, const torch::Tensor& a, const torch::Tensor& b) {
+          if (asked)
+            BOOST_TEST(torch::equal(a.grad(), b.grad()), label);
+          else
+            BOOST_TEST(!b.grad().defined(), label);
+        };
+        same_gradient(gate_grad, gate_plain, gate_fused);
+        same_gradient(up_grad, up_plain, up_fused);
+        same_gradient(weight_grad, plain->weight, fused->weight);
       }
     }
   }
@@ -487,35 +491,43 @@ BOOST_AUTO_TEST_CASE(recomputed_fp32_softmax_attention_equals_the_plain_expressi
   const std::int64_t b = 2, heads = 4, kv_heads = 2, t = 9, hd = 8;
   const auto blocked = torch::ones({t, t}).tril() == 0;
   for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
-    torch::manual_seed(13);
-    const auto q0 = torch::randn({b, heads, t, hd}).to(dtype), k0 = torch::randn({b, kv_heads, t, hd}).to(dtype);
-    const auto v0 = torch::randn({b, kv_heads, t, hd}).to(dtype), grad = torch::randn({b, heads, t, hd}).to(dtype);
-    std::vector<torch::Tensor> outs, leaves_grads;
-    std::vector<std::int64_t> kept;
-    for (const bool recomputed : {false, true}) {
-      const auto q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
-      torch::Tensor y;
-      const auto kx = k.repeat_interleave(heads / kv_heads, 1), vx = v.repeat_interleave(heads / kv_heads, 1);
-      {
-        CountedCpuAllocation counted;
-        if (recomputed) {
-          y = fsdp::app::attend(q, kx, vx, blocked, 0.35, 0.0, true, /*softmax_in_fp32=*/true);
-        } else {
-          const auto att = torch::softmax(fsdp::app::masked_scores(q, kx, 0.35, blocked), -1, torch::kFloat).to(dtype);
-          y = torch::matmul(att, vx);
+    for (const std::string wanted : {"qkv", "q", "v"}) {  // the inputs whose gradient backward computes
+      torch::manual_seed(13);
+      const auto q0 = torch::randn({b, heads, t, hd}).to(dtype), k0 = torch::randn({b, kv_heads, t, hd}).to(dtype);
+      const auto v0 = torch::randn({b, kv_heads, t, hd}).to(dtype), grad = torch::randn({b, heads, t, hd}).to(dtype);
+      std::vector<torch::Tensor> outs, leaves_grads;
+      std::vector<std::int64_t> kept;
+      auto asked = [&](char name) { return wanted.find(name) != std::string::npos; };
+      for (const bool recomputed : {false, true}) {
+        const auto q = q0.clone().requires_grad_(asked('q')), k = k0.clone().requires_grad_(asked('k')), v = v0.clone().requires_grad_(asked('v'));
+        torch::Tensor y;
+        const auto kx = k.repeat_interleave(heads / kv_heads, 1), vx = v.repeat_interleave(heads / kv_heads, 1);
+        {
+          CountedCpuAllocation counted;
+          if (recomputed) {
+            y = fsdp::app::attend(q, kx, vx, blocked, 0.35, 0.0, true, /*softmax_in_fp32=*/true);
+          } else {
+            const auto att = torch::softmax(fsdp::app::masked_scores(q, kx, 0.35, blocked), -1, torch::kFloat).to(dtype);
+            y = torch::matmul(att, vx);
+          }
+          kept.push_back(counted.live() - static_cast<std::int64_t>(y.nbytes()));
         }
-        kept.push_back(counted.live() - static_cast<std::int64_t>(y.nbytes()));
+        y.backward(grad);
+        outs.push_back(y);
+        for (const auto& leaf : {q, k, v}) leaves_grads.push_back(leaf.grad());
       }
-      y.backward(grad);
-      outs.push_back(y);
-      for (const auto& leaf : {q, k, v}) leaves_grads.push_back(leaf.grad());
+      const std::string label = std::string(dtype == torch::kFloat ? "fp32" : "bf16") + ", gradients of " + wanted;
+      BOOST_TEST(torch::equal(outs[0], outs[1]), label);
+      for (std::size_t i = 0; i < 3; ++i) {
+        if (asked("qkv"[i]))
+          BOOST_TEST(torch::equal(leaves_grads[i], leaves_grads[i + 3]), label << ", input " << i);
+        else
+          BOOST_TEST(!leaves_grads[i + 3].defined(), label << ", input " << i);
+      }
+      BOOST_TEST(kept[1] == 0, label);  // q and the repeated k and v, which were there before
+      const std::int64_t scores = b * heads * t * t;
+      if (wanted == "qkv") BOOST_TEST(kept[0] - kept[1] >= scores * (dtype == torch::kFloat ? 4 : 6), label);
     }
-    const auto label = dtype == torch::kFloat ? "fp32" : "bf16";
-    BOOST_TEST(torch::equal(outs[0], outs[1]), label);
-    for (std::size_t i = 0; i < 3; ++i) BOOST_TEST(torch::equal(leaves_grads[i], leaves_grads[i + 3]), label << ", input " << i);
-    const std::int64_t scores = b * heads * t * t;
-    BOOST_TEST(kept[1] == 0, label);  // q and the repeated k and v, which were there before
-    BOOST_TEST(kept[0] - kept[1] >= scores * (dtype == torch::kFloat ? 4 : 6), label);
   }
 }
 

@@ -115,7 +115,8 @@ class GptFamily final : public ModelFamily {
                       D = static_cast<long double>(c.d_model), L = static_cast<long double>(c.n_layers), R = static_cast<long double>(c.mlp_ratio),
                       H = static_cast<long double>(c.n_heads);
     return {.params = V * D * (c.tie_embeddings ? 1 : 2) + T * D + L * ((4 + 2 * R) * D * D + (9 + R) * D) + 2 * D,
-            .activations = batch * T * (L * (12 + R) * D + kept_scores(c) * L * H * T + 2 * V),
+            // The scores of one block exist in forward whether or not backward keeps them.
+            .activations = batch * T * (L * (12 + R) * D + kept_scores(c) * L * H * T + 3 * H * T + 2 * V),
             .keys = "model.vocab_size, model.context, model.d_model, model.n_layers, model.mlp_ratio"};
   }
 

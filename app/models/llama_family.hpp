@@ -107,7 +107,8 @@ class LlamaFamily final : public ModelFamily {
     const long double V = ld(c.vocab_size), T = ld(c.context), D = ld(c.d_model), L = ld(c.n_layers), Q = ld(c.q_width()), KV = ld(c.kv_width()),
                       I = ld(c.intermediate_size), H = ld(c.n_heads);
     return {.params = V * D * (c.tie_embeddings ? 1 : 2) + L * (2 * D * Q + 2 * D * KV + 3 * D * I + 2 * D) + D,
-            .activations = batch * T * (L * (6 * D + 6 * Q + 2 * KV + 2 * I + (c.recompute_attention ? 0 : 3) * H * T) + 2 * V),
+            // The scores of one layer exist in forward whether or not backward keeps them.
+            .activations = batch * T * (L * (6 * D + 6 * Q + 2 * KV + 2 * I + (c.recompute_attention ? 0 : 3) * H * T) + 3 * H * T + 2 * V),
             .keys = "model.vocab_size, model.context, model.d_model, model.n_layers, model.n_heads, model.head_dim, model.intermediate_size"};
   }
 
@@ -213,7 +214,7 @@ class LlamaFamily final : public ModelFamily {
     const int u = b.linear(mp + ".up_proj", n, s.btd, s.mlp);
     // down = linear(silu(g) * u) (SwiGluLinear) keeps g and u; in backward it computes silu(g) and the
     // product again, beside the product's gradient and the gate's and up's.
-    b.enter(mp + ".down_proj", g);
+    b.enter(mp + ".down_proj", {g, u});
     const int pu = b.op(s.mlp, {}, {}, {}, 0);  // silu(g), multiplied by u in place
     const int dn = b.op(s.btd, {g, u}, {pu, g, u}, {mp + ".down_proj.weight"}, 4 * s.mlp + s.btd);
     b.exit(mp + ".down_proj");

@@ -2,8 +2,8 @@
 // (app layer, LibTorch): GPT's GELU output (4 x d_model floats per token, which the output projection
 // kept for its weight's gradient beside the GELU's input), Llama's SwiGLU product and its silu (two of
 // the four intermediate-size tensors per token its MLP kept), and both decoders' attention
-// probabilities (heads x context floats per token, with the copies matmul made of q, k and v; Llama's
-// fp32 softmax twice that). The MLPs keep only their projections' outputs, which the plain expressions
+// probabilities (heads x context floats per token, with the copies matmul made of q, k and v; in bf16
+// Llama's fp32 softmax and its cast 6 bytes per score). The MLPs keep only their projections' outputs, which the plain expressions
 // keep too; attention keeps q, k and v in place of matmul's copies. The gradients are the plain
 // expressions', bit for bit. Activation memory per block falls by about a third. The MLPs' elementwise
 // recomputation costs no measurable time; the attention's (two small batched products and a softmax)

@@ -46,11 +46,14 @@ class TraceBuilder {
     t_.tensor_bytes.push_back(bytes);
     return static_cast<int>(t_.tensor_bytes.size()) - 1;
   }
-  void enter(const std::string& path, int input) {
+  void enter(const std::string& path, int input) { enter(path, std::vector<int>{input}); }
+  /// A module called with several tensors (activation checkpointing keeps them all).
+  void enter(const std::string& path, const std::vector<int>& inputs) {
     TraceOp op;
     op.kind = TraceOp::Kind::kEnter;
     op.module = module(path);
-    if (input >= 0) op.saves.push_back(input);
+    for (int input : inputs)
+      if (input >= 0) op.saves.push_back(input);
     t_.ops.push_back(std::move(op));
   }
   void exit(const std::string& path) {
