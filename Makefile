@@ -39,8 +39,9 @@ $(BUILD_DIR)/CMakeCache.txt: | deps
 build: $(BUILD_DIR)/CMakeCache.txt | deps
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
+# Tests run side by side up to the machine's cores, by the cores each declares (tests/CMakeLists.txt).
 test: build
-	cd $(BUILD_DIR) && ctest --output-on-failure -j 1
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 
 # The NCCL communicator's tests (docs/gpu.md): needs FSDP_WITH_NCCL (on when CUDA and NCCL are found);
 # without a CUDA device the ones that need it are reported as skipped ("Not Run"), never as passed, and

@@ -227,8 +227,12 @@ BOOST_AUTO_TEST_CASE(save_on_some_ranks_only_is_reported_not_a_hang) {
       BOOST_TEST(what.find("save_checkpoint") != std::string::npos, what);
     }
     BOOST_TEST(!fs::exists(dir / "latest"));
+    std::ofstream(dir / "rank0_gave_up").put('1');
   } else {
-    std::this_thread::sleep_for(std::chrono::seconds(2));
+    // Only once rank 0 has given up, however long a loaded machine keeps it: a barrier entered
+    // earlier would complete the save's own.
+    for (int i = 0; i < 6000 && !fs::exists(dir / "rank0_gave_up"); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    BOOST_TEST_REQUIRE(fs::exists(dir / "rank0_gave_up"));
     world.barrier_within(60, "matching the abandoned barrier");  // completes rank 0's pending one
   }
 }
