@@ -409,12 +409,29 @@ BOOST_AUTO_TEST_CASE(recomputed_parts_keep_less_for_backward) {
   BOOST_TEST(attn_dropout == b * heads * t * t);
 }
 
+// A decoder's loss (the logits squared, in fp32) on `idx` and every parameter's gradient after its backward.
+struct LossAndGradients {
+  torch::Tensor loss;
+  std::vector<torch::Tensor> gradients;
+};
+LossAndGradients loss_and_gradients(torch::nn::Module& model, const std::function<torch::Tensor()>& forward) {
+  LossAndGradients r{.loss = forward().to(torch::kFloat).pow(2).mean(), .gradients = {}};
+  r.loss.backward();
+  r.loss = r.loss.detach();
+  for (const auto& p : model.parameters()) r.gradients.push_back(p.grad().clone());
+  return r;
+}
+void expect_same_bits(const LossAndGradients& a, const LossAndGradients& b, const std::string& label) {
+  BOOST_TEST(torch::equal(a.loss, b.loss), label);
+  BOOST_TEST_REQUIRE(a.gradients.size() == b.gradients.size());
+  for (std::size_t i = 0; i < a.gradients.size(); ++i) BOOST_TEST(torch::equal(a.gradients[i], b.gradients[i]), label << ", parameter " << i);
+}
+
 // model.recompute_attention only changes what backward keeps: the GPT's loss and every gradient are
 // the same bits with it on (the default) and off, with dropout (the same random draws) and without.
 BOOST_AUTO_TEST_CASE(recompute_attention_changes_no_bit_of_the_gpt) {
   for (const double dropout : {0.0, 0.2}) {
-    std::vector<std::vector<torch::Tensor>> grads;
-    std::vector<torch::Tensor> losses;
+    std::vector<LossAndGradients> runs;
     for (const bool recompute : {true, false}) {
       fsdp::app::GptConfig c;
       c.vocab_size = 50;
@@ -428,15 +445,9 @@ BOOST_AUTO_TEST_CASE(recompute_attention_changes_no_bit_of_the_gpt) {
       auto gpt = std::make_shared<fsdp::app::GptImpl>(c);
       const auto idx = torch::randint(50, {3, 12}, torch::kLong);
       torch::manual_seed(22);
-      const auto loss = gpt->forward(idx).pow(2).mean();
-      loss.backward();
-      losses.push_back(loss.detach());
-      grads.emplace_back();
-      for (const auto& p : gpt->parameters()) grads.back().push_back(p.grad().clone());
+      runs.push_back(loss_and_gradients(*gpt, [&] { return gpt->forward(idx); }));
     }
-    BOOST_TEST(torch::equal(losses[0], losses[1]), "dropout " << dropout);
-    for (std::size_t i = 0; i < grads[0].size(); ++i)
-      BOOST_TEST(torch::equal(grads[0][i], grads[1][i]), "dropout " << dropout << ", parameter " << i);
+    expect_same_bits(runs[0], runs[1], "dropout " + std::to_string(dropout));
   }
 }
 
@@ -553,8 +564,7 @@ BOOST_AUTO_TEST_CASE(swiglu_linear_keeps_neither_the_silu_nor_the_product) {
 // of any gradient, in fp32 and with bf16 parameters.
 BOOST_AUTO_TEST_CASE(recompute_attention_changes_no_bit_of_the_llama) {
   for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
-    std::vector<std::vector<torch::Tensor>> grads;
-    std::vector<torch::Tensor> losses;
+    std::vector<LossAndGradients> runs;
     for (const bool recompute : {true, false}) {
       fsdp::app::LlamaConfig c;
       c.vocab_size = 50;
@@ -571,14 +581,8 @@ BOOST_AUTO_TEST_CASE(recompute_attention_changes_no_bit_of_the_llama) {
       auto llama = std::make_shared<fsdp::app::LlamaImpl>(c);
       llama->to(dtype);
       const auto idx = torch::randint(50, {3, 12}, torch::kLong);
-      const auto loss = llama->forward(idx).to(torch::kFloat).pow(2).mean();
-      loss.backward();
-      losses.push_back(loss.detach());
-      grads.emplace_back();
-      for (const auto& p : llama->parameters()) grads.back().push_back(p.grad().clone());
+      runs.push_back(loss_and_gradients(*llama, [&] { return llama->forward(idx); }));
     }
-    const auto label = dtype == torch::kFloat ? "fp32" : "bf16";
-    BOOST_TEST(torch::equal(losses[0], losses[1]), label);
-    for (std::size_t i = 0; i < grads[0].size(); ++i) BOOST_TEST(torch::equal(grads[0][i], grads[1][i]), label << ", parameter " << i);
+    expect_same_bits(runs[0], runs[1], dtype == torch::kFloat ? "fp32" : "bf16");
   }
 }
