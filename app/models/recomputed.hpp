@@ -3,11 +3,11 @@
 // kept for its weight's gradient beside the GELU's input), Llama's SwiGLU product and its silu (two of
 // the four intermediate-size tensors per token its MLP kept), and both decoders' attention
 // probabilities (heads x context floats per token, with the copies matmul made of q, k and v; in bf16
-// Llama's fp32 softmax and its cast 6 bytes per score). The MLPs keep only their projections' outputs, which the plain expressions
-// keep too; attention keeps q, k and v in place of matmul's copies. The gradients are the plain
-// expressions', bit for bit. Activation memory per block falls by about a third. The MLPs' elementwise
-// recomputation costs no measurable time; the attention's (two small batched products and a softmax)
-// 1-6% of a step, so model.recompute_attention can turn it off.
+// Llama's fp32 softmax and its cast take 6 bytes per score). The MLPs keep only their projections'
+// outputs, which the plain expressions keep too; attention keeps q, k and v in place of matmul's
+// copies. The gradients are the plain expressions', bit for bit. Activation memory per block falls by
+// about a third. The MLPs' elementwise recomputation costs no measurable time; the attention's (two
+// small batched products and a softmax) 1-8% of a step, so model.recompute_attention can turn it off.
 #pragma once
 
 #include <torch/torch.h>
