@@ -95,7 +95,7 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .default_value = true,
                .description = "transformer, llama: attention's backward computes the probabilities again from q, k and v instead of "
                               "keeping them from forward (heads x context scores per token and block less memory: 4 bytes each in fp32, "
-                              "a llama's 6 in bf16 (its fp32 softmax); the same bits; measured 1-6% more step time, the more the larger "
+                              "a llama's 6 in bf16 (its fp32 softmax); the same bits; measured 1-8% more step time, the more the larger "
                               "context / d_model)"});
   s.push_back({.key = "model.n_kv_heads",
                .type = T::kInt,
