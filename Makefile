@@ -65,7 +65,7 @@ run: $(BUILD_DIR)/CMakeCache.txt | deps
 # Builds only what it runs.
 .PHONY: bench
 bench: $(BUILD_DIR)/CMakeCache.txt | deps
-	cmake --build $(BUILD_DIR) -j $(JOBS) --target fsdp-train fsdp-plan fsdp_mpi_bandwidth fsdp_ckpt_bench
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target bench_programs
 	/usr/bin/python3 bench/run_bench.py
 	@# Memory at default settings, 134M GPT at 4 ranks (~6 min; not in the quick run; BENCH_LEAN=0 skips it).
 	@if [ "$${BENCH_QUICK:-0}" = 0 ] && [ "$${BENCH_LEAN:-1}" != 0 ]; then bash bench/lean_memory.sh; fi
