@@ -57,7 +57,7 @@ if(rc)
   message(FATAL_ERROR "configure of the ${name} build failed: ${rc}")
 endif()
 # One target that depends on the suites (FSDP_BUILD_GROUP), so that make compiles them side by side:
-# `--target A B` builds A, then B, each alone (the ASan build took 325 s so and 180 s side by side).
+# `--target A B` builds A, then B, each alone (the ASan build took 325 s that way, 180 s with build_group).
 execute_process(COMMAND ${CMAKE_COMMAND} --build ${WORK_DIR} --target build_group -j 2 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(rc)
   message(FATAL_ERROR "${name} build failed: ${rc}\n${out}\n${err}")
