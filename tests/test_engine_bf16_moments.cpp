@@ -1,6 +1,7 @@
 // Adam and AdamW with bf16 moments (fsdp::optim::Bf16MomentsAdam, optim.state_dtype = "bf16"): the
 // stochastic rounding, the state's bytes, how close it tracks fp32 moments, and that every strategy at
-// every world size equals single-process training with the same optimizer (whole-model error).
+// every world size equals single-process training with the same optimizer (whole-model error). And the
+// fp32 one-pass Adam and AdamW (fsdp::optim::OnePassAdam, fsdp-train's default): LibTorch's update.
 #include <boost/test/unit_test.hpp>
 
 #include "engine_harness.hpp"
@@ -301,4 +302,111 @@ BOOST_AUTO_TEST_CASE(bf16_moments_refuse_what_they_cannot_update) {
                         [](const fsdp::ConfigError& e) { return std::string(e.what()).find("dense fp32 CPU gradient") != std::string::npos; });
   BOOST_TEST(torch::equal(a.detach(), torch::ones({3})));
   BOOST_TEST(opt.state().empty());
+}
+
+namespace {
+
+/// Where ATen runs its AVX2 or AVX-512 kernels, whose add and addcmul contract into fused
+/// multiply-adds as fsdp::optim::OnePassAdam does; elsewhere the two agree to rounding.
+bool aten_kernels_fuse_multiply_add() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+/// `steps` steps of `Ours` and of `Torch` from the same parameters and gradients; checks that both
+/// end with the same parameters and state (bit for bit where ATen fuses, see above).
+template <class Ours, class Torch, class Options>
+void check_same_steps_as_torch(const Options& options, int steps, const std::string& what) {
+  BOOST_TEST_CONTEXT(what) {
+    auto gen = at::detail::createCPUGenerator(5);
+    // Sizes with vector tails, a parameter without a gradient, two groups.
+    const std::vector<std::int64_t> sizes = {1, 7, 100003, 33};
+    std::vector<torch::Tensor> ours_params, torch_params;
+    for (auto n : sizes) {
+      auto init = torch::randn({n}, gen);
+      ours_params.push_back(init.clone().requires_grad_());
+      torch_params.push_back(init.clone().requires_grad_());
+    }
+    auto group_of = [&](std::vector<torch::Tensor>& ps) {
+      Options second = options;
+      second.lr(options.lr() * 0.5);
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      groups.emplace_back(std::vector<torch::Tensor>{ps[0], ps[1], ps[3]});
+      groups.emplace_back(std::vector<torch::Tensor>{ps[2]}, std::make_unique<Options>(second));
+      return groups;
+    };
+    Ours ours(group_of(ours_params), options);
+    Torch reference(group_of(torch_params), options);
+    for (int step = 0; step < steps; ++step) {
+      for (std::size_t i = 0; i < sizes.size() - 1; ++i) {
+        const auto g = torch::randn({sizes[i]}, gen) * (step % 3 == 0 ? 1e-3 : 1.0);
+        ours_params[i].mutable_grad() = g.clone();
+        torch_params[i].mutable_grad() = g.clone();
+      }
+      ours.step();
+      reference.step();
+    }
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      const auto& p = ours_params[i];
+      const auto& q = torch_params[i];
+      if (aten_kernels_fuse_multiply_add())
+        BOOST_TEST(torch::equal(p, q), "parameter " << i);
+      else
+        BOOST_TEST(relative_error_of_model({{"p", p.detach()}}, {{"p", q.detach()}}) < 1e-6);
+      const bool has_state = ours.state().count(fsdp::optimizer_state_key(p)) == 1;
+      BOOST_TEST(has_state == (reference.state().count(fsdp::optimizer_state_key(q)) == 1));
+      if (!has_state) continue;
+      const auto got = fsdp::optimizer_state_view(*ours.state().at(fsdp::optimizer_state_key(p)));
+      const auto want = fsdp::optimizer_state_view(*reference.state().at(fsdp::optimizer_state_key(q)));
+      BOOST_TEST(got.step == want.step);
+      BOOST_REQUIRE_EQUAL(got.tensors.size(), want.tensors.size());
+      for (std::size_t k = 0; k < got.tensors.size(); ++k) {
+        BOOST_TEST(got.tensors[k].first == want.tensors[k].first);
+        BOOST_TEST(got.tensors[k].second.scalar_type() == torch::kFloat);
+        if (aten_kernels_fuse_multiply_add()) BOOST_TEST(torch::equal(got.tensors[k].second, want.tensors[k].second), got.tensors[k].first);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(one_pass_adam_is_libtorchs_update_bit_for_bit) {
+  using fsdp::optim::OnePassAdamL2;
+  using fsdp::optim::OnePassAdamW;
+  // One thread: each element's update reads that element alone, so where parallel_for splits cannot
+  // change it; and ThreadSanitizer cannot see libgomp's barriers once an earlier case made its pool.
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  check_same_steps_as_torch<OnePassAdamW, torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).weight_decay(0.1), 12,
+                                                               "AdamW with decay");
+  check_same_steps_as_torch<OnePassAdamW, torch::optim::AdamW>(torch::optim::AdamWOptions(3e-4).weight_decay(0), 12, "AdamW without decay");
+  check_same_steps_as_torch<OnePassAdamL2, torch::optim::Adam>(torch::optim::AdamOptions(1e-2).betas({0.8, 0.99}).weight_decay(0.1).eps(1e-6), 12,
+                                                               "Adam with L2");
+  check_same_steps_as_torch<OnePassAdamL2, torch::optim::Adam>(torch::optim::AdamOptions(1e-3), 12, "Adam");
+  at::set_num_threads(threads);
+}
+
+BOOST_AUTO_TEST_CASE(one_pass_adam_leaves_what_it_does_not_cover_to_libtorch) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);  // as above
+  // amsgrad: LibTorch's own step, max_exp_avg_sq and all.
+  check_same_steps_as_torch<fsdp::optim::OnePassAdamW, torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2).weight_decay(0.1).amsgrad(true), 5,
+                                                                            "AdamW with amsgrad");
+  // A double parameter beside a float one: the whole step is LibTorch's, the same bits.
+  auto a = torch::ones({5}).requires_grad_(), b = torch::ones({5}, torch::kDouble).requires_grad_();
+  auto c = a.detach().clone().requires_grad_(), d = b.detach().clone().requires_grad_();
+  fsdp::optim::OnePassAdamW ours({a, b}, torch::optim::AdamWOptions(1e-1).weight_decay(0.1));
+  torch::optim::AdamW reference({c, d}, torch::optim::AdamWOptions(1e-1).weight_decay(0.1));
+  for (int step = 1; step <= 3; ++step) {
+    a.mutable_grad() = torch::full({5}, 0.5 * step);
+    c.mutable_grad() = torch::full({5}, 0.5 * step);
+    b.mutable_grad() = torch::full({5}, -0.25 * step, torch::kDouble);
+    d.mutable_grad() = torch::full({5}, -0.25 * step, torch::kDouble);
+    ours.step();
+    reference.step();
+  }
+  BOOST_TEST(torch::equal(a, c));
+  BOOST_TEST(torch::equal(b, d));
+  // It is a torch::optim::AdamW: the checkpoint code names it so and keeps its state in fp32.
+  BOOST_TEST(fsdp::optimizer_kind(ours) == "AdamW");
+  BOOST_TEST(fsdp::optimizer_state_dtype(ours, a) == torch::kFloat);
+  at::set_num_threads(threads);
 }

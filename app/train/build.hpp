@@ -115,8 +115,10 @@ inline Placement::Gpu probe_gpu() {
 }
 
 /// The optimizer of the deck. With optim.no_decay, adamw runs without decay of its own: the
-/// WeightDecayMask (weight_decay.hpp) applies it, element by element, before each step. With
-/// optim.state_dtype = bf16, adam and adamw keep their moments in bf16 (fsdp::optim::Bf16MomentsAdam).
+/// WeightDecayMask (weight_decay.hpp) applies it, element by element, before each step. adam and adamw
+/// update each shard in one pass (fsdp::optim::OnePassAdam: LibTorch's update, bit for bit where ATen
+/// runs its AVX2 or AVX-512 kernels); with optim.state_dtype = bf16 they keep their moments in bf16
+/// (fsdp::optim::Bf16MomentsAdam).
 template <class Engine>
 inline std::unique_ptr<torch::optim::Optimizer> build_optimizer(const RunConfig& cfg, Engine& model) {
   const double lr = cfg.optim.lr, wd = cfg.optim.no_decay.empty() ? cfg.optim.weight_decay : 0.0;
@@ -129,12 +131,12 @@ inline std::unique_ptr<torch::optim::Optimizer> build_optimizer(const RunConfig&
     case OptimizerKind::kAdam: {
       const auto options = torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd);
       if (bf16_moments) return std::make_unique<fsdp::optim::AdamBf16Moments>(params, options, fsdp::optim::places_in_units(model));
-      return std::make_unique<torch::optim::Adam>(params, options);
+      return std::make_unique<fsdp::optim::OnePassAdamL2>(params, options);
     }
     case OptimizerKind::kAdamW: {
       const auto options = torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).weight_decay(wd);
       if (bf16_moments) return std::make_unique<fsdp::optim::AdamWBf16Moments>(params, options, fsdp::optim::places_in_units(model));
-      return std::make_unique<torch::optim::AdamW>(params, options);
+      return std::make_unique<fsdp::optim::OnePassAdamW>(params, options);
     }
     case OptimizerKind::kAdadelta: break;
   }

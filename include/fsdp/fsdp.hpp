@@ -19,6 +19,7 @@
 #include "fsdp/torch/fully_sharded.hpp"
 #include "fsdp/torch/hooks.hpp"
 #include "fsdp/torch/optim/adadelta.hpp"
+#include "fsdp/torch/optim/one_pass_adam.hpp"
 #include "fsdp/torch/optim_state.hpp"
 #include "fsdp/torch/wrap_policy.hpp"
 #include "fsdp/version.hpp"
