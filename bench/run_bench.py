@@ -17,6 +17,8 @@ build/bench/logs). Environment knobs (defaults in brackets; BENCH_QUICK=1 change
   BENCH_CKPT [1]                0: skip the checkpoint benchmark
   BENCH_CKPT_ARGS ["--width 2048 --layers 8 --reps 3"; quick "--width 1024 --layers 4 --reps 1"]
   BENCH_OUT [build/bench]
+  BENCH_SINGLE_COPY [probed]    default: Open MPI's single-copy mechanism between a node's ranks (CMA), as users' jobs get
+                                it; none: every message through vader's queues. Unset: default where a 2-rank probe runs cleanly
   BENCH_REPORT_ONLY [0]         1: run nothing; rebuild results.md/json from the runs and logs an earlier (interrupted) run left in BENCH_OUT
 
 Every run: `mpirun -np N` of build/bin/fsdp-train DECK --set ... or of /usr/bin/python3 bench/train_peer.py
@@ -162,12 +164,20 @@ def runs_config(model, np_, cfg):
     return cfg[0] not in SIZED_ONLY
 
 
+# Open MPI's single-copy mechanism between ranks of a node (vader's CMA here), as users' jobs get it by
+# default; "none" (every message through the shared-memory queues, two copies) only where a probe shows
+# the kernel refusing it (a container without ptrace rights: vader then aborts the job). main() sets it.
+SINGLE_COPY = "none"
+
+
 def base_env(threads):
     env = dict(os.environ)
+    env.pop("OMPI_MCA_btl_vader_single_copy_mechanism", None)
+    if SINGLE_COPY == "none":
+        env["OMPI_MCA_btl_vader_single_copy_mechanism"] = "none"
     env.update({
         "OMPI_MCA_mpi_yield_when_idle": "1",  # ranks that wait give up the core (needed when oversubscribed)
         "OMPI_MCA_btl": "self,vader",
-        "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
         "OMP_NUM_THREADS": str(threads),
         # libgomp's idle threads otherwise spin on the cores OpenBLAS's threads compute on (fsdp-train sets
         # this for itself when unset; the peer gets the same: docs/performance.md, "Two thread pools").
@@ -183,6 +193,28 @@ def base_env(threads):
 
 def sh(cmd, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+def probe_single_copy():
+    """Open MPI's default single-copy mechanism ("default") where 2 ranks exchange 4 MiB with it cleanly,
+    "none" where they cannot; BENCH_SINGLE_COPY=default|none decides instead. Both sides of every pair
+    run with the same setting (gloo, DDP's transport, does not use it)."""
+    forced = os.environ.get("BENCH_SINGLE_COPY")
+    if forced:
+        if forced not in ("default", "none"):
+            sys.exit(f"run_bench.py: BENCH_SINGLE_COPY={forced}: expected default or none")
+        return forced
+    out = os.path.join(OUT, "single_copy_probe.json")
+    cmd = MPIRUN + ["-np", "2", os.path.join(BIN, "fsdp_mpi_bandwidth"), "--sizes", str(1 << 20), "--reps", "3", "--warmup", "1",
+                    "--min-seconds", "0.01", "--out", out]
+    env = dict(os.environ, OMPI_MCA_btl="self,vader", OMPI_MCA_mpi_yield_when_idle="1")
+    env.pop("OMPI_MCA_btl_vader_single_copy_mechanism", None)
+    try:
+        p = sh(cmd, cwd=ROOT, env=env, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "none"
+    refused = p.returncode != 0 or "errno" in p.stderr.lower() or "process_vm" in p.stderr.lower()
+    return "none" if refused else "default"
 
 
 def log(msg):
@@ -599,6 +631,9 @@ def write_report(results):
     md.append(f"- {f.get('cpu', '?')}, {f['cores']} cores, {f.get('memory_gib', '?')} GiB, Linux {f['kernel']}; {f['date_utc']}; "
               f"load average {results['loadavg_start']} at the start, {results['loadavg_end']} at the end (the machine is shared)")
     md.append(f"- commit {f['commit']}; torch {f.get('torch_version', '?')} (Python {f.get('python_version', '?')}); {f['mpirun']}")
+    md.append("- Open MPI between ranks: btl self,vader, single-copy mechanism " +
+              ("Open MPI's default (CMA here), as a user's job gets it" if f.get("single_copy") == "default" else
+               "none (every message through the shared-memory queues: the probe or BENCH_SINGLE_COPY=none)"))
     md.append(f"- BLAS: libblas.so.3 -> {f['libblas.so.3']}; fsdp-train links {', '.join(f['fsdp_train_libs'])}; "
               f"python torch links {', '.join(f['python_torch_libs'])}; mapped in the peer: {', '.join(results.get('peer_blas') or ['?'])}")
     md.append(f"- threads: run.threads = torch.set_num_threads = OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = max(1, {f['cores']} / ranks): "
@@ -798,7 +833,14 @@ def main():
     steps = {m: env_int("BENCH_STEPS", 4 if QUICK else MODELS[m]["steps"]) for m in MODEL_NAMES}
     for m in MODEL_NAMES:
         MODELS[m]["steps"] = steps[m]
+    global SINGLE_COPY
+    if REPORT_ONLY:  # what the earlier run used
+        earlier = os.path.join(OUT, "results.json")
+        SINGLE_COPY = json.load(open(earlier)).get("machine", {}).get("single_copy", "none") if os.path.exists(earlier) else "none"
+    else:
+        SINGLE_COPY = probe_single_copy()
     facts = machine_facts()
+    facts["single_copy"] = SINGLE_COPY
     la_start = loadavg()
     configs = [c for c in CONFIGS if TORCH_FSDP or c[1] != "torch-fsdp"]
     plan = [(m, n, c) for m in MODEL_NAMES for n in NPS for c in configs if runs_config(m, n, c)]

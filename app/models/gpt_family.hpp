@@ -183,7 +183,7 @@ class GptFamily final : public ModelFamily {
       b.aux(btd);
       b.aux(btd);
       const int s1 = b.op(scores, {}, {s0}, {}, 2 * scores + btd);        // / sqrt(hd)
-      const int s2 = b.op(scores, {}, {s1}, {}, 2 * scores + btd);        // masked_fill
+      const int s2 = b.op(scores, {}, {s1}, {}, 2 * scores + btd);        // the mask added
       const int pr = b.op(scores, {}, {s2}, {}, 2 * scores + btd, true);  // softmax saves its result
       int pd = pr;
       if (p > 0) {
