@@ -306,14 +306,33 @@ BOOST_AUTO_TEST_CASE(bf16_moments_refuse_what_they_cannot_update) {
 
 namespace {
 
-/// Where ATen runs its AVX2 or AVX-512 kernels, whose add and addcmul contract into fused
-/// multiply-adds as fsdp::optim::OnePassAdam does; elsewhere the two agree to rounding.
-bool aten_kernels_fuse_multiply_add() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+/// Where ATen runs its vectorized (AVX2 or AVX-512) kernels, whose add and addcmul contract into fused
+/// multiply-adds as fsdp::optim::OnePassAdam does; with its scalar ones the two agree to rounding.
+/// ATen picks AVX2 and up where the CPU has AVX2 and FMA, unless ATEN_CPU_CAPABILITY=default.
+bool aten_kernels_fuse_multiply_add() {
+  const char* capability = std::getenv("ATEN_CPU_CAPABILITY");
+  if (capability && std::string(capability) == "default") return false;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/// at::set_num_threads(n) until the end of the scope, whatever ends it.
+struct AtenThreads {
+  explicit AtenThreads(int n) : before(at::get_num_threads()) { at::set_num_threads(n); }
+  ~AtenThreads() { at::set_num_threads(before); }
+  AtenThreads(const AtenThreads&) = delete;
+  AtenThreads& operator=(const AtenThreads&) = delete;
+  int before;
+};
+
+/// Version-counter increments of each moment per step: the one pass bumps each once; LibTorch's
+/// mul_ and add_ (addcmul_) twice. Which path ran, seen from outside.
+constexpr std::int64_t kOnePassWrites = 1, kLibTorchWrites = 2;
 
 /// `steps` steps of `Ours` and of `Torch` from the same parameters and gradients; checks that both
-/// end with the same parameters and state (bit for bit where ATen fuses, see above).
+/// end with the same parameters and state (bit for bit where ATen fuses, see above) and that `Ours`
+/// took the path `writes_per_step` says (kOnePassWrites or kLibTorchWrites).
 template <class Ours, class Torch, class Options>
-void check_same_steps_as_torch(const Options& options, int steps, const std::string& what) {
+void check_same_steps_as_torch(const Options& options, int steps, std::int64_t writes_per_step, const std::string& what) {
   BOOST_TEST_CONTEXT(what) {
     auto gen = at::detail::createCPUGenerator(5);
     // Sizes with vector tails, a parameter without a gradient, two groups.
@@ -351,16 +370,21 @@ void check_same_steps_as_torch(const Options& options, int steps, const std::str
       else
         BOOST_TEST(relative_error_of_model({{"p", p.detach()}}, {{"p", q.detach()}}) < 1e-6);
       const bool has_state = ours.state().count(fsdp::optimizer_state_key(p)) == 1;
+      BOOST_TEST(has_state == (i + 1 < sizes.size()), "parameter " << i << ": a state exactly where a gradient came");
       BOOST_TEST(has_state == (reference.state().count(fsdp::optimizer_state_key(q)) == 1));
       if (!has_state) continue;
       const auto got = fsdp::optimizer_state_view(*ours.state().at(fsdp::optimizer_state_key(p)));
       const auto want = fsdp::optimizer_state_view(*reference.state().at(fsdp::optimizer_state_key(q)));
-      BOOST_TEST(got.step == want.step);
+      BOOST_TEST(got.step == steps);
+      BOOST_TEST(want.step == steps);
       BOOST_REQUIRE_EQUAL(got.tensors.size(), want.tensors.size());
       for (std::size_t k = 0; k < got.tensors.size(); ++k) {
-        BOOST_TEST(got.tensors[k].first == want.tensors[k].first);
-        BOOST_TEST(got.tensors[k].second.scalar_type() == torch::kFloat);
-        if (aten_kernels_fuse_multiply_add()) BOOST_TEST(torch::equal(got.tensors[k].second, want.tensors[k].second), got.tensors[k].first);
+        const auto& [name, tensor] = got.tensors[k];
+        BOOST_TEST(name == want.tensors[k].first);
+        BOOST_TEST(tensor.scalar_type() == torch::kFloat);
+        if (name == "exp_avg" || name == "exp_avg_sq")
+          BOOST_TEST(tensor._version() == writes_per_step * steps, name << " of parameter " << i << ": the path taken");
+        if (aten_kernels_fuse_multiply_add()) BOOST_TEST(torch::equal(tensor, want.tensors[k].second), name);
       }
     }
   }
@@ -373,40 +397,74 @@ BOOST_AUTO_TEST_CASE(one_pass_adam_is_libtorchs_update_bit_for_bit) {
   using fsdp::optim::OnePassAdamW;
   // One thread: each element's update reads that element alone, so where parallel_for splits cannot
   // change it; and ThreadSanitizer cannot see libgomp's barriers once an earlier case made its pool.
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
+  const AtenThreads one(1);
   check_same_steps_as_torch<OnePassAdamW, torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).weight_decay(0.1), 12,
-                                                               "AdamW with decay");
-  check_same_steps_as_torch<OnePassAdamW, torch::optim::AdamW>(torch::optim::AdamWOptions(3e-4).weight_decay(0), 12, "AdamW without decay");
+                                                               kOnePassWrites, "AdamW with decay");
+  check_same_steps_as_torch<OnePassAdamW, torch::optim::AdamW>(torch::optim::AdamWOptions(3e-4).weight_decay(0), 12, kOnePassWrites,
+                                                               "AdamW without decay");
   check_same_steps_as_torch<OnePassAdamL2, torch::optim::Adam>(torch::optim::AdamOptions(1e-2).betas({0.8, 0.99}).weight_decay(0.1).eps(1e-6), 12,
-                                                               "Adam with L2");
-  check_same_steps_as_torch<OnePassAdamL2, torch::optim::Adam>(torch::optim::AdamOptions(1e-3), 12, "Adam");
-  at::set_num_threads(threads);
+                                                               kOnePassWrites, "Adam with L2");
+  check_same_steps_as_torch<OnePassAdamL2, torch::optim::Adam>(torch::optim::AdamOptions(1e-3), 12, kOnePassWrites, "Adam");
 }
 
 BOOST_AUTO_TEST_CASE(one_pass_adam_leaves_what_it_does_not_cover_to_libtorch) {
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);  // as above
+  const AtenThreads one(1);  // as above
   // amsgrad: LibTorch's own step, max_exp_avg_sq and all.
   check_same_steps_as_torch<fsdp::optim::OnePassAdamW, torch::optim::AdamW>(torch::optim::AdamWOptions(1e-2).weight_decay(0.1).amsgrad(true), 5,
-                                                                            "AdamW with amsgrad");
-  // A double parameter beside a float one: the whole step is LibTorch's, the same bits.
-  auto a = torch::ones({5}).requires_grad_(), b = torch::ones({5}, torch::kDouble).requires_grad_();
-  auto c = a.detach().clone().requires_grad_(), d = b.detach().clone().requires_grad_();
-  fsdp::optim::OnePassAdamW ours({a, b}, torch::optim::AdamWOptions(1e-1).weight_decay(0.1));
-  torch::optim::AdamW reference({c, d}, torch::optim::AdamWOptions(1e-1).weight_decay(0.1));
-  for (int step = 1; step <= 3; ++step) {
-    a.mutable_grad() = torch::full({5}, 0.5 * step);
-    c.mutable_grad() = torch::full({5}, 0.5 * step);
-    b.mutable_grad() = torch::full({5}, -0.25 * step, torch::kDouble);
-    d.mutable_grad() = torch::full({5}, -0.25 * step, torch::kDouble);
-    ours.step();
-    reference.step();
+                                                                            kLibTorchWrites, "AdamW with amsgrad");
+  // A step holding one parameter the pass cannot take is LibTorch's for every parameter, the same bits:
+  // a double parameter, a gradient that is not contiguous.
+  const std::vector<std::string> cases = {"a double parameter", "a non-contiguous gradient"};
+  for (const auto& odd : cases) {
+    BOOST_TEST_CONTEXT(odd) {
+      auto a = torch::linspace(-1, 1, 12).view({3, 4}).requires_grad_();
+      auto b = (odd == "a double parameter" ? torch::ones({4, 3}, torch::kDouble) : torch::ones({4, 3})).requires_grad_();
+      auto c = a.detach().clone().requires_grad_(), d = b.detach().clone().requires_grad_();
+      fsdp::optim::OnePassAdamW ours({a, b}, torch::optim::AdamWOptions(1e-1).weight_decay(0.1));
+      torch::optim::AdamW reference({c, d}, torch::optim::AdamWOptions(1e-1).weight_decay(0.1));
+      for (int step = 1; step <= 3; ++step) {
+        const auto ga = torch::full({3, 4}, 0.5 * step);
+        a.mutable_grad() = ga.clone();
+        c.mutable_grad() = ga.clone();
+        const auto gb = odd == "a non-contiguous gradient" ? torch::full({3, 4}, -0.25 * step).t() : torch::full({4, 3}, -0.25 * step, b.options());
+        BOOST_TEST(gb.is_contiguous() == (odd != "a non-contiguous gradient"));
+        b.mutable_grad() = gb.clone();
+        d.mutable_grad() = gb.clone();
+        ours.step();
+        reference.step();
+      }
+      BOOST_TEST(torch::equal(a, c));
+      BOOST_TEST(torch::equal(b, d));
+      const auto state_a = fsdp::optimizer_state_view(*ours.state().at(fsdp::optimizer_state_key(a)));
+      BOOST_TEST(state_a.tensors[0].second._version() == 3 * kLibTorchWrites, "the fp32 parameter's step was LibTorch's too");
+    }
   }
-  BOOST_TEST(torch::equal(a, c));
-  BOOST_TEST(torch::equal(b, d));
-  // It is a torch::optim::AdamW: the checkpoint code names it so and keeps its state in fp32.
-  BOOST_TEST(fsdp::optimizer_kind(ours) == "AdamW");
-  BOOST_TEST(fsdp::optimizer_state_dtype(ours, a) == torch::kFloat);
-  at::set_num_threads(threads);
+  // It is a torch::optim::AdamW: the checkpoint code names it so.
+  fsdp::optim::OnePassAdamW named({torch::zeros({2}).requires_grad_()}, torch::optim::AdamWOptions(1e-3));
+  BOOST_TEST(fsdp::optimizer_kind(named) == "AdamW");
+}
+
+// A closure that makes the gradients runs before the pass looks at them: here they are the first
+// gradients of a double parameter, which the pass must leave to LibTorch.
+BOOST_AUTO_TEST_CASE(one_pass_adam_runs_the_closure_before_it_checks_the_gradients) {
+  const AtenThreads one(1);
+  auto p = torch::linspace(-1, 1, 10, torch::kDouble).requires_grad_();
+  auto q = p.detach().clone().requires_grad_();
+  fsdp::optim::OnePassAdamL2 ours({p}, torch::optim::AdamOptions(1e-2).weight_decay(0.01));
+  torch::optim::Adam reference({q}, torch::optim::AdamOptions(1e-2).weight_decay(0.01));
+  auto closure_of = [](torch::optim::Optimizer& opt, const torch::Tensor& x) {
+    return [&opt, x] {
+      opt.zero_grad();
+      auto l = (x * x).sum();
+      l.backward();
+      return l;
+    };
+  };
+  for (int step = 0; step < 3; ++step) {
+    BOOST_TEST(ours.step(closure_of(ours, p)).defined(), "the closure's loss comes back");
+    reference.step(closure_of(reference, q));
+  }
+  BOOST_TEST(torch::equal(p, q));
+  const auto state = fsdp::optimizer_state_view(*ours.state().at(fsdp::optimizer_state_key(p)));
+  BOOST_TEST(state.tensors[0].second._version() == 3 * kLibTorchWrites, "LibTorch's step ran");
 }

@@ -1,10 +1,12 @@
 // Adam and AdamW with fp32 moments in one pass over each parameter (torch layer). LibTorch's
 // torch::optim::Adam and AdamW run eight to ten element-wise kernels per parameter (decay, two for
-// each moment, sqrt, divide, add, addcdiv) and allocate two shard-sized temporaries; this reads the
+// each moment, sqrt, divide, add, addcdiv) and allocate two shard-sized temporaries (three for Adam's
+// L2 decay); this reads the
 // parameter, its gradient and both moments once and writes three of them once. Each element gets
 // ATen's own arithmetic in ATen's order, with a fused multiply-add where ATen's vectorized add and
-// addcmul kernels have one, so where ATen runs its AVX2 or AVX-512 kernels the update is LibTorch's
-// bit for bit (tests/test_engine_bf16_moments.cpp); on a CPU without FMA, to rounding. The state is
+// addcmul kernels have one, so where ATen runs its vectorized kernels the update is LibTorch's bit for
+// bit (tests/test_engine_bf16_moments.cpp: measured on AVX-512 and AVX2); with ATen's scalar kernels
+// (a CPU without AVX2, ATEN_CPU_CAPABILITY=default), to rounding. The state is
 // LibTorch's (fp32 exp_avg and exp_avg_sq), so checkpoints move freely between the two.
 #pragma once
 
@@ -28,6 +30,7 @@ namespace detail {
 /// The per-step constants of one parameter's fp32 update, each as ATen rounds its scalar to float.
 struct OnePassAdamStep {
   float decay_factor, l2, b1, one_minus_b1, b2, one_minus_b2, bias_correction2_sqrt, eps, minus_step_size;
+  bool add_l2;  ///< Adam with weight_decay != 0 (its float may round to 0: ATen still adds 0 * p)
 };
 
 // As bf16_moments_update: a plain loop the compiler vectorizes, no contraction beyond the explicit
@@ -40,8 +43,8 @@ inline void
 one_pass_adam_update(const OnePassAdamStep c, float* __restrict param, const float* __restrict g, float* __restrict m, float* __restrict v,
                      std::int64_t begin, std::int64_t end) {
   for (std::int64_t i = begin; i < end; ++i) {
-    const float x = param[i] * c.decay_factor;                    // AdamW: p.mul_(1 - lr wd)
-    const float gi = c.l2 != 0 ? std::fma(x, c.l2, g[i]) : g[i];  // Adam: grad.add(p, wd) where wd != 0
+    const float x = param[i] * c.decay_factor;                   // AdamW: p.mul_(1 - lr wd)
+    const float gi = c.add_l2 ? std::fma(x, c.l2, g[i]) : g[i];  // Adam: grad.add(p, wd) where wd != 0
     const float mi = std::fma(gi, c.one_minus_b1, m[i] * c.b1);
     const float vi = std::fma(c.one_minus_b2 * gi, gi, v[i] * c.b2);  // addcmul: self + value * t1 * t2, contracted
     const float denom = std::sqrt(vi) / c.bias_correction2_sqrt + c.eps;
@@ -53,10 +56,11 @@ one_pass_adam_update(const OnePassAdamStep c, float* __restrict param, const flo
 
 }  // namespace detail
 
-/// torch::optim::Adam or torch::optim::AdamW updating each fp32 CPU parameter in one pass
-/// (optim.fused, on by default in fsdp-train). It is one of them: its options, state, optimizer_kind()
-/// and checkpoints are theirs. Where a step holds anything the pass does not cover (amsgrad, a
-/// parameter on a GPU or not in fp32, a sparse gradient) the whole step is LibTorch's own.
+/// torch::optim::Adam or torch::optim::AdamW updating each fp32 CPU parameter in one pass (fsdp-train's
+/// adam and adamw). It is one of them: its options, state, optimizer_kind() and checkpoints are
+/// theirs. Where a step holds anything the pass does not cover (amsgrad, a parameter on a GPU or not in
+/// fp32, a gradient that is sparse or not contiguous, a state of another dtype or shape) the whole step
+/// is LibTorch's own.
 template <class TorchAdam>
 class OnePassAdam : public TorchAdam {
   static constexpr bool kDecoupled = std::is_same_v<TorchAdam, torch::optim::AdamW>;
@@ -70,12 +74,15 @@ class OnePassAdam : public TorchAdam {
   OnePassAdam(std::vector<torch::optim::OptimizerParamGroup> groups, const Options& defaults) : TorchAdam(std::move(groups), defaults) {}
 
   torch::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr) override {
-    if (!one_pass_covers_step()) return TorchAdam::step(std::move(closure));
     torch::NoGradGuard no_grad;
     torch::Tensor loss;
-    if (closure) {
+    if (closure) {  // first: it may make the gradients the check below looks at
       at::AutoGradMode enable_grad(true);
       loss = closure();
+    }
+    if (!one_pass_covers_step()) {
+      TorchAdam::step(nullptr);
+      return loss;
     }
     for (auto& group : this->param_groups()) {
       const auto& o = static_cast<const Options&>(group.options());
@@ -100,7 +107,7 @@ class OnePassAdam : public TorchAdam {
         const auto it = this->state().find(torch_compat::optimizer_state_key(p));
         if (it == this->state().end()) continue;
         const auto& s = static_cast<const State&>(*it->second);
-        if (!fp32_cpu(s.exp_avg()) || !fp32_cpu(s.exp_avg_sq()) || s.exp_avg().numel() != p.numel() || s.exp_avg_sq().numel() != p.numel())
+        if (!fp32_cpu(s.exp_avg()) || !fp32_cpu(s.exp_avg_sq()) || s.exp_avg().sizes() != p.sizes() || s.exp_avg_sq().sizes() != p.sizes())
           return false;
       }
     }
@@ -137,7 +144,8 @@ class OnePassAdam : public TorchAdam {
                                     static_cast<float>(1 - beta2),
                                     static_cast<float>(std::sqrt(bias_correction2)),
                                     static_cast<float>(o.eps()),
-                                    static_cast<float>(-(o.lr() / bias_correction1))};
+                                    static_cast<float>(-(o.lr() / bias_correction1)),
+                                    !kDecoupled && wd != 0};
     float* const param = p.template data_ptr<float>();
     const float* const g = p.grad().template data_ptr<float>();
     float* const m = s.exp_avg().template data_ptr<float>();
