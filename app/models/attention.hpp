@@ -14,13 +14,15 @@ namespace fsdp::app {
 /// which broadcasts over the heads): ATen's masked_fill_ with a broadcast bool mask takes as long as
 /// the product itself and its backward another pass, where a vectorized add takes a tenth and passes
 /// the gradient through. The scores are the same bits (x + 0 = x, x + -inf = -inf); the softmax's
-/// gradient is already zero where it is blocked. The product's backward needs q and k only.
+/// gradient is already zero where it is blocked. In fp16 a blocked score may overflow to inf, which
+/// the add would turn into NaN: fp16 keeps masked_fill_. The product's backward needs q and k only.
 /// (baddbmm's alpha would spare the pass over q too, but LibTorch 1.13's small-matrix path reads its
 /// input even at beta 0.)
 inline torch::Tensor masked_scores(const torch::Tensor& q, const torch::Tensor& k, double scale, const torch::Tensor& blocked) {
-  const torch::Tensor minus_inf_where_blocked =
-      torch::zeros(blocked.sizes(), q.options()).masked_fill_(blocked, -std::numeric_limits<float>::infinity());
-  return torch::matmul(q * scale, k.transpose(-2, -1)).add_(minus_inf_where_blocked);
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  torch::Tensor scores = torch::matmul(q * scale, k.transpose(-2, -1));
+  if (scores.scalar_type() == torch::kHalf) return scores.masked_fill_(blocked, kMinusInf);
+  return scores.add_(torch::zeros(blocked.sizes(), q.options()).masked_fill_(blocked, kMinusInf));
 }
 
 }  // namespace fsdp::app
