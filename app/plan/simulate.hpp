@@ -490,13 +490,13 @@ class RunSimulator {
       if (u.numel == 0) continue;
       const std::int64_t bytes = optimized_elements(u) * 4;
       if (first && !state_created_ahead()) create_optimizer_state(u);  // LibTorch's first step, parameter by parameter
-      if (run_.state_element_bytes == 2) continue;                     // bf16 moments: one pass per element, no temporaries
-      const bool l2 = run_.weight_decay && run_.optimizer != OptimizerKind::kAdamW;
-      int wd = l2 ? mem_.alloc(Mem::kStepTemps, bytes) : -1;
-      if (run_.optimizer == OptimizerKind::kAdam || run_.optimizer == OptimizerKind::kAdamW || run_.optimizer == OptimizerKind::kAdadelta) {
+      // Adam and AdamW update in one pass per element (fsdp::optim::OnePassAdam, and the bf16-moment
+      // Adams): no temporaries. SGD's and Adadelta's L2 decay makes grad + wd p.
+      if (run_.optimizer == OptimizerKind::kAdam || run_.optimizer == OptimizerKind::kAdamW) continue;
+      int wd = run_.weight_decay ? mem_.alloc(Mem::kStepTemps, bytes) : -1;
+      if (run_.optimizer == OptimizerKind::kAdadelta) {
         int t1 = mem_.alloc(Mem::kStepTemps, bytes);  // sqrt()
-        int t2 = mem_.alloc(Mem::kStepTemps, bytes);  // / sqrt(bias_correction2)  (adadelta: the delta)
-        if (run_.optimizer != OptimizerKind::kAdadelta) mem_.free(t1);
+        int t2 = mem_.alloc(Mem::kStepTemps, bytes);  // the delta
         mem_.free(t2);
         mem_.free(t1);
       }
