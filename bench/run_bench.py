@@ -196,9 +196,10 @@ def sh(cmd, **kw):
 
 
 def probe_single_copy():
-    """Open MPI's default single-copy mechanism ("default") where 2 ranks exchange 4 MiB with it cleanly,
-    "none" where they cannot; BENCH_SINGLE_COPY=default|none decides instead. Both sides of every pair
-    run with the same setting (gloo, DDP's transport, does not use it)."""
+    """Open MPI's default single-copy mechanism ("default") where 2 ranks exchange 4 MiB with CMA asked
+    for by name, so that a refusal shows (left to its default, vader falls back to two copies silently);
+    "none" where they cannot. BENCH_SINGLE_COPY=default|none decides instead. Both sides of every pair
+    run with the same setting (gloo, DDP's transport, does not use it). Logged in logs/single_copy_probe.log."""
     forced = os.environ.get("BENCH_SINGLE_COPY")
     if forced:
         if forced not in ("default", "none"):
@@ -207,13 +208,14 @@ def probe_single_copy():
     out = os.path.join(OUT, "single_copy_probe.json")
     cmd = MPIRUN + ["-np", "2", os.path.join(BIN, "fsdp_mpi_bandwidth"), "--sizes", str(1 << 20), "--reps", "3", "--warmup", "1",
                     "--min-seconds", "0.01", "--out", out]
-    env = dict(os.environ, OMPI_MCA_btl="self,vader", OMPI_MCA_mpi_yield_when_idle="1")
-    env.pop("OMPI_MCA_btl_vader_single_copy_mechanism", None)
+    env = dict(os.environ, OMPI_MCA_btl="self,vader", OMPI_MCA_mpi_yield_when_idle="1", OMPI_MCA_btl_vader_single_copy_mechanism="cma")
     try:
         p = sh(cmd, cwd=ROOT, env=env, timeout=120)
+        text, refused = p.stdout + p.stderr, p.returncode != 0 or "errno" in p.stderr.lower()
     except subprocess.TimeoutExpired:
-        return "none"
-    refused = p.returncode != 0 or "errno" in p.stderr.lower() or "process_vm" in p.stderr.lower()
+        text, refused = "timed out after 120 s", True
+    with open(os.path.join(OUT, "logs", "single_copy_probe.log"), "w") as f:
+        f.write("$ OMPI_MCA_btl_vader_single_copy_mechanism=cma " + " ".join(cmd) + "\n" + text)
     return "none" if refused else "default"
 
 
@@ -631,9 +633,10 @@ def write_report(results):
     md.append(f"- {f.get('cpu', '?')}, {f['cores']} cores, {f.get('memory_gib', '?')} GiB, Linux {f['kernel']}; {f['date_utc']}; "
               f"load average {results['loadavg_start']} at the start, {results['loadavg_end']} at the end (the machine is shared)")
     md.append(f"- commit {f['commit']}; torch {f.get('torch_version', '?')} (Python {f.get('python_version', '?')}); {f['mpirun']}")
-    md.append("- Open MPI between ranks: btl self,vader, single-copy mechanism " +
-              ("Open MPI's default (CMA here), as a user's job gets it" if f.get("single_copy") == "default" else
-               "none (every message through the shared-memory queues: the probe or BENCH_SINGLE_COPY=none)"))
+    md.append("- Open MPI between the training runs' ranks: btl self,vader, single-copy mechanism " +
+              {"default": "Open MPI's default (CMA works here), as a user's job gets it",
+               "none": "none (every message through the shared-memory queues: the probe or BENCH_SINGLE_COPY=none)"}.get(
+                  f.get("single_copy"), "not recorded") + "; the checkpoint and memory scripts run with none")
     md.append(f"- BLAS: libblas.so.3 -> {f['libblas.so.3']}; fsdp-train links {', '.join(f['fsdp_train_libs'])}; "
               f"python torch links {', '.join(f['python_torch_libs'])}; mapped in the peer: {', '.join(results.get('peer_blas') or ['?'])}")
     md.append(f"- threads: run.threads = torch.set_num_threads = OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = max(1, {f['cores']} / ranks): "
@@ -834,11 +837,13 @@ def main():
     for m in MODEL_NAMES:
         MODELS[m]["steps"] = steps[m]
     global SINGLE_COPY
-    if REPORT_ONLY:  # what the earlier run used
-        earlier = os.path.join(OUT, "results.json")
-        SINGLE_COPY = json.load(open(earlier)).get("machine", {}).get("single_copy", "none") if os.path.exists(earlier) else "none"
+    chosen = os.path.join(OUT, "single_copy.txt")  # what the runs used, for a later BENCH_REPORT_ONLY=1
+    if REPORT_ONLY:
+        SINGLE_COPY = open(chosen).read().strip() if os.path.exists(chosen) else "unknown"
     else:
         SINGLE_COPY = probe_single_copy()
+        with open(chosen, "w") as f:
+            f.write(SINGLE_COPY + "\n")
     facts = machine_facts()
     facts["single_copy"] = SINGLE_COPY
     la_start = loadavg()
