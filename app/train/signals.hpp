@@ -84,6 +84,9 @@ class TerminateDumper {
     }
   }
   static void dump(fsdp::FlightRecorder& recorder) {
+    // Said first, before the recorder's file: mpirun's or Slurm's SIGKILL may follow within a second.
+    if (recorder.rank() == 0)
+      std::fprintf(stderr, "fsdp-train: SIGTERM received: the step ends, a checkpoint is saved, exit 3 (unless the job is killed first)\n");
     const auto waiting = recorder.oldest_unfinished();
     const auto path = recorder.dump();
     if (path && waiting)  // a rank inside a collective at SIGTERM: the likely sign that a peer is gone
