@@ -105,6 +105,15 @@ bf16_moments_update(const Bf16MomentsStep c, float* __restrict param, const floa
   }
 }
 
+/// The LibTorch types that go with torch::optim::Adam or AdamW (decoupled: AdamW's decay).
+template <class TorchAdam>
+struct AdamTypes {
+  static constexpr bool kDecoupled = std::is_same_v<TorchAdam, torch::optim::AdamW>;
+  static_assert(kDecoupled || std::is_same_v<TorchAdam, torch::optim::Adam>);
+  using Options = std::conditional_t<kDecoupled, torch::optim::AdamWOptions, torch::optim::AdamOptions>;
+  using State = std::conditional_t<kDecoupled, torch::optim::AdamWParamState, torch::optim::AdamParamState>;
+};
+
 }  // namespace detail
 
 /// torch::optim::Adam or torch::optim::AdamW with bf16 moments. It is one of them (optimizer_kind()
@@ -112,12 +121,11 @@ bf16_moments_update(const Bf16MomentsStep c, float* __restrict param, const floa
 /// loads into either setting. CPU parameters in fp32 only; amsgrad is not supported.
 template <class TorchAdam>
 class Bf16MomentsAdam : public TorchAdam {
-  static constexpr bool kDecoupled = std::is_same_v<TorchAdam, torch::optim::AdamW>;
-  static_assert(kDecoupled || std::is_same_v<TorchAdam, torch::optim::Adam>);
+  static constexpr bool kDecoupled = detail::AdamTypes<TorchAdam>::kDecoupled;
 
  public:
-  using Options = std::conditional_t<kDecoupled, torch::optim::AdamWOptions, torch::optim::AdamOptions>;
-  using State = std::conditional_t<kDecoupled, torch::optim::AdamWParamState, torch::optim::AdamParamState>;
+  using Options = typename detail::AdamTypes<TorchAdam>::Options;
+  using State = typename detail::AdamTypes<TorchAdam>::State;
   static constexpr c10::ScalarType kStateDtype = c10::ScalarType::BFloat16;
 
   Bf16MomentsAdam(std::vector<torch::Tensor> params, const Options& defaults, PlaceOfParameter place_of = {})

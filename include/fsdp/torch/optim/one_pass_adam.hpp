@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/torch/optim/bf16_moments_adam.hpp"  // FSDP_BF16_MOMENTS_CLONES: where function clones work
+#include "fsdp/torch/optim/bf16_moments_adam.hpp"  // FSDP_BF16_MOMENTS_CLONES, detail::AdamTypes
 #include "fsdp/torch/torch_compat.hpp"
 
 namespace fsdp::optim {
@@ -63,12 +63,11 @@ one_pass_adam_update(const OnePassAdamStep c, float* __restrict param, const flo
 /// is LibTorch's own.
 template <class TorchAdam>
 class OnePassAdam : public TorchAdam {
-  static constexpr bool kDecoupled = std::is_same_v<TorchAdam, torch::optim::AdamW>;
-  static_assert(kDecoupled || std::is_same_v<TorchAdam, torch::optim::Adam>);
+  static constexpr bool kDecoupled = detail::AdamTypes<TorchAdam>::kDecoupled;
 
  public:
-  using Options = std::conditional_t<kDecoupled, torch::optim::AdamWOptions, torch::optim::AdamOptions>;
-  using State = std::conditional_t<kDecoupled, torch::optim::AdamWParamState, torch::optim::AdamParamState>;
+  using Options = typename detail::AdamTypes<TorchAdam>::Options;
+  using State = typename detail::AdamTypes<TorchAdam>::State;
 
   OnePassAdam(std::vector<torch::Tensor> params, const Options& defaults) : TorchAdam(std::move(params), defaults) {}
   OnePassAdam(std::vector<torch::optim::OptimizerParamGroup> groups, const Options& defaults) : TorchAdam(std::move(groups), defaults) {}
