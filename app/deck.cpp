@@ -451,7 +451,8 @@ Deck Deck::parse(const std::string& text, const std::string& path, const std::ve
   return deck;
 }
 
-Deck Deck::from_file(const std::string& path, const std::vector<std::string>& overrides) {
+std::string Deck::read_text(const std::string& path) {
+  // A folder opens as a stream that reads nothing: it would be an empty deck, the default job.
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) throw DeckError("cannot read deck '" + path + "': it is a folder, not a file");
   std::ifstream in(path, std::ios::binary);
@@ -459,8 +460,10 @@ Deck Deck::from_file(const std::string& path, const std::vector<std::string>& ov
   std::ostringstream text;
   text << in.rdbuf();
   if (in.bad()) throw DeckError("cannot read deck '" + path + "': read error");
-  return parse(text.str(), path, overrides);
+  return text.str();
 }
+
+Deck Deck::from_file(const std::string& path, const std::vector<std::string>& overrides) { return parse(read_text(path), path, overrides); }
 
 void Deck::apply_overrides(const std::vector<std::string>& overrides, const std::string& label, Source s) {
   Deck next = *this;

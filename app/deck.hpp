@@ -103,7 +103,9 @@ class Deck {
   /// A --set value is parsed as a TOML value; if that fails (or the key is a string key and the
   /// value is not a TOML string) the bare text is the string.
   static Deck parse(const std::string& text, const std::string& path, const std::vector<std::string>& overrides = {});
-  /// Reads and parses the file; a missing or unreadable file is a DeckError naming it.
+  /// The text of the deck file at `path`; a missing or unreadable file, or a folder, is a DeckError naming it.
+  static std::string read_text(const std::string& path);
+  /// Reads and parses the file; a missing or unreadable file, or a folder, is a DeckError naming it.
   static Deck from_file(const std::string& path, const std::vector<std::string>& overrides = {});
 
   /// Applies more "section.key=value" overrides like --set does (messages say `label`, e.g. "--grid"),

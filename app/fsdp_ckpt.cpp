@@ -186,8 +186,15 @@ int main(int argc, char** argv) {
       "diff", "per tensor: max |A-B| and max |A-B| / max |B|; exit 0 if every tensor has max |A-B| <= atol + rtol * max |B|, else 1");
   diff->add_option("A", a, "checkpoint file, or folder with `latest`")->required();
   diff->add_option("B", b, "checkpoint file, or folder with `latest`")->required();
-  diff->add_option("--atol,--tolerance", atol, "absolute tolerance (default 0: identical)")->check(CLI::NonNegativeNumber);
-  diff->add_option("--rtol", rtol, "relative tolerance, against the tensor's max |B| (default 0)")->check(CLI::NonNegativeNumber);
+  // CLI::NonNegativeNumber's message spells out DBL_MAX in 309 digits.
+  const CLI::Validator non_negative(
+      [](const std::string& text) {
+        double x = -1;
+        return CLI::detail::lexical_cast(text, x) && x >= 0 ? std::string() : "'" + text + "' is not a number >= 0";
+      },
+      "NUMBER >= 0");
+  diff->add_option("--atol,--tolerance", atol, "absolute tolerance (default 0: identical)")->check(non_negative);
+  diff->add_option("--rtol", rtol, "relative tolerance, against the tensor's max |B| (default 0)")->check(non_negative);
 
   std::string export_dtype, export_names = "native", max_shard_size;
   auto* exporter = app.add_subcommand("export", "the model's parameters and buffers as a safetensors file (PyTorch, Hugging Face)");
@@ -206,7 +213,11 @@ int main(int argc, char** argv) {
                        "<stem>.safetensors.index.json (\"500MB\", \"2GiB\", bytes; \"0\": one file; default: 5GB for a folder, "
                        "one file for an OUT ending in .safetensors)");
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help: 0; a bad command line is bad input, as in the other tools
+  }
   try {
     if (*inspect) return inspect_command(path, show_deck);
     if (*verify) return verify_command(path);

@@ -11,10 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <set>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,14 +29,6 @@ namespace {
 
 constexpr int kExitFailure = 1;
 constexpr int kExitBadInput = 2;
-
-std::string read_text_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw DeckError("cannot read deck '" + path + "'");  // fsdp-train's message
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 double mib(std::int64_t bytes) { return static_cast<double>(bytes) / 1048576.0; }
 
@@ -256,7 +246,7 @@ void print_largest_fitting(const ModelSection& model, const std::vector<Strategy
 
 int plan(const std::string& deck_path, const std::vector<std::string>& overrides, int np, int ranks_per_node, double memory_gib, double baseline_mib,
          double heap_factor, bool list_units) {
-  const std::string text = read_text_file(deck_path);
+  const std::string text = Deck::read_text(deck_path);
   const Deck deck = Deck::parse(text, deck_path, overrides);
   const RunConfig cfg = resolve_run_config(deck, plan_placement(np, ranks_per_node));
   const ModelSection& shape = cfg.model;

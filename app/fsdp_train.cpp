@@ -15,10 +15,8 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -55,19 +53,11 @@ const char* malloc_conf = "oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms
 
 namespace {
 
-std::string read_text_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw DeckError("cannot read deck '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 /// The deck: rank 0 reads it, every rank parses the same text (and so fails the same way).
 Deck read_deck(MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides) {
   std::string text;
   on_all_ranks(world, [&] {
-    if (world.rank() == 0) text = read_text_file(deck_path);
+    if (world.rank() == 0) text = Deck::read_text(deck_path);
   });
   text = fsdp::broadcast_string(world, text);
   std::optional<Deck> parsed;
@@ -189,6 +179,7 @@ int main(int argc, char** argv) {
   wait_passively_in_openmp(argv);
   // Called as fsdp-generate (a link to this program): text from a trained model instead of training.
   const bool generating = std::filesystem::path(argv[0]).filename() == "fsdp-generate";
+  const char* const program = generating ? "fsdp-generate" : "fsdp-train";  // the name its messages start with
   CLI::App cli{generating ? "fsdp-generate: continue a prompt with the model of a deck (its latest checkpoint, checkpoint.resume's, or "
                             "checkpoint.init_from), sharded over the ranks"
                           : "fsdp-train: train a model with Fully Sharded Data Parallel from a TOML input deck",
@@ -238,7 +229,7 @@ int main(int argc, char** argv) {
     try {
       return check_plan_model(deck_path, overrides);
     } catch (const fsdp::ConfigError& e) {
-      std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+      std::fprintf(stderr, "%s: error: %s\n", program, e.what());
       return kExitBadInput;
     }
   }
@@ -248,7 +239,7 @@ int main(int argc, char** argv) {
     // MPI_THREAD_MULTIPLE: prefetched all-gathers run on the engine's collective worker thread.
     env = std::make_unique<fsdp::MpiEnvironment>(&argc, &argv, MPI_THREAD_MULTIPLE);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "fsdp-train: error: %s\n", e.what());
+    std::fprintf(stderr, "%s: error: %s\n", program, e.what());
     return kExitFailure;
   }
   auto world = MpiComm::world();
@@ -256,12 +247,12 @@ int main(int argc, char** argv) {
     return run(world, deck_path, overrides, dry_run, eval_only, generating ? &g : nullptr);
   } catch (const RankError& e) {
     // Agreed between all ranks: rank 0 reports, everyone exits.
-    if (world.rank() == 0) std::fprintf(stderr, e.code == kExitStopped ? "fsdp-train: %s\n" : "fsdp-train: error: %s\n", e.what());
+    if (world.rank() == 0) std::fprintf(stderr, e.code == kExitStopped ? "%s: %s\n" : "%s: error: %s\n", program, e.what());
     return e.code ? e.code : e.bad_input ? kExitBadInput : kExitFailure;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "fsdp-train: error on rank %d: %s\n", world.rank(), e.what());
+    std::fprintf(stderr, "%s: error on rank %d: %s\n", program, world.rank(), e.what());
     if (const auto path = fsdp::FlightRecorder::instance().dump())
-      std::fprintf(stderr, "fsdp-train: rank %d's last collectives: %s\n", world.rank(), path->c_str());
+      std::fprintf(stderr, "%s: rank %d's last collectives: %s\n", program, world.rank(), path->c_str());
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, kExitFailure);  // other ranks may be waiting in a collective
     return kExitFailure;

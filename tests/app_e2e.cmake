@@ -93,11 +93,38 @@ run(2 ${train2} ${WORK_DIR}/missing.toml)
 expect_in("${last_output}" "missing.toml")
 run(2 ${train2} ${DECK} --set fsdp.backward_prefetch=SOMETIMES)
 expect_in("${last_output}" "fsdp.backward_prefetch")
+# A folder given as the deck (runs/a for runs/a/deck.toml) would read as an empty deck: the default job.
+run(2 ${train2} ${WORK_DIR}/smoke --set run.out_dir=${WORK_DIR}/folder_deck)
+expect_in("${last_output}" "cannot read deck '[^']*smoke': it is a folder, not a file")
+if(EXISTS ${WORK_DIR}/folder_deck)
+  message(FATAL_ERROR "a folder given as the deck started a run in ${WORK_DIR}/folder_deck")
+endif()
+# fsdp-ckpt: a bad command line is bad input (exit 2), as in the other tools.
+run(2 ${CKPT_TOOL} verify)
+run(2 ${CKPT_TOOL} verify ${WORK_DIR}/smoke/checkpoints --bogus)
+run(2 ${CKPT_TOOL} diff ${WORK_DIR}/smoke/checkpoints ${WORK_DIR}/smoke/checkpoints --atol -1)
+expect_in("${last_output}" "'-1' is not a number >= 0")
 # A run directory or the `latest` file given as a checkpoint is named as what it is.
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/from_run --set checkpoint.init_from=${WORK_DIR}/smoke)
 expect_in("${last_output}" "checkpoint.init_from: '[^']*smoke' is a run directory, not a checkpoint; its checkpoints are in '[^']*smoke/checkpoints'")
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/from_latest --set checkpoint.resume=${WORK_DIR}/smoke/checkpoints/latest)
 expect_in("${last_output}" "checkpoint.resume: '[^']*latest' is the pointer file `latest`, not a checkpoint")
+
+# 5b. A damaged `latest`: --eval-only falls back to the newest checkpoint that loads, as a resume does,
+#     and moves nothing; fsdp-ckpt given the folder names `latest` and the checkpoints there.
+file(MAKE_DIRECTORY ${WORK_DIR}/damaged)
+file(COPY ${WORK_DIR}/smoke/checkpoints DESTINATION ${WORK_DIR}/damaged)
+file(WRITE ${WORK_DIR}/damaged/checkpoints/latest "garbage\n")
+file(GLOB damaged_before RELATIVE ${WORK_DIR}/damaged/checkpoints ${WORK_DIR}/damaged/checkpoints/*)
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/damaged --eval-only)
+expect_in("${last_output}" "warning: skipped checkpoint latest: holds 'garbage', not a checkpoint name; trying every checkpoint, newest first")
+expect_in("${last_output}" "eval-only: [^\n]*damaged/checkpoints/step_0*24\\.h5 \\(step 24\\)")
+file(GLOB damaged_after RELATIVE ${WORK_DIR}/damaged/checkpoints ${WORK_DIR}/damaged/checkpoints/*)
+if(NOT damaged_before STREQUAL damaged_after)
+  message(FATAL_ERROR "--eval-only changed the checkpoint folder: ${damaged_before} -> ${damaged_after}")
+endif()
+run(2 ${CKPT_TOOL} verify ${WORK_DIR}/damaged/checkpoints)
+expect_in("${last_output}" "latest' holds 'garbage', not a checkpoint name: it names no checkpoint to read; name one of the checkpoints there instead \\(newest first: step_0*24\\.h5")
 
 # 6. A rerun of a finished job trains nothing and keeps its summary; a deck of another model in the
 #    same folder is refused instead of silently starting a second run there.
@@ -197,6 +224,14 @@ if(GNUPLOT)
   endforeach()
   run(2 ${PLOT} ${WORK_DIR}/nowhere)
   expect_in("${last_output}" "nowhere/metrics.csv not found")
+  # A run before its first logged step: a message, and no PNG left under its name.
+  file(STRINGS ${WORK_DIR}/smoke/metrics.csv header LIMIT_COUNT 1)
+  file(WRITE ${WORK_DIR}/no_rows/metrics.csv "${header}\n")
+  run(2 ${PLOT} ${WORK_DIR}/no_rows)
+  expect_in("${last_output}" "no_rows/metrics.csv has no logged step yet")
+  if(EXISTS ${WORK_DIR}/no_rows/loss.png)
+    message(FATAL_ERROR "fsdp-plot left ${WORK_DIR}/no_rows/loss.png behind")
+  endif()
 else()
   message(STATUS "gnuplot not installed: fsdp-plot not tested")
 endif()

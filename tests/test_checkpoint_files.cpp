@@ -3,6 +3,8 @@
 // on one, checkpoints newer than latest, and a checkpoint of another run.
 #include <boost/test/unit_test.hpp>
 
+#include <fstream>
+
 #include "checkpoint_harness.hpp"
 
 /// Where dataset `name`'s first chunk is stored in `file`, and its stored size.
@@ -144,6 +146,34 @@ BOOST_AUTO_TEST_CASE(latest_pointer_and_keep_last) {
   std::set<std::string> names;
   for (const auto& e : fs::directory_iterator(dir.path)) names.insert(e.path().filename().string());
   BOOST_TEST((names == std::set<std::string>{"latest", "step_00000003.h5", "step_00000004.h5"}));
+  world.barrier();
+}
+
+// A folder given where one checkpoint is read (fsdp-ckpt, checkpoint.resume = a folder): `latest` names
+// it; a damaged `latest` is refused, naming it and the checkpoints there, newest first. What resume and
+// --eval-only try instead (checkpoint_candidates): every checkpoint, newest first, with a note on `latest`.
+BOOST_AUTO_TEST_CASE(a_damaged_latest_is_named_where_one_checkpoint_is_read) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  for (int step = 1; step <= 3; ++step) fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = step});
+  BOOST_TEST(fsdp::ckpt::checkpoint_at(dir.path) == fs::path(dir.path) / fsdp::ckpt::checkpoint_name(3));
+  world.barrier();
+  if (world.rank() == 0) std::ofstream(dir / "latest") << "garbage\n";
+  world.barrier();
+  std::string message;
+  try {
+    fsdp::ckpt::checkpoint_at(dir.path);
+  } catch (const fsdp::CheckpointError& e) {
+    message = e.what();
+  }
+  BOOST_TEST(message.find("latest' holds 'garbage', not a checkpoint name: it names no checkpoint to read") != std::string::npos, message);
+  BOOST_TEST(message.find("(newest first: step_00000003.h5, step_00000002.h5, step_00000001.h5)") != std::string::npos, message);
+  const auto found = fsdp::checkpoint_candidates(world, dir.path);
+  BOOST_TEST((found.names == std::vector<std::string>{"step_00000003.h5", "step_00000002.h5", "step_00000001.h5"}));
+  BOOST_TEST(found.existing == 3);
+  BOOST_TEST_REQUIRE(found.notes.size() == 1u);
+  BOOST_TEST(found.notes[0] == "latest: holds 'garbage', not a checkpoint name; trying every checkpoint, newest first");
   world.barrier();
 }
 

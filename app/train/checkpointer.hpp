@@ -146,36 +146,65 @@ class Checkpointer {
     return state;
   }
 
-  /// fsdp-train --eval-only: loads the weights to evaluate, without taking the run directory or
-  /// moving anything: checkpoint.resume's checkpoint when it names one; with "auto" the latest
-  /// checkpoint of checkpoint.dir, else checkpoint.init_from; with "none" checkpoint.init_from.
-  /// Returns what was loaded ("path (step N)"); DeckError on every rank when there is nothing to
-  /// evaluate. Collective.
-  std::string load_for_evaluation() {
+  /// fsdp-train --eval-only and fsdp-generate: loads the weights to read, without taking the run
+  /// directory or moving anything: checkpoint.resume's checkpoint when it names one; with "auto" the
+  /// newest usable checkpoint of checkpoint.dir, tried as a resume tries them (a damaged `latest` or an
+  /// unreadable checkpoint is skipped with a warning), else checkpoint.init_from; with "none"
+  /// checkpoint.init_from. Returns what was loaded ("path (step N)"); DeckError on every rank when
+  /// there is nothing to read (its message starts with `who`), CheckpointError when checkpoints exist
+  /// and none loads. Collective.
+  std::string load_for_evaluation(const std::string& who) {
     const std::string& resume = cfg_.checkpoint.resume;
-    std::int64_t has_latest = 0;
-    std::error_code unreadable;  // an unreadable folder: no latest here (the init_from check below then says what is missing)
-    if (resume == "auto" && root_) has_latest = std::filesystem::exists(dir_ / fsdp::ckpt::kLatestName, unreadable);
-    world_.broadcast(&has_latest, 1, fsdp::DType::kInt64, 0);
-    std::string path;
+    auto options = options_;
+    options.rank0_only = false;  // every rank reads its own part
+    options.load_rng_state = false;
     const char* key = resume != "auto" && resume != "none" ? "checkpoint.resume" : "checkpoint.dir";
-    if (resume != "auto" && resume != "none")
-      path = checkpoint_named_on_rank0(key, resume);
-    else if (has_latest)
-      path = checkpoint_named_on_rank0(key, dir_);
-    if (!path.empty()) {
-      auto options = options_;
-      options.rank0_only = false;  // every rank reads its own part
-      options.load_rng_state = false;
+    auto load = [&](const std::string& path) {
       fsdp::TrainState state;
-      on_all_ranks(world_, [&] { loading_into_the_decks_model(key, path, [&] { fsdp::load_checkpoint(model_, nullptr, path, &state, options); }); });
+      loading_into_the_decks_model(key, path, [&] { fsdp::load_checkpoint(model_, nullptr, path, &state, options); });
       return path + " (step " + std::to_string(state.step) + ")";
+    };
+    std::string loaded;
+    if (resume != "auto" && resume != "none") {
+      const std::string path = checkpoint_named_on_rank0(key, resume);
+      on_all_ranks(world_, [&] { loaded = load(path); });
+      return loaded;
+    }
+    if (resume == "auto") {
+      fsdp::CheckpointCandidates found;
+      on_all_ranks(world_, [&] { found = fsdp::checkpoint_candidates(world_, dir_.string()); });
+      std::vector<std::string> skipped = found.notes;
+      for (const auto& name : found.names) {
+        // An unreadable checkpoint fails on every rank alike (the load agrees): the next older one is tried.
+        std::optional<std::string> unreadable;
+        on_all_ranks(world_, [&] {
+          try {
+            loaded = load((dir_ / name).string());
+          } catch (const fsdp::CheckpointError& e) {
+            unreadable = fsdp::message_without_id(e);
+          }
+        });
+        if (unreadable) {
+          skipped.push_back(name + ": " + *unreadable);
+          continue;
+        }
+        if (root_)
+          for (const auto& why : skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
+        return loaded;
+      }
+      on_all_ranks(world_, [&] {
+        if (found.existing == 0) return;
+        std::string why;
+        for (const auto& s : skipped) why += "\n  " + s;
+        throw fsdp::CheckpointError("none of the " + std::to_string(found.existing) + " checkpoint(s) in '" + dir_.string() +
+                                    "' can be loaded:" + why + "\nRepair or move them (fsdp-ckpt verify names the damage)");
+      });
     }
     on_all_ranks(world_, [&] {
       if (cfg_.checkpoint.init_from.empty())
-        throw DeckError("--eval-only: nothing to evaluate: " +
-                        (resume == "none" ? std::string("checkpoint.resume = \"none\"") : "no checkpoint in " + dir_.string()) +
-                        " and checkpoint.init_from is empty");
+        throw DeckError(
+            who + ": nothing to evaluate: " + (resume == "none" ? std::string("checkpoint.resume = \"none\"") : "no checkpoint in " + dir_.string()) +
+            " and checkpoint.init_from is empty");
     });
     initialize_from_pretrained();
     return cfg_.checkpoint.init_from;

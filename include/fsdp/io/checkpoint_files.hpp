@@ -159,6 +159,42 @@ inline std::vector<std::pair<std::int64_t, std::string>> list_checkpoints(const 
   return out;
 }
 
+/// What the `latest` pointer of a checkpoint folder says.
+struct LatestPointer {
+  enum class State { kAbsent, kValid, kDamaged };
+  State state = State::kAbsent;
+  std::string name;     ///< kValid: the checkpoint it names (which exists)
+  std::string problem;  ///< kDamaged: what is wrong with it, for messages
+};
+
+/// Reads `latest`: absent, valid (names a checkpoint that exists) or damaged (empty, not a checkpoint
+/// name, or naming one that does not exist).
+inline LatestPointer inspect_latest(const std::filesystem::path& dir) {
+  LatestPointer p;
+  std::error_code ec;
+  if (!std::filesystem::exists(dir / kLatestName, ec)) return p;
+  p.state = LatestPointer::State::kDamaged;
+  std::ifstream in(dir / kLatestName);
+  if (!in) {
+    p.problem = "cannot be read";
+    return p;
+  }
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  const std::string shown = text.size() > 40 ? text.substr(0, 40) + "..." : text;
+  if (text.empty())
+    p.problem = "is empty";
+  else if (!step_of(text) || text.find('/') != std::string::npos)
+    p.problem = "holds '" + shown + "', not a checkpoint name";
+  else if (!std::filesystem::exists(dir / text, ec))
+    p.problem = "names " + text + ", which does not exist";
+  else {
+    p.state = LatestPointer::State::kValid;
+    p.name = text;
+  }
+  return p;
+}
+
 /// The checkpoint `path` names as users give one: a checkpoint file, a LOCAL_STATE_DICT folder (its
 /// rank files), or a folder with `latest` (the checkpoint it names). Anything else is a CheckpointError
 /// that says what `path` is instead: missing, a run directory (its checkpoints are in checkpoints/), the
@@ -175,9 +211,15 @@ inline std::filesystem::path checkpoint_at(const std::filesystem::path& path) {
                           (name ? " or the checkpoint it names, '" + (path.parent_path() / *name).string() + "'" : std::string()));
   }
   if (fs::exists(path / kLatestName, ec)) {
-    const auto name = read_latest(path);
-    if (!name) throw CheckpointError("'" + (path / kLatestName).string() + "' is empty: it names no checkpoint");
-    return path / *name;
+    const auto latest = inspect_latest(path);
+    if (latest.state == LatestPointer::State::kValid) return path / latest.name;
+    const auto found = list_checkpoints(path);
+    std::string listed;
+    for (std::size_t i = 0; i < found.size() && i < 3; ++i) listed += (i ? ", " : "") + found[i].second;
+    throw CheckpointError("'" + (path / kLatestName).string() + "' " + latest.problem + ": it names no checkpoint to read" +
+                          (found.empty()
+                               ? std::string("; the folder holds none either")
+                               : "; name one of the checkpoints there instead (newest first: " + listed + (found.size() > 3 ? ", ..." : "") + ")"));
   }
   for (const auto& entry : fs::directory_iterator(path, ec)) {  // a LOCAL_STATE_DICT checkpoint (verify and load name a missing rank)
     const std::string name = entry.path().filename().string();
@@ -220,42 +262,6 @@ inline void commit(const std::filesystem::path& dir, const std::string& name) {
   if (ec) throw CheckpointError("cannot rename '" + tmp.string() + "' to '" + final_path.string() + "': " + ec.message());
   fsync_path(dir);
   write_file_atomically(dir / kLatestName, name + "\n");
-}
-
-/// What the `latest` pointer of a checkpoint folder says.
-struct LatestPointer {
-  enum class State { kAbsent, kValid, kDamaged };
-  State state = State::kAbsent;
-  std::string name;     ///< kValid: the checkpoint it names (which exists)
-  std::string problem;  ///< kDamaged: what is wrong with it, for messages
-};
-
-/// Reads `latest`: absent, valid (names a checkpoint that exists) or damaged (empty, not a checkpoint
-/// name, or naming one that does not exist).
-inline LatestPointer inspect_latest(const std::filesystem::path& dir) {
-  LatestPointer p;
-  std::error_code ec;
-  if (!std::filesystem::exists(dir / kLatestName, ec)) return p;
-  p.state = LatestPointer::State::kDamaged;
-  std::ifstream in(dir / kLatestName);
-  if (!in) {
-    p.problem = "cannot be read";
-    return p;
-  }
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-  const std::string shown = text.size() > 40 ? text.substr(0, 40) + "..." : text;
-  if (text.empty())
-    p.problem = "is empty";
-  else if (!step_of(text) || text.find('/') != std::string::npos)
-    p.problem = "holds '" + shown + "', not a checkpoint name";
-  else if (!std::filesystem::exists(dir / text, ec))
-    p.problem = "names " + text + ", which does not exist";
-  else {
-    p.state = LatestPointer::State::kValid;
-    p.name = text;
-  }
-  return p;
 }
 
 /// Committed checkpoints that belong to the run `latest` names, newest first: `latest` itself, then

@@ -399,52 +399,75 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
   detail::apply_staged(engine, optimizer, staged, state, options.load_rng_state);
 }
 
-/// Loads the newest usable checkpoint in `dir`: the one `latest` names, else (or if that one is
-/// unreadable) the next older one; with `latest` absent or damaged (empty, garbage, naming a missing
-/// file), every checkpoint, newest first. Checkpoints past the one loaded are moved to `dir/abandoned/`
-/// so that this run's saves never replace them. Returns the path loaded and notes on what was skipped
-/// or moved; an empty path means the folder has no checkpoint (a fresh start). When checkpoints exist
-/// but none can be loaded, throws CheckpointError listing why: a run never starts over silently.
-/// Collective.
+/// What checkpoint_candidates() found in a checkpoint folder.
+struct CheckpointCandidates {
+  std::vector<std::string> names;
+  std::vector<std::string> notes;
+  std::int64_t existing = 0;
+};
+
+namespace detail {
+
+/// `lines` as rank 0 has them, on every rank.
+template <class Comm>
+void share_lines(Comm& world, std::vector<std::string>& lines) {
+  std::string text;
+  for (const auto& l : lines) text += l + "\n";
+  text = broadcast_string(world, text);
+  lines.clear();
+  for (std::size_t at = 0; at < text.size();) {
+    const auto end = text.find('\n', at);
+    lines.push_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+}
+
+}  // namespace detail
+
+/// The checkpoints of `dir` in the order a resume tries them: the one `latest` names, then the older
+/// ones; with `latest` absent or damaged (empty, garbage, naming a missing file), every checkpoint,
+/// newest first. `notes` says what was wrong with `latest` and which newer checkpoints are not
+/// candidates; `existing` counts every checkpoint there. Rank 0 reads the folder, every rank gets the
+/// same lists. Collective.
+template <class Comm>
+CheckpointCandidates checkpoint_candidates(Comm& world, const std::string& dir) {
+  CheckpointCandidates c;
+  // A failure on rank 0 (an unreadable folder) is agreed before the broadcasts.
+  const auto inspected = detail::capture_error([&] {
+    if (world.rank() != 0) return;
+    const auto latest = ckpt::inspect_latest(dir);
+    const auto all = ckpt::list_checkpoints(dir);
+    c.existing = static_cast<std::int64_t>(all.size());
+    if (latest.state == ckpt::LatestPointer::State::kDamaged && !all.empty())
+      c.notes.push_back(std::string(ckpt::kLatestName) + ": " + latest.problem + "; trying every checkpoint, newest first");
+    for (const auto& [step, name] : ckpt::run_checkpoints(dir)) c.names.push_back(name);
+    if (latest.state == ckpt::LatestPointer::State::kValid)
+      for (const auto& [step, name] : all)
+        if (step > *ckpt::step_of(latest.name))
+          c.notes.push_back(name + ": newer than latest (from an abandoned run or an interrupted commit); not loaded");
+  });
+  detail::agree(world, inspected);
+  detail::share_lines(world, c.names);
+  detail::share_lines(world, c.notes);
+  world.broadcast(&c.existing, 1, DType::kInt64, 0);
+  return c;
+}
+
+/// Loads the newest usable checkpoint in `dir`, trying checkpoint_candidates() in turn. Checkpoints past
+/// the one loaded are moved to `dir/abandoned/` so that this run's saves never replace them. Returns the
+/// path loaded and notes on what was skipped or moved; an empty path means the folder has no checkpoint
+/// (a fresh start). When checkpoints exist but none can be loaded, throws CheckpointError listing why: a
+/// run never starts over silently. Collective.
 template <class Engine>
 ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimizer, const std::string& dir, TrainState* state = nullptr,
                                 const CheckpointOptions& options = {}) {
   auto& world = engine.comm();
   detail::arrive_together(world, options, "resume_from_latest");
-  // Rank 0 looks at the folder; every rank gets the same candidates and notes.
-  std::vector<std::string> candidates, notes;
-  std::int64_t existing = 0;
-  // Rank 0 reads the folder; a failure there (an unreadable folder) is agreed before the broadcasts.
-  const auto inspected = detail::capture_error([&] {
-    if (world.rank() != 0) return;
-    const auto latest = ckpt::inspect_latest(dir);
-    const auto all = ckpt::list_checkpoints(dir);
-    existing = static_cast<std::int64_t>(all.size());
-    if (latest.state == ckpt::LatestPointer::State::kDamaged && !all.empty())
-      notes.push_back(std::string(ckpt::kLatestName) + ": " + latest.problem + "; trying every checkpoint, newest first");
-    for (const auto& [step, name] : ckpt::run_checkpoints(dir)) candidates.push_back(name);
-    if (latest.state == ckpt::LatestPointer::State::kValid)
-      for (const auto& [step, name] : all)
-        if (step > *ckpt::step_of(latest.name))
-          notes.push_back(name + ": newer than latest (from an abandoned run or an interrupted commit); not loaded");
-  });
-  detail::agree(world, inspected);
-  auto share = [&](std::vector<std::string>& lines) {
-    std::string text;
-    for (const auto& l : lines) text += l + "\n";
-    text = broadcast_string(world, text);
-    lines.clear();
-    for (std::size_t at = 0; at < text.size();) {
-      const auto end = text.find('\n', at);
-      lines.push_back(text.substr(at, end - at));
-      at = end + 1;
-    }
-  };
-  share(candidates);
-  share(notes);
-  world.broadcast(&existing, 1, DType::kInt64, 0);
+  const auto found = checkpoint_candidates(world, dir);
+  const auto& candidates = found.names;
+  const std::int64_t existing = found.existing;
   ResumeResult result;
-  result.skipped = notes;
+  result.skipped = found.notes;
   for (const auto& name : candidates) {
     const std::string path = (std::filesystem::path(dir) / name).string();
     try {
@@ -466,7 +489,7 @@ ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimiz
       if (world.rank() == 0) result.set_aside = ckpt::set_aside_checkpoints_after(dir, *ckpt::step_of(name));
     });
     detail::agree(world, error);
-    share(result.set_aside);
+    detail::share_lines(world, result.set_aside);
     for (const auto& moved : result.set_aside) {
       const std::string where = std::string("moved to ") + ckpt::kSetAsideName + "/";
       const auto noted =
