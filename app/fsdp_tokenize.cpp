@@ -13,11 +13,13 @@
 // JSON, existing outputs) end every rank with exit 2 naming the file, line and byte offset.
 #include <fcntl.h>
 #include <glob.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <chrono>
 #include <cmath>
@@ -70,6 +72,10 @@ bool is_json_lines(const std::string& path) { return path.ends_with(".jsonl") ||
 
 /// Documents per input: one for a text file, its non-empty lines for JSON lines.
 std::int64_t count_documents(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec))
+    throw fsdp::ConfigError("input '" + path + "' is a folder: give the files in it (e.g. " + (fs::path(path) / "*.jsonl").string() + ")",
+                            "fsdp.tokenize");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw fsdp::ConfigError("cannot read input '" + path + "': " + std::strerror(errno), "fsdp.tokenize");
   if (!is_json_lines(path)) return 1;
@@ -93,6 +99,32 @@ std::string shard_path(const std::string& out, const std::string& split, std::in
 std::string temporary(const std::string& path) {
   const fs::path p(path);
   return (p.parent_path() / ("." + p.filename().string() + ".tmp")).string();
+}
+
+/// The temporary shards rank 0 creates, for a signal to remove (unlink is async-signal-safe): set once
+/// the list is complete, before the first is created.
+std::atomic<const std::vector<std::pair<std::string, std::string>>*> temporaries_to_remove{nullptr};
+
+/// SIGINT, SIGTERM, SIGHUP: no temporary shard stays behind, then the signal's own end (its exit status).
+extern "C" void remove_temporaries_and_end(int signal_number) {
+  if (const auto* shards = temporaries_to_remove.load())
+    for (const auto& shard : *shards) ::unlink(shard.first.c_str());
+  ::signal(signal_number, SIG_DFL);
+  ::raise(signal_number);
+}
+
+/// Removes `.OUT_{train,val}_*.bin.tmp`: an interrupted run's (killed before it could) or a failed one's.
+/// Returns how many there were.
+std::size_t remove_temporaries(const std::string& out) {
+  std::size_t removed = 0;
+  for (const char* split : {"train", "val"}) {
+    glob_t g{};
+    const std::string pattern = (fs::path(out).parent_path() / ("." + fs::path(out).filename().string() + "_" + split + "_*.bin.tmp")).string();
+    if (::glob(pattern.c_str(), 0, nullptr, &g) == 0)
+      for (std::size_t i = 0; i < g.gl_pathc; ++i) removed += std::remove(g.gl_pathv[i]) == 0;
+    ::globfree(&g);
+  }
+  return removed;
 }
 
 void write_at(int fd, const void* data, std::size_t bytes, off_t offset, const std::string& path) {
@@ -128,6 +160,9 @@ int main(int argc, char** argv) {
     return cli.exit(e) == 0 ? 0 : kExitBadInput;
   }
   fsdp::MpiEnvironment env(&argc, &argv);
+  struct sigaction on_signal {};
+  on_signal.sa_handler = remove_temporaries_and_end;
+  for (const int signal_number : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(signal_number, &on_signal, nullptr);
   auto world = fsdp::MpiComm::world();
   const bool root = world.rank() == 0;
   const int ranks = world.size();
@@ -157,6 +192,9 @@ int main(int argc, char** argv) {
           throw fsdp::ConfigError("'" + first + "' exists: remove the shards of " + pattern + " or choose another --out", "fsdp.tokenize");
       }
       fs::create_directories(fs::path(out).parent_path().empty() ? fs::path(".") : fs::path(out).parent_path());
+      if (const std::size_t stale = remove_temporaries(out))
+        std::printf("fsdp-tokenize: removed %zu temporary shard(s) .%s_*.bin.tmp of an earlier run that did not finish\n", stale,
+                    fs::path(out).filename().c_str());
     });
     // Documents per input, counted by the inputs' owners (input k: rank k mod N).
     std::vector<std::int64_t> counts(inputs.size(), 0);
@@ -231,29 +269,39 @@ int main(int argc, char** argv) {
     // Rank 0 creates every shard under a temporary name with its header and full size; then each rank
     // writes its tokens at their places, and syncs; then rank 0 renames them in.
     std::vector<std::pair<std::string, std::string>> shards;  // temporary, final
+    std::vector<std::int64_t> shard_counts;                   // tokens in each
+    for (const Split* s : {&train, &val})
+      for (std::int64_t k = 0; k * shard_tokens < s->total; ++k) {
+        const std::string path = shard_path(out, s->name, k);
+        shards.emplace_back(temporary(path), path);
+        shard_counts.push_back(std::min(shard_tokens, s->total - k * shard_tokens));
+      }
+    struct Forget {  // before `shards` goes: a later signal must not read it
+      ~Forget() { temporaries_to_remove = nullptr; }
+    } forget;
+    if (root) temporaries_to_remove = &shards;
     on_all_ranks(world, [&] {
-      for (const Split* s : {&train, &val})
-        for (std::int64_t k = 0; k * shard_tokens < s->total; ++k) {
-          const std::string path = shard_path(out, s->name, k);
-          shards.emplace_back(temporary(path), path);
-          if (!root) continue;
-          const std::int64_t count = std::min(shard_tokens, s->total - k * shard_tokens);
-          std::vector<std::int32_t> header(256, 0);
-          header[0] = wide ? kLlmcMagicUint32 : kLlmcMagicUint16;
-          header[1] = wide ? kLlmcVersionUint32 : kLlmcVersionUint16;
-          header[2] = static_cast<std::int32_t>(count);
-          const int fd = ::open(shards.back().first.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-          if (fd < 0) throw fsdp::OutputError("cannot create " + shards.back().first + ": " + std::strerror(errno));
-          try {
-            write_at(fd, header.data(), header.size() * 4, 0, shards.back().first);
-            if (::ftruncate(fd, kLlmcHeaderBytes + count * width) != 0)
-              throw fsdp::OutputError("cannot size " + shards.back().first + ": " + std::strerror(errno));
-          } catch (...) {
-            ::close(fd);
-            throw;
-          }
+      if (!root) return;
+      for (std::size_t i = 0; i < shards.size(); ++i) {
+        const std::string& tmp = shards[i].first;
+        std::vector<std::int32_t> header(256, 0);
+        header[0] = wide ? kLlmcMagicUint32 : kLlmcMagicUint16;
+        header[1] = wide ? kLlmcVersionUint32 : kLlmcVersionUint16;
+        header[2] = static_cast<std::int32_t>(shard_counts[i]);
+        const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd < 0) throw fsdp::OutputError("cannot create " + tmp + ": " + std::strerror(errno));
+        try {
+          write_at(fd, header.data(), header.size() * 4, 0, tmp);
+          if (::ftruncate(fd, kLlmcHeaderBytes + shard_counts[i] * width) != 0)
+            throw fsdp::OutputError("cannot size " + tmp + ": " + std::strerror(errno));
+        } catch (...) {
           ::close(fd);
+          throw;
         }
+        ::close(fd);
+      }
+      // Test hook (tokenize_e2e): a signal while every temporary shard exists.
+      if (const char* raise_signal = std::getenv("FSDP_TEST_TOKENIZE_RAISE")) ::raise(std::atoi(raise_signal));
     });
     on_all_ranks(world, [&] {
       for (const Split* s : {&train, &val}) {
@@ -318,14 +366,7 @@ int main(int argc, char** argv) {
   } catch (const Agreed& e) {
     if (root) {
       std::fprintf(stderr, "fsdp-tokenize: error: %s\n", e.message.c_str());
-      // Nothing half written stays behind under a temporary name either.
-      for (const char* split : {"train", "val"}) {
-        glob_t g{};
-        const std::string pattern = (fs::path(out).parent_path() / ("." + fs::path(out).filename().string() + "_" + split + "_*.bin.tmp")).string();
-        if (::glob(pattern.c_str(), 0, nullptr, &g) == 0)
-          for (std::size_t i = 0; i < g.gl_pathc; ++i) std::remove(g.gl_pathv[i]);
-        ::globfree(&g);
-      }
+      remove_temporaries(out);  // nothing half written stays behind under a temporary name either
     }
     return e.code;
   }

@@ -106,6 +106,21 @@ rc=$?
 grep -qF "test hook FSDP_TEST_TOKENIZE_FAIL_ON_RANK" <<<"$out" || fail "a failed write: not named: $out"
 ls .late_*.tmp late_*.bin >/dev/null 2>&1 && fail "a failed run left files behind: $(ls .late_* late_*.bin 2>/dev/null)"
 echo "ok a write that fails after the shards exist leaves nothing behind"
+# A signal while the temporary shards exist (a test hook raises SIGTERM on rank 0 right after creating
+# them): they are removed, and the signal ends the job. Temporaries a killed run left (written here by
+# hand) are removed by the next run, which says so.
+FSDP_TEST_TOKENIZE_RAISE=15 "${MPI[@]}" -x FSDP_TEST_TOKENIZE_RAISE -np 1 "$BIN/fsdp-tokenize" --tokenizer gpt2.json \
+  --out signalled --shard-tokens 100 docs.jsonl plain.txt >/dev/null 2>&1 && fail "a signalled run exited 0"
+ls .signalled_*.tmp signalled_*.bin >/dev/null 2>&1 && fail "a signalled run left files behind: $(ls .signalled_* signalled_*.bin 2>/dev/null)"
+echo "ok a signal removes the temporary shards"
+touch .stale_train_000000.bin.tmp .stale_val_000003.bin.tmp
+out=$("${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out stale docs.jsonl 2>&1) || fail "stale temporaries: $out"
+grep -qF "removed 2 temporary shard(s) .stale_*.bin.tmp of an earlier run that did not finish" <<<"$out" || fail "stale temporaries: not said: $out"
+ls .stale_* >/dev/null 2>&1 && fail "stale temporaries stayed: $(ls .stale_*)"
+echo "ok an earlier run's temporaries are removed"
+mkdir -p a_folder
+expect_error "a folder as input" "input 'a_folder' is a folder: give the files in it (e.g. a_folder/*.jsonl)" \
+  "${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out bad7 docs.jsonl a_folder
 expect_error "one document, all of it for validation" "no training tokens: 1 document(s), all of them for validation" \
   "${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out bad6 plain.txt
 echo "all tokenize cases passed"
