@@ -130,6 +130,17 @@ void refuse_another_grids_folder(const std::string& out, const std::string& mani
                    "' would be reported under this grid's decks. Use another --out, or --continue to write this grid there anyway");
 }
 
+/// --out must be a folder or become one: a file at it or above it is refused before anything is
+/// printed or written (fs::create_directories would fail only after the table).
+void refuse_a_file_in_the_way(const std::string& out) {
+  std::error_code ec;
+  const fs::path target = fs::absolute(out, ec);
+  fs::path p = target;
+  while (!fs::exists(p, ec) && p != p.parent_path()) p = p.parent_path();  // the nearest part that exists
+  if (fs::exists(p, ec) && !fs::is_directory(p, ec))
+    throw UsageError("--out '" + out + "': '" + p.string() + "' is a file, not a folder" + (p == target ? "" : " (on the way to it)"));
+}
+
 std::string joined(const std::vector<std::string>& v) {
   std::string out;
   for (std::size_t i = 0; i < v.size(); ++i) out += (i ? " " : "") + v[i];
@@ -230,6 +241,7 @@ int sweep(const std::string& deck_path, const std::vector<std::string>& grids, c
     for (std::size_t i = 0; i + 1 < axes.size(); ++i)
       if (axes[i].key == axes.back().key) throw UsageError("--grid: " + axes.back().key + " is given twice");
   }
+  refuse_a_file_in_the_way(out);
   const Deck base = Deck::from_file(deck_path, sets);
   // Every point first: build and validate them all, write nothing unless all are good.
   const std::vector<Point> points = grid_points(base, axes, out);

@@ -114,6 +114,13 @@ if(DEFINED DECK_SWEEP_CASE)
     expect_in("${sweep_err}" "--out DIR is missing")
     run_sweep(2 ${base} --grid optim.lr=0.1 --out ${out} --no-such-option)
     expect_nothing_written()
+    # A file where --out or a folder above it should be: refused before the table is printed.
+    file(WRITE ${WORK_DIR}/a_file "")
+    run_sweep(2 ${base} --grid optim.lr=0.1 --out ${WORK_DIR}/a_file/sweep)
+    expect_in("${sweep_err}" "--out '${WORK_DIR}/a_file/sweep': '${WORK_DIR}/a_file' is a file, not a folder (on the way to it)")
+    if(sweep_out MATCHES "point_0000")
+      message(FATAL_ERROR "fsdp-sweep printed the points before refusing --out:\n${sweep_out}")
+    endif()
   elseif(DECK_SWEEP_CASE STREQUAL "dry_run")
     # Arrays in a grid: commas inside brackets do not split.
     run_sweep(0 ${base} --grid optim.betas=[0.9,0.99],[0.8,0.9] --grid data.batch_size=16,32,64 --out ${out} --dry-run)
