@@ -101,14 +101,26 @@ std::string temporary(const std::string& path) {
   return (p.parent_path() / ("." + p.filename().string() + ".tmp")).string();
 }
 
-/// The temporary shards rank 0 creates, for a signal to remove (unlink is async-signal-safe): set once
-/// the list is complete, before the first is created.
-std::atomic<const std::vector<std::pair<std::string, std::string>>*> temporaries_to_remove{nullptr};
+/// Rank 0's shards while it creates and publishes them (temporary and final names), for a signal to
+/// take back: the first `renamed` are published under their final names, the rest are temporaries.
+/// `armed` while there is something to take back. A global, filled before it is armed and kept to the
+/// end: a signal on another thread may still read it after the run disarmed it.
+struct ShardsInFlight {
+  std::vector<std::pair<std::string, std::string>> shards;
+  std::atomic<std::size_t> renamed{0};
+  std::atomic<bool> armed{false};
+};
+ShardsInFlight shards_in_flight;
+static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<std::size_t>::is_always_lock_free);
 
-/// SIGINT, SIGTERM, SIGHUP: no temporary shard stays behind, then the signal's own end (its exit status).
-extern "C" void remove_temporaries_and_end(int signal_number) {
-  if (const auto* shards = temporaries_to_remove.load())
-    for (const auto& shard : *shards) ::unlink(shard.first.c_str());
+/// SIGINT, SIGTERM, SIGHUP: no shard stays behind, temporary or half of a corpus, then the signal's own
+/// end (its exit status). Only async-signal-safe calls: unlink, signal, raise.
+extern "C" void remove_shards_and_end(int signal_number) {
+  if (shards_in_flight.armed.load()) {
+    const auto& shards = shards_in_flight.shards;
+    const std::size_t renamed = shards_in_flight.renamed.load();
+    for (std::size_t i = 0; i < shards.size(); ++i) ::unlink((i < renamed ? shards[i].second : shards[i].first).c_str());
+  }
   ::signal(signal_number, SIG_DFL);
   ::raise(signal_number);
 }
@@ -161,8 +173,13 @@ int main(int argc, char** argv) {
   }
   fsdp::MpiEnvironment env(&argc, &argv);
   struct sigaction on_signal {};
-  on_signal.sa_handler = remove_temporaries_and_end;
-  for (const int signal_number : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(signal_number, &on_signal, nullptr);
+  on_signal.sa_handler = remove_shards_and_end;
+  for (const int signal_number : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction before {};
+    // An ignored signal stays ignored (nohup, a background job): the run goes on as before.
+    if (::sigaction(signal_number, nullptr, &before) == 0 && before.sa_handler == SIG_IGN) continue;
+    ::sigaction(signal_number, &on_signal, nullptr);
+  }
   auto world = fsdp::MpiComm::world();
   const bool root = world.rank() == 0;
   const int ranks = world.size();
@@ -193,8 +210,8 @@ int main(int argc, char** argv) {
       }
       fs::create_directories(fs::path(out).parent_path().empty() ? fs::path(".") : fs::path(out).parent_path());
       if (const std::size_t stale = remove_temporaries(out))
-        std::printf("fsdp-tokenize: removed %zu temporary shard(s) .%s_*.bin.tmp of an earlier run that did not finish\n", stale,
-                    fs::path(out).filename().c_str());
+        std::printf("fsdp-tokenize: removed %zu temporary shard(s) .%s_*.bin.tmp of a run that did not finish (runs must not share an --out)\n",
+                    stale, fs::path(out).filename().c_str());
     });
     // Documents per input, counted by the inputs' owners (input k: rank k mod N).
     std::vector<std::int64_t> counts(inputs.size(), 0);
@@ -276,10 +293,13 @@ int main(int argc, char** argv) {
         shards.emplace_back(temporary(path), path);
         shard_counts.push_back(std::min(shard_tokens, s->total - k * shard_tokens));
       }
-    struct Forget {  // before `shards` goes: a later signal must not read it
-      ~Forget() { temporaries_to_remove = nullptr; }
-    } forget;
-    if (root) temporaries_to_remove = &shards;
+    if (root) {
+      shards_in_flight.shards = shards;
+      shards_in_flight.armed = true;
+    }
+    struct Disarm {  // published or taken back: a later signal has nothing to remove
+      ~Disarm() { shards_in_flight.armed = false; }
+    } disarm;
     on_all_ranks(world, [&] {
       if (!root) return;
       for (std::size_t i = 0; i < shards.size(); ++i) {
@@ -342,15 +362,17 @@ int main(int argc, char** argv) {
         if (fd >= 0) ::close(fd);
         if (!synced) throw fsdp::OutputError("cannot sync " + tmp + ": " + std::strerror(err));
       }
-      std::vector<std::string> renamed;
-      for (const auto& [tmp, path] : shards) {
+      for (std::size_t i = 0; i < shards.size(); ++i) {
+        const auto& [tmp, path] = shards[i];
         std::error_code ec;
         fs::rename(tmp, path, ec);
         if (ec) {  // no corpus is left half published: the shards renamed so far go again
-          for (const auto& p : renamed) fs::remove(p, ec);
+          for (std::size_t j = 0; j < i; ++j) fs::remove(shards[j].second, ec);
           throw fsdp::OutputError("cannot rename " + tmp + " to " + path + ": " + ec.message());
         }
-        renamed.push_back(path);
+        shards_in_flight.renamed = i + 1;
+        // Test hook (tokenize_e2e): a signal when this many shards are published.
+        if (const char* at = std::getenv("FSDP_TEST_TOKENIZE_RAISE_AFTER_RENAMES"); at && std::strtoull(at, nullptr, 10) == i + 1) ::raise(SIGTERM);
       }
       fsdp::detail::fsync_folder(fs::path(out).parent_path());
     });

@@ -11,7 +11,8 @@
 # Environment (defaults): PAIR_DECK (bench/decks/cnn.toml), PAIR_NP (2), PAIR_GLOBAL_BATCH (64, split
 # over the ranks), PAIR_THREADS (1 per rank; ranks x threads <= cores), PAIR_STEPS (40 timed after
 # PAIR_WARMUP = 3), PAIR_STRATEGY (FULL_SHARD). The environment is make bench's: Open MPI's default
-# single copy, OMP_WAIT_POLICY=PASSIVE, the same OpenBLAS threads on both sides.
+# single copy (OMPI_MCA_btl_vader_single_copy_mechanism=none where make bench's probe chose none: its
+# single_copy.txt), OMP_WAIT_POLICY=PASSIVE, the same OpenBLAS threads on both sides.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 if (($# < 2)); then
@@ -19,18 +20,20 @@ if (($# < 2)); then
   exit 2
 fi
 old=$(realpath "$1") new=$(realpath "$2") rounds=${3:-9} out=${4:-$ROOT/build/pair_builds}
+[[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "$0: ROUNDS '$rounds' is not a whole number >= 1" >&2; exit 2; }
 for bin in "$old" "$new"; do
   [[ -x $bin ]] || { echo "$0: $bin is not an executable fsdp-train" >&2; exit 2; }
 done
 deck=$(realpath "${PAIR_DECK:-$ROOT/bench/decks/cnn.toml}")
 np=${PAIR_NP:-2} threads=${PAIR_THREADS:-1} warmup=${PAIR_WARMUP:-3}
-per_rank=$((${PAIR_GLOBAL_BATCH:-64} / np))
+global_batch=${PAIR_GLOBAL_BATCH:-64}
+((global_batch % np == 0)) || { echo "$0: PAIR_GLOBAL_BATCH $global_batch does not split over $np ranks" >&2; exit 2; }
+per_rank=$((global_batch / np))
 mkdir -p "$out"
 : >"$out/rounds.txt"
 
 export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl=self,vader OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=PASSIVE \
   OPENBLAS_NUM_THREADS=$threads FSDP_COMM_SKEW_PROBE=1 PYTHONDONTWRITEBYTECODE=1
-unset OMPI_MCA_btl_vader_single_copy_mechanism
 mpirun=(mpirun --oversubscribe --allow-run-as-root)
 ((threads > 1)) && mpirun+=(--bind-to none)
 sets=(--set "data.batch_size=$per_rank" --set "run.threads=$threads" --set "run.max_steps=$((warmup + ${PAIR_STEPS:-40}))")

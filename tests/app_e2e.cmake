@@ -110,21 +110,28 @@ expect_in("${last_output}" "checkpoint.init_from: '[^']*smoke' is a run director
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/from_latest --set checkpoint.resume=${WORK_DIR}/smoke/checkpoints/latest)
 expect_in("${last_output}" "checkpoint.resume: '[^']*latest' is the pointer file `latest`, not a checkpoint")
 
-# 5b. A damaged `latest`: --eval-only falls back to the newest checkpoint that loads, as a resume does,
-#     and moves nothing; fsdp-ckpt given the folder names `latest` and the checkpoints there.
+# 5b. A damaged `latest` and a truncated newest checkpoint: --eval-only falls back to the newest
+#     checkpoint that loads, as a resume does, warning about each, and moves nothing (a resume would set
+#     the unreadable newer one aside); with none loading it lists why (exit 2). fsdp-ckpt given the
+#     folder names `latest` and the checkpoints there.
 file(MAKE_DIRECTORY ${WORK_DIR}/damaged)
 file(COPY ${WORK_DIR}/smoke/checkpoints DESTINATION ${WORK_DIR}/damaged)
 file(WRITE ${WORK_DIR}/damaged/checkpoints/latest "garbage\n")
+file(WRITE ${WORK_DIR}/damaged/checkpoints/step_00000024.h5 "truncated")
 file(GLOB damaged_before RELATIVE ${WORK_DIR}/damaged/checkpoints ${WORK_DIR}/damaged/checkpoints/*)
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/damaged --eval-only)
 expect_in("${last_output}" "warning: skipped checkpoint latest: holds 'garbage', not a checkpoint name; trying every checkpoint, newest first")
-expect_in("${last_output}" "eval-only: [^\n]*damaged/checkpoints/step_0*24\\.h5 \\(step 24\\)")
+expect_in("${last_output}" "warning: skipped checkpoint step_00000024.h5: cannot open checkpoint file")
+expect_in("${last_output}" "eval-only: [^\n]*damaged/checkpoints/step_00000016\\.h5 \\(step 16\\)")
 file(GLOB damaged_after RELATIVE ${WORK_DIR}/damaged/checkpoints ${WORK_DIR}/damaged/checkpoints/*)
 if(NOT damaged_before STREQUAL damaged_after)
   message(FATAL_ERROR "--eval-only changed the checkpoint folder: ${damaged_before} -> ${damaged_after}")
 endif()
 run(2 ${CKPT_TOOL} verify ${WORK_DIR}/damaged/checkpoints)
-expect_in("${last_output}" "latest' holds 'garbage', not a checkpoint name: it names no checkpoint to read; name one of the checkpoints there instead \\(newest first: step_0*24\\.h5")
+expect_in("${last_output}" "latest' holds 'garbage', not a checkpoint name: it names no checkpoint to read; name one of the checkpoints there instead \\(newest first: step_00000024\\.h5, step_00000016\\.h5")
+file(WRITE ${WORK_DIR}/damaged/checkpoints/step_00000016.h5 "truncated")
+run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/damaged --eval-only)
+expect_in("${last_output}" "none of the 2 checkpoint\\(s\\) in '[^']*damaged/checkpoints' can be loaded:")
 
 # 6. A rerun of a finished job trains nothing and keeps its summary; a deck of another model in the
 #    same folder is refused instead of silently starting a second run there.
@@ -231,6 +238,14 @@ if(GNUPLOT)
   expect_in("${last_output}" "no_rows/metrics.csv has no logged step yet")
   if(EXISTS ${WORK_DIR}/no_rows/loss.png)
     message(FATAL_ERROR "fsdp-plot left ${WORK_DIR}/no_rows/loss.png behind")
+  endif()
+  # gnuplot failing (a metrics.csv without the lr column): exit 1, neither the PNG nor its temporary left.
+  file(WRITE ${WORK_DIR}/no_lr/metrics.csv "step,loss\n1,2.0\n2,1.5\n")
+  run(1 ${PLOT} ${WORK_DIR}/no_lr)
+  expect_in("${last_output}" "fsdp-plot: gnuplot could not draw [^\n]*no_lr/loss.png")
+  file(GLOB left ${WORK_DIR}/no_lr/*.png ${WORK_DIR}/no_lr/.*.tmp)
+  if(left)
+    message(FATAL_ERROR "fsdp-plot left ${left} behind")
   endif()
 else()
   message(STATUS "gnuplot not installed: fsdp-plot not tested")

@@ -321,4 +321,6 @@ endforeach()
 run(2 ${PLAN} ${WORK_DIR}/bad.toml --np 2)
 expect_in("${last_output}" "bad.toml:5: optim.lrr: unknown key \\(did you mean optim.lr\\?\\)")
 expect_in("${last_output}" "bad.toml:7: data.batch_size: -4 is below the minimum 1")
+run(2 ${PLAN} ${WORK_DIR} --np 2)  # a folder as the deck: read as an empty deck, it would plan the default job
+expect_in("${last_output}" "cannot read deck '[^']*': it is a folder, not a file")
 message(STATUS "all fsdp-plan cases passed")

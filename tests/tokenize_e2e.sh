@@ -106,16 +106,20 @@ rc=$?
 grep -qF "test hook FSDP_TEST_TOKENIZE_FAIL_ON_RANK" <<<"$out" || fail "a failed write: not named: $out"
 ls .late_*.tmp late_*.bin >/dev/null 2>&1 && fail "a failed run left files behind: $(ls .late_* late_*.bin 2>/dev/null)"
 echo "ok a write that fails after the shards exist leaves nothing behind"
-# A signal while the temporary shards exist (a test hook raises SIGTERM on rank 0 right after creating
-# them): they are removed, and the signal ends the job. Temporaries a killed run left (written here by
+# A signal while the temporary shards exist (test hooks raise SIGTERM on rank 0 right after creating
+# them, and after the first is renamed in): they are removed, the one published too, and the signal
+# ends the job. Temporaries a killed run left (written here by
 # hand) are removed by the next run, which says so.
 FSDP_TEST_TOKENIZE_RAISE=15 "${MPI[@]}" -x FSDP_TEST_TOKENIZE_RAISE -np 1 "$BIN/fsdp-tokenize" --tokenizer gpt2.json \
   --out signalled --shard-tokens 100 docs.jsonl plain.txt >/dev/null 2>&1 && fail "a signalled run exited 0"
 ls .signalled_*.tmp signalled_*.bin >/dev/null 2>&1 && fail "a signalled run left files behind: $(ls .signalled_* signalled_*.bin 2>/dev/null)"
-echo "ok a signal removes the temporary shards"
+FSDP_TEST_TOKENIZE_RAISE_AFTER_RENAMES=1 "${MPI[@]}" -x FSDP_TEST_TOKENIZE_RAISE_AFTER_RENAMES -np 2 "$BIN/fsdp-tokenize" \
+  --tokenizer gpt2.json --out published --shard-tokens 100 docs.jsonl plain.txt >/dev/null 2>&1 && fail "a run signalled while publishing exited 0"
+ls .published_*.tmp published_*.bin >/dev/null 2>&1 && fail "a run signalled while publishing left: $(ls .published_* published_*.bin 2>/dev/null)"
+echo "ok a signal removes the temporary shards, and the published ones of an unfinished corpus"
 touch .stale_train_000000.bin.tmp .stale_val_000003.bin.tmp
 out=$("${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out stale docs.jsonl 2>&1) || fail "stale temporaries: $out"
-grep -qF "removed 2 temporary shard(s) .stale_*.bin.tmp of an earlier run that did not finish" <<<"$out" || fail "stale temporaries: not said: $out"
+grep -qF "removed 2 temporary shard(s) .stale_*.bin.tmp of a run that did not finish" <<<"$out" || fail "stale temporaries: not said: $out"
 ls .stale_* >/dev/null 2>&1 && fail "stale temporaries stayed: $(ls .stale_*)"
 echo "ok an earlier run's temporaries are removed"
 mkdir -p a_folder

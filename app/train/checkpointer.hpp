@@ -150,61 +150,37 @@ class Checkpointer {
   /// directory or moving anything: checkpoint.resume's checkpoint when it names one; with "auto" the
   /// newest usable checkpoint of checkpoint.dir, tried as a resume tries them (a damaged `latest` or an
   /// unreadable checkpoint is skipped with a warning), else checkpoint.init_from; with "none"
-  /// checkpoint.init_from. Returns what was loaded ("path (step N)"); DeckError on every rank when
-  /// there is nothing to read (its message starts with `who`), CheckpointError when checkpoints exist
-  /// and none loads. Collective.
-  std::string load_for_evaluation(const std::string& who) {
+  /// checkpoint.init_from. Returns what was loaded ("path (step N)"); when there is nothing to load, a
+  /// DeckError on every rank whose message starts with `nothing` ("--eval-only: nothing to evaluate");
+  /// a CheckpointError when checkpoints exist and none loads. Collective.
+  std::string load_for_evaluation(const std::string& nothing) {
     const std::string& resume = cfg_.checkpoint.resume;
     auto options = options_;
     options.rank0_only = false;  // every rank reads its own part
     options.load_rng_state = false;
     const char* key = resume != "auto" && resume != "none" ? "checkpoint.resume" : "checkpoint.dir";
+    fsdp::TrainState state;
     auto load = [&](const std::string& path) {
-      fsdp::TrainState state;
       loading_into_the_decks_model(key, path, [&] { fsdp::load_checkpoint(model_, nullptr, path, &state, options); });
-      return path + " (step " + std::to_string(state.step) + ")";
     };
-    std::string loaded;
+    auto loaded = [&](const std::string& path) { return path + " (step " + std::to_string(state.step) + ")"; };
     if (resume != "auto" && resume != "none") {
       const std::string path = checkpoint_named_on_rank0(key, resume);
-      on_all_ranks(world_, [&] { loaded = load(path); });
-      return loaded;
+      on_all_ranks(world_, [&] { load(path); });
+      return loaded(path);
     }
     if (resume == "auto") {
-      fsdp::CheckpointCandidates found;
-      on_all_ranks(world_, [&] { found = fsdp::checkpoint_candidates(world_, dir_.string()); });
-      std::vector<std::string> skipped = found.notes;
-      for (const auto& name : found.names) {
-        // An unreadable checkpoint fails on every rank alike (the load agrees): the next older one is tried.
-        std::optional<std::string> unreadable;
-        on_all_ranks(world_, [&] {
-          try {
-            loaded = load((dir_ / name).string());
-          } catch (const fsdp::CheckpointError& e) {
-            unreadable = fsdp::message_without_id(e);
-          }
-        });
-        if (unreadable) {
-          skipped.push_back(name + ": " + *unreadable);
-          continue;
-        }
-        if (root_)
-          for (const auto& why : skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
-        return loaded;
-      }
-      on_all_ranks(world_, [&] {
-        if (found.existing == 0) return;
-        std::string why;
-        for (const auto& s : skipped) why += "\n  " + s;
-        throw fsdp::CheckpointError("none of the " + std::to_string(found.existing) + " checkpoint(s) in '" + dir_.string() +
-                                    "' can be loaded:" + why + "\nRepair or move them (fsdp-ckpt verify names the damage)");
-      });
+      fsdp::ResumeResult r;
+      on_all_ranks(world_,
+                   [&] { r = fsdp::load_newest_usable(world_, dir_.string(), load, "Repair or move them (fsdp-ckpt verify names the damage)"); });
+      if (root_)
+        for (const auto& why : r.skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
+      if (!r.path.empty()) return loaded(r.path);
     }
     on_all_ranks(world_, [&] {
       if (cfg_.checkpoint.init_from.empty())
-        throw DeckError(
-            who + ": nothing to evaluate: " + (resume == "none" ? std::string("checkpoint.resume = \"none\"") : "no checkpoint in " + dir_.string()) +
-            " and checkpoint.init_from is empty");
+        throw DeckError(nothing + ": " + (resume == "none" ? std::string("checkpoint.resume = \"none\"") : "no checkpoint in " + dir_.string()) +
+                        " and checkpoint.init_from is empty");
     });
     initialize_from_pretrained();
     return cfg_.checkpoint.init_from;

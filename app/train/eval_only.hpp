@@ -49,7 +49,7 @@ int evaluate_only(MpiComm& world, const Deck& deck, const RunConfig& cfg, Engine
     if (!data.has_test || data.test_size() == 0) throw DeckError("--eval-only: there is no validation data to evaluate on (data.val_path is empty)");
   });
   Checkpointer<Engine> checkpointer(cfg, deck, world, model, nullptr);
-  const std::string source = checkpointer.load_for_evaluation("--eval-only");
+  const std::string source = checkpointer.load_for_evaluation("--eval-only: nothing to evaluate");
   world.barrier();  // the evaluation's time starts together
   const auto start = std::chrono::steady_clock::now();
   const EvalResult r = evaluate(model, data, cfg.data.test_batch_size, world, cfg.eval.max_batches, eval_chunk);

@@ -137,7 +137,7 @@ class Trainer {
   int evaluate_only() { return app::evaluate_only(world_, s_.deck, cfg_, *model_, data_, eval_chunk()); }
   /// fsdp-generate (train/generate.hpp): the model loaded as --eval-only loads it, then `o`. Collective.
   Generated generate(const GenerateOptions& o) {
-    const std::string source = Checkpointer<Engine>(cfg_, s_.deck, world_, *model_, nullptr).load_for_evaluation("fsdp-generate");
+    const std::string source = Checkpointer<Engine>(cfg_, s_.deck, world_, *model_, nullptr).load_for_evaluation("nothing to generate from");
     if (root_) std::printf("model: %s\n", source.c_str());
     return generate_tokens(*model_, *model_->module(), world_, cfg_, o);
   }

@@ -453,60 +453,75 @@ CheckpointCandidates checkpoint_candidates(Comm& world, const std::string& dir) 
   return c;
 }
 
-/// Loads the newest usable checkpoint in `dir`, trying checkpoint_candidates() in turn. Checkpoints past
-/// the one loaded are moved to `dir/abandoned/` so that this run's saves never replace them. Returns the
-/// path loaded and notes on what was skipped or moved; an empty path means the folder has no checkpoint
-/// (a fresh start). When checkpoints exist but none can be loaded, throws CheckpointError listing why: a
-/// run never starts over silently. Collective.
+/// Tries `load(path)` on checkpoint_candidates(dir) in turn and returns the first path that loads, with
+/// notes on what was skipped: an unreadable checkpoint (corrupt, truncated, incomplete) is noted and the
+/// next older one tried; any other error stops (a checkpoint of another model or optimizer,
+/// detail::kMismatchId: the folder belongs to another run). `load` is collective and fails on every rank
+/// alike (load_checkpoint agrees). An empty path: the folder has no checkpoint. When checkpoints exist
+/// but none loads, a CheckpointError lists why, then `advice`: a run never starts over silently.
+/// Collective.
+template <class Comm, class Load>
+ResumeResult load_newest_usable(Comm& world, const std::string& dir, Load&& load, const std::string& advice) {
+  const auto found = checkpoint_candidates(world, dir);
+  ResumeResult result;
+  result.skipped = found.notes;
+  for (const auto& name : found.names) {
+    const std::string path = (std::filesystem::path(dir) / name).string();
+    try {
+      load(path);
+    } catch (const CheckpointError& e) {
+      if (e.id() == detail::kMismatchId) throw;
+      result.skipped.push_back(name + ": " + message_without_id(e));
+      continue;
+    }
+    result.path = path;
+    return result;
+  }
+  if (found.existing > 0) {
+    std::string why;
+    for (const auto& s : result.skipped) why += "\n  " + s;
+    throw CheckpointError("none of the " + std::to_string(found.existing) + " checkpoint(s) in '" + dir + "' can be loaded:" + why + "\n" + advice);
+  }
+  return result;
+}
+
+/// Loads the newest usable checkpoint in `dir` (load_newest_usable). Checkpoints past the one loaded are
+/// moved to `dir/abandoned/` so that this run's saves never replace them. Returns the path loaded and
+/// notes on what was skipped or moved; an empty path means the folder has no checkpoint (a fresh
+/// start). Collective.
 template <class Engine>
 ResumeResult resume_from_latest(Engine& engine, torch::optim::Optimizer* optimizer, const std::string& dir, TrainState* state = nullptr,
                                 const CheckpointOptions& options = {}) {
   auto& world = engine.comm();
   detail::arrive_together(world, options, "resume_from_latest");
-  const auto found = checkpoint_candidates(world, dir);
-  const auto& candidates = found.names;
-  const std::int64_t existing = found.existing;
-  ResumeResult result;
-  result.skipped = found.notes;
-  for (const auto& name : candidates) {
-    const std::string path = (std::filesystem::path(dir) / name).string();
+  auto load = [&](const std::string& path) {
     try {
       load_checkpoint(engine, optimizer, path, state, options);
     } catch (const CheckpointError& e) {
-      // Unreadable (corrupt, truncated, incomplete): fall back to an older one. Readable but written by
-      // another model, optimizer or plan: stop, the folder belongs to another run.
-      if (e.id() == detail::kMismatchId)
-        throw CheckpointError(
-            message_without_id(e) + ". The checkpoint folder '" + dir + "' holds another run: use another folder, or start fresh without resuming",
-            detail::kMismatchId);
-      result.skipped.push_back(name + ": " + message_without_id(e));
-      continue;
+      if (e.id() != detail::kMismatchId) throw;
+      throw CheckpointError(
+          message_without_id(e) + ". The checkpoint folder '" + dir + "' holds another run: use another folder, or start fresh without resuming",
+          detail::kMismatchId);
     }
-    result.path = path;
-    // Checkpoints past the one resumed from belong to another trajectory: this run's saves at those
-    // steps must not replace them.
-    std::optional<std::string> error = detail::capture_error([&] {
-      if (world.rank() == 0) result.set_aside = ckpt::set_aside_checkpoints_after(dir, *ckpt::step_of(name));
-    });
-    detail::agree(world, error);
-    detail::share_lines(world, result.set_aside);
-    for (const auto& moved : result.set_aside) {
-      const std::string where = std::string("moved to ") + ckpt::kSetAsideName + "/";
-      const auto noted =
-          std::find_if(result.skipped.begin(), result.skipped.end(), [&](const std::string& s) { return s.rfind(moved + ":", 0) == 0; });
-      if (noted != result.skipped.end())
-        *noted += "; " + where;
-      else
-        result.skipped.push_back(moved + ": past the checkpoint resumed from (another trajectory); " + where);
-    }
-    return result;
-  }
-  // Never start over while checkpoints exist: whatever made them unreadable needs a look first.
-  if (existing > 0) {
-    std::string why;
-    for (const auto& s : result.skipped) why += "\n  " + s;
-    throw CheckpointError("none of the " + std::to_string(existing) + " checkpoint(s) in '" + dir + "' can be loaded:" + why +
-                          "\nRepair or move them (fsdp-ckpt verify names the damage), or start fresh with checkpoint.resume = \"none\"");
+  };
+  ResumeResult result = load_newest_usable(
+      world, dir, load, "Repair or move them (fsdp-ckpt verify names the damage), or start fresh with checkpoint.resume = \"none\"");
+  if (result.path.empty()) return result;
+  // Checkpoints past the one resumed from belong to another trajectory: this run's saves at those
+  // steps must not replace them.
+  const std::string name = std::filesystem::path(result.path).filename().string();
+  std::optional<std::string> error = detail::capture_error([&] {
+    if (world.rank() == 0) result.set_aside = ckpt::set_aside_checkpoints_after(dir, *ckpt::step_of(name));
+  });
+  detail::agree(world, error);
+  detail::share_lines(world, result.set_aside);
+  for (const auto& moved : result.set_aside) {
+    const std::string where = std::string("moved to ") + ckpt::kSetAsideName + "/";
+    const auto noted = std::find_if(result.skipped.begin(), result.skipped.end(), [&](const std::string& s) { return s.rfind(moved + ":", 0) == 0; });
+    if (noted != result.skipped.end())
+      *noted += "; " + where;
+    else
+      result.skipped.push_back(moved + ": past the checkpoint resumed from (another trajectory); " + where);
   }
   return result;
 }
