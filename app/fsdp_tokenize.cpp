@@ -125,13 +125,24 @@ extern "C" void remove_shards_and_end(int signal_number) {
   ::raise(signal_number);
 }
 
+/// `text` matched literally by glob(3): its wildcards and backslashes escaped (an --out may hold them).
+std::string glob_literal(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (c == '*' || c == '?' || c == '[' || c == ']' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
 /// Removes `.OUT_{train,val}_*.bin.tmp`: an interrupted run's (killed before it could) or a failed one's.
 /// Returns how many there were.
 std::size_t remove_temporaries(const std::string& out) {
   std::size_t removed = 0;
   for (const char* split : {"train", "val"}) {
     glob_t g{};
-    const std::string pattern = (fs::path(out).parent_path() / ("." + fs::path(out).filename().string() + "_" + split + "_*.bin.tmp")).string();
+    const std::string prefix = (fs::path(out).parent_path() / ("." + fs::path(out).filename().string() + "_" + split + "_")).string();
+    const std::string pattern = glob_literal(prefix) + "*.bin.tmp";
     if (::glob(pattern.c_str(), 0, nullptr, &g) == 0)
       for (std::size_t i = 0; i < g.gl_pathc; ++i) removed += std::remove(g.gl_pathv[i]) == 0;
     ::globfree(&g);
@@ -202,7 +213,7 @@ int main(int argc, char** argv) {
       for (const char* split : {"train", "val"}) {
         glob_t g{};
         const std::string pattern = out + "_" + split + "_*.bin";
-        const int rc = ::glob(pattern.c_str(), 0, nullptr, &g);
+        const int rc = ::glob((glob_literal(out + "_" + split + "_") + "*.bin").c_str(), 0, nullptr, &g);
         const std::string first = rc == 0 && g.gl_pathc > 0 ? g.gl_pathv[0] : "";
         ::globfree(&g);
         if (!first.empty())

@@ -122,6 +122,11 @@ out=$("${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out stale d
 grep -qF "removed 2 temporary shard(s) .stale_*.bin.tmp of a run that did not finish" <<<"$out" || fail "stale temporaries: not said: $out"
 ls .stale_* >/dev/null 2>&1 && fail "stale temporaries stayed: $(ls .stale_*)"
 echo "ok an earlier run's temporaries are removed"
+# Wildcards in --out are literal: braet_train_000000.bin is not the shard of 'br[ack]et'.
+touch braet_train_000000.bin .braet_train_000000.bin.tmp
+out=$("${MPI[@]}" -np 1 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out 'br[ack]et' docs.jsonl 2>&1) || fail "wildcards in --out: $out"
+[[ -f 'br[ack]et_train_000000.bin' && -f .braet_train_000000.bin.tmp ]] || fail "wildcards in --out: $(ls -a ./*br* .*br* 2>/dev/null)"
+echo "ok wildcards in --out are literal"
 mkdir -p a_folder
 expect_error "a folder as input" "input 'a_folder' is a folder: give the files in it (e.g. a_folder/*.jsonl)" \
   "${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out bad7 docs.jsonl a_folder
