@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <csignal>
 #include <cstdio>
@@ -197,10 +198,20 @@ int main(int argc, char** argv) {
     cli.add_option("--tokenizer", g.tokenizer, "tokenizer.json (or its folder): encodes --prompt and decodes the output");
     cli.add_option("--max-new-tokens", g.options.max_new_tokens, "tokens to generate at most (and model.context in all)")
         ->check(CLI::Range(1, 1000000));
+    // CLI::Range lets NaN through (every comparison with it is false).
+    const CLI::Validator a_number(
+        [](const std::string& text) {
+          double x = 0;
+          return CLI::detail::lexical_cast(text, x) && !std::isnan(x) ? std::string() : "'" + text + "' is not a number";
+        },
+        "NUMBER");
     cli.add_option("--temperature", g.options.temperature, "0: greedy (argmax); else sample from softmax(logits / temperature)")
+        ->check(a_number)
         ->check(CLI::Range(0.0, 100.0));
     cli.add_option("--top-k", g.options.top_k, "sample among the k most likely tokens only (0: all)")->check(CLI::Range(0, 100000000));
-    cli.add_option("--top-p", g.options.top_p, "sample among the fewest most likely tokens whose probabilities reach p")->check(CLI::Range(0.0, 1.0));
+    cli.add_option("--top-p", g.options.top_p, "sample among the fewest most likely tokens whose probabilities reach p")
+        ->check(a_number)
+        ->check(CLI::Range(0.0, 1.0));
     cli.add_option("--seed", g.options.seed, "the sampling generator's seed (the same on every rank)");
     cli.add_flag(
         "--no-kv-cache", [&](std::int64_t) { g.options.kv_cache = false; }, "recompute every position at every step");

@@ -177,6 +177,12 @@ DataSection resolve_data_section(const Deck& deck) {
       throw DeckError(blame(deck, "data.path") +
                       "give data.path or data.sources, not both (data.sources replaces data.path; an empty data.path clears it)");
     data.path.clear();
+    // A source given twice would be two sources: its samples twice per mixture epoch, its weight doubled.
+    for (std::size_t i = 0; i < data.sources.size(); ++i)
+      for (std::size_t j = 0; j < i; ++j)
+        if (data.sources[i].path == data.sources[j].path && data.sources[i].kind == data.sources[j].kind)
+          throw DeckError(blame(deck, "data.sources") + "data.sources[" + std::to_string(i) + "] ('" + data.sources[i].path + "') is data.sources[" +
+                          std::to_string(j) + "] again: give each source once (with the sum of the weights)");
   }
   return data;
 }

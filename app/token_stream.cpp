@@ -140,6 +140,15 @@ TokenStream TokenStream::open(const std::string& pattern, TokenFormat format) {
     } else {
       file.element = format == TokenFormat::kUint16 ? TokenElement::kUint16 : TokenElement::kUint32;
       const int width = token_element_bytes(file.element);
+      // An llm.c shard read headerless would train on its header and, at the other width, on halves or
+      // pairs of its tokens.
+      if (bytes >= kLlmcHeaderBytes) {
+        const std::int32_t magic = le_int32(file.map), version = le_int32(file.map + 4);
+        if ((magic == kLlmcMagicUint16 && version == kLlmcVersionUint16) || (magic == kLlmcMagicUint32 && version == kLlmcVersionUint32))
+          throw DataError("token file '" + path + "' starts with llm.c's header (magic " + std::to_string(magic) +
+                          " at byte offset 0): it is data.token_format = \"llmc\", not \"" + (format == TokenFormat::kUint16 ? "uint16" : "uint32") +
+                          "\"");
+      }
       if (bytes % width != 0)
         throw DataError("token file '" + path + "' has " + std::to_string(bytes) + " bytes, not a whole number of " + std::to_string(width) +
                         "-byte tokens");
@@ -217,6 +226,13 @@ TokenStream TokenStream::open_indexed(const std::string& prefix_or_file) {
                       ", past the end of '" + bin_path + "' (" + std::to_string(bin_bytes) + " bytes)");
   }
   sequence_starts[static_cast<std::size_t>(n)] = tokens;
+  // Bytes past the last sequence are not read (as Megatron's reader), but a .bin that holds exactly the
+  // index's token count at another width is another dtype's: read at this one, every token would be wrong.
+  for (const int other : {1, 2, 4, 8})
+    if (other != width && tokens > 0 && bin_bytes == tokens * other)
+      throw DataError("'" + bin_path + "' has " + std::to_string(bin_bytes) + " bytes: the " + std::to_string(tokens) + " tokens of its index '" +
+                      idx_path + "' at " + std::to_string(other) + " bytes each, where the index's dtype has " + std::to_string(width) +
+                      ": the .bin and .idx are of different datasets or dtypes");
   // Document indices: 0, then the sequence index that ends each document (the next one's first).
   for (std::int64_t k = 0; k < d; ++k) {
     const auto at = static_cast<std::int64_t>(le_uint64(idx + documents_at + 8 * k));

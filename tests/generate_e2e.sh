@@ -81,6 +81,7 @@ expect_error "bad ids" "--ids \"1,x\" is not a list of integers" "$BIN/fsdp-gene
 expect_error "not whole integers" "--ids \"1,2x\" is not a list of integers" "$BIN/fsdp-generate" "${deck[@]}" --ids "1,2x"
 expect_error "not a language model" "model.kind \"mlp\" is not a language model" \
   "${MPI[@]}" -np 2 "$BIN/fsdp-generate" "$SRC/inputs/ci_tiny.toml" --set run.out_dir="$WORK/cnn" --ids "1,2"
+expect_error "a NaN temperature" "--temperature: 'nan' is not a number" "$BIN/fsdp-generate" "${deck[@]}" --ids "1,2" --temperature nan
 expect_error "a folder as the deck" "cannot read deck '$WORK': it is a folder, not a file" "$BIN/fsdp-generate" "$WORK" --ids "1,2"
 expect_error "nothing to generate from" "nothing to generate from: no checkpoint in $WORK/empty/checkpoints and checkpoint.init_from is empty" \
   "$BIN/fsdp-generate" "${deck[@]}" --set run.out_dir="$WORK/empty" --set checkpoint.init_from= --ids "1,2"

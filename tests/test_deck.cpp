@@ -1079,6 +1079,11 @@ BOOST_AUTO_TEST_CASE(data_sources_as_an_array_of_tables) {
   BOOST_TEST(config_error(lm + "kind = 'indexed'\npath = 'x'\nsources = [{ path = 'a' }]\n")
                  .find("inputs/a.toml:5: data.path: give data.path or data.sources, not both") != std::string::npos);
   BOOST_TEST(config_error(lm + "kind = 'indexed'\npath = ''\nsources = [{ path = 'a' }]\n") == "(no error)");
+  // A source given twice would be drawn as two: its samples twice per mixture epoch.
+  const auto twice = config_error(lm + "kind = 'indexed'\nsources = [{ path = 'a' }, { path = 'b' }, { path = 'a', weight = 2.0 }]\n");
+  BOOST_TEST(twice.find("data.sources[2] ('a') is data.sources[0] again: give each source once (with the sum of the weights)") != std::string::npos,
+             twice);
+  BOOST_TEST(config_error(lm + "kind = 'indexed'\nsources = [{ path = 'a' }, { path = 'a', kind = 'token-shards' }]\n") == "(no error)");
 }
 
 #include "plan/root_unit.hpp"

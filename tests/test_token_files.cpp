@@ -101,6 +101,11 @@ BOOST_AUTO_TEST_CASE(bad_token_files_name_the_file_and_offset) {
   expect_data_error([&] { TokenStream::open(dir / "short.bin", TokenFormat::kLlmc); }, {"short.bin", "less than llm.c's header"});
   write_raw(dir / "odd.bin", Bytes(7, 1));
   expect_data_error([&] { TokenStream::open(dir / "odd.bin", TokenFormat::kUint16); }, {"odd.bin", "7 bytes", "2-byte tokens"});
+  // An llm.c shard read as headerless tokens: its header would be trained on.
+  write_raw(dir / "llmc.bin", llmc_shard(iota_tokens(0, 4, 97), true));
+  for (const auto format : {TokenFormat::kUint16, TokenFormat::kUint32})
+    expect_data_error([&] { TokenStream::open(dir / "llmc.bin", format); },
+                      {"llmc.bin' starts with llm.c's header (magic 20240801 at byte offset 0)", "data.token_format = \"llmc\""});
   write_raw(dir / "empty.bin", {});
   expect_data_error([&] { TokenStream::open(dir / "empty.bin", TokenFormat::kUint16); }, {"empty.bin", "is empty"});
   // A token past the vocabulary: the file and the byte offset of that token.
@@ -200,6 +205,13 @@ BOOST_AUTO_TEST_CASE(indexed_datasets_of_every_integer_dtype_read_as_one_stream)
   longer.bin.insert(longer.bin.end(), {0xff, 0xff});
   write_indexed(dir, "longer", longer);
   BOOST_TEST(TokenStream::open_indexed(dir / "longer").size() == 9);
+  // ... but a .bin holding exactly the index's tokens at another width is another dtype's.
+  auto wider = megatron(kSequences, kDocuments, 8, 2);
+  wider.bin.resize(wider.bin.size() * 2);
+  write_indexed(dir, "wider", wider);
+  expect_data_error([&] { TokenStream::open_indexed(dir / "wider"); },
+                    {"'" + dir / "wider.bin" + "' has 36 bytes: the 9 tokens of its index '" + dir / "wider.idx" + "' at 4 bytes each",
+                     "the index's dtype has 2", "different datasets or dtypes"});
 }
 
 BOOST_AUTO_TEST_CASE(bad_indexed_datasets_name_the_file_and_offset) {

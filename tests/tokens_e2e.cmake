@@ -207,6 +207,17 @@ run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=21 --set data
 run(0 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=24 --set data.global_batch_size=6 --set run.out_dir=${WORK_DIR}/resume3)
 expect_in("${last_output}" "resumed from [^\n]*step_00000021.h5 at step 21")
 run(0 ${CKPT_TOOL} diff ${WORK_DIR}/resume3/checkpoints ${WORK_DIR}/np1/checkpoints --rtol 1e-5)
+# 3b. Files added under the glob of data.path after the checkpoint (another sample count: every later
+#     sample and the epoch's end move): refused on every rank naming the counts; "allow" goes on and warns.
+file(MAKE_DIRECTORY ${WORK_DIR}/grown_data)
+file(COPY ${d}/train_000000.bin DESTINATION ${WORK_DIR}/grown_data)
+set(grown ${gpt} --set data.path=${WORK_DIR}/grown_data/train_*.bin --set data.batch_size=3 --set run.out_dir=${WORK_DIR}/grown)
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${grown} --set run.max_steps=4)
+file(COPY ${d}/train_000001.bin DESTINATION ${WORK_DIR}/grown_data)
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${grown} --set run.max_steps=6)
+expect_in("${last_output}" "the training data does not stand where the checkpoint's stopped \\(its files changed\\):\n  data.path \\('[^']*grown_data/train_\\*.bin'\\) train_samples: [0-9]+ in the checkpoint, 240 with this deck and data")
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${grown} --set run.max_steps=6 --set checkpoint.resume_changed=allow)
+expect_in("${last_output}" "warning: the training data continues from another position")
 
 # 4. Evaluation every 5 steps on 2 batches of the validation shard: loss and perplexity in metrics.csv,
 #    the progress and summary.json; the trained weights are those of the run without it, bit for bit.

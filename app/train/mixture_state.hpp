@@ -1,6 +1,7 @@
-// fsdp-train (app layer): a mixture's (data.sources) place in the checkpoint and in the run's reports:
-// one global draw counter and each source's epoch and position, stored with every checkpoint and
-// checked on resume; the share each source has given so far.
+// fsdp-train (app layer): where the training data stands, in the checkpoint and in the run's reports:
+// for a mixture (data.sources) one global draw counter and each source's size, epoch and position, for
+// one source its size, stored with every checkpoint and checked on resume; the share each source of a
+// mixture has given so far.
 #pragma once
 
 #include <fsdp/fsdp.hpp>
@@ -29,15 +30,19 @@ inline std::int64_t mixture_draws(const Dataset& d, std::int64_t epoch, std::int
   return epoch * d.mixture_size + std::min(sample_index, d.mixture_size);
 }
 
-/// TrainState::data's names: "mixture_draws", "mixture_size", "source_<i>_samples", "source_<i>_epoch",
-/// "source_<i>_position".
+/// TrainState::data's names: "train_samples" (one source); "mixture_draws", "mixture_size",
+/// "source_<i>_samples", "source_<i>_epoch", "source_<i>_position" (a mixture).
 inline std::string source_counter(std::size_t source, const char* what) { return "source_" + std::to_string(source) + "_" + what; }
 
-/// A checkpoint's data counters of a mixture at (epoch, sample_index): the draws and each source's
-/// epoch and position, and the sizes they were counted with (a source that grew or shrank draws other
-/// samples even where its position is the same); none without a mixture.
-inline void store_mixture_position(const Dataset& d, std::int64_t epoch, std::int64_t sample_index, fsdp::TrainState& state) {
-  if (!d.blend) return;
+/// A checkpoint's data counters at (epoch, sample_index): of a mixture the draws and each source's epoch
+/// and position, and the sizes they were counted with (a source that grew or shrank draws other samples
+/// even where its position is the same); of one source its size (files added or removed under a glob
+/// move every later sample and the epoch's end).
+inline void store_data_position(const Dataset& d, std::int64_t epoch, std::int64_t sample_index, fsdp::TrainState& state) {
+  if (!d.blend) {
+    state.data["train_samples"] = d.train_size();
+    return;
+  }
   const std::int64_t draws = mixture_draws(d, epoch, sample_index);
   state.data["mixture_draws"] = draws;
   state.data["mixture_size"] = d.mixture_size;
@@ -49,43 +54,46 @@ inline void store_mixture_position(const Dataset& d, std::int64_t epoch, std::in
   }
 }
 
-/// What differs between a resumed checkpoint's mixture counters and where this deck's mixture stands
-/// at the same epoch and sample: other sources, weights or files (a source that grew or shrank). One
-/// line per difference, naming the source; empty when they agree or the checkpoint stored none.
-inline std::vector<std::string> mixture_position_changes(const Dataset& d, const RunConfig& cfg, const fsdp::TrainState& resumed) {
+/// What differs between a resumed checkpoint's data counters and where this deck's data stands at the
+/// same epoch and sample: other sources, weights or files (a source that grew or shrank). One line per
+/// difference, naming the source; empty when they agree or the checkpoint stored none.
+inline std::vector<std::string> data_position_changes(const Dataset& d, const RunConfig& cfg, const fsdp::TrainState& resumed) {
   std::vector<std::string> out;
-  if (!d.blend || resumed.data.empty()) return out;
+  if (resumed.data.empty()) return out;
   fsdp::TrainState now;
-  store_mixture_position(d, resumed.epoch, resumed.sample_index, now);
+  store_data_position(d, resumed.epoch, resumed.sample_index, now);
   for (const auto& [name, value] : now.data) {
     const auto it = resumed.data.find(name);
     if (it == resumed.data.end() || it->second == value) continue;  // a counter the checkpoint's version did not write: nothing to compare
     std::string what = name;
-    for (std::size_t s = 0; s < cfg.data.sources.size(); ++s)
+    if (!d.blend) what = "data.path ('" + cfg.data.path + "') " + name;
+    for (std::size_t s = 0; d.blend && s < cfg.data.sources.size(); ++s)
       if (name.rfind(source_counter(s, ""), 0) == 0) what = "data.sources[" + std::to_string(s) + "] ('" + cfg.data.sources[s].path + "') " + name;
     out.push_back(what + ": " + std::to_string(it->second) + " in the checkpoint, " + std::to_string(value) + " with this deck and data");
   }
   for (const auto& [name, value] : resumed.data)
-    if (!now.data.count(name)) out.push_back(name + ": " + std::to_string(value) + " in the checkpoint, no such source now");
+    if (!now.data.count(name)) out.push_back(name + ": " + std::to_string(value) + " in the checkpoint, none with this deck's data");
   return out;
 }
 
-/// A resumed mixture must stand where the checkpoint's did: other sources, weights or files (a source
-/// that grew or shrank) would draw other samples from here on. Refused on every rank naming each
-/// source (any rank that sees a change stops all) unless checkpoint.resume_changed = "allow": then a
-/// warning, and the changes are returned for summary.json. Collective.
-inline std::vector<std::string> check_mixture_position(MpiComm& world, const Dataset& d, const RunConfig& cfg, const fsdp::TrainState& resumed) {
+/// Resumed data must stand where the checkpoint's did: other sources, weights or files (a source that
+/// grew or shrank) would give other samples from here on. Refused on every rank naming each source (any
+/// rank that sees a change stops all) unless checkpoint.resume_changed = "allow": then a warning, and
+/// the changes are returned for summary.json. Collective.
+inline std::vector<std::string> check_data_position(MpiComm& world, const Dataset& d, const RunConfig& cfg, const fsdp::TrainState& resumed) {
   std::vector<std::string> changes;
   std::string list;
+  const std::string data = d.blend ? "the mixture of data.sources" : "the training data";
   on_all_ranks(world, [&] {
-    changes = mixture_position_changes(d, cfg, resumed);
+    changes = data_position_changes(d, cfg, resumed);
     for (const auto& c : changes) list += "\n  " + c;
     if (!changes.empty() && cfg.checkpoint.resume_changed == ResumeChanged::kRefuse)
-      throw DeckError("the mixture of data.sources does not stand where the checkpoint's stopped (sources, weights or their files changed):" + list +
-                      "\ncheckpoint.resume_changed = \"allow\" continues from here with this deck's blend");
+      throw DeckError(data + " does not stand where the checkpoint's stopped (" +
+                      (d.blend ? "sources, weights or their files changed" : "its files changed") + "):" + list +
+                      "\ncheckpoint.resume_changed = \"allow\" continues from here with this deck's data");
   });
   if (!changes.empty() && world.rank() == 0)
-    std::printf("warning: the mixture of data.sources continues from another position (checkpoint.resume_changed = \"allow\"):%s\n", list.c_str());
+    std::printf("warning: %s continues from another position (checkpoint.resume_changed = \"allow\"):%s\n", data.c_str(), list.c_str());
   return changes;
 }
 

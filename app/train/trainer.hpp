@@ -97,7 +97,7 @@ class Trainer {
     next_epoch_ = start_.epoch;  // where the data stands (also for a finished run's summary)
     next_sample_index_ = start_.sample_index;
     plan_schedule();
-    mixture_changes_ = check_mixture_position(world_, data_, cfg_, start_);
+    data_changes_ = check_data_position(world_, data_, cfg_, start_);
     if (start_.step > 0 && start_.step >= schedule_.total_steps) return false;  // a rerun of a finished job
     fsdp::create_adam_state_ahead(*optimizer_);                                 // what no checkpoint gave, before training's transient tensors
     return true;
@@ -487,7 +487,7 @@ class Trainer {
     s.step = step_;
     s.epoch = next_epoch_;
     s.sample_index = next_sample_index_;
-    store_mixture_position(data_, next_epoch_, next_sample_index_, s);
+    store_data_position(data_, next_epoch_, next_sample_index_, s);
     s.scheduler = {{"lr", lr_at(cfg_, step_, next_epoch_, schedule_.total_steps)}, {"total_steps", static_cast<double>(schedule_.total_steps)}};
     if (scaler_) {  // powers of two and small counts: exact as doubles
       s.scheduler["loss_scale"] = scaler_->scale();
@@ -517,7 +517,7 @@ class Trainer {
     t.steps = step_;
     t.resumed_from_step = start_.step;
     t.resume_changed = checkpointer_->resume_changes();
-    t.resume_changed.insert(t.resume_changed.end(), mixture_changes_.begin(), mixture_changes_.end());
+    t.resume_changed.insert(t.resume_changed.end(), data_changes_.begin(), data_changes_.end());
     t.sources = mixture_shares(data_, cfg_, next_epoch_, next_sample_index_);
     t.skipped_steps = skipped_steps_;
     t.overflow_steps = overflow_steps_;
@@ -569,9 +569,9 @@ class Trainer {
   bool write_metrics_ = false;
   std::filesystem::path metrics_path_;
   MetricsLog metrics_;
-  MixtureLog mixture_log_;                    // sources.csv, for data.sources
-  SampleLog sample_log_{world_.rank()};       // test hook FSDP_TEST_SAMPLE_LOG
-  std::vector<std::string> mixture_changes_;  // a resumed mixture's positions that differ (checkpoint.resume_changed = "allow")
+  MixtureLog mixture_log_;                 // sources.csv, for data.sources
+  SampleLog sample_log_{world_.rank()};    // test hook FSDP_TEST_SAMPLE_LOG
+  std::vector<std::string> data_changes_;  // a resumed run's data counters that differ (checkpoint.resume_changed = "allow")
   std::int64_t eval_chunk_ = 0;
   bool data_loaded_ = true;
 
