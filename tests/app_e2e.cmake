@@ -165,6 +165,7 @@ expect_in("${last_output}" "holds another run")
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/changed --set run.max_steps=8)
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/changed --set run.max_steps=16 --set optim.lr=0.002 --set data.shuffle=false)
 expect_in("${last_output}" "was trained with another deck; these keys decide the training:\n  data.shuffle: true in the checkpoint, false now\n  optim.lr: 0.001 in the checkpoint, 0.002 now")
+expect_not_in("${last_output}" "resumed from")  # a refused resume does not say it resumed
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/changed --set run.max_steps=12 --set log.every_steps=2)
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/changed --set run.max_steps=16 --set optim.lr=0.002 --set checkpoint.resume_changed=allow)
 expect_in("${last_output}" "warning: resuming [^\n]* with changed keys \\(checkpoint.resume_changed = \"allow\"\\):\n  optim.lr: 0.001 in the checkpoint, 0.002 now")

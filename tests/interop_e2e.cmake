@@ -101,6 +101,11 @@ file(READ ${WORK_DIR}/untied/hf/model.safetensors head OFFSET 8 LIMIT 4000)
 expect_in("${head}" "lm_head.weight\":{\"dtype\":\"F32\",\"shape\":\\[97,32\\]")
 run(0 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${gpt} --set model.tie_embeddings=false --set run.max_steps=1 --set data.batch_size=2
     --set run.out_dir=${WORK_DIR}/untied_back --set checkpoint.init_from=${WORK_DIR}/untied/hf)
+# ... and a tied model would pass over that head: refused, naming config.json and the setting.
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=1 --set data.batch_size=2 --set run.out_dir=${WORK_DIR}/untied_into_tied
+    --set checkpoint.init_from=${WORK_DIR}/untied/hf)
+expect_in("${last_output}" "checkpoint.init_from: '[^']*untied/hf/config.json' says tie_word_embeddings = false")
+expect_in("${last_output}" "set model.tie_embeddings = false to load it")
 
 # 4. Bad pretrained files: every rank exits 2, the message names the tensor or file.
 run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set model.d_model=48 --set run.out_dir=${WORK_DIR}/bad_shape

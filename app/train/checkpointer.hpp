@@ -107,14 +107,14 @@ class Checkpointer {
       // A checkpoint of another model or optimizer in this folder stops the run (it is not skipped:
       // training on would mix two runs in one folder).
       on_all_ranks(world_, [&] { r = fsdp::resume_from_latest(model_, optimizer_, dir_.string(), &state, options_); });
-      if (root_) {
+      if (root_)
         for (const auto& why : r.skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
-        if (!r.path.empty()) std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
-      }
-      if (r.path.empty())
+      if (r.path.empty()) {
         initialize_from_pretrained();
-      else
-        compare_with_the_deck_of(r.path, state.deck);
+        return state;
+      }
+      compare_with_the_deck_of(r.path, state.deck);  // first: a refused resume does not say it resumed
+      if (root_) std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
       return state;
     }
     if (resume != "none") {
@@ -123,8 +123,8 @@ class Checkpointer {
         loading_into_the_decks_model("checkpoint.resume", path, [&] { fsdp::load_checkpoint(model_, optimizer_, path, &state, options_); });
       });
       loaded_from_ = path;
-      if (root_) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
       compare_with_the_deck_of(path, state.deck);
+      if (root_) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
     }
     // Those past the step this run starts from belong to another trajectory; all of them do for a fresh
     // start or a checkpoint taken from another folder.
@@ -441,6 +441,7 @@ class Checkpointer {
         if (!has_hf_gpt2_names(fsdp::safetensors::open_source(path).names())) return;
         if (cfg_.model.kind != ModelKind::kTransformer)
           throw DeckError("checkpoint.init_from: '" + path + "' holds a Hugging Face GPT-2; model.kind is \"" + to_string(cfg_.model.kind) + "\"");
+        refuse_an_untied_head_into_a_tied_model(path);
         naming = hf_gpt2_naming(gpt_config(cfg_.model));
         names = kHfGpt2Scheme;
       });
@@ -460,6 +461,21 @@ class Checkpointer {
       for (const auto& m : r.missing) list += (list.empty() ? "" : ", ") + m;
       std::printf("warning: checkpoint.init_from lacks %zu parameter(s), which keep their initialization: %s\n", r.missing.size(), list.c_str());
     }
+  }
+
+  /// A tied GPT reads a GPT-2 file's head from its token embedding and passes over its lm_head.weight
+  /// (GPT-2's copy of it): a file whose config.json says its head is its own (an untied export) would
+  /// lose its trained head without a word. Refused (DeckError) naming the file and the setting.
+  void refuse_an_untied_head_into_a_tied_model(const std::filesystem::path& source) const {
+    if (!cfg_.model.tie_embeddings) return;
+    const auto config = (std::filesystem::is_directory(source) ? source : source.parent_path()) / "config.json";
+    std::ifstream in(config);
+    if (!in) return;
+    const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("tie_word_embeddings") && j["tie_word_embeddings"] == false)
+      throw DeckError("checkpoint.init_from: '" + config.string() +
+                      "' says tie_word_embeddings = false: the file's lm_head.weight is a head of its own, which this tied model "
+                      "(model.tie_embeddings = true) would pass over; set model.tie_embeddings = false to load it");
   }
 
   /// A rank that never arrived cannot agree on the failure either: abort (main) instead of waiting.
