@@ -178,9 +178,17 @@ DataSection resolve_data_section(const Deck& deck) {
                       "give data.path or data.sources, not both (data.sources replaces data.path; an empty data.path clears it)");
     data.path.clear();
     // A source given twice would be two sources: its samples twice per mixture epoch, its weight doubled.
+    auto same_files = [](const DataSource& a, const DataSource& b) {
+      auto form = [](const DataSource& s) {  // an indexed dataset is named by its prefix, .bin or .idx alike
+        std::string p = std::filesystem::path(s.path).lexically_normal().string();
+        if (s.kind == DataKind::kIndexed && (p.ends_with(".bin") || p.ends_with(".idx"))) p.resize(p.size() - 4);
+        return p;
+      };
+      return a.kind == b.kind && form(a) == form(b);
+    };
     for (std::size_t i = 0; i < data.sources.size(); ++i)
       for (std::size_t j = 0; j < i; ++j)
-        if (data.sources[i].path == data.sources[j].path && data.sources[i].kind == data.sources[j].kind)
+        if (same_files(data.sources[i], data.sources[j]))
           throw DeckError(blame(deck, "data.sources") + "data.sources[" + std::to_string(i) + "] ('" + data.sources[i].path + "') is data.sources[" +
                           std::to_string(j) + "] again: give each source once (with the sum of the weights)");
   }

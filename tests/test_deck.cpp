@@ -1084,6 +1084,8 @@ BOOST_AUTO_TEST_CASE(data_sources_as_an_array_of_tables) {
   BOOST_TEST(twice.find("data.sources[2] ('a') is data.sources[0] again: give each source once (with the sum of the weights)") != std::string::npos,
              twice);
   BOOST_TEST(config_error(lm + "kind = 'indexed'\nsources = [{ path = 'a' }, { path = 'a', kind = 'token-shards' }]\n") == "(no error)");
+  BOOST_TEST(config_error(lm + "kind = 'indexed'\nsources = [{ path = 'd/a' }, { path = './d/a.idx' }]\n").find("is data.sources[0] again") !=
+             std::string::npos);
 }
 
 #include "plan/root_unit.hpp"

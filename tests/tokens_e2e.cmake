@@ -215,7 +215,8 @@ set(grown ${gpt} --set data.path=${WORK_DIR}/grown_data/train_*.bin --set data.b
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${grown} --set run.max_steps=4)
 file(COPY ${d}/train_000001.bin DESTINATION ${WORK_DIR}/grown_data)
 run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${grown} --set run.max_steps=6)
-expect_in("${last_output}" "the training data does not stand where the checkpoint's stopped \\(its files changed\\):\n  data.path \\('[^']*grown_data/train_\\*.bin'\\) train_samples: [0-9]+ in the checkpoint, 240 with this deck and data")
+expect_in("${last_output}" "the training data does not stand where the checkpoint's stopped \\(its sample count changed: files under data.path's glob\\):\n  data.path \\('[^']*grown_data/train_\\*.bin'\\) data_path_samples: [0-9]+ in the checkpoint, 240 with this deck and data")
+expect_not_in("${last_output}" "resumed from")  # a refused resume does not say it resumed
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${grown} --set run.max_steps=6 --set checkpoint.resume_changed=allow)
 expect_in("${last_output}" "warning: the training data continues from another position")
 

@@ -113,8 +113,8 @@ class Checkpointer {
         initialize_from_pretrained();
         return state;
       }
-      compare_with_the_deck_of(r.path, state.deck);  // first: a refused resume does not say it resumed
-      if (root_) std::printf("resumed from %s at step %lld\n", r.path.c_str(), static_cast<long long>(state.step));
+      compare_with_the_deck_of(r.path, state.deck);
+      resumed_ = r.path + " at step " + std::to_string(state.step);
       return state;
     }
     if (resume != "none") {
@@ -124,7 +124,7 @@ class Checkpointer {
       });
       loaded_from_ = path;
       compare_with_the_deck_of(path, state.deck);
-      if (root_) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
+      resumed_ = path + " at step " + std::to_string(state.step);
     }
     // Those past the step this run starts from belong to another trajectory; all of them do for a fresh
     // start or a checkpoint taken from another folder.
@@ -144,6 +144,12 @@ class Checkpointer {
                   fsdp::ckpt::kSetAsideName, moved.back().c_str(), moved.front().c_str());
     if (resume == "none") initialize_from_pretrained();
     return state;
+  }
+
+  /// "resumed from <checkpoint> at step N" on rank 0, once every check of the resume passed (the deck's
+  /// here, the data's in the Trainer): a refused resume does not say it resumed. Nothing for a fresh start.
+  void say_resumed() const {
+    if (root_ && !resumed_.empty()) std::printf("resumed from %s\n", resumed_.c_str());
   }
 
   /// fsdp-train --eval-only and fsdp-generate: loads the weights to read, without taking the run
@@ -522,6 +528,7 @@ class Checkpointer {
   fsdp::CheckpointOptions options_;
   bool skip_save_ = false;
   std::filesystem::path loaded_from_;                     // checkpoint.resume = <path>: the checkpoint loaded
+  std::string resumed_;                                   // "<checkpoint> at step N" once resume() loaded one
   std::optional<fsdp::RunLock> lock_;                     // held until the run ends
   std::optional<fsdp::RunLock> checkpoint_lock_;          // checkpoint.dir outside run.out_dir
   std::optional<fsdp::AsyncCheckpointer<Engine>> async_;  // checkpoint.async

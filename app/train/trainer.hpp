@@ -98,6 +98,7 @@ class Trainer {
     next_sample_index_ = start_.sample_index;
     plan_schedule();
     data_changes_ = check_data_position(world_, data_, cfg_, start_);
+    checkpointer_->say_resumed();                                               // after every check: a refused resume does not say it resumed
     if (start_.step > 0 && start_.step >= schedule_.total_steps) return false;  // a rerun of a finished job
     fsdp::create_adam_state_ahead(*optimizer_);                                 // what no checkpoint gave, before training's transient tensors
     return true;
