@@ -230,6 +230,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return cli.exit(e) == 0 ? 0 : kExitBadInput;
   }
+  if (!ids.empty() && !g.prompt_text.empty()) {
+    std::fprintf(stderr, "fsdp-generate: error: give the prompt as --ids or as --prompt, not both\n");
+    return kExitBadInput;
+  }
   if (const auto parsed = parse_token_ids(ids)) {
     g.options.prompt = *parsed;
   } else {

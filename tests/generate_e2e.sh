@@ -79,6 +79,8 @@ expect_error "token past the vocabulary" "token 97 of the prompt is not below mo
   "${MPI[@]}" -np 2 "$BIN/fsdp-generate" "${deck[@]}" --ids "1,97"
 expect_error "bad ids" "--ids \"1,x\" is not a list of integers" "$BIN/fsdp-generate" "${deck[@]}" --ids "1,x"
 expect_error "not whole integers" "--ids \"1,2x\" is not a list of integers" "$BIN/fsdp-generate" "${deck[@]}" --ids "1,2x"
+expect_error "an empty id" "--ids \"1,,2\" is not a list of integers" "$BIN/fsdp-generate" "${deck[@]}" --ids "1,,2"
+expect_error "ids and a prompt" "give the prompt as --ids or as --prompt, not both" "$BIN/fsdp-generate" "${deck[@]}" --ids "1,2" --prompt "x"
 expect_error "not a language model" "model.kind \"mlp\" is not a language model" \
   "${MPI[@]}" -np 2 "$BIN/fsdp-generate" "$SRC/inputs/ci_tiny.toml" --set run.out_dir="$WORK/cnn" --ids "1,2"
 expect_error "a NaN temperature" "--temperature: 'nan' is not a number" "$BIN/fsdp-generate" "${deck[@]}" --ids "1,2" --temperature nan

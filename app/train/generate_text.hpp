@@ -33,10 +33,20 @@ struct GenerateRequest {
   bool stop_at_eos = true;
 };
 
-/// Token ids separated by commas or spaces; nullopt unless every word is a whole integer.
+/// Token ids separated by commas or spaces; nullopt unless every word is a whole integer and no comma
+/// stands without an id before and after it ("1,,2" would be a token lost to a typo).
 inline std::optional<std::vector<std::int64_t>> parse_token_ids(std::string text) {
-  for (auto& c : text)
-    if (c == ',') c = ' ';
+  bool id_since_comma = false;
+  for (auto& c : text) {
+    if (c == ',') {
+      if (!id_since_comma) return std::nullopt;
+      id_since_comma = false;
+      c = ' ';
+    } else if (c != ' ' && c != '\t') {
+      id_since_comma = true;
+    }
+  }
+  if (!id_since_comma && text.find_first_not_of(" \t") != std::string::npos) return std::nullopt;  // a trailing comma
   std::istringstream in(text);
   std::vector<std::int64_t> ids;
   for (std::string word; in >> word;) {
