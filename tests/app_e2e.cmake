@@ -157,6 +157,7 @@ expect_in("${rewritten}" "\"steps\": 24,")
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set checkpoint.export=model.safetensors)
 expect_in("${last_output}" "already reached step 24 of 24; its outputs are all there")
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set run.max_steps=40 --set model.hidden_sizes=[48])
+expect_in("${last_output}" "checkpoint.resume = \"auto\": '[^']*step_00000024.h5' holds another model than the deck's\n  model.hidden_sizes: \\[64, 32\\] in the file, \\[48\\] in the deck\n")
 expect_in("${last_output}" "holds another run")
 
 # 6b. A resume with a deck that changed keys deciding the training is refused, naming each key with

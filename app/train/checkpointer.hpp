@@ -106,7 +106,19 @@ class Checkpointer {
       fsdp::ResumeResult r;
       // A checkpoint of another model or optimizer in this folder stops the run (it is not skipped:
       // training on would mix two runs in one folder).
-      on_all_ranks(world_, [&] { r = fsdp::resume_from_latest(model_, optimizer_, dir_.string(), &state, options_); });
+      on_all_ranks(world_, [&] {
+        try {
+          r = fsdp::resume_from_latest(model_, optimizer_, dir_.string(), &state, options_);
+        } catch (const fsdp::CheckpointError& e) {
+          // A deck that changed a model size (model.context, ...) reads as another run; its stored deck
+          // names the key, which tells more than the tensors.
+          const auto all = fsdp::ckpt::run_checkpoints(dir_);
+          if (e.id() != "fsdp.ckpt.mismatch" || all.empty()) throw;
+          const std::string newest = (dir_ / all.front().second).string();
+          if (model_size_differences(newest).empty()) throw;
+          loading_into_the_decks_model("checkpoint.resume = \"auto\"", newest, [&] { throw; });
+        }
+      });
       if (root_)
         for (const auto& why : r.skipped) std::printf("warning: skipped checkpoint %s\n", why.c_str());
       if (r.path.empty()) {
