@@ -234,6 +234,8 @@ TokenStream TokenStream::open_indexed(const std::string& prefix_or_file) {
                       idx_path + "' at " + std::to_string(other) + " bytes each, where the index's dtype has " + std::to_string(width) +
                       ": the .bin and .idx are of different datasets or dtypes");
   // Document indices: 0, then the sequence index that ends each document (the next one's first).
+  // Megatron's writer always writes the leading 0; without it its reader counts -1 documents.
+  if (d == 0) throw DataError(in_idx(26) + ": 0 document indices; a Megatron index holds at least the first, 0, and one per document's end");
   for (std::int64_t k = 0; k < d; ++k) {
     const auto at = static_cast<std::int64_t>(le_uint64(idx + documents_at + 8 * k));
     const std::int64_t before = k == 0 ? 0 : static_cast<std::int64_t>(le_uint64(idx + documents_at + 8 * (k - 1)));
@@ -246,7 +248,6 @@ TokenStream TokenStream::open_indexed(const std::string& prefix_or_file) {
   if (d > 0 && static_cast<std::int64_t>(le_uint64(idx + documents_at + 8 * (d - 1))) != n)
     throw DataError(in_idx(documents_at + 8 * (d - 1)) + ": the last document index is " +
                     std::to_string(le_uint64(idx + documents_at + 8 * (d - 1))) + ", not the sequence count " + std::to_string(n));
-  if (stream.document_starts_.empty()) stream.document_starts_.push_back(0);  // no document indices: one document
   if (stream.document_starts_.back() != tokens) stream.document_starts_.push_back(tokens);
   if (tokens == 0) throw DataError("indexed dataset '" + prefix + "' (" + idx_path + ") holds no tokens");
   file.tokens = tokens;

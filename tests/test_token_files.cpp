@@ -258,6 +258,8 @@ BOOST_AUTO_TEST_CASE(bad_indexed_datasets_name_the_file_and_offset) {
   bad("decreasing", d, {"byte offset 86: document index 2 is 1", "must not decrease"});
   d = megatron(kSequences, {0, 2}, 8, 2);
   bad("last document index", d, {"byte offset 78: the last document index is 2, not the sequence count 3"});
+  d = megatron(kSequences, {}, 8, 2);
+  bad("no document indices", d, {"index '" + idx + "' at byte offset 26: 0 document indices", "at least the first, 0"});
   d = megatron({{}, {}}, {0, 2}, 8, 2);
   d.bin = {0};
   bad("no tokens", d, {"holds no tokens"});
