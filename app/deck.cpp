@@ -147,6 +147,7 @@ std::optional<Value> from_node(const KeySpec& spec, const toml::node& n, std::ve
     case KeyType::kIntArray:
     case KeyType::kFloatArray: {
       const auto* a = n.as_array();
+      if (auto* i = n.as_integer(); i && spec.scalar_as_array) return Value{Ints{i->get()}};
       if (!a) return wrong(spec.key, n, expected(spec.type));
       Ints ints;
       Floats floats;
@@ -199,6 +200,7 @@ std::optional<std::string> coerce(const KeySpec& spec, Value& v) {
       if (std::holds_alternative<std::string>(v)) return std::nullopt;
       break;
     case KeyType::kIntArray:
+      if (auto* i = std::get_if<I>(&v); i && spec.scalar_as_array) v = Ints{*i};
       if (std::holds_alternative<Ints>(v)) return std::nullopt;
       break;
     case KeyType::kFloatArray:

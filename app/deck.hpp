@@ -63,6 +63,7 @@ struct KeySpec {
   std::size_t array_size = 0;          ///< arrays: non-zero = exactly this many elements
   bool names_list = false;             ///< strings: a TOML array of strings is accepted too, stored comma-joined
   bool count_choice = false;           ///< strings with choices: a whole number >= 2 is accepted too, stored as its digits
+  bool scalar_as_array = false;        ///< integer arrays: one integer is accepted too, stored as a one-element array
   /// kTables: each table's fields (key = the field's name; a scalar type, default, range, choices).
   std::vector<KeySpec> fields{};
   bool required = false;  ///< a field every table must give

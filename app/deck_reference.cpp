@@ -83,8 +83,11 @@ std::string reference_markdown() {
       if (range.empty()) range = "any";
       const std::string def = std::holds_alternative<std::monostate>(s.default_value) ? "*(unset)*" : "`" + format_value(s.default_value) + "`";
       const std::string& description = s.description;
-      md << "| `" << s.name() << "` | " << (s.names_list ? "string or string array" : type_name(s.type)) << " | " << cell(def) << " | " << cell(range)
-         << " | " << cell(description) << " |\n";
+      md << "| `" << s.name() << "` | "
+         << (s.names_list        ? "string or string array"
+             : s.scalar_as_array ? "integer or integer array"
+                                 : type_name(s.type))
+         << " | " << cell(def) << " | " << cell(range) << " | " << cell(description) << " |\n";
     }
   }
   return md.str();

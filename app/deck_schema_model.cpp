@@ -146,12 +146,14 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .max = 1e9,
                .description = "llama: the tokenizer's first token (Hugging Face's bos_token_id, kept in an exported config.json); -1: none"});
   s.push_back({.key = "model.eos_token_id",
-               .type = T::kInt,
-               .default_value = I{-1},
+               .type = T::kIntArray,
+               .default_value = Ints{},
                .min = -1,
                .max = 1e9,
                .description = "llama: the tokenizer's end of text (Hugging Face's eos_token_id, where generation stops; kept in an "
-                              "exported config.json); -1: none"});
+                              "exported config.json): one id, or a list (Llama 3.1's instruct models end a turn at any of three); "
+                              "[] or -1: none",
+               .scalar_as_array = true});
   s.push_back({.key = "model.rope_scaling",
                .type = T::kString,
                .default_value = "none",

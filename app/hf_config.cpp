@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -145,9 +146,16 @@ void read_llama_family(Reader& r, const std::string& architecture) {
   for (const char* moe : {"num_local_experts", "num_experts", "num_experts_per_tok"})
     if (r.has(moe)) r.unsupported(moe, "a mixture of experts");
   if (r.has("max_position_embeddings")) r.set("model.max_positions", r.integer("max_position_embeddings"), "max_position_embeddings");
-  // A list of end tokens (Llama 3.1's) is not one id: left to the tokenizer's files.
   for (const auto& [key, model_key] : {std::pair{"bos_token_id", "model.bos_token_id"}, std::pair{"eos_token_id", "model.eos_token_id"}})
     if (r.has(key) && r.raw(key).is_number_integer() && r.raw(key).get<std::int64_t>() >= 0) r.set(model_key, r.raw(key).get<std::int64_t>(), key);
+  // Llama 3.1's instruct models end a turn at any of a list of tokens.
+  if (r.has("eos_token_id") && r.raw("eos_token_id").is_array()) {
+    const auto& list = r.raw("eos_token_id");
+    if (std::all_of(list.begin(), list.end(), [](const auto& id) { return id.is_number_integer() && id.template get<std::int64_t>() >= 0; }))
+      r.set("model.eos_token_id", list.get<std::vector<std::int64_t>>(), "eos_token_id");
+    else
+      r.problem("eos_token_id", list.dump() + " is not a list of token ids");
+  }
   // Mistral's window applies whenever it is set, Qwen2's only with use_sliding_window; absent, both
   // configs' default is 4096; null: none.
   if (mistral || (qwen2 && r.boolean("use_sliding_window", false)))

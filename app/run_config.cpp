@@ -119,7 +119,8 @@ ModelSection resolve_model_section(const Deck& deck) {
   model.rope_original_context = deck.get_int("model.rope_original_context");
   model.max_positions = deck.get_int("model.max_positions");
   model.bos_token_id = deck.get_int("model.bos_token_id");
-  model.eos_token_id = deck.get_int("model.eos_token_id");
+  for (const auto id : deck.get_int_array("model.eos_token_id"))
+    if (id >= 0) model.eos_token_ids.push_back(id);
   return model;
 }
 

@@ -61,6 +61,20 @@ for model in gpt llama; do
   echo "ok $model: greedy equals PyTorch's argmax ($want) at np 1-4 with and without the KV cache; sampled ($sampled) alike everywhere"
 done
 
+# End tokens (model.eos_token_id, one id or a list as Llama 3.1's config.json): the generation stops at
+# the first token drawn that is any of them, and includes it.
+read -ra greedy <<<"$want"
+stops=("${greedy[6]}" "${greedy[3]}")
+until_stop=""
+for t in "${greedy[@]}"; do
+  until_stop+="${until_stop:+ }$t"
+  [[ $t == "${stops[0]}" || $t == "${stops[1]}" ]] && break
+done
+out=$("${MPI[@]}" -np 2 "$BIN/fsdp-generate" "${deck[@]}" --set "model.eos_token_id=[${stops[0]},${stops[1]}]" --ids "$prompt" 2>&1) ||
+  fail "end tokens: $out"
+[[ $(ids_of "$out") == "$until_stop" ]] || fail "end tokens [${stops[*]}]: ids '$(ids_of "$out")', expected '$until_stop'"
+echo "ok the generation stops at the first of the end tokens [${stops[*]}]: $until_stop"
+
 # A prompt as text: a GPT-2-style tokenizer of the test's own (tests/tokenizer_reference.py) encodes it
 # and decodes the output (the model above has 97 tokens: the tokenizer's first 97 byte symbols are ids
 # 0-96, so an ASCII prompt of them stays inside the vocabulary).

@@ -16,6 +16,7 @@
 #include "fsdp/file_tree.hpp"
 #include "deck.hpp"
 #include "hf_export.hpp"
+#include "models/llama_hf.hpp"
 #include "run_config.hpp"
 
 using namespace fsdp::app;
@@ -869,7 +870,7 @@ BOOST_AUTO_TEST_CASE(a_hugging_face_config_sets_the_model_and_says_so) {
   BOOST_TEST(m.tie_embeddings);
   BOOST_TEST(m.context == 256);         // the deck's: a rotary model's context is the run's choice
   BOOST_TEST(m.max_positions == 8192);  // kept for the export's config.json
-  BOOST_TEST(m.eos_token_id == 0);
+  BOOST_TEST((m.eos_token_ids == std::vector<std::int64_t>{0}));
   BOOST_TEST((d.entry("model.d_model").source == Source::kHfConfig));
   BOOST_TEST(d.entry("model.d_model").where == smol + "/config.json: hidden_size");
   BOOST_TEST(std::regex_search(d.echo_table(), std::regex(R"(model\.d_model +576 +hf_config)")));
@@ -898,6 +899,45 @@ BOOST_AUTO_TEST_CASE(a_hugging_face_config_sets_the_model_and_says_so) {
   BOOST_TEST((g.activation == Activation::kGeluTanh));
   BOOST_TEST(g.tie_embeddings);  // GPT-2's default
   BOOST_TEST((e.entry("model.n_kv_heads").source == Source::kDefault));
+}
+
+BOOST_AUTO_TEST_CASE(end_tokens_are_one_id_or_a_list_in_the_deck_config_json_and_export) {
+  // Llama 3.1's instruct models end a turn at any of three tokens: all three are kept, and written back.
+  const std::string llama31 = hf_folder("llama31", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 128256, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009]})");
+  const ModelSection m = resolve_model_section(Deck::parse("[model]\nhf_config = '" + llama31 + "'\n[data]\nkind = 'tokens'\n", "a.toml"));
+  BOOST_TEST((m.eos_token_ids == std::vector<std::int64_t>{128001, 128008, 128009}));
+  BOOST_TEST(m.bos_token_id == 128000);
+  BOOST_TEST(hf_llama_config(LlamaConfig::of(m)).at("eos_token_id").dump() == "[128001,128008,128009]");
+  // One id stays a number in the deck's stored form and in the export; -1 and [] are none.
+  auto ids = [](const std::string& deck, const std::vector<std::string>& sets = {}) {
+    return resolve_model_section(Deck::parse("[model]\nkind = 'llama'\n" + deck + "[data]\nkind = 'tokens'\n", "b.toml", sets)).eos_token_ids;
+  };
+  BOOST_TEST((ids("eos_token_id = 2\n") == std::vector<std::int64_t>{2}));
+  BOOST_TEST(hf_llama_config(LlamaConfig::of(resolve_model_section(
+                                 Deck::parse("[model]\nkind = 'llama'\neos_token_id = 2\n[data]\nkind = 'tokens'\n", "c.toml"))))
+                 .at("eos_token_id")
+                 .dump() == "2");
+  BOOST_TEST((ids("eos_token_id = [2, 7]\n") == std::vector<std::int64_t>{2, 7}));
+  BOOST_TEST((ids("", {"model.eos_token_id=[3,4]"}) == std::vector<std::int64_t>{3, 4}));
+  BOOST_TEST((ids("", {"model.eos_token_id=5"}) == std::vector<std::int64_t>{5}));
+  BOOST_TEST(ids("eos_token_id = -1\n").empty());  // the stored decks of earlier versions
+  BOOST_TEST(ids("").empty());
+  BOOST_TEST(!hf_llama_config(LlamaConfig::of(resolve_model_section(Deck::parse("[model]\nkind = 'llama'\n[data]\nkind = 'tokens'\n", "d.toml"))))
+                  .contains("eos_token_id"));
+  BOOST_TEST(problem_of("[model]\nkind = 'llama'\neos_token_id = [2, -5]\n[data]\nkind = 'tokens'\n")
+                 .find("model.eos_token_id[1]: -5 is below the minimum -1") != std::string::npos);
+  BOOST_TEST(problem_of("[model]\nkind = 'llama'\neos_token_id = 'x'\n[data]\nkind = 'tokens'\n").find("model.eos_token_id") != std::string::npos);
+  // A list that is not of token ids is refused, naming the file and key.
+  const std::string bad = hf_folder("bad_eos", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100, "eos_token_id": [1, "x"]})");
+  BOOST_TEST(problem_of("[model]\nhf_config = '" + bad + "'\n[data]\nkind = 'tokens'\n")
+                 .find(bad + "/config.json: eos_token_id: [1,\"x\"] is not a list of token ids") != std::string::npos);
+  // A deck that names other end tokens than the config.json contradicts it.
+  BOOST_TEST(
+      problem_of("[model]\nhf_config = '" + llama31 + "'\neos_token_id = 128009\n[data]\nkind = 'tokens'\n").find("contradicts eos_token_id") !=
+      std::string::npos);
 }
 
 BOOST_AUTO_TEST_CASE(a_hugging_face_config_we_cannot_build_exactly_is_refused_by_name) {

@@ -18,10 +18,11 @@ struct LlamaConfig {
   RopeScaling rope_scaling = RopeScaling::kNone;
   double rope_scaling_factor = 8, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
   std::int64_t rope_original_context = 8192;
-  std::int64_t max_positions = 64, bos_token_id = -1, eos_token_id = -1;  ///< max_positions: model.max_positions or the context
-  bool deferred = false;                                                  ///< fsdp.deferred_init: layers released as built
-  bool document_mask = false;                                             ///< data.document_mask (models/documents.hpp)
-  std::int64_t document_token = -1;                                       ///< its separator; -1: the data's document starts
+  std::int64_t max_positions = 64, bos_token_id = -1;  ///< max_positions: model.max_positions or the context
+  std::vector<std::int64_t> eos_token_ids;             ///< Hugging Face's eos_token_id: one id or a list
+  bool deferred = false;                               ///< fsdp.deferred_init: layers released as built
+  bool document_mask = false;                          ///< data.document_mask (models/documents.hpp)
+  std::int64_t document_token = -1;                    ///< its separator; -1: the data's document starts
 
   /// model.n_kv_heads, model.head_dim and model.intermediate_size of 0 take their defaults here.
   static LlamaConfig of(const ModelSection& m) {
@@ -48,7 +49,7 @@ struct LlamaConfig {
     c.document_token = m.document_token;
     c.max_positions = m.max_positions > 0 ? m.max_positions : m.context;
     c.bos_token_id = m.bos_token_id;
-    c.eos_token_id = m.eos_token_id;
+    c.eos_token_ids = m.eos_token_ids;
     return c;
   }
   std::int64_t q_width() const { return n_heads * head_dim; }

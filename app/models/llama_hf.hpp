@@ -47,7 +47,11 @@ inline nlohmann::ordered_json hf_llama_config(const LlamaConfig& c, const std::s
   j["tie_word_embeddings"] = c.tie_embeddings;
   j["use_cache"] = true;
   if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
-  if (c.eos_token_id >= 0) j["eos_token_id"] = c.eos_token_id;
+  // One id stays a number, as the files Hugging Face writes; several are a list (Llama 3.1's).
+  if (c.eos_token_ids.size() == 1)
+    j["eos_token_id"] = c.eos_token_ids.front();
+  else if (!c.eos_token_ids.empty())
+    j["eos_token_id"] = c.eos_token_ids;
   j["torch_dtype"] = torch_dtype;
   return j;
 }

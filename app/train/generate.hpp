@@ -35,7 +35,7 @@ struct GenerateOptions {
   double top_p = 1;        ///< nucleus: the fewest most likely tokens whose probabilities reach top_p
   std::uint64_t seed = 0;
   bool kv_cache = true;
-  std::int64_t stop_token = -1;  ///< ends the generation when drawn (model.eos_token_id); -1: none
+  std::vector<std::int64_t> stop_tokens;  ///< any of them ends the generation when drawn (model.eos_token_id)
 };
 
 /// The next token from one position's logits (host, fp32): argmax at temperature 0, else a draw from
@@ -115,7 +115,7 @@ Generated generate_tokens(Engine& engine, AppModel& model, MpiComm& world, const
     world.broadcast(&next, 1, fsdp::DType::kInt64, 0);  // every rank continues with rank 0's token
     sequence.push_back(next);
     out.tokens.push_back(next);
-    if (next == o.stop_token) break;
+    if (std::find(o.stop_tokens.begin(), o.stop_tokens.end(), next) != o.stop_tokens.end()) break;
   }
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (cache) {

@@ -118,7 +118,7 @@ int generate_text(Trainer<Comm>& trainer, MpiComm& world, const RunConfig& cfg, 
         throw DeckError("fsdp-generate: token " + std::to_string(id) + " of the prompt is not below model.vocab_size " +
                         std::to_string(cfg.model.vocab_size));
   });
-  if (g.stop_at_eos) g.options.stop_token = cfg.model.eos_token_id;
+  if (g.stop_at_eos) g.options.stop_tokens = cfg.model.eos_token_ids;
   const auto out = trainer.generate(g.options);
   if (world.rank() != 0) return 0;
   const auto& o = g.options;
