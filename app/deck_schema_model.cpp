@@ -139,6 +139,14 @@ void add_model_keys(std::vector<KeySpec>& s) {
                .max = 1e9,
                .description = "llama: the longest sequence the model is made for (Hugging Face's max_position_embeddings, kept in "
                               "an exported config.json); model.context may not exceed it; 0: model.context"});
+  s.push_back({.key = "model.sliding_window",
+               .type = T::kInt,
+               .default_value = I{0},
+               .min = 0,
+               .max = 1e9,
+               .description = "llama: the attention window of Mistral and of Qwen2 with use_sliding_window (Hugging Face's "
+                              "sliding_window, kept in an exported config.json); model.context may not exceed it: within it windowed "
+                              "attention is exactly full attention; 0: none"});
   s.push_back({.key = "model.bos_token_id",
                .type = T::kInt,
                .default_value = I{-1},

@@ -159,7 +159,7 @@ void read_llama_family(Reader& r, const std::string& architecture) {
   // Mistral's window applies whenever it is set, Qwen2's only with use_sliding_window; absent, both
   // configs' default is 4096; null: none.
   if (mistral || (qwen2 && r.boolean("use_sliding_window", false)))
-    r.model().sliding_window = !r.written("sliding_window") ? 4096 : r.has("sliding_window") ? r.integer("sliding_window") : 0;
+    r.set("model.sliding_window", !r.written("sliding_window") ? 4096 : r.has("sliding_window") ? r.integer("sliding_window") : 0, "sliding_window");
   const char* where = parameters ? "rope_parameters" : "rope_scaling";
   r.supported("rope type \"llama3\" is, and the default");
   const std::string type = rope.text("rope_type", rope.text("type", "default"));
@@ -289,12 +289,6 @@ void Deck::apply_hf_config(std::vector<std::string>& problems) {
     }
     e = Entry{e.spec, value, Source::kHfConfig, 0, from};
   }
-  const auto context = get_int("model.context");
-  const Entry& context_entry = entry("model.context");
-  const std::string context_where = context_entry.where.empty() ? path_ : context_entry.where;
-  if (config.sliding_window > 0 && context > config.sliding_window)
-    problems.push_back(context_where + ": model.context: " + std::to_string(context) + " is beyond " + config.path + "'s sliding_window = " +
-                       std::to_string(config.sliding_window) + ", which is not supported (up to it, attention is exactly full attention)");
 }
 
 }  // namespace fsdp::app

@@ -23,9 +23,6 @@ struct HfConfigModel {
   std::string path;          ///< the config.json read
   std::string architecture;  ///< "LlamaForCausalLM"
   std::vector<HfConfigValue> values;
-  /// The sliding window in use (0: none), a limit on model.context, which the deck chooses for rotary
-  /// models: up to its width a sliding window attends exactly as full attention does.
-  std::int64_t sliding_window = 0;
 };
 
 /// The config.json that model.hf_config `path` names: the file, or config.json in the folder.

@@ -13,11 +13,14 @@
 #include <map>
 #include <optional>
 #include <regex>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "choices.hpp"
 #include "fsdp/errors.hpp"
 #include "fsdp/output_file.hpp"
+#include "hf_config.hpp"
 #include "models/families.hpp"
 #include "run_config.hpp"
 
@@ -78,6 +81,52 @@ inline std::optional<HfForm> hf_export_form(const ModelSection& model, ExportNam
   if (!form)
     throw ConfigError("model.kind \"" + to_string(model.kind) + "\" has no Hugging Face architecture; export with native names", "fsdp.names");
   return form;
+}
+
+/// How the config.json beside pretrained weights (checkpoint.init_from) describes another model than
+/// the deck builds: a deck written by hand, without model.hf_config, whose rope_theta, norm epsilon or
+/// head tying differ would otherwise train and export another model without a word. Each line names
+/// the Hugging Face key, the file's value and the deck's, as both would be exported.
+struct PretrainedConfigDifferences {
+  std::string file;                   ///< the config.json compared
+  std::vector<std::string> model;     ///< keys that change what the model computes
+  std::vector<std::string> metadata;  ///< keys only an export and generation read (positions, bos, eos)
+};
+
+/// Compares the config.json beside `weights` (a .safetensors file, its index or their folder) with the
+/// deck's model. Nothing where there is no config.json. A config.json this program cannot build
+/// exactly is the DeckError read_hf_config gives, naming the file and key.
+inline std::optional<PretrainedConfigDifferences> pretrained_config_differences(const Deck& deck, const std::filesystem::path& weights) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path file = (fs::is_directory(weights, ec) ? weights : config_folder(weights)) / "config.json";
+  if (!fs::exists(file, ec)) return std::nullopt;
+  const HfConfigModel config = read_hf_config(file.string());
+  Deck described = deck;  // the deck with every value the file decides taken from the file
+  for (const auto& v : config.values) described.set(v.key, v.value, Source::kHfConfig);
+  const ModelSection ours = resolve_model_section(deck), theirs = resolve_model_section(described);
+  PretrainedConfigDifferences out{file.string(), {}, {}};
+  if (ours.kind != theirs.kind) {
+    out.model.push_back("architectures: " + config.architecture + " in the file; model.kind \"" + to_string(ours.kind) + "\" in the deck");
+    return out;
+  }
+  const auto form = model_family(ours.kind).hf_form(ours);
+  if (!form) return out;
+  const auto mine = form->config, file_s = model_family(theirs.kind).hf_form(theirs)->config;
+  static const std::set<std::string> kMetadata = {"max_position_embeddings", "bos_token_id", "eos_token_id"};
+  auto deck_key = [&](const std::string& hf) {
+    for (const auto& v : config.values)
+      if (v.hf_key == hf || v.hf_key.rfind(hf + ".", 0) == 0) return " (" + v.key + ")";
+    return std::string();
+  };
+  std::set<std::string> keys;
+  for (auto it = mine.begin(); it != mine.end(); ++it) keys.insert(it.key());
+  for (auto it = file_s.begin(); it != file_s.end(); ++it) keys.insert(it.key());
+  for (const auto& k : keys) {
+    const std::string a = mine.contains(k) ? mine.at(k).dump() : "none", b = file_s.contains(k) ? file_s.at(k).dump() : "none";
+    if (a != b) (kMetadata.count(k) ? out.metadata : out.model).push_back(k + deck_key(k) + ": " + b + " in the file, " + a + " by the deck");
+  }
+  return out;
 }
 
 /// config.json's text for an export in `export_dtype`.

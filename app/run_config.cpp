@@ -118,6 +118,7 @@ ModelSection resolve_model_section(const Deck& deck) {
   model.rope_high_freq_factor = deck.get_float("model.rope_high_freq_factor");
   model.rope_original_context = deck.get_int("model.rope_original_context");
   model.max_positions = deck.get_int("model.max_positions");
+  model.sliding_window = deck.get_int("model.sliding_window");
   model.bos_token_id = deck.get_int("model.bos_token_id");
   for (const auto id : deck.get_int_array("model.eos_token_id"))
     if (id >= 0) model.eos_token_ids.push_back(id);

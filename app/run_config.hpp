@@ -66,6 +66,7 @@ struct ModelSection {
   double rope_scaling_factor = 8, rope_low_freq_factor = 1, rope_high_freq_factor = 4;
   std::int64_t rope_original_context = 8192;
   std::int64_t max_positions = 0, bos_token_id = -1;
+  std::int64_t sliding_window = 0;          ///< model.sliding_window (llama): 0 none; the context is within it
   std::vector<std::int64_t> eos_token_ids;  ///< model.eos_token_id: generation stops at any of them (-1 entries dropped)
   /// data.document_mask: attention keeps documents apart, each beginning at document_token
   /// (data.eot_token) or, with -1, where an indexed dataset's .idx says. From [data], not a [model]

@@ -104,21 +104,28 @@ run(0 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${gpt} --set model.tie_embeddings=false 
 # ... and a tied model would pass over that head: refused, naming config.json and the setting.
 run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=1 --set data.batch_size=2 --set run.out_dir=${WORK_DIR}/untied_into_tied
     --set checkpoint.init_from=${WORK_DIR}/untied/hf)
-expect_in("${last_output}" "checkpoint.init_from: '[^']*untied/hf/config.json' says tie_word_embeddings = false")
-expect_in("${last_output}" "set model.tie_embeddings = false to load it")
+expect_in("${last_output}" "checkpoint.init_from: [^\n]*untied/hf/config.json describes another model than the deck's:\n  tie_word_embeddings \\(model.tie_embeddings\\): false in the file, true by the deck\n")
+expect_in("${last_output}" "model.hf_config = '[^']*untied/hf' builds the model it describes")
 
-# 4. Bad pretrained files: every rank exits 2, the message names the tensor or file.
-run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set model.d_model=48 --set run.out_dir=${WORK_DIR}/bad_shape
+# 4. Bad pretrained files: every rank exits 2, the message names the tensor or file. With its
+#    config.json, the keys that differ are named first; without one, the tensors.
+run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set model.d_model=48 --set run.out_dir=${WORK_DIR}/bad_config
     --set checkpoint.init_from=${WORK_DIR}/a/hf)
+expect_in("${last_output}" "a/hf/config.json describes another model than the deck's:\n  n_embd \\(model.d_model\\): 32 in the file, 48 by the deck\n")
+file(COPY ${WORK_DIR}/a/hf/model.safetensors DESTINATION ${WORK_DIR}/a_bare)
+run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set model.d_model=48 --set run.out_dir=${WORK_DIR}/bad_shape
+    --set checkpoint.init_from=${WORK_DIR}/a_bare)
 expect_in("${last_output}" "tensor 'transformer.wpe.weight': shape \\[16, 32\\] in the file, \\[16, 48\\] expected")
 run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set model.n_layers=3 --set run.out_dir=${WORK_DIR}/bad_missing
-    --set checkpoint.init_from=${WORK_DIR}/a/hf)
+    --set checkpoint.init_from=${WORK_DIR}/a_bare)
 expect_in("${last_output}" "parameter 'block2.attn.qkv.weight' is missing \\(as 'transformer.h.2.attn.c_attn.weight'\\)")
 run(0 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${gpt} --set model.n_layers=3 --set run.max_steps=1 --set data.batch_size=2
     --set run.out_dir=${WORK_DIR}/allow_missing --set checkpoint.init_from=${WORK_DIR}/a/hf --set checkpoint.init_allow_missing=true)
 expect_in("${last_output}" "checkpoint.init_from lacks 12 parameter\\(s\\), which keep their initialization: block2")
+# ... which also lets the model differ from the config.json beside the weights: said, not refused.
+expect_in("${last_output}" "warning: [^\n]*a/hf/config.json describes another model than the deck's \\(checkpoint.init_allow_missing = true\\):\n  n_layer \\(model.n_layers\\): 2 in the file, 3 by the deck")
 run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set model.n_layers=1 --set run.out_dir=${WORK_DIR}/bad_unexpected
-    --set checkpoint.init_from=${WORK_DIR}/a/hf)
+    --set checkpoint.init_from=${WORK_DIR}/a_bare)
 expect_in("${last_output}" "unexpected tensor 'transformer.h.1.attn.c_attn.bias'")
 run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.out_dir=${WORK_DIR}/bad_path --set checkpoint.init_from=${WORK_DIR}/nowhere)
 expect_in("${last_output}" "nowhere")

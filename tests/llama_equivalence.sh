@@ -116,6 +116,43 @@ run_from_hf >"$out.rerun.log" 2>&1 || { cat "$out.rerun.log"; fail "llama3: the 
 grep -q "nothing to train: the run in .* already reached step 20 of 20" "$out.rerun.log" || { cat "$out.rerun.log"; fail "llama3: the rerun trained"; }
 echo "ok: a rerun of the finished job accepts the checkpoint's stored deck (hf_config written out)"
 
+# The same folder read by a deck written by hand (the sizes, no model.hf_config): its config.json's
+# rope_scaling would be lost without a word; the run is refused, naming the key. The per-layer
+# rotary inv_freq tensors older conversions stored are passed over, as transformers does. A folder
+# holding pytorch_model.bin instead of safetensors is named as such.
+"${REF[@]}" init "$WORK/hand/model.safetensors" "${hf[@]}" --hf-config --seed 5 || fail "hand: reference init"
+"$PY" - "$WORK/hand/model.safetensors" <<'PYEOF' || fail "hand: adding inv_freq tensors"
+import json, struct, sys
+path = sys.argv[1]
+data = open(path, "rb").read()
+n = struct.unpack("<Q", data[:8])[0]
+header, body = json.loads(data[8:8 + n]), data[8 + n:]
+for layer in (0, 1):
+    header["model.layers.%d.self_attn.rotary_emb.inv_freq" % layer] = {"dtype": "F32", "shape": [4], "data_offsets": [len(body), len(body) + 16]}
+    body += struct.pack("<4f", 1.0, 0.1, 0.01, 0.001)
+text = json.dumps(header).encode()
+open(path, "wb").write(struct.pack("<Q", len(text)) + text + body)
+PYEOF
+by_hand=(--set model.kind=llama --set model.vocab_size=97 --set model.context=16 --set model.d_model=32 --set model.n_heads=4 --set model.n_kv_heads=2
+         --set model.head_dim=8 --set model.intermediate_size=48 --set model.n_layers=2 --set model.rope_theta=10000 --set model.tie_embeddings=false
+         --set run.max_steps=1 --set checkpoint.export=)
+"${MPI[@]}" -np 2 "$BIN/fsdp-train" "$SRC/inputs/llama_tokens.toml" "${recipe[@]}" "${by_hand[@]}" --set checkpoint.init_from="$WORK/hand" \
+  --set run.out_dir="$WORK/hand_run" >"$WORK/hand.log" 2>&1
+rc=$?
+[[ $rc == 2 ]] && grep -q "hand/config.json describes another model than the deck's:" "$WORK/hand.log" &&
+  grep -q '^  rope_scaling (model.rope_scaling): {"rope_type":"llama3",.* in the file, null by the deck' "$WORK/hand.log" ||
+  { cat "$WORK/hand.log"; fail "hand: a deck without the folder's rope_scaling was not refused by name (exit $rc)"; }
+"${MPI[@]}" -np 2 "$BIN/fsdp-train" "$WORK/from_hf.toml" "${recipe[@]}" --set run.max_steps=1 --set checkpoint.export= \
+  --set checkpoint.init_from="$WORK/hand" --set model.hf_config="$WORK/hand" --set run.out_dir="$WORK/hand_hf" >"$WORK/hand_hf.log" 2>&1 ||
+  { cat "$WORK/hand_hf.log"; fail "hand: the folder with inv_freq tensors does not load through model.hf_config"; }
+mkdir -p "$WORK/bin_only" && cp "$WORK/hand/config.json" "$WORK/bin_only/" && touch "$WORK/bin_only/pytorch_model.bin"
+"${MPI[@]}" -np 2 "$BIN/fsdp-train" "$WORK/from_hf.toml" "${recipe[@]}" --set model.hf_config="$WORK/bin_only" \
+  --set checkpoint.init_from="$WORK/bin_only" --set run.out_dir="$WORK/bin_only_run" >"$WORK/bin_only.log" 2>&1
+rc=$?
+[[ $rc == 2 ]] && grep -q "bin_only' is a Hugging Face model folder without model.safetensors or model.safetensors.index.json (it holds pytorch_model.bin, which fsdp does not read)" "$WORK/bin_only.log" ||
+  { cat "$WORK/bin_only.log"; fail "bin_only: not named as a folder without safetensors (exit $rc)"; }
+echo "ok: a hand-written deck that differs from the folder's config.json is refused by key; inv_freq passed over; pytorch_model.bin named"
+
 # The engine's features on the untied Llama, each against the same PyTorch weights: activation
 # checkpointing with deferred initialization, the optimizer sharded over the world (hybrid), gradient
 # accumulation reduced every micro-batch; bf16 mixed precision trains (its weights near fp32's); a

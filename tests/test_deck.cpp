@@ -940,6 +940,51 @@ BOOST_AUTO_TEST_CASE(end_tokens_are_one_id_or_a_list_in_the_deck_config_json_and
       std::string::npos);
 }
 
+BOOST_AUTO_TEST_CASE(pretrained_weights_whose_config_json_describes_another_model_are_named) {
+  // A deck written by hand (no model.hf_config) beside weights whose config.json says otherwise.
+  const std::string folder = hf_folder("pretrained", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 100, "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": true, "max_position_embeddings": 64, "eos_token_id": 2})");
+  const std::string sizes =
+      "[model]\nkind = 'llama'\nd_model = 64\nintermediate_size = 128\nn_heads = 4\nn_layers = 2\nn_kv_heads = 2\n"
+      "vocab_size = 100\ncontext = 16\n";
+  const std::string data = "[data]\nkind = 'tokens'\n";
+  auto differences = [&](const std::string& more) {
+    return pretrained_config_differences(Deck::parse(sizes + more + data, "a.toml"), folder + "/model.safetensors");
+  };
+  const auto plain = differences("");
+  BOOST_TEST_REQUIRE(plain.has_value());
+  BOOST_TEST(plain->file == folder + "/config.json");
+  BOOST_TEST((plain->model == std::vector<std::string>{"rope_theta (model.rope_theta): 500000.0 in the file, 10000.0 by the deck"}));
+  BOOST_TEST((plain->metadata == std::vector<std::string>{"eos_token_id (model.eos_token_id): 2 in the file, none by the deck",
+                                                          "max_position_embeddings (model.max_positions): 64 in the file, 16 by the deck"}));
+  // The same values in the deck: nothing to say, for the folder and for its weights alike.
+  const auto same = differences("rope_theta = 500000.0\nmax_positions = 64\neos_token_id = 2\n");
+  BOOST_TEST_REQUIRE(same.has_value());
+  BOOST_TEST(same->model.empty());
+  BOOST_TEST(same->metadata.empty());
+  BOOST_TEST(pretrained_config_differences(Deck::parse(sizes + "rope_theta = 500000.0\n" + data, "a.toml"), folder)->model.empty());
+  // An untied head, another epsilon: each named.
+  const auto two = differences("rope_theta = 500000.0\nnorm_eps = 1e-6\ntie_embeddings = false\n");
+  BOOST_TEST(two->model.size() == 2u);
+  BOOST_TEST(two->model[0].find("rms_norm_eps (model.norm_eps): 1e-05 in the file") == 0u, two->model[0]);
+  BOOST_TEST(two->model[1] == "tie_word_embeddings (model.tie_embeddings): true in the file, false by the deck");
+  // A Mistral's window, which an export would otherwise drop.
+  const std::string mistral =
+      hf_folder("pretrained_mistral", R"({"architectures": ["MistralForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 100, "sliding_window": 32})");
+  const auto windowed = pretrained_config_differences(Deck::parse(sizes + data, "a.toml"), mistral);
+  BOOST_TEST(std::count_if(windowed->model.begin(), windowed->model.end(), [](const std::string& m) {
+               return m.rfind("sliding_window (model.sliding_window): 32 in the file, none by the deck", 0) == 0;
+             }) == 1);
+  // No config.json: nothing to compare; one this program cannot build: the reader's refusal.
+  BOOST_TEST(!pretrained_config_differences(Deck::parse(sizes + data, "a.toml"), folder + "/absent/model.safetensors").has_value());
+  const std::string yarn = hf_folder("pretrained_yarn", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})");
+  BOOST_CHECK_EXCEPTION(pretrained_config_differences(Deck::parse(sizes + data, "a.toml"), yarn), DeckError,
+                        [](const DeckError& e) { return std::string(e.what()).find("type \"yarn\" is not supported") != std::string::npos; });
+}
+
 BOOST_AUTO_TEST_CASE(a_hugging_face_config_we_cannot_build_exactly_is_refused_by_name) {
   auto problems_with = [](const std::string& name, const std::string& config, const std::string& more = "") {
     return problems_of("[model]\nhf_config = '" + hf_folder(name, config) + "'\n" + more + "[data]\nkind = 'tokens'\n");
@@ -966,7 +1011,28 @@ BOOST_AUTO_TEST_CASE(a_hugging_face_config_we_cannot_build_exactly_is_refused_by
   const std::string mistral = R"({"architectures": ["MistralForCausalLM"], "sliding_window": 128, "num_key_value_heads": 2, )" + sizes + "}";
   BOOST_CHECK_NO_THROW(
       Deck::parse("[model]\nhf_config = '" + hf_folder("mistral", mistral) + "'\ncontext = 128\n[data]\nkind = 'tokens'\n", "a.toml"));
-  BOOST_TEST(has(problems_with("mistral", mistral, "context = 256\n"), "sliding_window = 128, which is not supported"));
+  BOOST_TEST(has(problems_with("mistral", mistral, "context = 256\n"), "model.context: 256 is beyond model.sliding_window = 128 (" +
+                                                                           hf_folder("mistral", mistral) +
+                                                                           "/config.json: sliding_window), which is not supported"));
+  // The window is kept for the export: Mistral's architecture; Qwen2's with use_sliding_window on every layer.
+  const auto mistral_m = resolve_model_section(
+      Deck::parse("[model]\nhf_config = '" + hf_folder("mistral", mistral) + "'\ncontext = 128\n[data]\nkind = 'tokens'\n", "a.toml"));
+  BOOST_TEST(mistral_m.sliding_window == 128);
+  const auto mistral_json = hf_llama_config(LlamaConfig::of(mistral_m));
+  BOOST_TEST(mistral_json.at("architectures").dump() == R"(["MistralForCausalLM"])");
+  BOOST_TEST(mistral_json.at("sliding_window") == 128);
+  auto qwen2_sw = resolve_model_section(Deck::parse(
+      "[model]\nhf_config = '" +
+          hf_folder("qwen2_sw",
+                    R"({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "use_sliding_window": true, "num_key_value_heads": 4, )" +
+                        sizes + "}") +
+          "'\ncontext = 32\n[data]\nkind = 'tokens'\n",
+      "a.toml"));
+  const auto qwen2_json = hf_llama_config(LlamaConfig::of(qwen2_sw));
+  BOOST_TEST(qwen2_json.at("architectures").dump() == R"(["Qwen2ForCausalLM"])");
+  BOOST_TEST(qwen2_json.at("use_sliding_window") == true);
+  BOOST_TEST(qwen2_json.at("sliding_window") == 32);
+  BOOST_TEST(qwen2_json.at("max_window_layers") == 0);
   // Qwen2: q/k/v biases; a window only with use_sliding_window.
   const Deck q = Deck::parse(
       "[model]\nhf_config = '" +
@@ -975,6 +1041,7 @@ BOOST_AUTO_TEST_CASE(a_hugging_face_config_we_cannot_build_exactly_is_refused_by
       "a.toml");
   BOOST_TEST(q.get_bool("model.attention_bias"));
   BOOST_TEST(!q.get_bool("model.tie_embeddings"));  // transformers' Qwen2Config default
+  BOOST_TEST(q.get_int("model.sliding_window") == 0);
   BOOST_TEST(has(problems_of("[model]\nhf_config = '/nonexistent/folder'\n[data]\nkind = 'tokens'\n"), "/nonexistent/folder: cannot read"));
   // transformers 5's rope_parameters; a llama3 rope needs every one of its keys.
   const auto v5 = resolve_model_section(Deck::parse(

@@ -20,6 +20,7 @@ struct LlamaConfig {
   std::int64_t rope_original_context = 8192;
   std::int64_t max_positions = 64, bos_token_id = -1;  ///< max_positions: model.max_positions or the context
   std::vector<std::int64_t> eos_token_ids;             ///< Hugging Face's eos_token_id: one id or a list
+  std::int64_t sliding_window = 0;                     ///< Mistral's or Qwen2's window, kept for the export (within it, attention is full attention)
   bool deferred = false;                               ///< fsdp.deferred_init: layers released as built
   bool document_mask = false;                          ///< data.document_mask (models/documents.hpp)
   std::int64_t document_token = -1;                    ///< its separator; -1: the data's document starts
@@ -50,6 +51,7 @@ struct LlamaConfig {
     c.max_positions = m.max_positions > 0 ? m.max_positions : m.context;
     c.bos_token_id = m.bos_token_id;
     c.eos_token_ids = m.eos_token_ids;
+    c.sliding_window = m.sliding_window;
     return c;
   }
   std::int64_t q_width() const { return n_heads * head_dim; }

@@ -147,6 +147,11 @@ class LlamaFamily final : public ModelFamily {
                          " is beyond model.max_positions = " + std::to_string(positions) + " (" +
                          detail::where(deck, deck.entry("model.max_positions")) + "): the model was not made for sequences this long");
     }
+    if (const auto window = deck.get_int("model.sliding_window"); window > 0 && deck.get_int("model.context") > window)
+      problems.push_back(detail::where(deck, deck.entry("model.context")) + ": model.context: " + std::to_string(deck.get_int("model.context")) +
+                         " is beyond model.sliding_window = " + std::to_string(window) + " (" +
+                         detail::where(deck, deck.entry("model.sliding_window")) +
+                         "), which is not supported (up to it, windowed attention is exactly full attention)");
     if (deck.get_string("model.rope_scaling") == "llama3" &&
         deck.get_float("model.rope_high_freq_factor") <= deck.get_float("model.rope_low_freq_factor"))
       blame("model.rope_high_freq_factor",

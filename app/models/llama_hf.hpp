@@ -5,17 +5,36 @@
 
 #include <nlohmann/json.hpp>
 
+#include <regex>
+#include <string>
+
+#include "fsdp/io/tensor_naming.hpp"
+
 #include "models/llama_config.hpp"
 
 namespace fsdp::app {
+
+/// Hugging Face's names are the Llama's own; what transformers passes over in a file is passed over
+/// too: the rotary inverse frequencies older conversions stored per layer (rebuilt from rope_theta),
+/// and, for a tied model, an lm_head.weight (transformers ties it to the token embedding).
+inline TensorNaming llama_hf_naming(bool tied) {
+  TensorNaming naming;
+  naming.scheme = "hf";
+  naming.ignorable = [tied](const std::string& name) {
+    static const std::regex inv_freq(R"((model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq|(model\.)?rotary_emb\.inv_freq)");
+    return std::regex_match(name, inv_freq) || (tied && name == "lm_head.weight");
+  };
+  return naming;
+}
 
 /// config.json of the Llama of `c`; `torch_dtype` as exported.
 inline nlohmann::ordered_json hf_llama_config(const LlamaConfig& c, const std::string& torch_dtype = "float32") {
   nlohmann::ordered_json j;
   // transformers' Llama biases o_proj too when attention_bias is set; Qwen2 biases exactly q, k, v.
-  const bool qwen2 = c.attention_bias;
-  j["architectures"] = {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
-  j["model_type"] = qwen2 ? "qwen2" : "llama";
+  // A window without the biases is Mistral's (LlamaForCausalLM has none).
+  const bool qwen2 = c.attention_bias, mistral = !qwen2 && c.sliding_window > 0;
+  j["architectures"] = {qwen2 ? "Qwen2ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM"};
+  j["model_type"] = qwen2 ? "qwen2" : mistral ? "mistral" : "llama";
   j["vocab_size"] = c.vocab_size;
   j["hidden_size"] = c.d_model;
   j["intermediate_size"] = c.intermediate_size;
@@ -35,9 +54,16 @@ inline nlohmann::ordered_json hf_llama_config(const LlamaConfig& c, const std::s
                          {"original_max_position_embeddings", c.rope_original_context}};
   else
     j["rope_scaling"] = nullptr;
-  if (!qwen2) {
+  if (mistral) {
+    j["sliding_window"] = c.sliding_window;
+  } else if (!qwen2) {
     j["attention_bias"] = false;
     j["mlp_bias"] = false;
+  } else if (c.sliding_window > 0) {
+    // transformers' Qwen2 windows the layers from max_window_layers on: every one here.
+    j["use_sliding_window"] = true;
+    j["sliding_window"] = c.sliding_window;
+    j["max_window_layers"] = 0;
   } else {
     j["use_sliding_window"] = false;
     j["max_window_layers"] = c.n_layers;

@@ -343,8 +343,12 @@ class Checkpointer {
       load();
     } catch (const fsdp::CheckpointError& e) {
       if (e.id() != "fsdp.ckpt.mismatch") throw;
+      // Without a model size that differs, the library's reason stands alone (another world size
+      // for a LOCAL checkpoint, another optimizer, a tensor missing).
+      const auto sizes = model_size_differences(file);
+      if (sizes.empty()) throw DeckError(std::string(key) + ": " + fsdp::message_without_id(e));
       std::string text = std::string(key) + ": '" + file + "' holds another model than the deck's";
-      for (const auto& d : model_size_differences(file)) text += "\n  " + d;
+      for (const auto& d : sizes) text += "\n  " + d;
       throw DeckError(text + "\n" + fsdp::message_without_id(e));
     }
   }
@@ -445,6 +449,7 @@ class Checkpointer {
                             (fs::is_directory(p) && !fs::exists(p / "model.safetensors") && !fs::exists(p / "model.safetensors.index.json"));
     std::string names = "native";
     fsdp::SafetensorsLoadResult r;
+    if (checkpoint) refuse_a_model_folder_without_safetensors(p);
     if (checkpoint) {
       auto options = options_;
       options.rank0_only = false;  // every rank reads its own part: no rank holds the whole model
@@ -455,11 +460,13 @@ class Checkpointer {
       });
     } else {
       std::optional<TensorNaming> naming;
+      if (cfg_.model.kind == ModelKind::kLlama) naming = llama_hf_naming(cfg_.model.tie_embeddings);
+      std::optional<PretrainedConfigDifferences> config;  // its keys that only an export reads are said after the load
+      on_all_ranks(world_, [&] { config = refuse_another_model_in_config_json(p); });
       on_all_ranks(world_, [&] {
         if (!has_hf_gpt2_names(fsdp::safetensors::open_source(path).names())) return;
         if (cfg_.model.kind != ModelKind::kTransformer)
           throw DeckError("checkpoint.init_from: '" + path + "' holds a Hugging Face GPT-2; model.kind is \"" + to_string(cfg_.model.kind) + "\"");
-        refuse_an_untied_head_into_a_tied_model(path);
         naming = hf_gpt2_naming(gpt_config(cfg_.model));
         names = kHfGpt2Scheme;
       });
@@ -469,6 +476,12 @@ class Checkpointer {
       options.collective_timeout_s = cfg_.checkpoint.collective_timeout_s;
       on_all_ranks(world_,
                    [&] { loading_into_the_decks_model("checkpoint.init_from", path, [&] { r = fsdp::load_safetensors(model_, path, options); }); });
+      if (root_ && config && !config->metadata.empty()) {
+        std::string list;
+        for (const auto& m : config->metadata) list += "\n  " + m;
+        std::printf("warning: %s says otherwise than the deck of what an export and generation read:%s\nmodel.hf_config = '%s' takes them from it\n",
+                    config->file.c_str(), list.c_str(), std::filesystem::path(config->file).parent_path().c_str());
+      }
     }
     if (!root_) return;
     std::printf("initialized the model from %s (%s names)\n", path.c_str(), names.c_str());
@@ -481,19 +494,51 @@ class Checkpointer {
     }
   }
 
-  /// A tied GPT reads a GPT-2 file's head from its token embedding and passes over its lm_head.weight
-  /// (GPT-2's copy of it): a file whose config.json says its head is its own (an untied export) would
-  /// lose its trained head without a word. Refused (DeckError) naming the file and the setting.
-  void refuse_an_untied_head_into_a_tied_model(const std::filesystem::path& source) const {
-    if (!cfg_.model.tie_embeddings) return;
-    const auto config = (std::filesystem::is_directory(source) ? source : source.parent_path()) / "config.json";
-    std::ifstream in(config);
-    if (!in) return;
-    const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.contains("tie_word_embeddings") && j["tie_word_embeddings"] == false)
-      throw DeckError("checkpoint.init_from: '" + config.string() +
-                      "' says tie_word_embeddings = false: the file's lm_head.weight is a head of its own, which this tied model "
-                      "(model.tie_embeddings = true) would pass over; set model.tie_embeddings = false to load it");
+  /// A Hugging Face folder (config.json) without safetensors weights is not a checkpoint folder: said as
+  /// such, naming the weights it holds (pytorch_model.bin, ...), which fsdp does not read. Collective
+  /// (every rank looks at the same folder, or rank 0's answer stands).
+  void refuse_a_model_folder_without_safetensors(const std::filesystem::path& folder) {
+    namespace fs = std::filesystem;
+    on_all_ranks(world_, [&] {
+      std::error_code ec;
+      if (!root_ || !fs::is_directory(folder, ec) || !fs::exists(folder / "config.json", ec) || fs::exists(folder / fsdp::ckpt::kLatestName, ec) ||
+          !fsdp::ckpt::list_checkpoints(folder).empty())
+        return;
+      std::string weights;
+      for (const auto& entry : fs::directory_iterator(folder, ec)) {
+        const auto ext = entry.path().extension().string();
+        if (ext == ".bin" || ext == ".pt" || ext == ".pth" || ext == ".gguf" || ext == ".ckpt")
+          weights += (weights.empty() ? "" : ", ") + entry.path().filename().string();
+      }
+      throw DeckError("checkpoint.init_from: '" + folder.string() + "' is a Hugging Face model folder without model.safetensors or " +
+                      "model.safetensors.index.json" + (weights.empty() ? std::string() : " (it holds " + weights + ", which fsdp does not read)") +
+                      ": fsdp reads safetensors weights; save them as such (save_pretrained(..., safe_serialization=True))");
+    });
+  }
+
+  /// Pretrained weights whose config.json describes another model than the deck's (a deck written by
+  /// hand: another rope_theta, norm epsilon, tying of the head, ...) would load, since the shapes agree,
+  /// and train and export another model: refused (DeckError) naming each key with both values. A tied
+  /// GPT would also pass over an untied export's trained lm_head.weight. With checkpoint.init_allow_missing
+  /// (a model grown from a smaller one's weights) the differences are a warning. Returns the comparison (its
+  /// metadata: what only an export and generation read, for a warning); nothing without a config.json.
+  std::optional<PretrainedConfigDifferences> refuse_another_model_in_config_json(const std::filesystem::path& source) const {
+    auto differences = pretrained_config_differences(deck_, source);
+    if (differences && !differences->model.empty()) {
+      std::string list;
+      for (const auto& d : differences->model) list += "\n  " + d;
+      const auto folder = std::filesystem::path(differences->file).parent_path().string();
+      // checkpoint.init_allow_missing grows a model from a smaller one's weights: its sizes differ by choice.
+      if (cfg_.checkpoint.init_allow_missing) {
+        if (root_)
+          std::printf("warning: %s describes another model than the deck's (checkpoint.init_allow_missing = true):%s\n", differences->file.c_str(),
+                      list.c_str());
+        return differences;
+      }
+      throw DeckError("checkpoint.init_from: " + differences->file + " describes another model than the deck's:" + list + "\nmodel.hf_config = '" +
+                      folder + "' builds the model it describes");
+    }
+    return differences;
   }
 
   /// A rank that never arrived cannot agree on the failure either: abort (main) instead of waiting.
