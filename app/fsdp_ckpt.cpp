@@ -213,6 +213,19 @@ int main(int argc, char** argv) {
                        "<stem>.safetensors.index.json (\"500MB\", \"2GiB\", bytes; \"0\": one file; default: 5GB for a folder, "
                        "one file for an OUT ending in .safetensors)");
 
+  // CLI11 reads an unknown command as a missing one ("A subcommand is required").
+  if (argc > 1 && argv[1][0] != '-') {
+    std::string known;
+    bool found = false;
+    for (const auto* sub : app.get_subcommands({})) {
+      known += (known.empty() ? "" : ", ") + sub->get_name();
+      found = found || sub->get_name() == argv[1];
+    }
+    if (!found) {
+      std::fprintf(stderr, "fsdp-ckpt: unknown command '%s' (%s; --help for more)\n", argv[1], known.c_str());
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -104,6 +104,8 @@ run(2 ${CKPT_TOOL} verify)
 run(2 ${CKPT_TOOL} verify ${WORK_DIR}/smoke/checkpoints --bogus)
 run(2 ${CKPT_TOOL} diff ${WORK_DIR}/smoke/checkpoints ${WORK_DIR}/smoke/checkpoints --atol -1)
 expect_in("${last_output}" "'-1' is not a number >= 0")
+run(2 ${CKPT_TOOL} bogus ${WORK_DIR}/smoke/checkpoints)
+expect_in("${last_output}" "fsdp-ckpt: unknown command 'bogus' \\(inspect, verify, merge, diff, export; --help for more\\)")
 # A run directory or the `latest` file given as a checkpoint is named as what it is.
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/from_run --set checkpoint.init_from=${WORK_DIR}/smoke)
 expect_in("${last_output}" "checkpoint.init_from: '[^']*smoke' is a run directory, not a checkpoint; its checkpoints are in '[^']*smoke/checkpoints'")

@@ -82,6 +82,17 @@ if [[ $(id -u) == 0 ]] && mount -t tmpfs -o size=$(( ckpt_kib * 2 ))k fsdp_test 
   run "$WORK/ro.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/ro" --set checkpoint.dir="$WORK/tmpfs/ckpt"
   expect 2 "checkpoint.*(Read-only|read-only)" "$WORK/ro.log"; quick "$WORK/ro.log"
   still_latest "$WORK/tmpfs/ckpt"
+  # 3d. LOCAL rank files claim their space too: exit 2 on every rank (HDF5 that failed to flush at
+  #     close once crashed the ranks at exit).
+  if ! mount -o remount,rw "$WORK/tmpfs"; then fail "cannot make $WORK/tmpfs writable again"; fi
+  rm -rf "$WORK/tmpfs/ckpt"
+  local_save=(--set checkpoint.state_dict_type=LOCAL_STATE_DICT --set checkpoint.dir="$WORK/tmpfs/lckpt")
+  run "$WORK/full_local.0.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/full_local" "${local_save[@]}" --set run.max_steps=8
+  expect 0 "checkpoint .*step_00000008.h5" "$WORK/full_local.0.log"
+  fallocate -l $(( ckpt_kib / 2 ))k "$WORK/tmpfs/filler" || fail "cannot fill $WORK/tmpfs"
+  run "$WORK/full_local.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/full_local" "${local_save[@]}"
+  expect 2 "checkpoint.*step_00000016.h5.*(No space left|space)" "$WORK/full_local.log"; quick "$WORK/full_local.log"
+  still_latest "$WORK/tmpfs/lckpt"
   umount "$WORK/tmpfs"; trap - EXIT
 elif [[ $(id -u) != 0 ]]; then
   first_ckpt ro "$WORK/ro_ckpt"

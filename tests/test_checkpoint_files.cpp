@@ -387,3 +387,156 @@ BOOST_AUTO_TEST_CASE(a_gpu_generator_row_is_saved_by_gpu_runs_and_ignored_by_cpu
     }
   }
 }
+
+BOOST_AUTO_TEST_CASE(a_local_checkpoint_mixed_from_two_saves_is_refused_and_resume_falls_back) {
+  // A rank file copied in from another save would restore the ranks to different steps, which then
+  // wait on each other's collectives until the deadline.
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt = make_adam(*model);
+  fsdp::CheckpointOptions o;
+  o.state_dict_type = StateDictType::LOCAL_STATE_DICT;
+  train_step(*model, *opt, 0);
+  const auto first = fsdp::save_checkpoint(*model, opt.get(), dir.path, {.step = 1}, o).path;
+  const auto at_step1 = full_state(*model, opt.get());
+  train_step(*model, *opt, 1);
+  const auto second = fsdp::save_checkpoint(*model, opt.get(), dir.path, {.step = 2}, o).path;
+  const int copied = world.size() - 1;  // a rank other than 0, whose file is compared with rank 0's (none at np 1)
+  const std::string file = fsdp::ckpt::local_rank_file(copied);
+  world.barrier();
+  if (world.rank() == 0) {
+    if (copied > 0) {
+      fs::copy_file(fs::path(first) / file, fs::path(second) / file, fs::copy_options::overwrite_existing);
+      const auto report = fsdp::ckpt::verify(second);
+      BOOST_TEST(!report.ok());
+      const std::string said = report.problems.empty() ? "" : report.problems.back();
+      BOOST_TEST(said.find(file + "' comes from another save (step 1, written ") != std::string::npos, said);
+      BOOST_TEST(said.find(") than rank 0's (step 2, written ") != std::string::npos, said);
+    }
+    const std::string merged = dir / "merged.h5";
+    try {
+      fsdp::ckpt::merge_local(second, merged);
+      BOOST_TEST(copied == 0, "a merge of rank files from two saves must fail");
+    } catch (const fsdp::CheckpointError& e) {
+      BOOST_TEST(std::string(e.what()).find("comes from another save") != std::string::npos, e.what());
+    }
+    // The output never replaces a rank file, nor lands in the folder, nor is a folder.
+    for (const auto& [out, expect] : std::vector<std::pair<std::string, std::string>>{
+             {(fs::path(first) / fsdp::ckpt::local_rank_file(0)).string(), "lies inside the LOCAL checkpoint"},
+             {(fs::path(first) / "merged.h5").string(), "lies inside the LOCAL checkpoint"},
+             {dir.path, "is a folder"}}) {
+      BOOST_CHECK_EXCEPTION(fsdp::ckpt::merge_local(first, out), fsdp::CheckpointError,
+                            [&](const fsdp::CheckpointError& e) { return std::string(e.what()).find(expect) != std::string::npos; });
+    }
+    BOOST_TEST(fsdp::ckpt::verify(first).ok(), "the refused merges left the input whole");
+    BOOST_TEST(!fs::exists(fs::path(first) / "merged.h5"));
+  }
+  world.barrier();
+  auto fresh = fsdp::make_fsdp(make_net(4), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt2 = make_adam(*fresh);
+  if (copied > 0) {
+    const auto before = full_state(*fresh, opt2.get());
+    try {
+      fsdp::load_checkpoint(*fresh, opt2.get(), second, nullptr, o);
+      BOOST_ERROR("a LOCAL checkpoint mixed from two saves must be refused on every rank");
+    } catch (const fsdp::CheckpointError& e) {
+      BOOST_TEST(std::string(e.what()).find(file + " comes from another save (step 1") != std::string::npos, e.what());
+    }
+    check_equal(before, full_state(*fresh, opt2.get()), "a refused load changes nothing");
+  }
+  // A resume reads it as damaged: the save before it loads.
+  fsdp::TrainState state;
+  const auto resumed = fsdp::resume_from_latest(*fresh, opt2.get(), dir.path, &state, o);
+  if (copied > 0) {
+    BOOST_TEST(resumed.path == first);
+    BOOST_TEST(state.step == 1);
+    check_equal(at_step1, full_state(*fresh, opt2.get()), "fell back to step 1");
+  }
+}
+
+BOOST_AUTO_TEST_CASE(missing_optimizer_state_is_named_never_a_crash_nor_a_reset) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt = make_adam(*model);
+  train_step(*model, *opt, 0);
+  const auto saved = fsdp::save_checkpoint(*model, opt.get(), dir.path, {.step = 1}).path;
+  std::string first_param;  // the first parameter of a unit: its group once decided the unit's state names
+  for (const auto& u : model->sharded_units())
+    if (first_param.empty() && !u.param_names.empty()) first_param = u.param_names.front();
+  const std::string group = fsdp::detail::optim_path(first_param);
+  auto fresh = fsdp::make_fsdp(make_net(4), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  auto opt2 = make_adam(*fresh);
+  // Deleted by hand, the file is incomplete (damage: a resume falls back); with its tensor count
+  // rewritten to match, each missing tensor is named.
+  const std::vector<std::tuple<std::string, bool, std::string>> cases = {{group + "/exp_avg", false, "is incomplete: "},
+                                                                         {group + "/exp_avg", true, group + "/exp_avg (missing)"},
+                                                                         {group, true, group + "/exp_avg (missing)"}};
+  for (const auto& [removed, recounted, named] : cases) {
+    BOOST_TEST_CONTEXT(removed << (recounted ? ", recounted" : "")) {
+      const std::string edited = dir / "edited.h5";
+      if (world.rank() == 0) {
+        fs::copy_file(saved, edited, fs::copy_options::overwrite_existing);
+        fsdp::h5::Id f(H5Fopen(edited.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "open " + edited);
+        BOOST_REQUIRE(H5Ldelete(f, removed.c_str(), H5P_DEFAULT) >= 0);
+        if (recounted) {
+          const auto datasets = fsdp::h5::list_datasets(f);
+          BOOST_REQUIRE(H5Adelete(f, "num_tensors") >= 0);
+          fsdp::h5::write_attribute(f, "num_tensors",
+                                    static_cast<std::int64_t>(std::count_if(datasets.begin(), datasets.end(), fsdp::ckpt::counted_tensor)));
+        }
+      }
+      world.barrier();
+      try {
+        fsdp::load_checkpoint(*fresh, opt2.get(), edited);
+        BOOST_ERROR("a checkpoint without " << removed << " must be refused");
+      } catch (const fsdp::CheckpointError& e) {
+        BOOST_TEST(std::string(e.what()).find(named) != std::string::npos, e.what());
+      }
+    }
+  }
+  // Adam's state without one of the moments its step reads is refused by name, not built half.
+  fsdp::OptimizerStateView half{.tensors = {{"exp_avg_sq", torch::zeros({4})}}, .step = 3};
+  BOOST_CHECK_EXCEPTION(fsdp::make_optimizer_state(*opt, half), fsdp::ConfigError, [](const fsdp::ConfigError& e) {
+    return std::string(e.what()).find("optimizer state 'exp_avg' of a Adam optimizer is missing") != std::string::npos;
+  });
+}
+
+BOOST_AUTO_TEST_CASE(a_step_attribute_changed_after_the_save_and_a_folder_as_latest_are_named) {
+  auto world = MpiComm::world();
+  TempDir dir(world);
+  auto model = fsdp::make_fsdp(make_net(3), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  const auto saved = fsdp::save_checkpoint(*model, nullptr, dir.path, {.step = 8}).path;
+  const std::string edited = dir / "edited.h5";
+  if (world.rank() == 0) {
+    fs::copy_file(saved, edited);
+    fsdp::h5::Id f(H5Fopen(edited.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "open " + edited);
+    BOOST_REQUIRE(H5Adelete(f, "step") >= 0);
+    fsdp::h5::write_attribute(f, "step", std::int64_t{12});
+  }
+  world.barrier();
+  const std::string expect = "its step attribute is 12 and /train's step 8";
+  if (world.rank() == 0) {
+    const auto report = fsdp::ckpt::verify(edited);
+    BOOST_TEST((report.problems.size() == 1u && report.problems[0].find(expect) != std::string::npos));
+  }
+  BOOST_CHECK_EXCEPTION(fsdp::load_checkpoint(*model, nullptr, edited), fsdp::CheckpointError,
+                        [&](const fsdp::CheckpointError& e) { return std::string(e.what()).find(expect) != std::string::npos; });
+  // `latest` made a folder: damaged, as an unreadable pointer is, never an I/O exception.
+  world.barrier();
+  if (world.rank() == 0) {
+    fs::remove(fs::path(dir.path) / fsdp::ckpt::kLatestName);
+    fs::create_directory(fs::path(dir.path) / fsdp::ckpt::kLatestName);
+    const auto latest = fsdp::ckpt::inspect_latest(dir.path);
+    BOOST_TEST((latest.state == fsdp::ckpt::LatestPointer::State::kDamaged));
+    BOOST_TEST(latest.problem == "is not a file");
+    BOOST_TEST(!fsdp::ckpt::read_latest(dir.path).has_value());
+  }
+  world.barrier();
+  auto fresh = fsdp::make_fsdp(make_net(4), world, options_for(ShardingStrategy::FULL_SHARD, world.size(), true));
+  fsdp::TrainState state;
+  const auto resumed = fsdp::resume_from_latest(*fresh, nullptr, dir.path, &state);
+  BOOST_TEST(resumed.path == saved);
+  BOOST_TEST(state.step == 8);
+}

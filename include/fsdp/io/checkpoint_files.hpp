@@ -137,6 +137,8 @@ inline void write_file_atomically(const std::filesystem::path& path, const std::
 
 /// The checkpoint name `latest` points to, if the pointer exists.
 inline std::optional<std::string> read_latest(const std::filesystem::path& dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(dir / kLatestName, ec)) return std::nullopt;  // a folder reads as an I/O error
   std::ifstream in(dir / kLatestName);
   if (!in) return std::nullopt;
   std::string name;
@@ -174,6 +176,10 @@ inline LatestPointer inspect_latest(const std::filesystem::path& dir) {
   std::error_code ec;
   if (!std::filesystem::exists(dir / kLatestName, ec)) return p;
   p.state = LatestPointer::State::kDamaged;
+  if (!std::filesystem::is_regular_file(dir / kLatestName, ec)) {  // reading a folder throws from the stream
+    p.problem = "is not a file";
+    return p;
+  }
   std::ifstream in(dir / kLatestName);
   if (!in) {
     p.problem = "cannot be read";

@@ -3,6 +3,8 @@
 // change; resume_from_latest() falls back past unreadable checkpoints.
 #pragma once
 
+#include <algorithm>
+
 #include "fsdp/io/checkpoint_state.hpp"
 
 namespace fsdp {
@@ -52,16 +54,28 @@ inline StagedUnit read_unit_range(hid_t file, const std::string& path, const Sha
     read_into(p, i, s.flat);
   }
   if (!opt || !h5::exists(file, "/optim")) return s;
-  const std::string first = optim_path(u.param_names.front());
-  if (!h5::exists(file, first)) return s;  // saved before this unit had optimizer state
+  // The unit's state names are those of any of its parameters: every parameter must have each (one
+  // whose group is missing is named below), and none at all means saved before the unit had state.
+  std::vector<std::string> names;
+  std::string stored_at;  // a parameter's group that holds state
+  for (const auto& n : u.param_names) {
+    const std::string g = optim_path(n);
+    if (!h5::exists(file, g)) continue;
+    if (stored_at.empty()) stored_at = g;
+    for (auto& name : h5::list_names(file, g))
+      if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(std::move(name));
+  }
+  if (stored_at.empty()) return s;
   s.has_optim = true;
-  h5::Id g = h5::open_group(file, first, path);
-  s.optim_step = h5::read_int_attribute(g, "step", "checkpoint '" + path + "' group " + first);
-  for (const auto& name : h5::list_names(file, first)) {
+  h5::Id g = h5::open_group(file, stored_at, path);
+  s.optim_step = h5::read_int_attribute(g, "step", "checkpoint '" + path + "' group " + stored_at);
+  for (const auto& name : names) {
     // Optimizer state is read in the dtype it was stored in (bf16 moments, or the parameters'); the
     // load converts it to the optimizer's.
-    const std::string first_state = first + "/" + name;
-    const auto state_dtype = h5::exists(file, first_state) ? optimizer_state_dtype_stored(file, path, first_state, dtype) : dtype;
+    std::string first_state;
+    for (const auto& n : u.param_names)
+      if (first_state.empty() && h5::exists(file, optim_path(n) + "/" + name)) first_state = optim_path(n) + "/" + name;
+    const auto state_dtype = optimizer_state_dtype_stored(file, path, first_state, dtype);
     auto t = torch::zeros({hi - lo}, torch::TensorOptions().dtype(state_dtype));
     for (std::size_t i = 0; i < u.param_names.size(); ++i) {
       const std::string p = optim_path(u.param_names[i]) + "/" + name;
@@ -102,6 +116,8 @@ void check_root(hid_t file, const std::string& path, Engine& engine, StateDictTy
                           std::to_string(ckpt::kFormatVersion));
   const auto type = parse_state_dict_type(h5::read_string_attribute(file, "state_dict_type", where));
   if (expected == StateDictType::LOCAL_STATE_DICT && type != expected) throw CheckpointError(where + " is not a LOCAL_STATE_DICT rank file");
+  // A tensor or group deleted by hand: damage (a resume falls back), as fsdp-ckpt verify reports it.
+  if (const auto missing = ckpt::missing_tensors(file, path)) throw CheckpointError(*missing);
   if (type == StateDictType::LOCAL_STATE_DICT) {
     const auto world = h5::read_int_attribute(file, "world_size", where);
     const auto plan = h5::read_string_attribute(file, "plan_hash", where);
@@ -119,6 +135,7 @@ struct Staged {
   std::vector<torch::Tensor> buffers;
   StagedMeta meta;
   std::vector<std::unique_ptr<torch::optim::OptimizerParamState>> optimizer_states;  // by unit index; null: keep
+  std::string local_save;  // LOCAL: the save this rank's file comes from (ckpt::local_save_of)
 };
 
 template <class Engine>
@@ -261,6 +278,7 @@ Staged read_local_file(Engine& engine, const torch::optim::Optimizer* opt, const
   const std::string path = (std::filesystem::path(dir) / ckpt::local_rank_file(engine.rank())).string();
   h5::Id file = h5::open_file_readonly(path);
   check_root(file, path, engine, StateDictType::LOCAL_STATE_DICT);
+  s.local_save = ckpt::local_save_of(file, path);
   for (const auto& up : engine.sharded_units()) {
     const auto& u = up;
     StagedUnit su;
@@ -361,6 +379,17 @@ void load_checkpoint(Engine& engine, torch::optim::Optimizer* optimizer, const s
     error = detail::capture_error([&] {
       staged = type == StateDictType::LOCAL_STATE_DICT ? detail::read_local_file(engine, optimizer, path)
                                                        : detail::read_own_parts(engine, optimizer, path);
+    });
+    detail::agree(world, error);
+  }
+  if (type == StateDictType::LOCAL_STATE_DICT) {
+    // Rank files copied in from another save would restore the ranks to different steps, which then
+    // wait on each other's collectives: a damaged checkpoint, as verify reports it.
+    const std::string first = broadcast_string(world, staged.local_save);
+    error = detail::capture_error([&] {
+      if (staged.local_save != first)
+        throw CheckpointError("LOCAL checkpoint '" + path + "': " + ckpt::local_rank_file(world.rank()) + " comes from another save (" +
+                              staged.local_save + ") than " + ckpt::local_rank_file(0) + " (" + first + ")");
     });
     detail::agree(world, error);
   }

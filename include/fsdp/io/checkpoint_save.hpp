@@ -282,15 +282,17 @@ TrainState broadcast_train_state(Comm& comm, const TrainState& state) {
 /// engine's world; a failure on any rank throws CheckpointError on every rank, leaving the previous
 /// checkpoint and `latest` untouched.
 namespace detail {
-/// An upper estimate of a FULL/SHARDED checkpoint file's size: every tensor once plus HDF5's object
-/// headers, chunk indexes and checksums (under 4 KiB per dataset here) and a spare 64 KiB.
+/// An upper estimate of a FULL/SHARDED checkpoint file's size, or with `local` of this rank's LOCAL
+/// file (its shards, one dataset per unit): every tensor once plus HDF5's object headers, chunk
+/// indexes and checksums (under 4 KiB per dataset here) and a spare 64 KiB.
 template <class Engine>
-std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* opt, int world_size, const std::vector<RankRow>& rows) {
+std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* opt, int world_size, const std::vector<RankRow>& rows,
+                                 bool local = false) {
   std::int64_t bytes = 0, datasets = 0;
   for (const auto& up : engine.sharded_units()) {
     if (up.param_names.empty()) continue;
-    const auto numel = up.layout.numel();
-    const auto count = static_cast<std::int64_t>(up.param_names.size());
+    const auto numel = local ? up.layout.shard_numel() : up.layout.numel();
+    const auto count = local ? 1 : static_cast<std::int64_t>(up.param_names.size());
     bytes += numel * static_cast<std::int64_t>(c10::elementSize(up.dtype));
     datasets += count;
     if (const auto view = unit_optimizer_state(opt, up))
@@ -304,7 +306,7 @@ std::int64_t expected_file_bytes(Engine& engine, const torch::optim::Optimizer* 
     ++datasets;
   }
   for (const auto& r : rows) {
-    bytes += world_size * r.bytes.numel();
+    bytes += (local ? 1 : world_size) * r.bytes.numel();
     ++datasets;
   }
   return bytes + datasets * 4096 + 65536;
@@ -361,6 +363,11 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
       break;
     case StateDictType::LOCAL_STATE_DICT: {
       const auto file = tmp / ckpt::local_rank_file(world.rank());
+      // Each rank claims its file's space first, as a FULL or SHARDED save does: HDF5 that fails to
+      // flush at close cannot shut down cleanly at the process's exit.
+      error = detail::capture_error(
+          [&] { ckpt::reserve_space(file, detail::expected_file_bytes(engine, optimizer, world.size(), rows, true), (folder / name).string()); });
+      detail::agree(world, error);
       error = detail::write_local_file(engine, optimizer, file.string(), written, options, created, written.deck, rows);
       if (!error) error = detail::capture_error([&] { ckpt::fsync_path(file); });
       detail::agree(world, error);

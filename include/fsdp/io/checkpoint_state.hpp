@@ -520,6 +520,10 @@ inline StagedMeta read_meta(hid_t file, const std::string& path, int row, std::i
   const std::string where = "checkpoint '" + path + "'";
   h5::Id train = h5::open_group(file, "/train", path);
   m.train.step = h5::read_int_attribute(train, "step", where + " /train");
+  // The root's step names the checkpoint (listings, fsdp-ckpt inspect); /train's is the one resumed.
+  if (const auto named = h5::read_int_attribute(file, "step", where); named != m.train.step)
+    throw CheckpointError(where + ": its step attribute is " + std::to_string(named) + " and /train's step " + std::to_string(m.train.step) +
+                          ": one of them was changed after the save");
   m.train.epoch = h5::read_int_attribute(train, "epoch", where + " /train");
   m.train.sample_index = h5::read_int_attribute(train, "sample_index", where + " /train");
   h5::Id sched = h5::open_group(file, "/train/scheduler", path);

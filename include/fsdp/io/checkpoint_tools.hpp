@@ -49,6 +49,33 @@ inline std::string shape_text(const std::vector<std::int64_t>& shape) {
   return s + "]";
 }
 
+/// Which save a LOCAL rank file comes from, "step 16, written 2026-11-29T20:01:36Z": every rank file
+/// of one save has the same step and start time (rank 0's, broadcast). A rank file copied in from
+/// another save differs.
+inline std::string local_save_of(hid_t file, const std::string& path) {
+  const std::string where = "checkpoint '" + path + "'";
+  std::string save = "step " + std::to_string(h5::read_int_attribute(file, "step", where));
+  if (h5::has_attribute(file, "created")) save += ", written " + h5::read_string_attribute(file, "created", where);
+  return save;
+}
+
+/// The datasets a save counts in its num_tensors attribute (written last): parameters, buffers,
+/// optimizer state and LOCAL flat shards; the RNG rows are not counted.
+inline bool counted_tensor(const std::string& dataset) {
+  return dataset.rfind("/model/", 0) == 0 || dataset.rfind("/optim/", 0) == 0 || dataset.rfind("/units/", 0) == 0;
+}
+
+/// Why `file` lacks tensors its save wrote (one deleted by hand, a tool that dropped a group), or
+/// nothing: its num_tensors against the datasets it holds. A file without the attribute is not judged.
+inline std::optional<std::string> missing_tensors(hid_t file, const std::string& path) {
+  if (!h5::has_attribute(file, "num_tensors")) return std::nullopt;
+  const auto expected = h5::read_int_attribute(file, "num_tensors", "checkpoint '" + path + "'");
+  const auto datasets = h5::list_datasets(file);
+  const auto stored = std::count_if(datasets.begin(), datasets.end(), counted_tensor);
+  if (stored == expected) return std::nullopt;
+  return "checkpoint '" + path + "' is incomplete: " + std::to_string(stored) + " tensors stored, " + std::to_string(expected) + " expected";
+}
+
 namespace detail {
 
 inline std::vector<std::int64_t> logical_shape(hid_t ds) {
@@ -171,8 +198,13 @@ struct VerifyReport {
 };
 
 namespace detail {
-inline void verify_file_into(const std::string& path, VerifyReport& report, std::optional<std::string>* plan = nullptr,
-                             std::optional<std::int64_t>* world = nullptr) {
+/// What verify compares between the rank files of a LOCAL folder.
+struct RankFileFacts {
+  std::optional<std::string> plan, save, type;
+  std::optional<std::int64_t> world;
+};
+
+inline void verify_file_into(const std::string& path, VerifyReport& report, RankFileFacts* facts = nullptr) {
   h5::Id file;
   try {
     file = h5::open_file_readonly(path);
@@ -186,8 +218,21 @@ inline void verify_file_into(const std::string& path, VerifyReport& report, std:
     if (format != kFormatName) report.problems.push_back(where + ": format is '" + format + "', not " + kFormatName);
     const auto version = h5::read_int_attribute(file, "format_version", where);
     if (version > kFormatVersion) report.problems.push_back(where + ": format version " + std::to_string(version) + " is newer than this tool");
-    if (plan) *plan = h5::read_string_attribute(file, "plan_hash", where);
-    if (world) *world = h5::read_int_attribute(file, "world_size", where);
+    if (const auto type = h5::read_string_attribute(file, "state_dict_type", where);
+        type != "SHARDED_STATE_DICT" && type != "FULL_STATE_DICT" && type != "LOCAL_STATE_DICT")
+      report.problems.push_back(where + ": state_dict_type '" + type + "' is none of SHARDED_STATE_DICT, FULL_STATE_DICT, LOCAL_STATE_DICT");
+    if (facts) {
+      facts->plan = h5::read_string_attribute(file, "plan_hash", where);
+      facts->world = h5::read_int_attribute(file, "world_size", where);
+      facts->save = local_save_of(file, path);
+      facts->type = h5::read_string_attribute(file, "state_dict_type", where);
+    }
+    if (h5::exists(file, "/train")) {
+      h5::Id train = h5::open_group(file, "/train", path);
+      const auto named = h5::read_int_attribute(file, "step", where), trained = h5::read_int_attribute(train, "step", where + " /train");
+      if (named != trained)
+        report.problems.push_back(where + ": its step attribute is " + std::to_string(named) + " and /train's step " + std::to_string(trained));
+    }
   } catch (const CheckpointError& e) {
     report.problems.push_back(e.what());
     return;
@@ -203,6 +248,8 @@ inline void verify_file_into(const std::string& path, VerifyReport& report, std:
   for (const auto& p : datasets) {
     try {
       h5::Id ds(H5Dopen2(file, p.c_str(), H5P_DEFAULT), where + ": cannot open dataset " + p);
+      // Stored, whether or not its bytes read back: completeness is counted apart from damage.
+      if (counted_tensor(p)) ++counted;
       h5::Id dcpl(H5Dget_create_plist(ds), "H5Dget_create_plist");
       const auto dims = h5::dataset_dims(ds);
       const bool empty = numel(dims) == 0;
@@ -210,7 +257,6 @@ inline void verify_file_into(const std::string& path, VerifyReport& report, std:
       read_through(ds, where + " dataset " + p);
       ++report.tensors_checked;
       report.bytes_checked += static_cast<std::int64_t>(H5Dget_storage_size(ds));
-      if (p.rfind("/model/", 0) == 0 || p.rfind("/optim/", 0) == 0 || p.rfind("/units/", 0) == 0) ++counted;
     } catch (const CheckpointError& e) {
       report.problems.push_back(e.what());
     }
@@ -234,20 +280,25 @@ inline VerifyReport verify(const std::string& path) {
     detail::verify_file_into(path, report);
     return report;
   }
-  std::optional<std::string> plan0;
-  std::optional<std::int64_t> world0;
-  detail::verify_file_into((std::filesystem::path(path) / local_rank_file(0)).string(), report, &plan0, &world0);
-  if (!world0) return report;
-  for (std::int64_t r = 1; r < *world0; ++r) {
+  detail::RankFileFacts first;
+  const auto file0 = (std::filesystem::path(path) / local_rank_file(0)).string();
+  detail::verify_file_into(file0, report, &first);
+  if (!first.world) return report;
+  if (first.type && *first.type != "LOCAL_STATE_DICT") report.problems.push_back("'" + file0 + "' is a " + *first.type + " file, not a rank file");
+  for (std::int64_t r = 1; r < *first.world; ++r) {
     const auto file = (std::filesystem::path(path) / local_rank_file(static_cast<int>(r))).string();
     if (!std::filesystem::exists(file)) {
       report.problems.push_back("LOCAL checkpoint '" + path + "' is missing " + local_rank_file(static_cast<int>(r)) + " of world size " +
-                                std::to_string(*world0));
+                                std::to_string(*first.world));
       continue;
     }
-    std::optional<std::string> plan;
-    detail::verify_file_into(file, report, &plan);
-    if (plan && plan0 && *plan != *plan0) report.problems.push_back("'" + file + "' has plan " + *plan + ", rank 0 has " + *plan0);
+    detail::RankFileFacts facts;
+    detail::verify_file_into(file, report, &facts);
+    if (facts.type && *facts.type != "LOCAL_STATE_DICT") report.problems.push_back("'" + file + "' is a " + *facts.type + " file, not a rank file");
+    if (facts.plan && first.plan && *facts.plan != *first.plan)
+      report.problems.push_back("'" + file + "' has plan " + *facts.plan + ", rank 0 has " + *first.plan);
+    if (facts.save && first.save && *facts.save != *first.save)
+      report.problems.push_back("'" + file + "' comes from another save (" + *facts.save + ") than rank 0's (" + *first.save + ")");
   }
   return report;
 }
@@ -264,6 +315,13 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
   const auto world = h5::read_int_attribute(f0, "world_size", w0);
   const auto group = h5::read_int_attribute(f0, "shard_group_size", w0);
   const auto plan = h5::read_string_attribute(f0, "plan_hash", w0);
+  const auto save = local_save_of(f0, first);
+  // The output may not replace a rank file nor sit in the folder as one more.
+  std::error_code ec;
+  if (fs::is_directory(out_path, ec)) throw CheckpointError("'" + out_path + "' is a folder: give the merged file's name");
+  const fs::path out_folder = fs::weakly_canonical(fs::absolute(out_path).parent_path(), ec), in_folder = fs::weakly_canonical(fs::absolute(dir), ec);
+  if (out_folder == in_folder)
+    throw CheckpointError("'" + out_path + "' lies inside the LOCAL checkpoint '" + dir + "' it merges: write it elsewhere");
   // Files of replica 0, by shard rank; every rank file for the RNG rows.
   std::vector<h5::Id> shard_files(static_cast<std::size_t>(group));
   std::vector<h5::Id> all(static_cast<std::size_t>(world));
@@ -273,6 +331,9 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
     h5::Id f = h5::open_file_readonly(p);
     const std::string w = "checkpoint '" + p + "'";
     if (h5::read_string_attribute(f, "plan_hash", w) != plan) throw CheckpointError(w + " has another plan than rank 0's");
+    if (h5::read_string_attribute(f, "state_dict_type", w) != "LOCAL_STATE_DICT") throw CheckpointError(w + " is not a LOCAL_STATE_DICT rank file");
+    if (const auto other = local_save_of(f, p); other != save)
+      throw CheckpointError(w + " comes from another save (" + other + ") than rank 0's (" + save + ")");
     if (h5::read_int_attribute(f, "replica_rank", w) == 0) {
       const auto s = h5::read_int_attribute(f, "shard_rank", w);
       if (s < 0 || s >= group) throw CheckpointError(w + ": shard_rank out of range");
@@ -285,6 +346,22 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
 
   const fs::path final_path(out_path);
   const fs::path tmp = final_path.parent_path() / temporary_name(final_path.filename().string());
+  // A full disk shows here, before HDF5 writes (a failed close leaves HDF5 unable to shut down cleanly),
+  // and a failure on the way leaves no temporary behind.
+  std::int64_t bytes = 1 << 20;
+  for (const auto& f : shard_files) {
+    hsize_t size = 0;
+    if (H5Fget_filesize(f, &size) >= 0) bytes += static_cast<std::int64_t>(size);
+  }
+  reserve_space(tmp, bytes, out_path);
+  struct RemoveOnFailure {
+    const fs::path& path;
+    bool armed = true;
+    ~RemoveOnFailure() {
+      std::error_code ignored;
+      if (armed) fs::remove(path, ignored);
+    }
+  } cleanup{tmp};
   {
     h5::Id out = h5::create_file(tmp.string());
     for (const auto& name : h5::list_attribute_names(f0)) {
@@ -435,9 +512,9 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
     out.close("cannot close '" + tmp.string() + "'");
   }
   fsync_path(tmp);
-  std::error_code ec;
   fs::rename(tmp, final_path, ec);
   if (ec) throw CheckpointError("cannot rename '" + tmp.string() + "' to '" + out_path + "': " + ec.message());
+  cleanup.armed = false;
 }
 
 /// Per-tensor comparison of two FULL/SHARDED checkpoint files.

@@ -141,6 +141,12 @@ inline std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(c
   for (const auto& [name, t] : view.tensors)
     if (std::find(known.begin(), known.end(), name) == known.end())
       throw ConfigError("optimizer state '" + name + "' does not belong to a " + kind + " optimizer");
+  // The tensors a step of each kind reads whenever it has state (the others depend on its options):
+  // without one, the step would meet an undefined tensor.
+  std::vector<std::string> required = {known.front()};
+  if (kind == "Adam" || kind == "AdamW" || kind == "Adadelta") required = {known[0], known[1]};
+  for (const auto& name : required)
+    if (!tensor(name.c_str()).defined()) throw ConfigError("optimizer state '" + name + "' of a " + kind + " optimizer is missing");
   return out;
 }
 
