@@ -8,6 +8,7 @@
 //   fsdp-sweep --print-reference   prints docs/deck_reference.md (generated from the schema)
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -83,10 +84,22 @@ Axis parse_grid(const std::string& text) {
   const std::string list = trim(text.substr(eq + 1));
   if (list.empty()) throw UsageError("--grid '" + text + "': no values (expected " + axis.key + "=v1,v2,...)");
   axis.values = split_values(list);
-  for (std::size_t i = 0; i < axis.values.size(); ++i)
+  for (std::size_t i = 0; i < axis.values.size(); ++i) {
     if (axis.values[i].empty()) throw UsageError("--grid '" + text + "': value " + std::to_string(i + 1) + " is empty");
+    // Two identical points would train the same run twice, in two folders.
+    for (std::size_t j = 0; j < i; ++j)
+      if (axis.values[j] == axis.values[i])
+        throw UsageError("--grid '" + text + "': value " + std::to_string(i + 1) + " (" + axis.values[i] + ") repeats value " +
+                         std::to_string(j + 1));
+  }
   return axis;
 }
+
+/// The most points one sweep writes.
+constexpr std::size_t kMaxPoints = 100000;
+
+/// A Slurm job array's default size limit (MaxArraySize = 1001: indices 0-1000).
+constexpr std::size_t kSlurmArrayLimit = 1001;
 
 struct Point {
   std::vector<std::string> overrides;  // key=value, one per axis
@@ -96,6 +109,20 @@ struct Point {
   std::string out_dir;
   std::string checkpoint_dir;  // resolved: checkpoint.dir, relative to out_dir
 };
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string out;
+  for (std::size_t i = 0; i < v.size(); ++i) out += (i ? " " : "") + v[i];
+  return out;
+}
+
+/// manifest.tsv's text: one line a point.
+std::string manifest_of(const std::vector<Point>& points) {
+  std::string tsv = "index\toverrides\tdeck\tout_dir\n";
+  for (std::size_t i = 0; i < points.size(); ++i)
+    tsv += std::to_string(i) + "\t" + joined(points[i].overrides) + "\t" + points[i].deck_path + "\t" + points[i].out_dir + "\n";
+  return tsv;
+}
 
 /// Two points that would share a run folder or a checkpoint folder would resume each other's
 /// checkpoints: a UsageError naming them (nothing is written).
@@ -119,15 +146,26 @@ void refuse_shared_folders(const std::vector<Point>& points) {
 }
 
 /// `out` may hold this grid's points (a rerun of the same sweep, which continues them) but not
-/// another grid's, unless `continue_other`: a UsageError naming the manifest otherwise.
-void refuse_another_grids_folder(const std::string& out, const std::string& manifest_text, bool continue_other) {
+/// another grid's, nor this grid's points with other decks (a changed --set or base deck), unless
+/// `continue_other`: a UsageError naming the manifest or the first deck that differs otherwise.
+void refuse_another_grids_folder(const std::string& out, const std::vector<Point>& points, bool continue_other) {
+  if (continue_other) return;
   const fs::path manifest = fs::path(out) / "manifest.tsv";
   std::ifstream in(manifest);
   if (!in) return;
   const std::string existing((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (existing == manifest_text || continue_other) return;
-  throw UsageError("'" + manifest.string() + "' lists another grid's points (other keys, values or decks); their runs under '" + out +
-                   "' would be reported under this grid's decks. Use another --out, or --continue to write this grid there anyway");
+  if (existing != manifest_of(points))
+    throw UsageError("'" + manifest.string() + "' lists another grid's points (other keys, values or decks); their runs under '" + out +
+                     "' would be reported under this grid's decks. Use another --out, or --continue to write this grid there anyway");
+  for (const auto& p : points) {
+    std::ifstream deck(p.deck_path);
+    if (!deck) continue;
+    const std::string written((std::istreambuf_iterator<char>(deck)), std::istreambuf_iterator<char>());
+    if (written != p.toml)
+      throw UsageError("'" + p.deck_path + "' holds another deck than this sweep writes for " + p.name +
+                       " (a changed --set or base deck); runs made with it would be reported under the new one. Use another --out, or "
+                       "--continue to write the new decks there anyway (a resume then names each key that changed)");
+  }
 }
 
 /// --out must be a folder or become one: a file at it or above it is refused before anything is
@@ -141,17 +179,21 @@ void refuse_a_file_in_the_way(const std::string& out) {
     throw UsageError("--out '" + out + "': '" + p.string() + "' is a file, not a folder" + (p == target ? "" : " (on the way to it)"));
 }
 
-std::string joined(const std::vector<std::string>& v) {
-  std::string out;
-  for (std::size_t i = 0; i < v.size(); ++i) out += (i ? " " : "") + v[i];
-  return out;
-}
-
 /// Every point of the grid over `base`, each validated; a UsageError listing every invalid point
 /// (nothing is written then).
 std::vector<Point> grid_points(const Deck& base, const std::vector<Axis>& axes, const std::string& out) {
   std::size_t count = 1;
-  for (const auto& a : axes) count *= a.values.size();
+  for (const auto& a : axes) {
+    // Every point is built and validated in memory first: a grid past this is a typo or a job for
+    // several sweeps (and no Slurm array takes it whole).
+    if (a.values.size() > kMaxPoints / count) {
+      std::string sizes;
+      for (const auto& b : axes) sizes += (sizes.empty() ? "" : " x ") + std::to_string(b.values.size());
+      throw UsageError("the grid has " + sizes + " points, more than the " + std::to_string(kMaxPoints) +
+                       " fsdp-sweep writes; split it into several sweeps");
+    }
+    count *= a.values.size();
+  }
   const int digits = std::max<int>(4, static_cast<int>(std::to_string(count - 1).size()));
   bool grid_sets_out_dir = false;
   for (const auto& a : axes) grid_sets_out_dir |= a.key == "run.out_dir";
@@ -202,14 +244,6 @@ void print_points(const std::vector<Point>& points) {
                 points[i].deck_path.c_str(), points[i].out_dir.c_str());
 }
 
-/// manifest.tsv's text: one line a point.
-std::string manifest_of(const std::vector<Point>& points) {
-  std::string tsv = "index\toverrides\tdeck\tout_dir\n";
-  for (std::size_t i = 0; i < points.size(); ++i)
-    tsv += std::to_string(i) + "\t" + joined(points[i].overrides) + "\t" + points[i].deck_path + "\t" + points[i].out_dir + "\n";
-  return tsv;
-}
-
 /// The points' decks and manifest.tsv under `out`, and how to run them as a Slurm job array.
 int write_points(const std::vector<Point>& points, const std::string& out) {
   const std::size_t count = points.size();
@@ -223,13 +257,21 @@ int write_points(const std::vector<Point>& points, const std::string& out) {
     return 1;
   }
   std::printf("\nwrote %zu deck%s under %s and %s\n", count, count == 1 ? "" : "s", (fs::path(out) / "decks").c_str(), manifest.c_str());
-  std::printf(
-      "Slurm job array, one task per point (run from this folder):\n"
-      "  sbatch --array=0-%zu job.sh\n"
-      "where job.sh runs\n"
-      "  deck=$(awk -F'\\t' -v i=$SLURM_ARRAY_TASK_ID 'NR==i+2{print $3}' %s)\n"
-      "  srun fsdp-train \"$deck\"\n",
-      count - 1, manifest.c_str());
+  // Quoted for the shell: a folder name with spaces or quotes stays one argument.
+  std::string quoted = "'";
+  for (const char c : manifest.string()) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  quoted += "'";
+  std::printf("Slurm job array, one task per point (run from this folder; slurm/sweep.sbatch checkpoints and requeues):\n");
+  if (count <= kSlurmArrayLimit) {
+    std::printf("  sbatch --array=0-%zu slurm/sweep.sbatch %s\n", count - 1, quoted.c_str());
+  } else {
+    // Past Slurm's default MaxArraySize: several arrays, each offset into the manifest.
+    for (std::size_t first = 0; first < count; first += kSlurmArrayLimit)
+      std::printf("  sbatch --array=0-%zu --export=ALL,FSDP_SWEEP_OFFSET=%zu slurm/sweep.sbatch %s\n", std::min(count - first, kSlurmArrayLimit) - 1,
+                  first, quoted.c_str());
+    std::printf("(%zu points: more than Slurm's default MaxArraySize of %zu array tasks)\n", count, kSlurmArrayLimit);
+  }
+  std::printf("  slurm/sweep_summary.py %s    # one table of every summary.json\n", quoted.c_str());
   return 0;
 }
 
@@ -246,7 +288,10 @@ int sweep(const std::string& deck_path, const std::vector<std::string>& grids, c
   // Every point first: build and validate them all, write nothing unless all are good.
   const std::vector<Point> points = grid_points(base, axes, out);
   refuse_shared_folders(points);
-  refuse_another_grids_folder(out, manifest_of(points), continue_other);
+  refuse_another_grids_folder(out, points, continue_other);
+  if (const auto& set = base.entry("run.out_dir");
+      set.source != fsdp::app::Source::kDefault && std::none_of(axes.begin(), axes.end(), [](const Axis& a) { return a.key == "run.out_dir"; }))
+    std::printf("note: run.out_dir (%s) is each point's own: %s\n", set.where.c_str(), (fs::path(out) / "runs" / "point_N").c_str());
   print_points(points);
   if (dry_run) {
     std::printf("\n%zu point%s valid; nothing written (--dry-run)\n", points.size(), points.size() == 1 ? "" : "s");

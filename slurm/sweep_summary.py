@@ -6,15 +6,40 @@
 Reads the manifest fsdp-sweep wrote (index, overrides, deck, out_dir), prints a Markdown table with
 one row per point (its overrides and the main metrics of its summary.json) and writes the same as CSV
 and Markdown next to the manifest (summary.csv, summary.md) unless told otherwise. A point without a
-summary.json is reported as failed; the exit code is 1 if any point failed, 0 otherwise.
+readable summary.json, or whose losses are not finite, is reported as failed; the exit code is 1 if
+any point failed, 2 for a manifest that cannot be read, 0 otherwise. The manifest's relative paths
+are those of the folder fsdp-sweep ran in, found from the manifest's own place: the table is the same
+from any folder.
 """
 import argparse
 import csv
 import json
+import math
 import os
 import sys
 
 COLUMNS = ["world_size", "nodes", "steps", "final_train_loss", "test_loss", "test_accuracy", "wall_s", "step_ms_median", "samples_per_s", "tokens_per_s"]
+
+
+def sweep_root(manifest, deck):
+    """The folder fsdp-sweep ran in: the manifest lies in --out, which each deck path starts with."""
+    out = os.path.dirname(os.path.dirname(deck))  # <out>/decks/point_N.toml
+    root = os.path.dirname(os.path.abspath(manifest))
+    if os.path.isabs(out):
+        return root
+    for part in os.path.normpath(out).split(os.sep):
+        if part not in ("", "."):
+            root = os.path.dirname(root)
+    return root
+
+
+def non_finite(summary):
+    """The loss fields of summary.json that are not finite numbers (null is how a NaN is written)."""
+    bad = []
+    for key in ("final_train_loss", "test_loss"):
+        if key in summary and (summary[key] is None or (isinstance(summary[key], float) and not math.isfinite(summary[key]))):
+            bad.append(key)
+    return bad
 
 
 def main():
@@ -24,21 +49,36 @@ def main():
     parser.add_argument("--markdown")
     args = parser.parse_args()
     base = os.path.dirname(os.path.abspath(args.manifest))
+    try:
+        with open(args.manifest, newline="") as f:
+            points = list(csv.DictReader(f, delimiter="\t"))
+    except OSError as e:
+        print(f"sweep_summary.py: cannot read the manifest: {e}", file=sys.stderr)
+        return 2
+    missing = [c for c in ("index", "overrides", "deck", "out_dir") if points and c not in points[0]]
+    if not points or missing:
+        what = "no points" if not points else "no column " + ", ".join(missing)
+        print(f"sweep_summary.py: {args.manifest} is not a manifest fsdp-sweep wrote ({what})", file=sys.stderr)
+        return 2
     rows, failed = [], []
-    with open(args.manifest, newline="") as f:
-        for point in csv.DictReader(f, delimiter="\t"):
-            out_dir = point["out_dir"]
-            summary_path = os.path.join(out_dir, "summary.json")
-            row = {"index": point["index"], "overrides": point["overrides"], "status": "ok"}
-            try:
-                with open(summary_path) as s:
-                    summary = json.load(s)
-                for c in COLUMNS:
-                    row[c] = summary.get(c, "")
-            except (OSError, ValueError) as e:
-                row["status"] = "failed"
-                failed.append((point["index"], point["overrides"], str(e)))
-            rows.append(row)
+    for point in points:
+        out_dir = os.path.join(sweep_root(args.manifest, point["deck"]), point["out_dir"])
+        summary_path = os.path.join(out_dir, "summary.json")
+        row = {"index": point["index"], "overrides": point["overrides"], "status": "ok"}
+        try:
+            with open(summary_path) as s:
+                summary = json.load(s)
+            if not isinstance(summary, dict):
+                raise ValueError(f"{summary_path} is not a JSON object")
+            for c in COLUMNS:
+                row[c] = summary.get(c, "")
+            if non_finite(summary):
+                row["status"] = "non-finite"
+                failed.append((point["index"], point["overrides"], "non-finite " + ", ".join(non_finite(summary)) + " in " + summary_path))
+        except (OSError, ValueError) as e:
+            row["status"] = "failed"
+            failed.append((point["index"], point["overrides"], str(e)))
+        rows.append(row)
     columns = ["index", "overrides", "status"] + [c for c in COLUMNS if any(r.get(c, "") != "" for r in rows)]
     csv_path = args.csv or os.path.join(base, "summary.csv")
     md_path = args.markdown or os.path.join(base, "summary.md")

@@ -155,12 +155,14 @@ grep -Eq "ExitCode=2:" <(scontrol show job "$second") || { scontrol show job "$s
 grep -Eq "run directory '.*twice' is in use by another run \(host .*, pid [0-9]+, Slurm job $first" "$WORK/fsdp_$second.out" ||
   { cat "$WORK/fsdp_$second.out"; fail "the second job does not name the first"; }
 [[ $(final_state "$first") == JobState=RUNNING ]] || { cat "$WORK/fsdp_$first.out"; fail "the first job was disturbed: $(final_state "$first")"; }
-# SIGKILL, not scancel's SIGTERM: that would checkpoint, exit 3 and requeue (train.sbatch's preemption path).
-scancel --full --signal=KILL "$first"
-wait_state "$first" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT|PENDING)" 120 || fail "job $first did not end after SIGKILL"
-scancel "$first" >/dev/null 2>&1 || true
-wait_state "$first" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT)" 60 || fail "job $first did not end after scancel"
-echo "ok: a second job on a held run directory failed with exit code 2 naming the first job"
+# scancel's SIGTERM: the ranks checkpoint and stop, and the job stays cancelled (no requeue).
+scancel "$first"
+wait_state "$first" "JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT|PENDING)" 120 || fail "job $first did not end after scancel"
+[[ $(final_state "$first") == JobState=CANCELLED ]] && grep -q "Restarts=0" <(scontrol show job "$first") ||
+  { cat "$WORK/fsdp_$first.out"; scontrol show job "$first"; fail "the cancelled job $first came back: $(final_state "$first")"; }
+for ((i = 0; i < 100; i++)); do grep -q "got SIGTERM, passing it on (no requeue)" "$WORK/fsdp_$first.out" && break; sleep 0.2; done
+grep -q "got SIGTERM, passing it on (no requeue)" "$WORK/fsdp_$first.out" || { cat "$WORK/fsdp_$first.out"; fail "job $first: no SIGTERM line"; }
+echo "ok: a second job on a held run directory failed with exit code 2 naming the first job; scancel of the first cancelled it for good"
 
 # 6. A run that will not fit in its allocation: a GPT predicted at about 1 GiB per rank, 2 ranks, under
 #    --mem=900 (the job's SLURM_MEM_PER_NODE) or --mem-per-cpu=450: every rank exits 2 before building
