@@ -76,11 +76,19 @@ std::int64_t count_documents(const std::string& path) {
   if (fs::is_directory(path, ec))
     throw fsdp::ConfigError("input '" + path + "' is a folder: give the files in it (e.g. " + (fs::path(path) / "*.jsonl").string() + ")",
                             "fsdp.tokenize");
+  // Every input is read twice (counted here, then read by the rank its documents fall to): a pipe,
+  // a device or stdin would be consumed by the first read, or belong to rank 0 alone.
+  if (fs::exists(path, ec) && !fs::is_regular_file(path, ec))
+    throw fsdp::ConfigError("input '" + path + "' is not a regular file (a pipe, a device or stdin): fsdp-tokenize reads each input twice, on " +
+                                "any rank; write it to a file first",
+                            "fsdp.tokenize");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw fsdp::ConfigError("cannot read input '" + path + "': " + std::strerror(errno), "fsdp.tokenize");
   if (!is_json_lines(path)) return 1;
   std::int64_t n = 0;
   for (std::string line; std::getline(in, line);) n += line.find_first_not_of(" \t\r") != std::string::npos;
+  if (in.bad())
+    throw fsdp::ConfigError("cannot read input '" + path + "': a read error after " + std::to_string(n) + " document(s)", "fsdp.tokenize");
   return n;
 }
 
@@ -182,6 +190,14 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return cli.exit(e) == 0 ? 0 : kExitBadInput;
   }
+  // CLI::Range lets NaN through (every comparison with it is false); an empty prefix writes _train_*.
+  if (std::isnan(val_fraction) || out.empty() || fs::path(out).filename().empty()) {
+    std::fprintf(stderr, "fsdp-tokenize: %s\n",
+                 std::isnan(val_fraction)
+                     ? "--val-fraction: 'nan' is not a number in [0, 1]"
+                     : ("--out '" + out + "': give a prefix for the shards' names (OUT_train_000000.bin), not a folder").c_str());
+    return kExitBadInput;
+  }
   fsdp::MpiEnvironment env(&argc, &argv);
   struct sigaction on_signal {};
   on_signal.sa_handler = remove_shards_and_end;
@@ -219,7 +235,10 @@ int main(int argc, char** argv) {
         if (!first.empty())
           throw fsdp::ConfigError("'" + first + "' exists: remove the shards of " + pattern + " or choose another --out", "fsdp.tokenize");
       }
-      fs::create_directories(fs::path(out).parent_path().empty() ? fs::path(".") : fs::path(out).parent_path());
+      std::error_code ec;
+      const fs::path folder = fs::path(out).parent_path().empty() ? fs::path(".") : fs::path(out).parent_path();
+      if (fs::create_directories(folder, ec); ec)
+        throw fsdp::ConfigError("--out '" + out + "': cannot create the folder '" + folder.string() + "': " + ec.message(), "fsdp.tokenize");
       if (const std::size_t stale = remove_temporaries(out))
         std::printf("fsdp-tokenize: removed %zu temporary shard(s) .%s_*.bin.tmp of a run that did not finish (runs must not share an --out)\n",
                     stale, fs::path(out).filename().c_str());
@@ -258,7 +277,16 @@ int main(int argc, char** argv) {
         std::ifstream in(inputs[k], std::ios::binary);
         if (!in) throw fsdp::ConfigError("cannot read input '" + inputs[k] + "'", "fsdp.tokenize");
         if (!is_json_lines(inputs[k])) {
-          if (doc >= mine_begin) add(std::string(std::istreambuf_iterator<char>(in), {}), "input '" + inputs[k] + "'");
+          if (doc >= mine_begin) {
+            std::string text;
+            try {
+              text.assign(std::istreambuf_iterator<char>(in), {});
+            } catch (const std::exception& e) {  // the stream buffer throws on a read error
+              throw fsdp::ConfigError("cannot read input '" + inputs[k] + "': " + e.what(), "fsdp.tokenize");
+            }
+            if (in.bad()) throw fsdp::ConfigError("cannot read input '" + inputs[k] + "': a read error", "fsdp.tokenize");
+            add(text, "input '" + inputs[k] + "'");
+          }
           ++doc;
           continue;
         }
@@ -277,6 +305,8 @@ int main(int argc, char** argv) {
           }
           ++doc;
         }
+        if (in.bad())
+          throw fsdp::ConfigError("cannot read input '" + inputs[k] + "': a read error after line " + std::to_string(line_no), "fsdp.tokenize");
       }
     });
     for (Split* s : {&train, &val}) {

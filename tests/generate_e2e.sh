@@ -83,7 +83,26 @@ if "$PY" -c "import regex" 2>/dev/null; then
   out=$("${MPI[@]}" -np 2 "$BIN/fsdp-generate" "${deck[@]}" --tokenizer tok.json --prompt '(+)' --max-new-tokens 5 --no-stop 2>&1) ||
     fail "text prompt: $out"
   grep -q "^text:" <<<"$out" || fail "text prompt: no text: $out"
+  grep -q "after a prompt of 3 " <<<"$out" || fail "text prompt: not the 3 tokens of '(+)': $out"
   echo "ok a text prompt through a tokenizer"
+  # A tokenizer whose post-processor begins every text with a special token (Llama 3's BOS) puts it
+  # before a text prompt, as transformers' tokenizer(prompt) does: the same continuation as those ids.
+  "$PY" - <<'PYEOF' || fail "tok_bos.json"
+import json
+t = json.load(open("tok.json"))
+t["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                       "pair": [], "special_tokens": {"<bos>": {"id": "<bos>", "ids": [5], "tokens": ["<bos>"]}}}
+json.dump(t, open("tok_bos.json", "w"))
+PYEOF
+  out=$("${MPI[@]}" -np 2 "$BIN/fsdp-generate" "${deck[@]}" --tokenizer tok_bos.json --prompt '(+)' --max-new-tokens 5 --no-stop 2>&1) ||
+    fail "text prompt with a BOS: $out"
+  grep -q "after a prompt of 4 " <<<"$out" || fail "text prompt with a BOS: not 4 tokens: $out"
+  plain_ids=$("$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); import tokenizer_reference as r; print(",".join(map(str, r.Reference("tok.json").encode("(+)"))))' \
+    "$SRC/tests") || fail "the reference's ids of '(+)'"
+  with_ids=$("${MPI[@]}" -np 2 "$BIN/fsdp-generate" "${deck[@]}" --ids "5,$plain_ids" --max-new-tokens 5 --no-stop 2>&1) ||
+    fail "the BOS prompt as ids: $with_ids"
+  [[ $(ids_of "$out") == "$(ids_of "$with_ids")" ]] || fail "text prompt with a BOS: '$(ids_of "$out")', as ids '$(ids_of "$with_ids")'"
+  echo "ok the tokenizer's leading special token begins a text prompt"
 fi
 
 expect_error "prompt too long" "the prompt has 16 tokens, model.context is 16" \

@@ -15,6 +15,7 @@
 #include "data_test_helpers.hpp"
 #include "text/tokenizer.hpp"
 
+using fsdp::app::printable_utf8;
 using fsdp::app::Tokenizer;
 using fsdp::app::TokenizerError;
 using fsdp::test::TempDir;
@@ -203,4 +204,55 @@ BOOST_AUTO_TEST_CASE(unsupported_tokenizers_are_named) {
   j = tokenizer_json(kMerges);
   j["model"].erase("vocab");
   check("novocab", j, {"novocab.json: not a tokenizer.json of the tokenizers library"});
+}
+
+BOOST_AUTO_TEST_CASE(what_would_give_other_ids_is_refused_by_name) {
+  TempDir dir;
+  auto check = [&](const std::string& name, json j, const std::vector<std::string>& parts) {
+    BOOST_TEST_CONTEXT(name) {
+      expect_tokenizer_error([&] { Tokenizer::load(write(dir, name + ".json", j)); }, parts);
+    }
+  };
+  // A BPE whose pre-tokenizer has no ByteLevel step reads text as characters, not byte symbols.
+  auto j = tokenizer_json(kMerges);
+  j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", R"(\s+)"}}}, {"behavior", "Isolated"}};
+  check("split_only", j, {"split_only.json: pre_tokenizer: has no ByteLevel step"});
+  j = tokenizer_json(kMerges);
+  j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", json::array()}};
+  check("empty_sequence", j, {"pre_tokenizer: has no ByteLevel step"});
+  j = tokenizer_json(kMerges);
+  j["model"]["fuse_unk"] = true;
+  check("fuse_unk", j, {"model.fuse_unk: fusing unknown characters is not supported"});
+  // Ids that would index past any table: named, never an allocation of billions of entries.
+  j = tokenizer_json(kMerges);
+  j["model"]["vocab"]["neg"] = -5;
+  check("negative_id", j, {"model.vocab (\"neg\"): -5 is not a token id"});
+  j = tokenizer_json(kMerges);
+  j["added_tokens"][0]["id"] = 3000000000LL;
+  check("huge_id", j, {"added_tokens (\"<|endoftext|>\").id: 3000000000 is not a token id"});
+  // A TemplateProcessing post-processor's leading special tokens (Llama 3's BOS), also inside a Sequence.
+  j = tokenizer_json(kMerges);
+  j["added_tokens"].push_back({{"id", 1001}, {"content", "<|begin_of_text|>"}, {"special", true}});
+  j["post_processor"] = {
+      {"type", "Sequence"},
+      {"processors", json::array({{{"type", "ByteLevel"}},
+                                  {{"type", "TemplateProcessing"},
+                                   {"single", json::array({{{"SpecialToken", {{"id", "<|begin_of_text|>"}, {"type_id", 0}}}},
+                                                           {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})},
+                                   {"special_tokens", {{"<|begin_of_text|>", {{"id", "<|begin_of_text|>"}, {"ids", json::array({1001})}}}}}}})}};
+  BOOST_TEST((Tokenizer::load(write(dir, "bos.json", j)).leading_special_ids() == std::vector<std::int32_t>{1001}));
+  BOOST_TEST(Tokenizer::load(write(dir, "plain.json", tokenizer_json(kMerges))).leading_special_ids().empty());
+}
+
+BOOST_AUTO_TEST_CASE(long_whitespace_runs_and_broken_utf8_in_output) {
+  TempDir dir;
+  const auto tok = Tokenizer::load(write(dir, "t.json", tokenizer_json(kMerges)));
+  // ICU's default backtracking stack ended at some 400,000 newlines.
+  const std::string text = std::string(600000, '\n') + "x";
+  const auto ids = tok.encode(text);
+  BOOST_TEST(tok.decode(ids) == text);
+  // Bytes that are not UTF-8 print as U+FFFD, one for a sequence cut short.
+  BOOST_TEST(printable_utf8("H\xF0\x9F\x87") == "H\xEF\xBF\xBD");
+  BOOST_TEST(printable_utf8("a\xC3(b") == "a\xEF\xBF\xBD(b");
+  BOOST_TEST(printable_utf8(std::string("a\0b", 3)) == std::string("a\0b", 3));
 }

@@ -132,4 +132,10 @@ expect_error "a folder as input" "input 'a_folder' is a folder: give the files i
   "${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out bad7 docs.jsonl a_folder
 expect_error "one document, all of it for validation" "no training tokens: 1 document(s), all of them for validation" \
   "${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out bad6 plain.txt
+# Every input is read twice, on any rank: a pipe (stdin under mpirun belongs to rank 0 alone) is refused.
+expect_error "a pipe as input" "input '/dev/stdin' is not a regular file (a pipe, a device or stdin)" \
+  bash -c 'echo hello | "$@"' _ "${MPI[@]}" -np 2 "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out bad8 docs.jsonl /dev/stdin
+expect_error "an empty --out" "--out '': give a prefix for the shards' names" "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out "" docs.jsonl
+expect_error "a NaN --val-fraction" "--val-fraction: 'nan' is not a number in [0, 1]" \
+  "$BIN/fsdp-tokenize" --tokenizer gpt2.json --out bad9 --val-fraction nan docs.jsonl
 echo "all tokenize cases passed"

@@ -53,6 +53,9 @@ std::vector<std::string> split_isolated(const std::string& text, const icu::Rege
   const icu::UnicodeString u = icu::UnicodeString::fromUTF8(text);
   UErrorCode status = U_ZERO_ERROR;
   std::unique_ptr<icu::RegexMatcher> m(pattern.matcher(u, status));
+  // ICU's backtracking stack stops at 8 MB by default: \s+(?!\S) over a run of some 400,000 spaces
+  // or newlines would fail where tokenizers encodes it. No limit: it grows with the run, on the heap.
+  if (U_SUCCESS(status)) m->setStackLimit(0, status);
   if (U_FAILURE(status)) throw TokenizerError(std::string("cannot match the pre-tokenizer's expression: ") + u_errorName(status));
   std::vector<std::string> pieces;
   int32_t at = 0;
@@ -90,10 +93,16 @@ struct PreStep {
   bool prefix_space = false;                 // ByteLevel's add_prefix_space
 };
 
+/// How far past the number of vocabulary entries an id may lie (added tokens after the vocabulary,
+/// reserved ranges): further is a damaged file.
+constexpr std::int64_t kIdsBeyondVocab = 1 << 20;
+
 struct Tokenizer::Impl {
   std::string path;
   const icu::Normalizer2* nfc = nullptr;  // the NFC normalizer, when the file asks for it
   std::vector<PreStep> steps;
+  bool byte_level = false;                    // a ByteLevel step maps the text to byte symbols (required)
+  std::vector<std::int32_t> leading_special;  // the post-processor's special tokens before a sequence (BOS)
   bool ignore_merges = false;
   std::optional<std::int32_t> unk;
   std::unordered_map<std::string, std::int32_t> vocab;
@@ -123,6 +132,7 @@ struct Tokenizer::Impl {
       const auto& list = pt.at("pretokenizers");
       for (std::size_t i = 0; i < list.size(); ++i) add_pre_tokenizer(list[i], key + ".pretokenizers[" + std::to_string(i) + "]");
     } else if (type == "ByteLevel") {
+      byte_level = true;
       PreStep s;
       s.prefix_space = pt.value("add_prefix_space", false);
       if (pt.value("use_regex", true)) s.regex = compile(key, kByteLevelPattern);
@@ -144,17 +154,51 @@ struct Tokenizer::Impl {
     }
   }
 
+  /// The special tokens a TemplateProcessing post-processor puts before a single sequence (Llama's
+  /// <|begin_of_text|>, <s>); a Sequence of processors is searched. Others (ByteLevel: offsets only) add none.
+  void read_post_processor(const json& pp, const std::string& key) {
+    if (!pp.is_object()) return;
+    const std::string type = pp.value("type", "");
+    if (type == "Sequence") {
+      const auto& list = pp.at("processors");
+      for (std::size_t i = 0; i < list.size(); ++i) read_post_processor(list[i], key + ".processors[" + std::to_string(i) + "]");
+      return;
+    }
+    if (type != "TemplateProcessing") return;
+    const auto special = pp.value("special_tokens", json::object());
+    for (const auto& item : pp.at("single")) {
+      if (item.contains("Sequence")) break;
+      if (!item.contains("SpecialToken")) continue;
+      const std::string name = item["SpecialToken"].at("id").get<std::string>();
+      if (special.contains(name)) {
+        for (const auto& id : special[name].at("ids")) leading_special.push_back(id.get<std::int32_t>());
+      } else {
+        fail(key + ".special_tokens", "has no \"" + name + "\", which the single template names");
+      }
+    }
+  }
+
   void load(const json& j) {
     const auto& model = j.at("model");
     const std::string type = model.value("type", "");
     if (type != "BPE") fail("model.type", "\"" + type + "\" is not supported (byte-level BPE only)");
     if (model.contains("dropout") && !model["dropout"].is_null()) fail("model.dropout", "BPE dropout is not supported");
     if (model.value("byte_fallback", false)) fail("model.byte_fallback", "byte fallback (SentencePiece-style BPE) is not supported");
+    if (model.value("fuse_unk", false)) fail("model.fuse_unk", "fusing unknown characters is not supported");
     for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"})
       if (model.contains(k) && model[k].is_string() && !model[k].get<std::string>().empty()) fail(std::string("model.") + k, "is not supported");
     ignore_merges = model.value("ignore_merges", false);
-    for (const auto& [token, id] : model.at("vocab").items()) {
-      vocab.emplace(token, id.get<std::int32_t>());
+    // Ids index a table of every token: a negative one or one far past the vocabulary's size is a
+    // damaged file, not a reason to allocate gigabytes.
+    const auto& entries = model.at("vocab");
+    const std::int64_t most = static_cast<std::int64_t>(entries.size()) + kIdsBeyondVocab;
+    auto checked_id = [&](const json& id, const std::string& key) {
+      if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() >= most)
+        fail(key, id.dump() + " is not a token id (0 to " + std::to_string(most - 1) + " for " + std::to_string(entries.size()) + " entries)");
+      return id.get<std::int32_t>();
+    };
+    for (const auto& [token, id] : entries.items()) {
+      vocab.emplace(token, checked_id(id, "model.vocab (\"" + token + "\")"));
       size = std::max<std::int64_t>(size, id.get<std::int64_t>() + 1);
     }
     const auto& merges = model.at("merges");
@@ -177,7 +221,7 @@ struct Tokenizer::Impl {
       const std::string content = a.at("content").get<std::string>();
       for (const char* flag : {"lstrip", "rstrip", "single_word"})
         if (a.value(flag, false)) fail("added_tokens (\"" + content + "\")." + flag, "is not supported");
-      const auto id = a.at("id").get<std::int32_t>();
+      const auto id = checked_id(a.at("id"), "added_tokens (\"" + content + "\").id");
       added.emplace_back(content, id);
       added_content[id] = content;
       size = std::max<std::int64_t>(size, std::int64_t{id} + 1);
@@ -198,6 +242,10 @@ struct Tokenizer::Impl {
     }
     if (!j.contains("pre_tokenizer") || j["pre_tokenizer"].is_null()) fail("pre_tokenizer", "is missing: a byte-level BPE needs ByteLevel");
     add_pre_tokenizer(j["pre_tokenizer"], "pre_tokenizer");
+    // Without ByteLevel the text would still be read as byte symbols, and every character outside
+    // them would become the unknown token without a word.
+    if (!byte_level) fail("pre_tokenizer", "has no ByteLevel step: this reader handles byte-level BPE tokenizers only");
+    if (j.contains("post_processor")) read_post_processor(j["post_processor"], "post_processor");
     token_of_id.assign(static_cast<std::size_t>(size), "");
     for (const auto& [token, id] : vocab) token_of_id.at(static_cast<std::size_t>(id)) = token;
     const auto cps = byte_code_points();
@@ -397,5 +445,24 @@ std::optional<std::int32_t> Tokenizer::token_id(std::string_view token) const {
 }
 
 const std::string& Tokenizer::path() const noexcept { return impl_->path; }
+
+const std::vector<std::int32_t>& Tokenizer::leading_special_ids() const noexcept { return impl_->leading_special; }
+
+std::string printable_utf8(std::string_view bytes) {
+  std::string out;
+  while (!bytes.empty()) {
+    const auto bad = first_invalid_utf8(bytes);
+    if (!bad) {
+      out += bytes;
+      break;
+    }
+    out += bytes.substr(0, *bad);
+    out += "\xEF\xBF\xBD";  // U+FFFD for the broken sequence: its lead byte and the continuation bytes after it
+    std::size_t skip = 1;
+    while (*bad + skip < bytes.size() && skip < 4 && (static_cast<unsigned char>(bytes[*bad + skip]) & 0xC0) == 0x80) ++skip;
+    bytes.remove_prefix(*bad + skip);
+  }
+  return out;
+}
 
 }  // namespace fsdp::app

@@ -23,6 +23,9 @@ class TokenizerError : public fsdp::ConfigError {
 /// The byte offset of the first sequence in `text` that is not UTF-8; nullopt when it all is.
 std::optional<std::size_t> first_invalid_utf8(std::string_view text);
 
+/// `bytes` with each sequence that is not UTF-8 replaced by U+FFFD (as transformers decodes).
+std::string printable_utf8(std::string_view bytes);
+
 /// A byte-level BPE tokenizer as the `tokenizers` library defines it in tokenizer.json:
 ///  - normalizer: none or NFC;
 ///  - pre_tokenizer: ByteLevel (its GPT-2 regular expression when use_regex, add_prefix_space), a
@@ -33,7 +36,8 @@ std::optional<std::size_t> first_invalid_utf8(std::string_view text);
 ///  - added_tokens: matched in the text before anything else (leftmost, longest first), whatever the
 ///    normalizer does.
 /// Anything else is a TokenizerError naming the file and the key. The post-processor (BOS/EOS
-/// templates) is not applied: fsdp-tokenize separates documents itself. Thread-safe after load.
+/// templates) is not applied by encode: fsdp-tokenize separates documents itself; fsdp-generate puts
+/// leading_special_ids() before a text prompt. Thread-safe after load.
 class Tokenizer {
  public:
   /// Reads `path` (a tokenizer.json, or a folder holding one).
@@ -52,6 +56,9 @@ class Tokenizer {
   std::optional<std::int32_t> token_id(std::string_view token) const;
   /// Where it was read from.
   const std::string& path() const noexcept;
+  /// The special tokens the file's post-processor (TemplateProcessing) puts before a text, as
+  /// `tokenizer(text)` does in transformers: Llama 3's <|begin_of_text|>; empty for GPT-2's.
+  const std::vector<std::int32_t>& leading_special_ids() const noexcept;
 
  private:
   struct Impl;

@@ -2,6 +2,7 @@
 // checks on every rank, and what rank 0 prints (app/train/generate.hpp generates).
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
@@ -69,7 +70,12 @@ inline std::optional<PromptTokenizer> prepare_prompt(MpiComm& world, GenerateReq
 #if FSDP_HAVE_TOKENIZER
     tok.emplace(Tokenizer::load(g.tokenizer));
     if (!g.prompt_text.empty()) {
-      const auto ids = tok->encode(g.prompt_text);
+      auto ids = tok->encode(g.prompt_text);
+      // As transformers' tokenizer(prompt): the post-processor's leading special tokens (Llama's BOS),
+      // unless the prompt already begins with them.
+      const auto& lead = tok->leading_special_ids();
+      const bool begins_so = ids.size() >= lead.size() && std::equal(lead.begin(), lead.end(), ids.begin());
+      if (!begins_so) ids.insert(ids.begin(), lead.begin(), lead.end());
       g.options.prompt.assign(ids.begin(), ids.end());
     }
 #else
@@ -79,11 +85,12 @@ inline std::optional<PromptTokenizer> prepare_prompt(MpiComm& world, GenerateReq
   return tok;
 }
 
-/// `ids` as text; an id the tokenizer lacks (a model vocabulary padded past it) shows as <id>.
+/// `ids` as text; an id the tokenizer lacks (a model vocabulary padded past it) shows as <id>, bytes
+/// that are not UTF-8 (a sequence cut short) as U+FFFD.
 inline std::string decoded(const PromptTokenizer& tok, const std::vector<std::int32_t>& ids) {
 #if FSDP_HAVE_TOKENIZER
   try {
-    return tok.decode(ids);
+    return printable_utf8(tok.decode(ids));
   } catch (const TokenizerError&) {
     std::string text;
     for (const auto id : ids) {
@@ -93,7 +100,7 @@ inline std::string decoded(const PromptTokenizer& tok, const std::vector<std::in
         text += "<" + std::to_string(id) + ">";
       }
     }
-    return text;
+    return printable_utf8(text);
   }
 #else
   (void)tok;
@@ -133,7 +140,10 @@ int generate_text(Trainer<Comm>& trainer, MpiComm& world, const RunConfig& cfg, 
   if (tok) {
     std::vector<std::int32_t> all(o.prompt.begin(), o.prompt.end());
     all.insert(all.end(), out.tokens.begin(), out.tokens.end());
-    std::printf("text:\n%s\n", decoded(*tok, all).c_str());
+    const std::string text = decoded(*tok, all);
+    std::printf("text:\n");
+    std::fwrite(text.data(), 1, text.size(), stdout);  // whole, NUL bytes included
+    std::printf("\n");
   }
   return 0;
 }
