@@ -332,9 +332,12 @@ void cross_check(const Deck& deck, std::vector<std::string>& problems) {
 }  // namespace
 
 bool changes_the_trajectory(const std::string& key) {
-  // model.hf_config says where the sizes came from (they are compared); optim.state_dtype is a precision, as fsdp.mixed_precision.
-  static const std::set<std::string> evaluation_or_loading = {"data.test_batch_size", "data.test_samples", "data.val_path",
-                                                              "data.num_workers",     "model.hf_config",   "optim.state_dtype"};
+  // model.hf_config says where the sizes came from (they are compared); optim.state_dtype is a precision, as fsdp.mixed_precision;
+  // the tokens and limits only an export and generation read (the context itself is compared) and attention's recomputation
+  // (the same bits) do not change what a step computes.
+  static const std::set<std::string> evaluation_or_loading = {
+      "data.test_batch_size", "data.test_samples",  "data.val_path",       "data.num_workers",     "model.hf_config",          "optim.state_dtype",
+      "model.bos_token_id",   "model.eos_token_id", "model.max_positions", "model.sliding_window", "model.recompute_attention"};
   if (evaluation_or_loading.count(key)) return false;
   const std::string section = key.substr(0, key.find('.'));
   return section == "model" || section == "data" || section == "optim" || key == "run.seed";

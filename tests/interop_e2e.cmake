@@ -106,6 +106,10 @@ run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=1 --set data.
     --set checkpoint.init_from=${WORK_DIR}/untied/hf)
 expect_in("${last_output}" "checkpoint.init_from: [^\n]*untied/hf/config.json describes another model than the deck's:\n  tie_word_embeddings \\(model.tie_embeddings\\): false in the file, true by the deck\n")
 expect_in("${last_output}" "model.hf_config = '[^']*untied/hf' builds the model it describes")
+# ... also with checkpoint.init_allow_missing, which lets other sizes through with a warning.
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.max_steps=1 --set data.batch_size=2 --set run.out_dir=${WORK_DIR}/untied_into_tied2
+    --set checkpoint.init_from=${WORK_DIR}/untied/hf --set checkpoint.init_allow_missing=true)
+expect_in("${last_output}" "tie_word_embeddings \\(model.tie_embeddings\\): false in the file, true by the deck")
 
 # 4. Bad pretrained files: every rank exits 2, the message names the tensor or file. With its
 #    config.json, the keys that differ are named first; without one, the tensors.

@@ -501,6 +501,14 @@ BOOST_AUTO_TEST_CASE(missing_optimizer_state_is_named_never_a_crash_nor_a_reset)
   BOOST_CHECK_EXCEPTION(fsdp::make_optimizer_state(*opt, half), fsdp::ConfigError, [](const fsdp::ConfigError& e) {
     return std::string(e.what()).find("optimizer state 'exp_avg' of a Adam optimizer is missing") != std::string::npos;
   });
+  // ... and the state its options make a step read: amsgrad's running maximum.
+  auto w = torch::zeros({4}, torch::requires_grad());
+  torch::optim::Adam amsgrad({w}, torch::optim::AdamOptions(1e-3).amsgrad(true));
+  fsdp::OptimizerStateView moments{.tensors = {{"exp_avg", torch::zeros({4})}, {"exp_avg_sq", torch::zeros({4})}}, .step = 3};
+  BOOST_CHECK_NO_THROW(fsdp::make_optimizer_state(*opt, moments));
+  BOOST_CHECK_EXCEPTION(fsdp::make_optimizer_state(amsgrad, moments), fsdp::ConfigError, [](const fsdp::ConfigError& e) {
+    return std::string(e.what()).find("optimizer state 'max_exp_avg_sq' of a Adam optimizer is missing") != std::string::npos;
+  });
 }
 
 BOOST_AUTO_TEST_CASE(a_step_attribute_changed_after_the_save_and_a_folder_as_latest_are_named) {

@@ -771,6 +771,13 @@ BOOST_AUTO_TEST_CASE(memory_limits_from_cgroups_slurm_and_meminfo) {
   BOOST_TEST(per_cpu->source.find("SLURM_MEM_PER_CPU=1000 MiB x 3 CPUs") != std::string::npos, per_cpu->source);
   env = {{"SLURM_MEM_PER_NODE", "lots"}};  // not a number: ignored
   BOOST_TEST(fsdp::app::memory_limits(probe).size() == 2u);
+  // Past 2^40 MiB (2^60 bytes) no limit, as for cgroups: shifted into bytes it wrapped to -1 or 0 MiB.
+  for (const auto& big : std::vector<std::map<std::string, std::string>>{{{"SLURM_MEM_PER_NODE", "9223372036854775807"}},
+                                                                         {{"SLURM_MEM_PER_NODE", "17592186044416"}},
+                                                                         {{"SLURM_MEM_PER_CPU", "4398046511104"}, {"SLURM_CPUS_ON_NODE", "4"}}}) {
+    env = big;
+    BOOST_TEST(fsdp::app::memory_limits(probe).size() == 2u, big.begin()->second);
+  }
   // cgroup v1 (the memory controller among others), with the unlimited sentinel at the top.
   write_file(root / "proc/self/cgroup", "5:cpuacct,memory:/slurm/uid_0/job_9\n2:cpu:/\n");
   write_file(root / "cgroup/memory/slurm/uid_0/job_9/memory.limit_in_bytes", "1073741824\n");
@@ -853,6 +860,22 @@ const char* kSmolLm2Config = R"({"architectures": ["LlamaForCausalLM"], "hidden_
   "rope_scaling": null, "rope_theta": 100000, "tie_word_embeddings": true, "vocab_size": 49152, "attention_bias": false, "mlp_bias": false,
   "bos_token_id": 0, "eos_token_id": 0})";
 }  // namespace
+
+BOOST_AUTO_TEST_CASE(a_resume_compares_what_decides_the_training_only) {
+  // Stored decks of earlier versions hold eos_token_id = -1 (now []); what only an export or
+  // generation reads, and attention's recomputation (the same bits), do not stop a resume.
+  const std::string llama = "[model]\nkind = 'llama'\n";
+  const Deck stored =
+      Deck::parse(llama + "eos_token_id = -1\nbos_token_id = -1\nmax_positions = 0\nsliding_window = 0\n[data]\nkind = 'tokens'\n", "stored.toml");
+  const Deck now = Deck::parse(llama +
+                                   "eos_token_id = [1, 2]\nbos_token_id = 3\nmax_positions = 8192\nsliding_window = 4096\n"
+                                   "recompute_attention = false\n[data]\nkind = 'tokens'\n",
+                               "now.toml");
+  BOOST_TEST(trajectory_changes(stored, now).empty());
+  const auto changes = trajectory_changes(stored, Deck::parse(llama + "rope_theta = 500000.0\n[data]\nkind = 'tokens'\n", "theta.toml"));
+  BOOST_TEST_REQUIRE(changes.size() == 1u);
+  BOOST_TEST(changes[0].key == "model.rope_theta");
+}
 
 BOOST_AUTO_TEST_CASE(a_hugging_face_config_sets_the_model_and_says_so) {
   const auto smol = hf_folder("smol", kSmolLm2Config);

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -74,11 +75,26 @@ class Checkpointer {
   void take_run_directory() {
     on_all_ranks(world_, [&] {
       if (!root_) return;
+      namespace fs = std::filesystem;
       lock_.emplace(fsdp::RunLock::acquire(out_dir_));
       // A checkpoint folder outside the run's folder is guarded too: two runs must not mix checkpoints.
-      const auto inside = std::filesystem::weakly_canonical(dir_).lexically_relative(std::filesystem::weakly_canonical(out_dir_));
-      if (inside.empty() || *inside.begin() == "..")
+      const fs::path folder = fs::weakly_canonical(dir_), own = fs::weakly_canonical(out_dir_);
+      const auto inside = folder.lexically_relative(own);
+      if (inside.empty() || *inside.begin() == "..") {
         checkpoint_lock_.emplace(fsdp::RunLock::acquire(dir_, fsdp::RunLock::this_process(), "checkpoint folder", "checkpoint.dir"));
+        // ... and when it lies in another run's folder (checkpoint.dir = "../a/checkpoints"), that
+        // run's lock too: its checkpoints are the other run's while it runs.
+        for (fs::path p = folder.parent_path(); !p.empty() && p != own; p = p.parent_path()) {
+          if (fs::exists(p / fsdp::RunLock::kFileName)) {
+            owner_lock_.emplace(fsdp::RunLock::acquire(p, fsdp::RunLock::this_process(), "run directory", "checkpoint.dir"));
+            break;
+          }
+          if (p == p.root_path()) break;
+        }
+      } else if (fs::exists(folder / fsdp::RunLock::kFileName)) {
+        // Another run may hold this run's checkpoint folder as its checkpoint.dir.
+        checkpoint_lock_.emplace(fsdp::RunLock::acquire(dir_, fsdp::RunLock::this_process(), "checkpoint folder", "run.out_dir"));
+      }
     });
     on_all_ranks(world_, [&] {
       if (!root_) return;
@@ -367,8 +383,14 @@ class Checkpointer {
           if (name == "deck") text = value;
         if (text.empty()) return out;
         const Deck stored = Deck::parse(text, h5.string() + " (its stored deck)");
+        // The keys that decide the tensors' shapes: the others (hf_config, kept as a comment; rotary
+        // settings; the tokens an export keeps) never explain a mismatch.
+        static const std::set<std::string> shapes = {"model.kind",           "model.vocab_size",    "model.vocab_pad_multiple", "model.context",
+                                                     "model.d_model",        "model.n_heads",       "model.n_kv_heads",         "model.head_dim",
+                                                     "model.n_layers",       "model.mlp_ratio",     "model.intermediate_size",  "model.hidden_sizes",
+                                                     "model.tie_embeddings", "model.attention_bias"};
         for (const auto& spec : deck_schema()) {
-          if (spec.section() != "model") continue;
+          if (!shapes.count(spec.key)) continue;
           const std::string a = format_value(stored.entry(spec.key).value), b = format_value(deck_.entry(spec.key).value);
           if (a != b) out.push_back(spec.key + ": " + a + " in the file, " + b + " in the deck");
         }
@@ -528,8 +550,12 @@ class Checkpointer {
       std::string list;
       for (const auto& d : differences->model) list += "\n  " + d;
       const auto folder = std::filesystem::path(differences->file).parent_path().string();
-      // checkpoint.init_allow_missing grows a model from a smaller one's weights: its sizes differ by choice.
-      if (cfg_.checkpoint.init_allow_missing) {
+      // checkpoint.init_allow_missing grows a model from a smaller one's weights: its sizes differ by
+      // choice. Never a tied model over an untied head: the file's trained lm_head.weight would be passed over.
+      const bool untied_into_tied = std::any_of(differences->model.begin(), differences->model.end(),
+                                                [](const std::string& d) { return d.rfind("tie_word_embeddings", 0) == 0; }) &&
+                                    cfg_.model.tie_embeddings;
+      if (cfg_.checkpoint.init_allow_missing && !untied_into_tied) {
         if (root_)
           std::printf("warning: %s describes another model than the deck's (checkpoint.init_allow_missing = true):%s\n", differences->file.c_str(),
                       list.c_str());
@@ -587,7 +613,8 @@ class Checkpointer {
   std::filesystem::path loaded_from_;                     // checkpoint.resume = <path>: the checkpoint loaded
   std::string resumed_;                                   // "<checkpoint> at step N" once resume() loaded one
   std::optional<fsdp::RunLock> lock_;                     // held until the run ends
-  std::optional<fsdp::RunLock> checkpoint_lock_;          // checkpoint.dir outside run.out_dir
+  std::optional<fsdp::RunLock> checkpoint_lock_;          // checkpoint.dir outside run.out_dir (or held by another run)
+  std::optional<fsdp::RunLock> owner_lock_;               // the run folder checkpoint.dir lies in, another run's
   std::optional<fsdp::AsyncCheckpointer<Engine>> async_;  // checkpoint.async
   std::vector<double> held_s_, write_s_;
   bool staging_reserved_ = false;

@@ -363,8 +363,8 @@ SaveResult save_checkpoint(Engine& engine, const torch::optim::Optimizer* optimi
       break;
     case StateDictType::LOCAL_STATE_DICT: {
       const auto file = tmp / ckpt::local_rank_file(world.rank());
-      // Each rank claims its file's space first, as a FULL or SHARDED save does: HDF5 that fails to
-      // flush at close cannot shut down cleanly at the process's exit.
+      // Each rank checks its file's space first, as a FULL or SHARDED save does: HDF5 that fails to
+      // flush at close cannot shut down cleanly at the process's exit (the space is not held after).
       error = detail::capture_error(
           [&] { ckpt::reserve_space(file, detail::expected_file_bytes(engine, optimizer, world.size(), rows, true), (folder / name).string()); });
       detail::agree(world, error);

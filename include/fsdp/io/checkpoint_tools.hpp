@@ -346,8 +346,8 @@ inline void merge_local(const std::string& dir, const std::string& out_path) {
 
   const fs::path final_path(out_path);
   const fs::path tmp = final_path.parent_path() / temporary_name(final_path.filename().string());
-  // A full disk shows here, before HDF5 writes (a failed close leaves HDF5 unable to shut down cleanly),
-  // and a failure on the way leaves no temporary behind.
+  // A full disk shows here, before HDF5 writes (a failed close leaves HDF5 unable to shut down cleanly;
+  // the space is checked, not held), and a failure on the way leaves no temporary behind.
   std::int64_t bytes = 1 << 20;
   for (const auto& f : shard_files) {
     hsize_t size = 0;

@@ -145,6 +145,16 @@ inline std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(c
   // without one, the step would meet an undefined tensor.
   std::vector<std::string> required = {known.front()};
   if (kind == "Adam" || kind == "AdamW" || kind == "Adadelta") required = {known[0], known[1]};
+  // ... and those its options make it read (the optimizer's defaults; fsdp's groups share them).
+  const auto& d = optimizer.defaults();
+  if ((kind == "Adam" && static_cast<const torch::optim::AdamOptions&>(d).amsgrad()) ||
+      (kind == "AdamW" && static_cast<const torch::optim::AdamWOptions&>(d).amsgrad()))
+    required.emplace_back("max_exp_avg_sq");
+  if (kind == "RMSprop") {
+    const auto& o = static_cast<const torch::optim::RMSpropOptions&>(d);
+    if (o.momentum() > 0) required.emplace_back("momentum_buffer");
+    if (o.centered()) required.emplace_back("grad_avg");
+  }
   for (const auto& name : required)
     if (!tensor(name.c_str()).defined()) throw ConfigError("optimizer state '" + name + "' of a " + kind + " optimizer is missing");
   return out;
