@@ -84,15 +84,30 @@ Axis parse_grid(const std::string& text) {
   const std::string list = trim(text.substr(eq + 1));
   if (list.empty()) throw UsageError("--grid '" + text + "': no values (expected " + axis.key + "=v1,v2,...)");
   axis.values = split_values(list);
-  for (std::size_t i = 0; i < axis.values.size(); ++i) {
+  for (std::size_t i = 0; i < axis.values.size(); ++i)
     if (axis.values[i].empty()) throw UsageError("--grid '" + text + "': value " + std::to_string(i + 1) + " is empty");
-    // Two identical points would train the same run twice, in two folders.
-    for (std::size_t j = 0; j < i; ++j)
-      if (axis.values[j] == axis.values[i])
-        throw UsageError("--grid '" + text + "': value " + std::to_string(i + 1) + " (" + axis.values[i] + ") repeats value " +
-                         std::to_string(j + 1));
-  }
   return axis;
+}
+
+/// Two values of one axis that the deck reads alike (0.1 twice, 1e-3 and 0.001) would train the same
+/// run twice, in two folders: a UsageError naming them. A value the deck refuses is left to the points.
+void refuse_repeated_values(const Deck& base, const Axis& axis) {
+  std::vector<std::string> read;
+  for (std::size_t i = 0; i < axis.values.size(); ++i) {
+    std::string value;
+    try {
+      Deck d = base;
+      d.apply_overrides({axis.key + "=" + axis.values[i]}, "--grid");
+      value = fsdp::app::format_value(d.entry(axis.key).value);
+    } catch (const DeckError&) {
+      value = "\n(invalid) " + axis.values[i];
+    }
+    for (std::size_t j = 0; j < i; ++j)
+      if (read[j] == value)
+        throw UsageError("--grid " + axis.key + ": value " + std::to_string(i + 1) + " (" + axis.values[i] + ") is value " + std::to_string(j + 1) +
+                         " (" + axis.values[j] + ") again: the two points would train the same run");
+    read.push_back(value);
+  }
 }
 
 /// The most points one sweep writes.
@@ -157,14 +172,24 @@ void refuse_another_grids_folder(const std::string& out, const std::vector<Point
   if (existing != manifest_of(points))
     throw UsageError("'" + manifest.string() + "' lists another grid's points (other keys, values or decks); their runs under '" + out +
                      "' would be reported under this grid's decks. Use another --out, or --continue to write this grid there anyway");
+  // The keys that decide the training, as a resume compares them: comments, the base deck's path
+  // and keys a newer version added at their defaults do not count.
   for (const auto& p : points) {
     std::ifstream deck(p.deck_path);
     if (!deck) continue;
     const std::string written((std::istreambuf_iterator<char>(deck)), std::istreambuf_iterator<char>());
-    if (written != p.toml)
+    std::string changed;
+    try {
+      for (const auto& c : fsdp::app::trajectory_changes(Deck::parse(written, p.deck_path), Deck::parse(p.toml, p.name)))
+        changed += "\n  " + c.key + ": " + c.before + " there, " + c.now + " now";
+    } catch (const DeckError& e) {
+      changed = "\n  it cannot be read: " + std::string(e.what());
+    }
+    if (!changed.empty())
       throw UsageError("'" + p.deck_path + "' holds another deck than this sweep writes for " + p.name +
-                       " (a changed --set or base deck); runs made with it would be reported under the new one. Use another --out, or "
-                       "--continue to write the new decks there anyway (a resume then names each key that changed)");
+                       " (a changed --set or base deck):" + changed +
+                       "\nRuns made with it would be reported under the new one. Use another --out, or --continue to write the new decks "
+                       "there anyway (a resume then names each key that changed)");
   }
 }
 
@@ -285,6 +310,7 @@ int sweep(const std::string& deck_path, const std::vector<std::string>& grids, c
   }
   refuse_a_file_in_the_way(out);
   const Deck base = Deck::from_file(deck_path, sets);
+  for (const auto& a : axes) refuse_repeated_values(base, a);
   // Every point first: build and validate them all, write nothing unless all are good.
   const std::vector<Point> points = grid_points(base, axes, out);
   refuse_shared_folders(points);

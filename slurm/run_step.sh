@@ -10,7 +10,7 @@
 
 fsdp_run_step() {
   local deck=$1; shift
-  local step_pid rc requeue_asked=0
+  local step_pid="" rc requeue_asked=0  # set before the traps: a signal may come before the step starts
   local launch
   if [[ $FSDP_LAUNCHER == mpirun ]]; then
     launch=(mpirun)

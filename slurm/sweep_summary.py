@@ -8,8 +8,7 @@ one row per point (its overrides and the main metrics of its summary.json) and w
 and Markdown next to the manifest (summary.csv, summary.md) unless told otherwise. A point without a
 readable summary.json, or whose losses are not finite, is reported as failed; the exit code is 1 if
 any point failed, 2 for a manifest that cannot be read, 0 otherwise. The manifest's relative paths
-are those of the folder fsdp-sweep ran in, found from the manifest's own place: the table is the same
-from any folder.
+are those of the folder fsdp-sweep ran in: read from there, or found from the manifest's own place.
 """
 import argparse
 import csv
@@ -21,23 +20,30 @@ import sys
 COLUMNS = ["world_size", "nodes", "steps", "final_train_loss", "test_loss", "test_accuracy", "wall_s", "step_ms_median", "samples_per_s", "tokens_per_s"]
 
 
-def sweep_root(manifest, deck):
-    """The folder fsdp-sweep ran in: the manifest lies in --out, which each deck path starts with."""
-    out = os.path.dirname(os.path.dirname(deck))  # <out>/decks/point_N.toml
+def run_folder(manifest, deck, out_dir):
+    """Where a point's run is: out_dir as written (relative to the folder fsdp-sweep ran in: the current
+    one, as a rerun from there), else from the manifest's own place, which lies in --out as each deck
+    path's folder <out>/decks does (an --out going up with .. cannot be walked back: the current folder)."""
+    if os.path.isabs(out_dir) or os.path.isdir(out_dir):
+        return out_dir
+    out = os.path.normpath(os.path.dirname(os.path.dirname(deck)))
+    parts = [] if out == "." else out.split(os.sep)
+    if os.path.isabs(out) or ".." in parts:
+        return out_dir
     root = os.path.dirname(os.path.abspath(manifest))
-    if os.path.isabs(out):
-        return root
-    for part in os.path.normpath(out).split(os.sep):
-        if part not in ("", "."):
-            root = os.path.dirname(root)
-    return root
+    for _ in parts:
+        root = os.path.dirname(root)
+    return os.path.join(root, out_dir)
 
 
 def non_finite(summary):
-    """The loss fields of summary.json that are not finite numbers (null is how a NaN is written)."""
+    """The loss fields of summary.json that are not finite: a NaN or infinity, or null (how a NaN is
+    written) in a run that skipped steps for non-finite values. A null alone may be a loss not
+    measured (a summary rewritten from the last checkpoint)."""
     bad = []
     for key in ("final_train_loss", "test_loss"):
-        if key in summary and (summary[key] is None or (isinstance(summary[key], float) and not math.isfinite(summary[key]))):
+        v = summary.get(key, 0.0)
+        if (isinstance(v, float) and not math.isfinite(v)) or (v is None and summary.get("skipped_steps", 0)):
             bad.append(key)
     return bad
 
@@ -62,7 +68,7 @@ def main():
         return 2
     rows, failed = [], []
     for point in points:
-        out_dir = os.path.join(sweep_root(args.manifest, point["deck"]), point["out_dir"])
+        out_dir = run_folder(args.manifest, point["deck"], point["out_dir"])
         summary_path = os.path.join(out_dir, "summary.json")
         row = {"index": point["index"], "overrides": point["overrides"], "status": "ok"}
         try:

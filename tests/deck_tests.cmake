@@ -124,7 +124,9 @@ if(DEFINED DECK_SWEEP_CASE)
     run_sweep(2 ${base} --grid optim.lr=0.1 --grid optim.lr=0.2 --out ${out})
     expect_in("${sweep_err}" "optim.lr is given twice")
     run_sweep(2 ${base} --grid optim.lr=0.1,0.2,0.1 --out ${out})
-    expect_in("${sweep_err}" "--grid 'optim.lr=0.1,0.2,0.1': value 3 (0.1) repeats value 1")
+    expect_in("${sweep_err}" "--grid optim.lr: value 3 (0.1) is value 1 (0.1) again: the two points would train the same run")
+    run_sweep(2 ${base} --grid optim.lr=1e-3,0.001 --out ${out})
+    expect_in("${sweep_err}" "--grid optim.lr: value 2 (0.001) is value 1 (1e-3) again")
     # A grid of a million points is refused at once (every point is built in memory first).
     set(ten 1,2,3,4,5,6,7,8,9,10)
     run_sweep(2 ${base} --grid run.seed=${ten} --grid run.epochs=${ten} --grid run.max_steps=${ten} --grid data.batch_size=${ten}

@@ -86,20 +86,22 @@ expect banner "tasks \? \(\? per node\)"
 expect banner "warning: the job's time limit \(60 s\) is not longer than the checkpoint signal's lead \(120 s"
 echo "ok: the banner stands missing variables and warns of a time limit within the signal's lead"
 # slurm/sweep_summary.py over a sweep made in $WORK with a relative --out, read from another folder:
-# a point with a summary, one without, one whose summary is not an object and one whose losses are NaN.
+# a point with a summary, one without, one whose summary is not an object, one whose losses are NaN
+# after skipped steps, and one rewritten from its last checkpoint (its loss not measured: null).
 mkdir -p "$WORK/sw/decks" "$WORK/elsewhere"
 printf 'index\toverrides\tdeck\tout_dir\n' >"$WORK/sw/manifest.tsv"
-for i in 0 1 2 3; do
+for i in 0 1 2 3 4; do
   printf '%s\toptim.lr=%s\tsw/decks/point_000%s.toml\tsw/runs/point_000%s\n' "$i" "$i" "$i" "$i" >>"$WORK/sw/manifest.tsv"
   mkdir -p "$WORK/sw/runs/point_000$i"
 done
 echo '{"steps": 8, "final_train_loss": 0.5, "test_loss": 0.6}' >"$WORK/sw/runs/point_0000/summary.json"
 echo '[1, 2]' >"$WORK/sw/runs/point_0002/summary.json"
-echo '{"steps": 8, "final_train_loss": null, "test_loss": NaN}' >"$WORK/sw/runs/point_0003/summary.json"
+echo '{"steps": 8, "skipped_steps": 2, "final_train_loss": null, "test_loss": NaN}' >"$WORK/sw/runs/point_0003/summary.json"
+echo '{"steps": 8, "final_train_loss": null}' >"$WORK/sw/runs/point_0004/summary.json"
 (cd "$WORK/elsewhere" && "$SRC/slurm/sweep_summary.py" ../sw/manifest.tsv) >"$WORK/summary.log" 2>&1
 rc=$?
 [[ $rc == 1 ]] || { cat "$WORK/summary.log"; fail "sweep_summary.py: exit $rc, not 1 for failed points"; }
-expect summary "4 points, 1 ok, 3 failed"
+expect summary "5 points, 2 ok, 3 failed"
 expect summary "^\| 0 \| optim.lr=0 \| ok \| 8 \| 0.5 \| 0.6 \|"
 expect summary "point 1 \(optim.lr=1\) failed: .*point_0001/summary.json"
 expect summary "point 2 \(optim.lr=2\) failed: .*point_0002/summary.json is not a JSON object"
