@@ -175,22 +175,33 @@ void print_strategy_table(const ModelSection& shape, const std::vector<StrategyR
   }
 }
 
+/// How far a --memory search goes for `key`: the deck's maximum of it, at most 2^20 (the search's
+/// own bound, where a key has none or it is larger).
+std::int64_t search_limit(const std::string& key) {
+  constexpr std::int64_t kCap = std::int64_t{1} << 20;
+  const KeySpec* spec = find_key(key);
+  if (!spec || !spec->max || *spec->max >= static_cast<double>(kCap)) return kCap;
+  return static_cast<std::int64_t>(*spec->max);
+}
+
 /// The largest value of `knob` under one strategy whose model fits `budget` ("none" when even the
 /// smallest does not), and that model's parameters. Each search doubles until the prediction exceeds
 /// the budget, then bisects. A knob whose every step adds the same tensors (layers) is searched
 /// exactly up to 256; beyond, the peak is extrapolated from 128 and 256 and checked exactly up to
-/// 4,096, a deeper answer printed with "~".
+/// 4,096, a deeper answer printed with "~". No answer passes the deck's own maximum of the key (or
+/// 2^20): one there is printed ">=".
 std::pair<std::string, std::string> largest_by_knob(const ModelSection& model, const SizeKnob& knob, const StrategyRow& r, std::int64_t budget) {
-  constexpr std::int64_t kCap = std::int64_t{1} << 20, kExact = 256, kVerify = 4096;
+  constexpr std::int64_t kExact = 256, kVerify = 4096;
+  const std::int64_t limit = search_limit("model." + knob.name);
   auto fits = [&](std::int64_t value) { return predict(knob.with(model, value), *r.run).total_bytes <= budget; };
   std::int64_t steps = 0;
   bool extrapolated = false;
   if (knob.same_per_step) {
-    steps = largest_fitting(1, kExact, fits);
+    steps = largest_fitting(1, std::min(kExact, limit), fits);
     if (steps == kExact) {
       const auto m1 = predict(knob.with(model, kExact / 2), *r.run).total_bytes, m2 = predict(knob.with(model, kExact), *r.run).total_bytes;
       const std::int64_t per_step = std::max<std::int64_t>(1, (m2 - m1) / (kExact / 2));
-      steps = std::min(kCap, kExact + (budget - m2) / per_step);
+      steps = std::min(limit, kExact + (budget - m2) / per_step);
       if (steps <= kVerify) {
         while (steps > kExact && !fits(steps)) --steps;
         while (steps < kVerify && fits(steps + 1)) ++steps;
@@ -199,11 +210,12 @@ std::pair<std::string, std::string> largest_by_knob(const ModelSection& model, c
       }
     }
   } else {
-    steps = knob.multiple * largest_fitting(1, kCap, [&](std::int64_t k) { return fits(k * knob.multiple); });
+    steps = knob.multiple * largest_fitting(1, limit / knob.multiple, [&](std::int64_t k) { return fits(k * knob.multiple); });
   }
   if (steps == 0) return {"none", "-"};
   const ModelSection largest = knob.with(model, steps);
-  return {(extrapolated ? "~" : "") + knob.shown(largest), grouped(closed_form_num_params(largest))};
+  const std::string prefix = steps + knob.multiple > limit ? ">=" : extrapolated ? "~" : "";
+  return {prefix + knob.shown(largest), grouped(closed_form_num_params(largest))};
 }
 
 /// --memory: the largest model of the deck's family (each of its size knobs moved alone) and the
@@ -217,7 +229,7 @@ void print_largest_fitting(const ModelSection& model, const std::vector<Strategy
     std::printf("  the deck's model fits with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
   else
     std::printf("  the deck's model does NOT fit with the deck's strategy (%.1f of %.1f MiB)\n", mib(p.total_bytes), mib(budget));
-  constexpr std::int64_t kCap = std::int64_t{1} << 20;
+  const std::int64_t batch_limit = search_limit("data.batch_size");
   std::printf("  %-20s", "strategy");
   for (const auto& k : knobs) std::printf(" %*s %16s ", k.column, k.name.c_str(), "parameters");
   std::printf(" %10s%s\n", "batch_size", knobs.empty() ? ("   (model.kind = \"" + to_string(model.kind) + "\" has no size keys)").c_str() : "");
@@ -226,7 +238,7 @@ void print_largest_fitting(const ModelSection& model, const std::vector<Strategy
       std::printf("  %-20s n/a\n", to_string(r.strategy));
       continue;
     }
-    const std::int64_t batch = largest_fitting(1, kCap, [&](std::int64_t b) {
+    const std::int64_t batch = largest_fitting(1, batch_limit, [&](std::int64_t b) {
       RunShape x = *r.run;
       x.batch = b;
       return predict(model, x).total_bytes <= budget;
@@ -236,13 +248,16 @@ void print_largest_fitting(const ModelSection& model, const std::vector<Strategy
       const auto [value, params] = largest_by_knob(model, k, r, budget);
       std::printf(" %*s %16s ", k.column, value.c_str(), params.c_str());
     }
-    std::printf(" %10s\n", batch ? std::to_string(batch).c_str() : "none");
+    std::printf(" %10s\n", batch ? ((batch == batch_limit ? ">=" : "") + std::to_string(batch)).c_str() : "none");
   }
   if (knobs.empty()) return;
   std::string notes;
   for (const auto& k : knobs) notes += (notes.empty() ? "" : "; ") + k.note;
   std::printf("  (%s;%sbatch_size for the deck's model)\n", notes.c_str(), knobs.size() > 1 ? "\n   " : " ");
 }
+
+/// --memory's largest budget: a PiB per rank (beyond, the byte counts would overflow).
+constexpr double kMostMemoryGib = 1024.0 * 1024.0;
 
 int plan(const std::string& deck_path, const std::vector<std::string>& overrides, int np, int ranks_per_node, double memory_gib, double baseline_mib,
          double heap_factor, bool list_units) {
@@ -305,6 +320,21 @@ int main(int argc, char** argv) {
     cli.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return cli.exit(e) == 0 ? 0 : kExitBadInput;
+  }
+  // CLI11's ranges let NaN through (every comparison with it is false); a budget past a PiB per rank
+  // would overflow the byte counts.
+  for (const auto& [flag, value] : {std::pair{"--memory", memory_gib}, {"--baseline-mib", baseline_mib}, {"--heap-factor", heap_factor}})
+    if (std::isnan(value)) {
+      std::fprintf(stderr, "fsdp-plan: error: %s: 'nan' is not a number\n", flag);
+      return kExitBadInput;
+    }
+  if (memory_gib > kMostMemoryGib) {
+    std::fprintf(stderr, "fsdp-plan: error: --memory: %g GiB per rank is more than the %g GiB this plan counts\n", memory_gib, kMostMemoryGib);
+    return kExitBadInput;
+  }
+  if (ranks_per_node > np) {
+    std::fprintf(stderr, "fsdp-plan: error: --ranks-per-node %d is more than the %d rank(s) of --np\n", ranks_per_node, np);
+    return kExitBadInput;
   }
   try {
     return plan(deck_path, overrides, np, ranks_per_node, memory_gib, baseline_mib, heap_factor, list_units);

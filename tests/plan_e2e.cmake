@@ -323,4 +323,18 @@ expect_in("${last_output}" "bad.toml:5: optim.lrr: unknown key \\(did you mean o
 expect_in("${last_output}" "bad.toml:7: data.batch_size: -4 is below the minimum 1")
 run(2 ${PLAN} ${WORK_DIR} --np 2)  # a folder as the deck: read as an empty deck, it would plan the default job
 expect_in("${last_output}" "cannot read deck '[^']*': it is a folder, not a file")
+# Bad flags: NaN (which CLI11's ranges let through), a budget past what the byte counts hold, more
+# ranks per node than ranks.
+foreach(flag "--memory;nan" "--baseline-mib;nan" "--heap-factor;nan")
+  run(2 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 ${flag})
+  list(GET flag 0 name)
+  expect_in("${last_output}" "fsdp-plan: error: ${name}: 'nan' is not a number")
+endforeach()
+run(2 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 --memory 1e10)
+expect_in("${last_output}" "--memory: 1e\\+10 GiB per rank is more than the 1.04858e\\+06 GiB this plan counts")
+run(2 ${PLAN} ${WORK_DIR}/gpt.toml --np 4 --ranks-per-node 100)
+expect_in("${last_output}" "--ranks-per-node 100 is more than the 4 rank\\(s\\) of --np")
+# A search that reaches the deck's own maximum of a key says so (">="), never a value the deck refuses.
+run(0 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 --memory 100000)
+expect_in("${last_output}" ">=100000")
 message(STATUS "all fsdp-plan cases passed")

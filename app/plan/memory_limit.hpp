@@ -96,13 +96,16 @@ inline std::vector<MemoryLimit> memory_limits(const MemoryProbe& probe = {}) {
     }
     if (limit) out.push_back(*limit);
   }
-  // Slurm: --mem is MiB per node; --mem-per-cpu MiB per allocated CPU of the node.
-  if (const auto mem = detail::env_int(probe, "SLURM_MEM_PER_NODE"))
+  // Slurm: --mem is MiB per node; --mem-per-cpu MiB per allocated CPU of the node. A value of 2^40 MiB
+  // or more (2^60 bytes, as for cgroups) is no limit: shifted into bytes it would overflow.
+  constexpr std::int64_t kNoLimitMib = std::int64_t{1} << 40;
+  if (const auto mem = detail::env_int(probe, "SLURM_MEM_PER_NODE"); mem && *mem < kNoLimitMib)
     out.push_back({*mem << 20, "Slurm --mem (SLURM_MEM_PER_NODE=" + std::to_string(*mem) + " MiB)"});
   if (const auto per_cpu = detail::env_int(probe, "SLURM_MEM_PER_CPU")) {
     const auto cpus = detail::env_int(probe, "SLURM_CPUS_ON_NODE").value_or(1);
-    out.push_back({(*per_cpu * cpus) << 20,
-                   "Slurm --mem-per-cpu (SLURM_MEM_PER_CPU=" + std::to_string(*per_cpu) + " MiB x " + std::to_string(cpus) + " CPUs on the node)"});
+    if (*per_cpu < kNoLimitMib / cpus)
+      out.push_back({(*per_cpu * cpus) << 20,
+                     "Slurm --mem-per-cpu (SLURM_MEM_PER_CPU=" + std::to_string(*per_cpu) + " MiB x " + std::to_string(cpus) + " CPUs on the node)"});
   }
   std::ifstream meminfo(probe.proc / "meminfo");
   for (std::string line; std::getline(meminfo, line);)
