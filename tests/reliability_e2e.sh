@@ -215,7 +215,7 @@ grep -Eq "save_checkpoint: not all 2 ranks arrived within 5 s" "$WORK/skipsave.l
 echo "ok: a save one rank never entered ended the job after $(cat "$WORK/skipsave.log.secs") s (comm.timeout_s = 5)"
 # 8. Two runs on one run directory (or one checkpoint.dir): the second stops at once with exit 2 naming the
 #    first; the first is not disturbed. A lock left by a run that is gone (killed: its pid no longer exists) is taken over.
-( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice" --set checkpoint.dir="$WORK/shared_ckpt" "${long[@]}" \
+( timeout 300 "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice" --set checkpoint.dir="$WORK/owner/shared_ckpt" "${long[@]}" \
     --set run.max_steps=600 >"$WORK/twice.1.log" 2>&1
   echo $? >"$WORK/twice.1.log.rc" ) &
 first=$!
@@ -224,9 +224,17 @@ run "$WORK/twice.2.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$W
 expect 2 "run directory '.*twice' is in use by another run \(host .*, pid [0-9]+" "$WORK/twice.2.log"
 quick "$WORK/twice.2.log"
 # A checkpoint.dir outside run.out_dir is guarded as well: another run directory, the same checkpoints.
-run "$WORK/twice.4.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice_other" --set checkpoint.dir="$WORK/shared_ckpt"
-expect 2 "checkpoint folder '.*shared_ckpt' is in use by another run \(host .*, pid [0-9]+.*Use another checkpoint.dir" "$WORK/twice.4.log"
+run "$WORK/twice.4.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice_other" --set checkpoint.dir="$WORK/owner/shared_ckpt"
+expect 2 "checkpoint folder '.*owner/shared_ckpt' is in use by another run \(host .*, pid [0-9]+.*Use another checkpoint.dir" "$WORK/twice.4.log"
 quick "$WORK/twice.4.log"
+# ... also for the run whose folder holds that checkpoint folder ...
+run "$WORK/twice.5.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/owner" --set checkpoint.dir=shared_ckpt
+expect 2 "checkpoint folder '.*owner/shared_ckpt' is in use by another run \(host .*, pid [0-9]+" "$WORK/twice.5.log"
+quick "$WORK/twice.5.log"
+# ... and a checkpoint.dir inside a running run's folder: that run's folder is held.
+run "$WORK/twice.6.log" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/twice_third" --set checkpoint.dir="$WORK/twice/checkpoints"
+expect 2 "run directory '.*twice' is in use by another run \(host .*, pid [0-9]+" "$WORK/twice.6.log"
+quick "$WORK/twice.6.log"
 wait $first
 [[ $(cat "$WORK/twice.1.log.rc") == 0 ]] || { cat "$WORK/twice.1.log"; fail "the first run was disturbed by the second"; }
 [[ ! -e "$WORK/twice/.fsdp-run.lock" ]] || fail "the lock outlived its run"

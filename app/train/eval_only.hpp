@@ -67,9 +67,7 @@ int evaluate_only(MpiComm& world, const Deck& deck, const RunConfig& cfg, Engine
     js["samples_per_s"] = per_s;
   }
   js["seconds"] = seconds;
-  on_all_ranks(world, [&] {
-    if (root) write_eval_only_summary(cfg.run.out_dir, js);
-  });
+  // Printed first: a summary.json that cannot be written must not take the result with it.
   if (root) {
     if (data.tokens)
       std::printf("eval-only: %s: eval loss %.4f, perplexity %.2f (per token), accuracy %.2f%%, %lld tokens, %.0f tokens/s\n", source.c_str(), r.loss,
@@ -77,6 +75,12 @@ int evaluate_only(MpiComm& world, const Deck& deck, const RunConfig& cfg, Engine
     else
       std::printf("eval-only: %s: test loss %.4f, accuracy %.2f%%, %lld samples, %.0f samples/s\n", source.c_str(), r.loss, 100 * r.accuracy,
                   static_cast<long long>(r.samples), per_s);
+    std::fflush(stdout);
+  }
+  on_all_ranks(world, [&] {
+    if (root) write_eval_only_summary(cfg.run.out_dir, js);
+  });
+  if (root) {
     std::printf("eval-only: written to %s (\"eval_only\")\n", (std::filesystem::path(cfg.run.out_dir) / "summary.json").c_str());
   }
   return 0;

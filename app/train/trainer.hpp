@@ -104,6 +104,13 @@ class Trainer {
     return true;
   }
 
+  /// Whether `path` (a summary.json) holds a training's figures, not only --eval-only's.
+  static bool summary_has_training(const std::filesystem::path& path) {
+    std::ifstream in(path);
+    const auto js = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    return js.is_object() && js.contains("steps");
+  }
+
   /// A rerun of a finished job (resume() said so): trains nothing; what the run's end did not write
   /// (the export, summary.json: a full disk, a killed job) is written now from the last checkpoint,
   /// what exists is kept, and the line says which. Collective.
@@ -113,9 +120,13 @@ class Trainer {
     const std::string export_path = cfg_.checkpoint.export_path.empty() ? "" : export_file(cfg_.checkpoint.export_path).string();
     std::int64_t missing[2] = {0, 0};  // rank 0's view of the folder decides for all
     if (root_) {
-      // One file, or a split export's index (written last).
-      missing[0] = !export_path.empty() && !fs::exists(export_path) && !fs::exists(fsdp::safetensors::index_path(export_path));
-      missing[1] = !fs::exists(summary);
+      // One file, or a split export's index (written last), and a Hugging Face export's config.json
+      // (written after the weights: a job killed between the two has none).
+      const auto form = export_path.empty() ? std::nullopt : hf_export_form(cfg_.model, cfg_.checkpoint.export_names);
+      missing[0] = !export_path.empty() && ((!fs::exists(export_path) && !fs::exists(fsdp::safetensors::index_path(export_path))) ||
+                                            (form && !fs::exists(config_folder(export_path) / "config.json")));
+      // A summary.json that --eval-only made holds no training figures: the training's is still missing.
+      missing[1] = !fs::exists(summary) || !summary_has_training(summary);
     }
     world_.broadcast(missing, 2, fsdp::DType::kInt64, 0);
     progress_ = ProgressStyle::of(cfg_.log.progress);

@@ -191,14 +191,21 @@ class FlightRecorder {
     const auto path = dump_path(rank_);
     // A temporary of this thread's own: a SIGTERM dump and a deadline's may run at once; the last rename wins.
     const auto tmp = path.string() + ".tmp" + std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+    std::error_code ec;
     {
       std::ofstream out(tmp);
       out << to_json().dump(1) << "\n";
-      if (!out) return std::nullopt;
+      out.close();
+      if (!out) {  // a full disk: no partial temporary stays behind
+        std::filesystem::remove(tmp, ec);
+        return std::nullopt;
+      }
     }
-    std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
-    if (ec) return std::nullopt;
+    if (ec) {
+      std::filesystem::remove(tmp, ec);
+      return std::nullopt;
+    }
     return path;
   }
 
