@@ -191,7 +191,8 @@ int main(int argc, char** argv) {
     return cli.exit(e) == 0 ? 0 : kExitBadInput;
   }
   // CLI::Range lets NaN through (every comparison with it is false); an empty prefix writes _train_*.
-  if (std::isnan(val_fraction) || out.empty() || fs::path(out).filename().empty()) {
+  const std::string prefix = fs::path(out).filename().string();
+  if (std::isnan(val_fraction) || prefix.empty() || prefix == "." || prefix == "..") {
     std::fprintf(stderr, "fsdp-tokenize: %s\n",
                  std::isnan(val_fraction)
                      ? "--val-fraction: 'nan' is not a number in [0, 1]"

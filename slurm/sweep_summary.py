@@ -21,10 +21,10 @@ COLUMNS = ["world_size", "nodes", "steps", "final_train_loss", "test_loss", "tes
 
 
 def run_folder(manifest, deck, out_dir):
-    """Where a point's run is: out_dir as written (relative to the folder fsdp-sweep ran in: the current
-    one, as a rerun from there), else from the manifest's own place, which lies in --out as each deck
-    path's folder <out>/decks does (an --out going up with .. cannot be walked back: the current folder)."""
-    if os.path.isabs(out_dir) or os.path.isdir(out_dir):
+    """Where a point's run is. out_dir is relative to the folder fsdp-sweep ran in, found from the
+    manifest's own place: it lies in --out, as each deck's folder <out>/decks does. An --out that goes
+    up with .. cannot be walked back: then the current folder, as when run from where fsdp-sweep ran."""
+    if os.path.isabs(out_dir):
         return out_dir
     out = os.path.normpath(os.path.dirname(os.path.dirname(deck)))
     parts = [] if out == "." else out.split(os.sep)
@@ -38,12 +38,16 @@ def run_folder(manifest, deck, out_dir):
 
 def non_finite(summary):
     """The loss fields of summary.json that are not finite: a NaN or infinity, or null (how a NaN is
-    written) in a run that skipped steps for non-finite values. A null alone may be a loss not
-    measured (a summary rewritten from the last checkpoint)."""
+    written). test_loss is written only after an evaluation, so a null there is always one; a null
+    final_train_loss is one only in a run that skipped steps (else a loss not measured: a summary
+    rewritten from the last checkpoint)."""
     bad = []
     for key in ("final_train_loss", "test_loss"):
-        v = summary.get(key, 0.0)
-        if (isinstance(v, float) and not math.isfinite(v)) or (v is None and summary.get("skipped_steps", 0)):
+        if key not in summary:
+            continue
+        v = summary[key]
+        measured_null = v is None and (key == "test_loss" or summary.get("skipped_steps", 0))
+        if measured_null or (isinstance(v, float) and not math.isfinite(v)):
             bad.append(key)
     return bad
 

@@ -182,6 +182,10 @@ expect_in("${last_output}" "warning: resuming [^\n]* with changed keys \\(checkp
 file(READ ${WORK_DIR}/changed/summary.json changed)
 expect_in("${changed}" "\"resume_changed\": \\[\n *\"optim.lr: 0.001 -> 0.002\"")
 
+# A checkpoint.dir that is the run folder itself: the run's own lock, not another run's.
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/self_ckpt --set checkpoint.dir=. --set run.max_steps=8)
+expect_in("${last_output}" "self_ckpt/\\./step_00000008.h5|self_ckpt/step_00000008.h5")
+
 # 7. Nested units inside the GPT's blocks (every child is called through fsdp::forward).
 run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/gpt --set model.kind=transformer --set data.kind=tokens
     --set data.num_samples=256 --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set run.max_steps=6

@@ -90,7 +90,7 @@ echo "ok: the banner stands missing variables and warns of a time limit within t
 # after skipped steps, and one rewritten from its last checkpoint (its loss not measured: null).
 mkdir -p "$WORK/sw/decks" "$WORK/elsewhere"
 printf 'index\toverrides\tdeck\tout_dir\n' >"$WORK/sw/manifest.tsv"
-for i in 0 1 2 3 4; do
+for i in 0 1 2 3 4 5; do
   printf '%s\toptim.lr=%s\tsw/decks/point_000%s.toml\tsw/runs/point_000%s\n' "$i" "$i" "$i" "$i" >>"$WORK/sw/manifest.tsv"
   mkdir -p "$WORK/sw/runs/point_000$i"
 done
@@ -98,10 +98,13 @@ echo '{"steps": 8, "final_train_loss": 0.5, "test_loss": 0.6}' >"$WORK/sw/runs/p
 echo '[1, 2]' >"$WORK/sw/runs/point_0002/summary.json"
 echo '{"steps": 8, "skipped_steps": 2, "final_train_loss": null, "test_loss": NaN}' >"$WORK/sw/runs/point_0003/summary.json"
 echo '{"steps": 8, "final_train_loss": null}' >"$WORK/sw/runs/point_0004/summary.json"
+mkdir -p "$WORK/sw/runs/point_0005"
+echo '{"steps": 8, "final_train_loss": 0.5, "test_loss": null}' >"$WORK/sw/runs/point_0005/summary.json"
 (cd "$WORK/elsewhere" && "$SRC/slurm/sweep_summary.py" ../sw/manifest.tsv) >"$WORK/summary.log" 2>&1
 rc=$?
 [[ $rc == 1 ]] || { cat "$WORK/summary.log"; fail "sweep_summary.py: exit $rc, not 1 for failed points"; }
-expect summary "5 points, 2 ok, 3 failed"
+expect summary "6 points, 2 ok, 4 failed"
+expect summary "point 5 \\(optim.lr=5\\) failed: non-finite test_loss in"
 expect summary "^\| 0 \| optim.lr=0 \| ok \| 8 \| 0.5 \| 0.6 \|"
 expect summary "point 1 \(optim.lr=1\) failed: .*point_0001/summary.json"
 expect summary "point 2 \(optim.lr=2\) failed: .*point_0002/summary.json is not a JSON object"

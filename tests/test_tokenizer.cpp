@@ -254,5 +254,9 @@ BOOST_AUTO_TEST_CASE(long_whitespace_runs_and_broken_utf8_in_output) {
   // Bytes that are not UTF-8 print as U+FFFD, one for a sequence cut short.
   BOOST_TEST(printable_utf8("H\xF0\x9F\x87") == "H\xEF\xBF\xBD");
   BOOST_TEST(printable_utf8("a\xC3(b") == "a\xEF\xBF\xBD(b");
+  // One per maximal ill-formed subpart, as Python's errors="replace": an overlong form and a
+  // surrogate byte by byte.
+  BOOST_TEST(printable_utf8("\xC0\x80") == "\xEF\xBF\xBD\xEF\xBF\xBD");
+  BOOST_TEST(printable_utf8("\xED\xA0\x80") == "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");
   BOOST_TEST(printable_utf8(std::string("a\0b", 3)) == std::string("a\0b", 3));
 }

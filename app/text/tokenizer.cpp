@@ -54,7 +54,8 @@ std::vector<std::string> split_isolated(const std::string& text, const icu::Rege
   UErrorCode status = U_ZERO_ERROR;
   std::unique_ptr<icu::RegexMatcher> m(pattern.matcher(u, status));
   // ICU's backtracking stack stops at 8 MB by default: \s+(?!\S) over a run of some 400,000 spaces
-  // or newlines would fail where tokenizers encodes it. No limit: it grows with the run, on the heap.
+  // or newlines would fail where tokenizers encodes it. No limit (a finite one of 1 GiB still failed
+  // at 600,000 newlines): it grows with the run, on the heap, as tokenizers' own does.
   if (U_SUCCESS(status)) m->setStackLimit(0, status);
   if (U_FAILURE(status)) throw TokenizerError(std::string("cannot match the pre-tokenizer's expression: ") + u_errorName(status));
   std::vector<std::string> pieces;
@@ -102,6 +103,7 @@ struct Tokenizer::Impl {
   const icu::Normalizer2* nfc = nullptr;  // the NFC normalizer, when the file asks for it
   std::vector<PreStep> steps;
   bool byte_level = false;                    // a ByteLevel step maps the text to byte symbols (required)
+  std::int64_t vocab_entries = 0;             // model.vocab's entries: ids past them by more than kIdsBeyondVocab are refused
   std::vector<std::int32_t> leading_special;  // the post-processor's special tokens before a sequence (BOS)
   bool ignore_merges = false;
   std::optional<std::int32_t> unk;
@@ -154,6 +156,15 @@ struct Tokenizer::Impl {
     }
   }
 
+  /// `id` as a token id: an integer from 0 to past the vocabulary's entries by kIdsBeyondVocab
+  /// (a damaged file otherwise, not a reason to allocate gigabytes); `key` names it.
+  std::int32_t checked_id(const json& id, const std::string& key) const {
+    const std::int64_t most = vocab_entries + kIdsBeyondVocab;
+    if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() >= most)
+      fail(key, id.dump() + " is not a token id (0 to " + std::to_string(most - 1) + " for " + std::to_string(vocab_entries) + " entries)");
+    return id.get<std::int32_t>();
+  }
+
   /// The special tokens a TemplateProcessing post-processor puts before a single sequence (Llama's
   /// <|begin_of_text|>, <s>); a Sequence of processors is searched. Others (ByteLevel: offsets only) add none.
   void read_post_processor(const json& pp, const std::string& key) {
@@ -171,7 +182,7 @@ struct Tokenizer::Impl {
       if (!item.contains("SpecialToken")) continue;
       const std::string name = item["SpecialToken"].at("id").get<std::string>();
       if (special.contains(name)) {
-        for (const auto& id : special[name].at("ids")) leading_special.push_back(id.get<std::int32_t>());
+        for (const auto& id : special[name].at("ids")) leading_special.push_back(checked_id(id, key + ".special_tokens[\"" + name + "\"].ids"));
       } else {
         fail(key + ".special_tokens", "has no \"" + name + "\", which the single template names");
       }
@@ -191,12 +202,7 @@ struct Tokenizer::Impl {
     // Ids index a table of every token: a negative one or one far past the vocabulary's size is a
     // damaged file, not a reason to allocate gigabytes.
     const auto& entries = model.at("vocab");
-    const std::int64_t most = static_cast<std::int64_t>(entries.size()) + kIdsBeyondVocab;
-    auto checked_id = [&](const json& id, const std::string& key) {
-      if (!id.is_number_integer() || id.get<std::int64_t>() < 0 || id.get<std::int64_t>() >= most)
-        fail(key, id.dump() + " is not a token id (0 to " + std::to_string(most - 1) + " for " + std::to_string(entries.size()) + " entries)");
-      return id.get<std::int32_t>();
-    };
+    vocab_entries = static_cast<std::int64_t>(entries.size());
     for (const auto& [token, id] : entries.items()) {
       vocab.emplace(token, checked_id(id, "model.vocab (\"" + token + "\")"));
       size = std::max<std::int64_t>(size, id.get<std::int64_t>() + 1);
@@ -449,18 +455,19 @@ const std::string& Tokenizer::path() const noexcept { return impl_->path; }
 const std::vector<std::int32_t>& Tokenizer::leading_special_ids() const noexcept { return impl_->leading_special; }
 
 std::string printable_utf8(std::string_view bytes) {
+  // One U+FFFD per maximal ill-formed subpart, as Python's and Rust's lossy decoders (ICU's U8_NEXT
+  // consumes exactly that).
   std::string out;
-  while (!bytes.empty()) {
-    const auto bad = first_invalid_utf8(bytes);
-    if (!bad) {
-      out += bytes;
-      break;
-    }
-    out += bytes.substr(0, *bad);
-    out += "\xEF\xBF\xBD";  // U+FFFD for the broken sequence: its lead byte and the continuation bytes after it
-    std::size_t skip = 1;
-    while (*bad + skip < bytes.size() && skip < 4 && (static_cast<unsigned char>(bytes[*bad + skip]) & 0xC0) == 0x80) ++skip;
-    bytes.remove_prefix(*bad + skip);
+  const auto* s = reinterpret_cast<const uint8_t*>(bytes.data());
+  const auto n = static_cast<int32_t>(std::min<std::size_t>(bytes.size(), INT32_MAX));
+  for (int32_t i = 0; i < n;) {
+    const int32_t start = i;
+    UChar32 c = 0;
+    U8_NEXT(s, i, n, c);
+    if (c < 0)
+      out += "\xEF\xBF\xBD";
+    else
+      out.append(bytes.substr(static_cast<std::size_t>(start), static_cast<std::size_t>(i - start)));
   }
   return out;
 }

@@ -91,7 +91,7 @@ class Checkpointer {
           }
           if (p == p.root_path()) break;
         }
-      } else if (fs::exists(folder / fsdp::RunLock::kFileName)) {
+      } else if (folder != own && fs::exists(folder / fsdp::RunLock::kFileName)) {  // checkpoint.dir = ".": the run's own lock
         // Another run may hold this run's checkpoint folder as its checkpoint.dir.
         checkpoint_lock_.emplace(fsdp::RunLock::acquire(dir_, fsdp::RunLock::this_process(), "checkpoint folder", "run.out_dir"));
       }
