@@ -40,8 +40,12 @@ inline std::optional<std::string> first_word(const std::filesystem::path& p) {
   return std::nullopt;
 }
 
-/// The smallest limit in `file` of `dir` and its parents up to `root` ("max" and values from 2^60 up
-/// mean none).
+/// A limit of this many bytes or more is none (cgroups write 2^63 rounded to pages; bytes from MiB past
+/// it would overflow).
+inline constexpr std::int64_t kNoLimitBytes = std::int64_t{1} << 60;
+
+/// The smallest limit in `file` of `dir` and its parents up to `root` ("max" and values from
+/// kNoLimitBytes up mean none).
 inline std::optional<MemoryLimit> cgroup_limit(const std::filesystem::path& root, std::filesystem::path relative, const std::string& file,
                                                const std::string& version) {
   std::optional<MemoryLimit> best;
@@ -50,7 +54,7 @@ inline std::optional<MemoryLimit> cgroup_limit(const std::filesystem::path& root
     if (const auto w = first_word(p); w && *w != "max") {
       try {
         const long long v = std::stoll(*w);
-        if (v > 0 && v < (1LL << 60) && (!best || v < best->bytes)) best = MemoryLimit{v, "cgroup " + version + " limit " + p.string()};
+        if (v > 0 && v < kNoLimitBytes && (!best || v < best->bytes)) best = MemoryLimit{v, "cgroup " + version + " limit " + p.string()};
       } catch (const std::exception&) {}
     }
     if (relative.empty() || relative == "/" || relative == ".") break;
@@ -96,9 +100,9 @@ inline std::vector<MemoryLimit> memory_limits(const MemoryProbe& probe = {}) {
     }
     if (limit) out.push_back(*limit);
   }
-  // Slurm: --mem is MiB per node; --mem-per-cpu MiB per allocated CPU of the node. A value of 2^40 MiB
-  // or more (2^60 bytes, as for cgroups) is no limit: shifted into bytes it would overflow.
-  constexpr std::int64_t kNoLimitMib = std::int64_t{1} << 40;
+  // Slurm: --mem is MiB per node; --mem-per-cpu MiB per allocated CPU of the node; from
+  // kNoLimitBytes up no limit, as for cgroups.
+  constexpr std::int64_t kNoLimitMib = detail::kNoLimitBytes >> 20;
   if (const auto mem = detail::env_int(probe, "SLURM_MEM_PER_NODE"); mem && *mem < kNoLimitMib)
     out.push_back({*mem << 20, "Slurm --mem (SLURM_MEM_PER_NODE=" + std::to_string(*mem) + " MiB)"});
   if (const auto per_cpu = detail::env_int(probe, "SLURM_MEM_PER_CPU")) {

@@ -27,6 +27,7 @@
 #include "gpt2_names.hpp"
 #include "hf_export.hpp"
 #include "run_config.hpp"
+#include "train/pretrained_checks.hpp"
 #include "train/ranks.hpp"
 #include "train/timing.hpp"
 
@@ -131,7 +132,7 @@ class Checkpointer {
           const auto all = fsdp::ckpt::run_checkpoints(dir_);
           if (e.id() != "fsdp.ckpt.mismatch" || all.empty()) throw;
           const std::string newest = (dir_ / all.front().second).string();
-          if (model_size_differences(newest).empty()) throw;
+          if (model_size_differences(deck_, newest).empty()) throw;
           loading_into_the_decks_model("checkpoint.resume = \"auto\"", newest, [&] { throw; });
         }
       });
@@ -361,60 +362,12 @@ class Checkpointer {
       if (e.id() != "fsdp.ckpt.mismatch") throw;
       // Without a model size that differs, the library's reason stands alone (another world size
       // for a LOCAL checkpoint, another optimizer, a tensor missing).
-      const auto sizes = model_size_differences(file);
+      const auto sizes = model_size_differences(deck_, file);
       if (sizes.empty()) throw DeckError(std::string(key) + ": " + fsdp::message_without_id(e));
       std::string text = std::string(key) + ": '" + file + "' holds another model than the deck's";
       for (const auto& d : sizes) text += "\n  " + d;
       throw DeckError(text + "\n" + fsdp::message_without_id(e));
     }
-  }
-
-  /// The [model] sizes in which `file` differs from the deck: a checkpoint's stored deck, or the
-  /// config.json beside a safetensors file (Hugging Face GPT-2's names). Empty when neither tells:
-  /// the list of tensors is the error then.
-  std::vector<std::string> model_size_differences(const std::filesystem::path& file) const {
-    namespace fs = std::filesystem;
-    std::vector<std::string> out;
-    try {
-      if (file.extension() == ".h5" || fs::exists(file / fsdp::ckpt::local_rank_file(0))) {
-        const fs::path h5 = fs::is_directory(file) ? file / fsdp::ckpt::local_rank_file(0) : file;  // LOCAL: every rank file stores the deck
-        std::string text;
-        for (const auto& [name, value] : fsdp::ckpt::inspect_file(h5.string()).attributes)
-          if (name == "deck") text = value;
-        if (text.empty()) return out;
-        const Deck stored = Deck::parse(text, h5.string() + " (its stored deck)");
-        // The keys that decide the tensors' shapes: the others (hf_config, kept as a comment; rotary
-        // settings; the tokens an export keeps) never explain a mismatch.
-        static const std::set<std::string> shapes = {"model.kind",           "model.vocab_size",    "model.vocab_pad_multiple", "model.context",
-                                                     "model.d_model",        "model.n_heads",       "model.n_kv_heads",         "model.head_dim",
-                                                     "model.n_layers",       "model.mlp_ratio",     "model.intermediate_size",  "model.hidden_sizes",
-                                                     "model.tie_embeddings", "model.attention_bias"};
-        for (const auto& spec : deck_schema()) {
-          if (!shapes.count(spec.key)) continue;
-          const std::string a = format_value(stored.entry(spec.key).value), b = format_value(deck_.entry(spec.key).value);
-          if (a != b) out.push_back(spec.key + ": " + a + " in the file, " + b + " in the deck");
-        }
-        return out;
-      }
-      std::ifstream in((fs::is_directory(file) ? file : file.parent_path()) / "config.json");
-      if (!in) return out;
-      const auto config = nlohmann::json::parse(in);
-      const std::pair<const char*, std::pair<const char*, std::int64_t>> sizes[] = {{"n_embd", {"model.d_model", cfg_.model.d_model}},
-                                                                                    {"n_layer", {"model.n_layers", cfg_.model.n_layers}},
-                                                                                    {"n_head", {"model.n_heads", cfg_.model.n_heads}},
-                                                                                    {"n_positions", {"model.context", cfg_.model.context}},
-                                                                                    {"vocab_size", {"model.vocab_size", cfg_.model.vocab_size}}};
-      for (const auto& [name, ours] : sizes) {
-        if (!config.contains(name) || !config[name].is_number_integer()) continue;
-        const std::int64_t theirs = config[name].template get<std::int64_t>();
-        if (theirs != ours.second)
-          out.push_back(std::string(ours.first) + ": " + std::to_string(theirs) + " in the file's config.json (" + name + "), " +
-                        std::to_string(ours.second) + " in the deck");
-      }
-    } catch (const std::exception&) {
-      // The sizes only help; the tensors the library named are the error.
-    }
-    return out;
   }
 
   /// A resume whose deck changed a key that decides the training ([model], [data], [optim], run.seed)
@@ -471,7 +424,10 @@ class Checkpointer {
                             (fs::is_directory(p) && !fs::exists(p / "model.safetensors") && !fs::exists(p / "model.safetensors.index.json"));
     std::string names = "native";
     fsdp::SafetensorsLoadResult r;
-    if (checkpoint) refuse_a_model_folder_without_safetensors(p);
+    if (checkpoint)
+      on_all_ranks(world_, [&] {
+        if (root_) refuse_a_model_folder_without_safetensors(p);
+      });
     if (checkpoint) {
       auto options = options_;
       options.rank0_only = false;  // every rank reads its own part: no rank holds the whole model
@@ -484,7 +440,7 @@ class Checkpointer {
       std::optional<TensorNaming> naming;
       if (cfg_.model.kind == ModelKind::kLlama) naming = llama_hf_naming(cfg_.model.tie_embeddings);
       std::optional<PretrainedConfigDifferences> config;  // its keys that only an export reads are said after the load
-      on_all_ranks(world_, [&] { config = refuse_another_model_in_config_json(p); });
+      on_all_ranks(world_, [&] { config = refuse_another_model_in_config_json(deck_, cfg_, root_, p); });
       on_all_ranks(world_, [&] {
         if (!has_hf_gpt2_names(fsdp::safetensors::open_source(path).names())) return;
         if (cfg_.model.kind != ModelKind::kTransformer)
@@ -514,57 +470,6 @@ class Checkpointer {
       for (const auto& m : r.missing) list += (list.empty() ? "" : ", ") + m;
       std::printf("warning: checkpoint.init_from lacks %zu parameter(s), which keep their initialization: %s\n", r.missing.size(), list.c_str());
     }
-  }
-
-  /// A Hugging Face folder (config.json) without safetensors weights is not a checkpoint folder: said as
-  /// such, naming the weights it holds (pytorch_model.bin, ...), which fsdp does not read. Collective
-  /// (every rank looks at the same folder, or rank 0's answer stands).
-  void refuse_a_model_folder_without_safetensors(const std::filesystem::path& folder) {
-    namespace fs = std::filesystem;
-    on_all_ranks(world_, [&] {
-      std::error_code ec;
-      if (!root_ || !fs::is_directory(folder, ec) || !fs::exists(folder / "config.json", ec) || fs::exists(folder / fsdp::ckpt::kLatestName, ec) ||
-          !fsdp::ckpt::list_checkpoints(folder).empty())
-        return;
-      std::string weights;
-      for (const auto& entry : fs::directory_iterator(folder, ec)) {
-        const auto ext = entry.path().extension().string();
-        if (ext == ".bin" || ext == ".pt" || ext == ".pth" || ext == ".gguf" || ext == ".ckpt")
-          weights += (weights.empty() ? "" : ", ") + entry.path().filename().string();
-      }
-      throw DeckError("checkpoint.init_from: '" + folder.string() + "' is a Hugging Face model folder without model.safetensors or " +
-                      "model.safetensors.index.json" + (weights.empty() ? std::string() : " (it holds " + weights + ", which fsdp does not read)") +
-                      ": fsdp reads safetensors weights; save them as such (save_pretrained(..., safe_serialization=True))");
-    });
-  }
-
-  /// Pretrained weights whose config.json describes another model than the deck's (a deck written by
-  /// hand: another rope_theta, norm epsilon, tying of the head, ...) would load, since the shapes agree,
-  /// and train and export another model: refused (DeckError) naming each key with both values. A tied
-  /// GPT would also pass over an untied export's trained lm_head.weight. With checkpoint.init_allow_missing
-  /// (a model grown from a smaller one's weights) the differences are a warning. Returns the comparison (its
-  /// metadata: what only an export and generation read, for a warning); nothing without a config.json.
-  std::optional<PretrainedConfigDifferences> refuse_another_model_in_config_json(const std::filesystem::path& source) const {
-    auto differences = pretrained_config_differences(deck_, source);
-    if (differences && !differences->model.empty()) {
-      std::string list;
-      for (const auto& d : differences->model) list += "\n  " + d;
-      const auto folder = std::filesystem::path(differences->file).parent_path().string();
-      // checkpoint.init_allow_missing grows a model from a smaller one's weights: its sizes differ by
-      // choice. Never a tied model over an untied head: the file's trained lm_head.weight would be passed over.
-      const bool untied_into_tied = std::any_of(differences->model.begin(), differences->model.end(),
-                                                [](const std::string& d) { return d.rfind("tie_word_embeddings", 0) == 0; }) &&
-                                    cfg_.model.tie_embeddings;
-      if (cfg_.checkpoint.init_allow_missing && !untied_into_tied) {
-        if (root_)
-          std::printf("warning: %s describes another model than the deck's (checkpoint.init_allow_missing = true):%s\n", differences->file.c_str(),
-                      list.c_str());
-        return differences;
-      }
-      throw DeckError("checkpoint.init_from: " + differences->file + " describes another model than the deck's:" + list + "\nmodel.hf_config = '" +
-                      folder + "' builds the model it describes");
-    }
-    return differences;
   }
 
   /// A rank that never arrived cannot agree on the failure either: abort (main) instead of waiting.

@@ -306,6 +306,13 @@ inline void print_summary(int world_size, const RunTotals& t, const RunStatsAcro
   std::printf("wrote %s%s%s\n", (t.out_dir / "summary.json").c_str(), t.metrics_path.empty() ? "" : " and ", t.metrics_path.c_str());
 }
 
+/// Whether `path` (a summary.json) holds a training's figures, not only --eval-only's.
+inline bool summary_has_training(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  const auto js = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  return js.is_object() && js.contains("steps");
+}
+
 /// Writes <out_dir>/summary.json (atomically; a failed write stops every rank, exit 1) and, with
 /// `print_table`, prints the phase table (rank 0). Collective: every rank calls it.
 template <class Engine>

@@ -104,13 +104,6 @@ class Trainer {
     return true;
   }
 
-  /// Whether `path` (a summary.json) holds a training's figures, not only --eval-only's.
-  static bool summary_has_training(const std::filesystem::path& path) {
-    std::ifstream in(path);
-    const auto js = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    return js.is_object() && js.contains("steps");
-  }
-
   /// A rerun of a finished job (resume() said so): trains nothing; what the run's end did not write
   /// (the export, summary.json: a full disk, a killed job) is written now from the last checkpoint,
   /// what exists is kept, and the line says which. Collective.
