@@ -105,7 +105,7 @@ std::optional<FitVerdict> check_fit(MpiComm& world, const MpiComm::Placement& pl
 void configure_diagnostics(MpiComm& world, const RunConfig& cfg) {
   fsdp::FlightRecorder::instance().configure(static_cast<std::size_t>(cfg.comm.flight_recorder_entries), cfg.run.out_dir, world.rank(), world.size());
   fsdp::CollectiveWatchdog::instance().configure(cfg.comm.timeout_s, world.rank());
-  for (int sig : {SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL}) std::signal(sig, dump_flight_and_die);
+  dump_and_die_on_fatal_signals();
 }
 
 /// Threads, the allocator policy (before the model exists: its shards, gathered units and gradients
@@ -124,6 +124,7 @@ void configure_compute(const Deck& deck, const RunConfig& cfg) {
 int run(MpiComm& world, const std::string& deck_path, const std::vector<std::string>& overrides, bool dry_run, bool eval_only,
         GenerateRequest* generate = nullptr) {
   const auto wall_start = Clock::now();
+  if (!dry_run && !eval_only && !generate) stop_after_the_first_step_on_usr1();
   const auto placement = world.placement();  // collective: asked once, by every rank
   const Deck deck = read_deck(world, deck_path, overrides);
   const RunConfig cfg = resolve_on_every_rank(world, placement, deck);
@@ -140,6 +141,7 @@ int run(MpiComm& world, const std::string& deck_path, const std::vector<std::str
     if (dry_run) return trainer.dry_run();
     if (eval_only) return trainer.evaluate_only();
     if (generate) return generate_text(trainer, world, cfg, *generate);
+    raise_test_signal("start");
     if (!trainer.resume()) {
       trainer.finish_completed_run();
       return 0;

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "data.hpp"
+#include "mapped_files.hpp"
 
 namespace fsdp::app {
 namespace {
@@ -60,7 +61,13 @@ std::pair<const unsigned char*, std::size_t> map_whole_file(const std::string& p
   void* m = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   if (m == MAP_FAILED) throw DataError(std::string("cannot map ") + what + " '" + path + "': " + std::strerror(errno));
+  mapped_files::add(static_cast<const unsigned char*>(m), bytes, path);
   return {static_cast<const unsigned char*>(m), bytes};
+}
+
+void unmap_file(const unsigned char* map, std::size_t bytes) {
+  mapped_files::remove(map);
+  ::munmap(const_cast<unsigned char*>(map), bytes);
 }
 
 /// Megatron's dtype codes (megatron/core/datasets/indexed_dataset.py, DType; GPT-NeoX uses the same).
@@ -170,7 +177,7 @@ TokenStream TokenStream::open_indexed(const std::string& prefix_or_file) {
   struct Unmap {
     const unsigned char* map;
     std::size_t bytes;
-    ~Unmap() { ::munmap(const_cast<unsigned char*>(map), bytes); }
+    ~Unmap() { unmap_file(map, bytes); }
   } unmap_idx{idx, idx_bytes};
   const auto in_idx = [&](std::int64_t offset) { return "index '" + idx_path + "' at byte offset " + std::to_string(offset); };
   const auto size = static_cast<std::int64_t>(idx_bytes);
@@ -262,7 +269,7 @@ TokenStream::TokenStream(TokenStream&& other) noexcept
 
 TokenStream& TokenStream::operator=(TokenStream&& other) noexcept {
   if (this != &other) {
-    for (const auto& f : files_) ::munmap(const_cast<unsigned char*>(f.map), f.map_bytes);
+    for (const auto& f : files_) unmap_file(f.map, f.map_bytes);
     files_ = std::move(other.files_);
     other.files_.clear();
     document_starts_ = std::move(other.document_starts_);
@@ -272,7 +279,7 @@ TokenStream& TokenStream::operator=(TokenStream&& other) noexcept {
 }
 
 TokenStream::~TokenStream() {
-  for (const auto& f : files_) ::munmap(const_cast<unsigned char*>(f.map), f.map_bytes);
+  for (const auto& f : files_) unmap_file(f.map, f.map_bytes);
 }
 
 std::size_t TokenStream::file_of(std::int64_t i) const {

@@ -178,6 +178,43 @@ sleep 1
 pgrep -f "fsdp-train .*run.out_dir=$WORK/twice " >/dev/null && fail "ranks still run 1 s after mpirun returned"
 echo "ok: two Ctrl-Cs: mpirun returned and no rank was left"
 
+# 5d. SIGHUP (the terminal or the ssh session gone) on a single process: handled as Ctrl-C (the step
+#     finishes, a checkpoint is saved, exit 3); under nohup (SIGHUP ignored) it stays ignored.
+start_until_step_20 hup "$TRAIN" "$DECK" --set run.out_dir="$WORK/hup" "${long[@]}"
+pkill -HUP -f "^[^ ]*fsdp-train .*run.out_dir=$WORK/hup "
+wait $background_job
+expect 3 "stopped by signal SIGHUP after step [0-9]+; checkpoint saved" "$WORK/hup.log"
+"$CKPT" verify "$WORK/hup/checkpoints" >/dev/null || fail "hup: the checkpoint does not verify"
+start_until_step_20 nohup nohup "$TRAIN" "$DECK" --set run.out_dir="$WORK/nohup" "${long[@]}"
+pkill -HUP -f "^[^ ]*fsdp-train .*run.out_dir=$WORK/nohup "
+wait $background_job
+expect 0 "test accuracy" "$WORK/nohup.log"
+
+# 5e. SIGUSR1 while the job starts (a test hook raises it on every rank once the model is built,
+#     before the first step; its default action would end the job unrequeued): the first step runs,
+#     a checkpoint is saved, exit 3, so run_step.sh requeues.
+run "$WORK/early.log" env FSDP_TEST_RAISE="$(kill -l USR1):start" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/early" "${short[@]}"
+expect 3 "stopped by signal SIGUSR1 after step 1; checkpoint saved" "$WORK/early.log"
+#     SIGTERM after the last step (a hook raises it after summary.json): rank 0 announced exit 3, but
+#     the run has finished: exit 0, saying so.
+run "$WORK/late.log" env FSDP_TEST_RAISE="$(kill -l TERM):finish" "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/late" "${short[@]}"
+expect 0 "SIGTERM came after the last step: the run finished as usual" "$WORK/late.log"
+
+# 5f. A token file truncated while the job reads it (it is memory-mapped: the read is a SIGBUS, not an
+#     error a read returns): the rank dies naming the file and the byte offset, and the job ends.
+mkdir -p "$WORK/shards"
+python3 "$(dirname "$0")/make_token_shards.py" "$WORK/shards/sh" --tokens 80000 --shards 2 >/dev/null || fail "make_token_shards.py failed"
+tok=(--set model.kind=transformer --set data.kind=token-shards --set "data.path=$WORK/shards/sh_*.bin" --set model.vocab_size=97
+     --set model.context=16 --set model.d_model=32 --set model.n_layers=2 --set run.epochs=1000 --set run.max_steps=1000000
+     --set log.every_steps=10 --set checkpoint.every_steps=0)
+start_until_step_20 bus "${MPI[@]}" -np 2 "$TRAIN" "$DECK" --set run.out_dir="$WORK/bus" "${tok[@]}"
+truncate -s 4096 "$WORK/shards/sh_000000.bin"
+wait $background_job
+[[ $(cat "$WORK/bus.log.rc") != 0 ]] || { cat "$WORK/bus.log"; fail "the job went on after its token file was truncated"; }
+grep -Eq "rank [01]: SIGBUS reading '$WORK/shards/sh_000000.bin' at byte offset [0-9]+: the file was truncated" "$WORK/bus.log" ||
+  { cat "$WORK/bus.log"; fail "the truncated token file is not named"; }
+echo "ok: a token file truncated under the job: SIGBUS naming it, exit $(cat "$WORK/bus.log.rc")"
+
 # 6. A rank killed with SIGKILL: mpirun ends the job at once, naming the lost rank; the survivor, sent
 #    SIGTERM by mpirun, leaves its flight recorder naming the collective it waited in; the last checkpoint
 #    verifies and resuming from it reproduces the straight run's final weights.
