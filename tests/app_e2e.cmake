@@ -165,6 +165,18 @@ run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set checkpoint.exp
 expect_in("${last_output}" "already reached step 24 of 24; wrote the missing summary.json")
 file(READ ${WORK_DIR}/smoke/summary.json rewritten)
 expect_in("${rewritten}" "\"steps\": 24,")
+# ... marked as written again, with the last step's losses from metrics.csv and --eval-only's figures kept.
+expect_in("${rewritten}" "\"rewritten_by_rerun\": true")
+expect_in("${rewritten}" "\"final_train_loss\": [0-9]")
+expect_in("${rewritten}" "\"test_loss\": [0-9]")
+expect_in("${rewritten}" "\"eval_only\": {")
+# ... and writes the export again when the deck changed its settings (its type here); then it is there.
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set checkpoint.export=model.safetensors --set checkpoint.export_dtype=bf16)
+expect_in("${last_output}" "already reached step 24 of 24; wrote the export [^\n]*model.safetensors again \\(checkpoint.export_dtype: \"auto\" -> \"bf16\"\\)")
+file(READ ${WORK_DIR}/smoke/model.safetensors exported_header OFFSET 8 LIMIT 700)  # inside the JSON header
+expect_in("${exported_header}" "\"dtype\":\"BF16\"")
+run(0 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set checkpoint.export=model.safetensors --set checkpoint.export_dtype=bf16)
+expect_in("${last_output}" "already reached step 24 of 24; its outputs are all there")
 run(2 ${train2} ${DECK} --set run.out_dir=${WORK_DIR}/smoke --set run.max_steps=40 --set model.hidden_sizes=[48])
 expect_in("${last_output}" "checkpoint.resume = \"auto\": '[^']*step_00000024.h5' holds another model than the deck's\n  model.hidden_sizes: \\[64, 32\\] in the file, \\[48\\] in the deck\n")
 expect_in("${last_output}" "holds another run")

@@ -19,6 +19,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -238,6 +239,7 @@ class Checkpointer {
     }
     options.naming = naming;
     options.collective_timeout_s = c.collective_timeout_s;
+    options.metadata[kExportSettingsKey] = export_settings();
     const auto file = export_file(c.export_path);
     fsdp::SafetensorsSaveResult r;
     on_all_ranks(world_, [&] {
@@ -251,6 +253,32 @@ class Checkpointer {
       std::printf("exported %lld tensors (%s names) to %s (%s%.1f MiB, %.2f s)\n", static_cast<long long>(r.tensors),
                   to_string(c.export_names).c_str(), r.path.c_str(), r.files > 1 ? (std::to_string(r.files) + " files, ").c_str() : "",
                   r.bytes / 1048576.0, r.seconds);
+  }
+
+  /// A finished run's export against this deck's export settings (export_settings), as "key: before ->
+  /// now" lines: what a rerun of the finished run writes again. An export whose files cannot be read,
+  /// or that an older version wrote without the record, counts as changed. Rank 0.
+  std::vector<std::string> export_settings_changes() const {
+    const auto file = export_file(cfg_.checkpoint.export_path);
+    std::string written;
+    try {
+      const auto shards = fsdp::safetensors::files_of_earlier_export(file);
+      const auto header = fsdp::safetensors::read_header((shards.empty() ? file : shards.front()).string());
+      if (const auto it = header.metadata.find(kExportSettingsKey); it != header.metadata.end()) written = it->second;
+    } catch (const fsdp::CheckpointError&) {}
+    if (written.empty()) return {"the export has no record of its settings"};
+    std::map<std::string, std::string> before;
+    std::istringstream lines(written);
+    for (std::string line; std::getline(lines, line);)
+      if (const auto eq = line.find(" = "); eq != std::string::npos) before[line.substr(0, eq)] = line.substr(eq + 3);
+    std::vector<std::string> changes;
+    for (const char* key : kExportSettingsKeys) {
+      const std::string now = format_value(deck_.entry(key).value);
+      const auto it = before.find(key);
+      const std::string was = it == before.end() ? "(unrecorded)" : it->second;
+      if (was != now) changes.push_back(std::string(key) + ": " + was + " -> " + now);
+    }
+    return changes;
   }
 
   /// Saves `state` (the deck is added); the time training is held goes to `seconds`. With
@@ -351,6 +379,19 @@ class Checkpointer {
   const std::vector<std::string>& resume_changes() const noexcept { return resume_changes_; }
 
  private:
+  /// The deck keys an export depends on besides the weights (its names, types and files, and the values
+  /// config.json carries that training does not decide), recorded in its safetensors metadata under
+  /// kExportSettingsKey as "key = value" lines.
+  static constexpr const char* kExportSettingsKey = "fsdp.export_settings";
+  static constexpr const char* kExportSettingsKeys[] = {"checkpoint.export_names", "checkpoint.export_dtype", "checkpoint.export_max_shard_size",
+                                                        "model.bos_token_id",      "model.eos_token_id",      "model.max_positions",
+                                                        "model.sliding_window"};
+  std::string export_settings() const {
+    std::string text;
+    for (const char* key : kExportSettingsKeys) text += std::string(key) + " = " + format_value(deck_.entry(key).value) + "\n";
+    return text;
+  }
+
   /// Runs `load` of `file` (named by the deck's `key`); a file that does not fit the deck's model is a
   /// DeckError that says so with the model sizes that differ first (model_size_differences), then the
   /// library's list of tensors, one a line. Other errors pass unchanged.

@@ -18,26 +18,9 @@
 #include "train/checkpointer.hpp"
 #include "train/dataset.hpp"
 #include "train/ranks.hpp"
+#include "train/summary.hpp"
 
 namespace fsdp::app {
-
-/// `eval_only` as summary.json's "eval_only": added to the run's summary.json when there is one (its
-/// training figures stay as they are), else a new summary.json; written atomically. A summary.json
-/// that is not a JSON object is left alone: OutputError naming it.
-inline void write_eval_only_summary(const std::filesystem::path& out_dir, const nlohmann::ordered_json& eval_only) {
-  namespace fs = std::filesystem;
-  const fs::path path = out_dir / "summary.json";
-  auto summary = nlohmann::ordered_json::object();
-  if (fs::exists(path)) {
-    std::ifstream in(path);
-    summary = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (summary.is_discarded() || !summary.is_object())
-      throw fsdp::OutputError(path.string() + " is not a JSON object: left as it is (the evaluation is in the output above)");
-  }
-  fs::create_directories(out_dir);
-  summary["eval_only"] = eval_only;
-  fsdp::write_file_atomically(path, summary.dump(2) + "\n");
-}
 
 /// Loads the model to evaluate (Checkpointer::load_for_evaluation), evaluates the whole validation
 /// split (eval.max_batches bounds it), prints one line and writes summary.json. Returns the exit code.

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <optional>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -29,6 +30,31 @@ inline std::vector<std::string> rows_up_to(const std::filesystem::path& path, st
   for (std::string line; std::getline(old, line);)
     if (!line.empty() && std::isdigit(static_cast<unsigned char>(line[0])) && std::stoll(line) <= resumed_step) kept.push_back(line);
   return kept;
+}
+
+/// The training loss and the evaluation loss metrics.csv logged for `step` (empty where none was):
+/// what a rerun of a finished run puts in the summary.json it writes again, since a checkpoint holds
+/// neither.
+struct LoggedLosses {
+  std::optional<double> train, eval;
+};
+inline LoggedLosses logged_losses_at(const std::filesystem::path& path, std::int64_t step) {
+  auto number = [](const std::string& cell) -> std::optional<double> {
+    char* end = nullptr;
+    const double v = std::strtod(cell.c_str(), &end);
+    if (cell.empty() || *end != '\0') return std::nullopt;
+    return v;
+  };
+  LoggedLosses out;
+  for (const auto& row : rows_up_to(path, step)) {
+    std::vector<std::string> cells;
+    std::istringstream in(row);
+    for (std::string cell; std::getline(in, cell, ',');) cells.push_back(cell);
+    if (cells.size() < 8 || cells[0] != std::to_string(step)) continue;
+    if (const auto v = number(cells[2])) out.train = v;  // step,epoch,loss,...: the window's loss
+    if (const auto v = number(cells[7])) out.eval = v;   // ...,eval_loss
+  }
+  return out;
 }
 
 /// metrics.csv: step, epoch, loss, lr, samples per second, step ms and elapsed seconds per logged step,

@@ -20,6 +20,7 @@
 #include "run_config.hpp"
 #include "train/dataset.hpp"
 #include "train/gemm_probe.hpp"
+#include "train/metrics_log.hpp"
 #include "train/ranks.hpp"
 #include "train/timing.hpp"
 
@@ -68,6 +69,7 @@ struct RunTotals {
   CheckpointTotals checkpoints;
   std::vector<double> rss_growth_mib;         ///< per rank: resident memory at the last log minus at warm-up; empty before warm-up
   std::optional<std::int64_t> rss_warm_step;  ///< the step warm-up ended (RankWatch)
+  bool rewritten = false;                     ///< written by a rerun of the finished run: losses from metrics.csv, no timings of the training
 };
 
 inline double median_of(std::vector<double> values) {
@@ -231,6 +233,7 @@ nlohmann::ordered_json summary_json(MpiComm& world, const MpiComm::Placement& pl
   js["params"] = model.num_params();
   js["steps"] = t.steps;
   js["resumed_from_step"] = t.resumed_from_step;
+  if (t.rewritten) js["rewritten_by_rerun"] = true;
   if (!t.resume_changed.empty()) js["resume_changed"] = t.resume_changed;
   for (const auto& source : t.sources)
     js["data_sources"].push_back({{"path", source.path},
@@ -313,6 +316,24 @@ inline bool summary_has_training(const std::filesystem::path& path) {
   return js.is_object() && js.contains("steps");
 }
 
+/// `eval_only` as summary.json's "eval_only": added to the run's summary.json when there is one (its
+/// training figures stay as they are), else a new summary.json; written atomically. A summary.json
+/// that is not a JSON object is left alone: OutputError naming it.
+inline void write_eval_only_summary(const std::filesystem::path& out_dir, const nlohmann::ordered_json& eval_only) {
+  namespace fs = std::filesystem;
+  const fs::path path = out_dir / "summary.json";
+  auto summary = nlohmann::ordered_json::object();
+  if (fs::exists(path)) {
+    std::ifstream in(path);
+    summary = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (summary.is_discarded() || !summary.is_object())
+      throw fsdp::OutputError(path.string() + " is not a JSON object: left as it is (the evaluation is in the output above)");
+  }
+  fs::create_directories(out_dir);
+  summary["eval_only"] = eval_only;
+  fsdp::write_file_atomically(path, summary.dump(2) + "\n");
+}
+
 /// Writes <out_dir>/summary.json (atomically; a failed write stops every rank, exit 1) and, with
 /// `print_table`, prints the phase table (rank 0). Collective: every rank calls it.
 template <class Engine>
@@ -323,6 +344,34 @@ void write_summary(MpiComm& world, const MpiComm::Placement& placement, const Ru
     if (world.rank() == 0) fsdp::write_file_atomically(t.out_dir / "summary.json", summary_json(world, placement, cfg, model, t, r).dump(2) + "\n");
   });
   if (world.rank() == 0 && print_table) print_summary(world.size(), t, r);
+}
+
+/// summary.json written again by a rerun of the finished run (it was lost, or --eval-only's is all
+/// there is): marked "rewritten_by_rerun", the last step's losses as metrics.csv logged them (the
+/// checkpoint holds neither; no accuracy), no timings of the training, --eval-only's figures kept.
+/// Collective.
+template <class Engine>
+void write_summary_again(MpiComm& world, const MpiComm::Placement& placement, const RunConfig& cfg, Engine& model, RunTotals t) {
+  const auto out_dir = std::filesystem::path(cfg.run.out_dir);
+  nlohmann::ordered_json eval_only;
+  if (world.rank() == 0) {
+    if (!cfg.log.metrics_file.empty()) {
+      const auto logged = logged_losses_at(out_dir / cfg.log.metrics_file, t.steps);
+      if (logged.train) t.last_loss = *logged.train;
+      if (logged.eval) {
+        t.eval = EvalResult{*logged.eval, std::nan(""), 0};
+        t.eval_step = t.steps;
+      }
+    }
+    std::ifstream in(out_dir / "summary.json");
+    const auto old = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (old.is_object() && old.contains("eval_only")) eval_only = old["eval_only"];
+  }
+  t.rewritten = true;
+  write_summary(world, placement, cfg, model, t, /*print_table=*/false);
+  on_all_ranks(world, [&] {
+    if (world.rank() == 0 && !eval_only.is_null()) write_eval_only_summary(out_dir, eval_only);
+  });
 }
 
 }  // namespace fsdp::app
