@@ -345,8 +345,11 @@ bool changes_the_trajectory(const std::string& key) {
 
 std::vector<KeyChange> trajectory_changes(const Deck& before, const Deck& now) {
   std::vector<KeyChange> out;
+  // Under one data.global_batch_size, data.batch_size only bounds the micro-batches: the steps are the same.
+  const Value& global_batch = now.entry("data.global_batch_size").value;
+  const bool fixed_global_batch = global_batch == before.entry("data.global_batch_size").value && global_batch != Value{std::int64_t{0}};
   for (const auto& spec : deck_schema()) {
-    if (!changes_the_trajectory(spec.key)) continue;
+    if (!changes_the_trajectory(spec.key) || (fixed_global_batch && spec.key == "data.batch_size")) continue;
     const std::string a = format_value(before.entry(spec.key).value), b = format_value(now.entry(spec.key).value);
     if (a != b) out.push_back({spec.key, a, b});
   }

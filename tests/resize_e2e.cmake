@@ -28,6 +28,20 @@ foreach(pair "4;2" "2;3" "3;4")
   expect_in("${last_output}" "resumed from [^\n]*step_00000004.h5 at step 4")
   run(0 ${CKPT_TOOL} diff ${dir}/checkpoints ${WORK_DIR}/whole/checkpoints --rtol 1e-5)
 endforeach()
+# Under a fixed global batch data.batch_size only bounds the micro-batches: a resume with smaller ones
+# (to fit memory) is the same training, not a changed deck.
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${common} --set run.max_steps=4 --set run.out_dir=${WORK_DIR}/smaller_micro)
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${common} --set run.max_steps=8 --set data.batch_size=1 --set run.out_dir=${WORK_DIR}/smaller_micro)
+expect_in("${last_output}" "resumed from [^\n]*step_00000004.h5 at step 4")
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/smaller_micro/checkpoints ${WORK_DIR}/whole/checkpoints --rtol 1e-5)
+# 250 samples: an epoch is 20 whole global batches of 12 at every world size (the last 10 samples are
+# not trained; no rank's padding enters a step), so 1 and 3 ranks take the same steps of the same samples.
+foreach(np 1 3)
+  run(0 ${MPIEXEC} -np ${np} ${TRAIN} ${DECK} ${common} --set data.num_samples=250 --set run.max_steps=0 --set run.epochs=1
+      --set checkpoint.every_steps=0 --set run.out_dir=${WORK_DIR}/uneven${np})
+  expect_in("${last_output}" "step 20/20")
+endforeach()
+run(0 ${CKPT_TOOL} diff ${WORK_DIR}/uneven3/checkpoints ${WORK_DIR}/uneven1/checkpoints --rtol 1e-5)
 
 # optim.accum_reduce = every (a reduction after each micro-batch, summed into the shards) equals the
 # reduction after the last micro-batch within 1e-5, at every world size and for the unsharded and hybrid
@@ -102,12 +116,12 @@ run(0 ${CKPT_TOOL} diff ${WORK_DIR}/world_to_full/checkpoints/step_00000008.h5 $
 run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${common} --set fsdp.optimizer_sharding=world --set run.out_dir=${WORK_DIR}/world_bad --dry-run)
 expect_in("${last_output}" "fsdp.optimizer_sharding[^\n]*applies to the hybrid strategies")
 
-# Without a fixed global batch, 2 ranks x 6 become 3 ranks x 6 = 18, and step 2 (24 samples) is not a step boundary of 18: the resume stops, naming the key.
+# Without a fixed global batch, 2 ranks x 6 become 3 ranks x 6 = 18: the resume stops, naming both global batches and the key.
 set(plain --set model.vocab_size=64 --set model.d_model=32 --set model.n_layers=2 --set model.context=16 --set model.dropout=0
           --set data.num_samples=240 --set data.batch_size=6 --set log.progress=plain --set run.threads=1 --set checkpoint.every_steps=2)
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${plain} --set run.max_steps=2 --set run.out_dir=${WORK_DIR}/changed)
 run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${plain} --set run.max_steps=6 --set run.out_dir=${WORK_DIR}/changed)
-expect_in("${last_output}" "not a whole number of this run's global batches of 18 .*set data.global_batch_size")
+expect_in("${last_output}" "trained with global batches of 12 samples, this run's are 18 \\(data.batch_size 6 x 3 ranks x optim.grad_accum_steps 1\\): set data.global_batch_size = 12")
 # A global batch that does not divide over the ranks, or with grad_accum_steps set too, is a deck error.
 run(2 ${MPIEXEC} -np 3 ${TRAIN} ${DECK} ${plain} --set data.global_batch_size=8 --set run.out_dir=${WORK_DIR}/bad1 --dry-run)
 expect_in("${last_output}" "data.global_batch_size: 8 samples do not divide over 3 ranks")

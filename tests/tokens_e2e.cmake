@@ -146,7 +146,7 @@ def read(d):
     return out
 whole, resumed = read(sys.argv[1]), read(sys.argv[2])
 assert len(resumed) == 30 * 6, len(resumed)  # steps 71-100, 6 samples each
-assert min(resumed) == (1, 13 * 6), min(resumed)  # step 70 stopped 13 steps into the second epoch (the first took 57)
+assert min(resumed) == (1, 14 * 6), min(resumed)  # step 70 stopped 14 steps into the second epoch (the first took 56: its whole global batches)
 differ = [k for k in resumed if whole.get(k) != resumed[k]]
 assert not differ, differ[:5]
 print('np 3 after the resume read the same', len(resumed), 'samples as np 2 without one')
@@ -166,7 +166,7 @@ if(NOT whole_rows STREQUAL resumed_rows)
   message(FATAL_ERROR "sources.csv after the resume at np 3 differs from the uninterrupted run's")
 endif()
 # At np 4 (a global batch of 12, 3 per rank) the mixture trains as at np 2 (6 per rank) through an
-# epoch's end (step 29): the same samples at the same places, the weights within 1e-5.
+# epoch's end (after step 28): the same samples at the same places, the weights within 1e-5.
 file(MAKE_DIRECTORY ${WORK_DIR}/mix12_2_samples ${WORK_DIR}/mix12_4_samples)
 foreach(np 2 4)
   run(0 ${CMAKE_COMMAND} -E env FSDP_TEST_SAMPLE_LOG=${WORK_DIR}/mix12_${np}_samples ${MPIEXEC} -np ${np} ${TRAIN} ${DECK} ${gpt} ${mix}
@@ -183,7 +183,7 @@ def read(d):
             out[(e, p)] = s
     return out
 two, four = read(sys.argv[1]), read(sys.argv[2])
-assert len(two) == 28 * 12 + 4 + 11 * 12 and two == four, (len(two), len(four))
+assert len(two) == 28 * 12 + 12 * 12 and two == four, (len(two), len(four))  # 340 samples: 28 whole global batches an epoch
 print('np 4 read the same', len(four), 'samples as np 2')
 " ${WORK_DIR}/mix12_2_samples ${WORK_DIR}/mix12_4_samples)
 file(COPY ${WORK_DIR}/mix_resume2/ DESTINATION ${WORK_DIR}/mix_changed)
@@ -215,10 +215,37 @@ set(grown ${gpt} --set data.path=${WORK_DIR}/grown_data/train_*.bin --set data.b
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${grown} --set run.max_steps=4)
 file(COPY ${d}/train_000001.bin DESTINATION ${WORK_DIR}/grown_data)
 run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${grown} --set run.max_steps=6)
-expect_in("${last_output}" "the training data does not stand where the checkpoint's stopped \\(its sample count changed: files under data.path's glob\\):\n  data.path \\('[^']*grown_data/train_\\*.bin'\\) data_path_samples: [0-9]+ in the checkpoint, 240 with this deck and data")
+expect_in("${last_output}" "the training data does not stand where the checkpoint's stopped \\(its files changed: the samples under data.path, or a text's characters\\):\n  data.path \\('[^']*grown_data/train_\\*.bin'\\) data_path_samples: [0-9]+ in the checkpoint, 240 with this deck and data")
 expect_not_in("${last_output}" "resumed from")  # a refused resume does not say it resumed
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${grown} --set run.max_steps=6 --set checkpoint.resume_changed=allow)
 expect_in("${last_output}" "warning: the training data continues from another position")
+# 3c. Another world size without data.global_batch_size: 2 ranks x 3 become 4 ranks x 3. Step 4 (24
+#     samples) is a step boundary of both, but the global batch doubles: refused, naming both and the
+#     key; "allow" goes on and ends at the end of the data (step 4 + 240 / 12 - 24 / 12 = 22), and a
+#     rerun finds the run finished.
+set(regrouped ${gpt} --set data.batch_size=3 --set run.epochs=1 --set run.out_dir=${WORK_DIR}/regrouped)
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=4)
+run(2 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=0)
+expect_in("${last_output}" "the checkpoint resumed from was trained with global batches of 6 samples, this run's are 12 \\(data.batch_size 3 x 4 ranks x optim.grad_accum_steps 1\\): set data.global_batch_size = 6 to continue the same training on 4 ranks")
+run(0 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=0 --set checkpoint.resume_changed=allow)
+expect_in("${last_output}" "step 22/22")
+file(READ ${WORK_DIR}/regrouped/summary.json regrouped_summary)
+expect_in("${regrouped_summary}" "\"steps\": 22,")
+expect_in("${regrouped_summary}" "\"global batch: 6 -> 12\"")
+run(0 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=0 --set checkpoint.resume_changed=allow)
+expect_in("${last_output}" "nothing to train: the run in [^\n]* already reached step 22 of 22")
+# 3d. data.kind "text" whose file changed after the checkpoint: a character added before the others
+#     renumbers every token id. Refused, naming the text's vocabulary.
+string(REPEAT "the quick brown fox jumps over the lazy dog. " 20 book)
+file(WRITE ${WORK_DIR}/book.txt "${book}")
+set(text --set data.kind=text --set data.path=${WORK_DIR}/book.txt --set data.shuffle=false --set model.vocab_size=64 --set model.d_model=32
+         --set model.n_layers=2 --set model.context=16 --set model.dropout=0 --set optim.kind=sgd --set optim.schedule=constant
+         --set optim.warmup_steps=0 --set log.progress=plain --set run.threads=1 --set checkpoint.every_steps=0 --set data.batch_size=3
+         --set run.out_dir=${WORK_DIR}/text)
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${text} --set run.max_steps=2)
+file(WRITE ${WORK_DIR}/book.txt "!${book}")
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${text} --set run.max_steps=4)
+expect_in("${last_output}" "data.path \\('[^']*book.txt'\\) text_vocabulary: [0-9]+ in the checkpoint, [0-9]+ with this deck and data")
 
 # 4. Evaluation every 5 steps on 2 batches of the validation shard: loss and perplexity in metrics.csv,
 #    the progress and summary.json; the trained weights are those of the run without it, bit for bit.
@@ -271,6 +298,8 @@ run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.out_dir=${WORK_DIR}/eva
 expect_in("${last_output}" "--eval-only: nothing to evaluate: no checkpoint in [^\n]*eval_nothing/checkpoints and checkpoint.init_from is empty")
 run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.out_dir=${WORK_DIR}/eval --eval-only --set data.val_path=)
 expect_in("${last_output}" "--eval-only: there is no validation data")
+run(2 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${gpt} --set run.out_dir=${WORK_DIR}/bad_val --set data.val_path=${d}/missing_*.bin --dry-run)
+expect_in("${last_output}" "data.val_path: no token files match '[^']*missing_\\*.bin'")
 
 # 6. Gradients in fp16 with dynamic loss scaling (fsdp.mixed_precision = fp16_reduce: fp32 compute,
 #    gradients reduced in fp16; fp16 arithmetic itself needs a GPU, and asking for it here is a deck

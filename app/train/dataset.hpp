@@ -43,6 +43,9 @@ struct Dataset {
   /// data.document_mask without data.eot_token: batches carry where the .idx says documents begin.
   bool document_starts = false;
   bool has_test = true;
+  /// data.kind "text": the distinct bytes its token ids number, as one number (0 for other data): a
+  /// text that gained or lost a character maps every id to another one.
+  std::int64_t text_vocabulary = 0;
   double mean = 0, stddev = 1;  // image normalization
   std::int64_t train_size() const { return blend ? mixture_size : streamed ? train_stream.n : tokens ? train_tokens.n : train_images.n; }
   std::int64_t test_size() const { return streamed ? test_stream.n : tokens ? test_tokens.n : test_images.n; }
@@ -74,6 +77,15 @@ inline StreamSplit open_token_split(const RunConfig& cfg, const std::string& pat
   return split;
 }
 
+/// open_token_split of the deck's `key` (data.path, data.val_path): its errors start with the key.
+inline StreamSplit open_token_split_of(const char* key, const RunConfig& cfg, const std::string& path, int rank, int world, DataKind kind) {
+  try {
+    return open_token_split(cfg, path, rank, world, kind);
+  } catch (const DataError& e) {
+    throw DataError(std::string(key) + ": " + fsdp::message_without_id(e));
+  }
+}
+
 /// Loads the run's data; `rank` of `world` scans its share of token files for ids past the vocabulary.
 inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
   Dataset d;
@@ -102,7 +114,7 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
   } else if (is_token_file_data(kind)) {
     d.tokens = d.streamed = true;
     if (cfg.data.sources.empty()) {
-      d.train_stream = open_token_split(cfg, cfg.data.path, rank, world, kind);
+      d.train_stream = open_token_split_of("data.path", cfg, cfg.data.path, rank, world, kind);
     } else {
       std::vector<double> weights;
       std::vector<std::int64_t> sizes;
@@ -120,7 +132,7 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
       d.mixture_size = d.blend->total_size();
     }
     d.has_test = !cfg.data.val_path.empty();
-    if (d.has_test) d.test_stream = open_token_split(cfg, cfg.data.val_path, rank, world, kind);
+    if (d.has_test) d.test_stream = open_token_split_of("data.val_path", cfg, cfg.data.val_path, rank, world, kind);
     d.document_starts = cfg.model.document_mask && cfg.model.document_token < 0;  // the deck checked the training data is indexed
     if (d.document_starts && d.has_test && d.test_stream.stream->document_starts().empty())
       throw DataError("data.val_path '" + cfg.data.val_path + "': data.document_mask without data.eot_token takes document boundaries from an " +
@@ -128,6 +140,10 @@ inline Dataset load_dataset(const RunConfig& cfg, int rank = 0, int world = 1) {
   } else {
     d.tokens = true;
     auto corpus = load_text(cfg.data.path, cfg.model.context, static_cast<int>(cfg.model.vocab_size));
+    // FNV-1a over the sorted distinct bytes, kept positive: equal vocabularies give equal numbers.
+    std::uint64_t fingerprint = 1469598103934665603ull;
+    for (const std::uint8_t byte : corpus.vocab) fingerprint = (fingerprint ^ byte) * 1099511628211ull;
+    d.text_vocabulary = static_cast<std::int64_t>(fingerprint >> 2) | 1;
     d.train_tokens = std::move(corpus.train);
     d.test_tokens = std::move(corpus.test);
     d.has_test = d.test_tokens.n > 0;

@@ -30,19 +30,22 @@ inline std::int64_t mixture_draws(const Dataset& d, std::int64_t epoch, std::int
   return epoch * d.mixture_size + std::min(sample_index, d.mixture_size);
 }
 
-/// TrainState::data's names: "data_path_samples" (one source of files); "mixture_draws", "mixture_size",
+/// TrainState::data's names: "data_path_samples" (one source of files or text), "text_vocabulary" (a
+/// text's distinct bytes as one number, Dataset::text_vocabulary); "mixture_draws", "mixture_size",
 /// "source_<i>_samples", "source_<i>_epoch", "source_<i>_position" (a mixture).
 inline std::string source_counter(std::size_t source, const char* what) { return "source_" + std::to_string(source) + "_" + what; }
 
 /// A checkpoint's data counters at (epoch, sample_index): of a mixture the draws and each source's epoch
 /// and position, and the sizes they were counted with (a source that grew or shrank draws other samples
 /// even where its position is the same); of one source read from files (token-shards, indexed) its
-/// sample count (files added or removed under a glob move every later sample and the epoch's end).
+/// sample count (files added or removed under a glob move every later sample and the epoch's end), and
+/// of a text also its characters (one more or fewer renumbers the tokens).
 /// Data made or read whole from the deck's keys (images, synthetic tokens) changes only with them, which
 /// the deck's comparison covers.
 inline void store_data_position(const Dataset& d, std::int64_t epoch, std::int64_t sample_index, fsdp::TrainState& state) {
   if (!d.blend) {
-    if (d.streamed) state.data["data_path_samples"] = d.train_size();
+    if (d.streamed || d.text_vocabulary != 0) state.data["data_path_samples"] = d.train_size();
+    if (d.text_vocabulary != 0) state.data["text_vocabulary"] = d.text_vocabulary;
     return;
   }
   const std::int64_t draws = mixture_draws(d, epoch, sample_index);
@@ -90,9 +93,10 @@ inline std::vector<std::string> check_data_position(MpiComm& world, const Datase
     changes = data_position_changes(d, cfg, resumed);
     for (const auto& c : changes) list += "\n  " + c;
     if (!changes.empty() && cfg.checkpoint.resume_changed == ResumeChanged::kRefuse)
-      throw DeckError(data + " does not stand where the checkpoint's stopped (" +
-                      (d.blend ? "sources, weights or their files changed" : "its sample count changed: files under data.path's glob") + "):" + list +
-                      "\ncheckpoint.resume_changed = \"allow\" continues from here with this deck's data");
+      throw DeckError(
+          data + " does not stand where the checkpoint's stopped (" +
+          (d.blend ? "sources, weights or their files changed" : "its files changed: the samples under data.path, or a text's characters") +
+          "):" + list + "\ncheckpoint.resume_changed = \"allow\" continues from here with this deck's data");
   });
   if (!changes.empty() && world.rank() == 0)
     std::printf("warning: %s continues from another position (checkpoint.resume_changed = \"allow\"):%s\n", data.c_str(), list.c_str());

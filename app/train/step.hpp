@@ -1,6 +1,6 @@
 // fsdp-train (app layer): the parts of the training loop that do not need the Trainer's state: what a
 // step did, where a GPU communicator's failure is caught so that every rank can agree on it, the test
-// hooks that name a rank and step, the progress line's style and window, and the step counts.
+// hooks that name a rank and step, and the progress line's style and window.
 #pragma once
 
 #include <fsdp/fsdp.hpp>
@@ -164,11 +164,6 @@ struct LogWindow {
   double pause = 0;  ///< checkpoint and evaluation time inside the window: throughput counts training only
   double busy = 0;   ///< this rank's own work in the window's steps: their time minus communication waits
   void reset() { *this = LogWindow{}; }
-};
-
-/// The step counts of the run, from the data, batch and deck.
-struct TrainingSchedule {
-  std::int64_t batch = 0, accum = 1, steps_per_epoch = 0, total_steps = 0, global_batch = 0;
 };
 
 }  // namespace fsdp::app

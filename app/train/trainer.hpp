@@ -43,6 +43,7 @@
 #include "train/schedule.hpp"
 #include "train/signals.hpp"
 #include "train/step.hpp"
+#include "train/steps_plan.hpp"
 #include "train/summary.hpp"
 #include "train/timing.hpp"
 #include "train/weight_decay.hpp"
@@ -98,6 +99,7 @@ class Trainer {
     next_sample_index_ = start_.sample_index;
     plan_schedule();
     data_changes_ = check_data_position(world_, data_, cfg_, start_);
+    if (!schedule_.global_batch_change.empty()) data_changes_.insert(data_changes_.begin(), schedule_.global_batch_change);
     checkpointer_->say_resumed();                                               // after every check: a refused resume does not say it resumed
     if (start_.step > 0 && start_.step >= schedule_.total_steps) return false;  // a rerun of a finished job
     fsdp::create_adam_state_ahead(*optimizer_);                                 // what no checkpoint gave, before training's transient tensors
@@ -105,19 +107,25 @@ class Trainer {
   }
 
   /// A rerun of a finished job (resume() said so): trains nothing; what the run's end did not write
-  /// (the export, summary.json: a full disk, a killed job) is written now from the last checkpoint,
-  /// what exists is kept, and the line says which. Collective.
+  /// (the export, summary.json: a full disk, a killed job) is written now from the last checkpoint, so
+  /// is an export whose settings the deck changed (its names, type, files, config.json's tokens), what
+  /// exists is kept, and the line says which. Collective.
   void finish_completed_run() {
     namespace fs = std::filesystem;
     const fs::path summary = fs::path(cfg_.run.out_dir) / "summary.json";
     const std::string export_path = cfg_.checkpoint.export_path.empty() ? "" : export_file(cfg_.checkpoint.export_path).string();
     std::int64_t missing[2] = {0, 0};  // rank 0's view of the folder decides for all
+    std::vector<std::string> export_changes;
     if (root_) {
       // One file, or a split export's index (written last), and a Hugging Face export's config.json
       // (written after the weights: a job killed between the two has none).
       const auto form = export_path.empty() ? std::nullopt : hf_export_form(cfg_.model, cfg_.checkpoint.export_names);
       missing[0] = !export_path.empty() && ((!fs::exists(export_path) && !fs::exists(fsdp::safetensors::index_path(export_path))) ||
                                             (form && !fs::exists(config_folder(export_path) / "config.json")));
+      if (!export_path.empty() && !missing[0]) {
+        export_changes = checkpointer_->export_settings_changes();
+        missing[0] = !export_changes.empty();
+      }
       // A summary.json that --eval-only made holds no training figures: the training's is still missing.
       missing[1] = !fs::exists(summary) || !summary_has_training(summary);
     }
@@ -127,10 +135,15 @@ class Trainer {
     train_start_ = Clock::now();
     comm_start_ = model_->comm_counters();
     if (missing[0]) checkpointer_->export_model(/*quiet=*/true);
-    if (missing[1]) write_summary(world_, s_.placement, cfg_, *model_, totals(), /*print_table=*/false);
+    if (missing[1]) write_summary_again(world_, s_.placement, cfg_, *model_, totals());
     if (!root_) return;
     std::string did;
-    if (missing[0]) did += "; wrote the missing export " + export_path;
+    if (missing[0] && export_changes.empty()) did += "; wrote the missing export " + export_path;
+    if (!export_changes.empty()) {
+      did += "; wrote the export " + export_path + " again (";
+      for (std::size_t i = 0; i < export_changes.size(); ++i) did += (i ? ", " : "") + export_changes[i];
+      did += ")";
+    }
     if (missing[1]) did += "; wrote the missing summary.json";
     if (did.empty()) did = "; its outputs are all there";
     std::printf(
@@ -166,31 +179,17 @@ class Trainer {
       checkpointer_->export_model(progress_.quiet);
     }
     write_summary(world_, s_.placement, cfg_, *model_, totals());
+    say_a_stop_signal_came_late(world_);
   }
 
  private:
   // ---- build ----------------------------------------------------------------------------------
 
-  /// The sampler and step counts; a checkpoint stopped inside another global batch is refused.
+  /// The sampler and step counts (steps_plan.hpp: a checkpoint of another global batch is refused).
   void plan_schedule() {
-    auto& p = schedule_;
-    p.batch = cfg_.data.batch_size;
-    p.accum = cfg_.optim.grad_accum_steps;
     sampler_.emplace(training_sampler(data_, cfg_, world_.size(), world_.rank()));
-    p.steps_per_epoch = (sampler_->num_samples() + p.batch - 1) / p.batch / p.accum;
-    if (p.steps_per_epoch == 0)
-      throw RankError("data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(sampler_->num_samples()) + ")",
-                      true);
-    p.global_batch = p.batch * p.accum * world_.size();
-    if (start_.sample_index % p.global_batch != 0)
-      throw RankError("the checkpoint resumed from stopped " + std::to_string(start_.sample_index) + " samples into epoch " +
-                          std::to_string(start_.epoch + 1) + ", not a whole number of this run's global batches of " +
-                          std::to_string(p.global_batch) + " (data.batch_size " + std::to_string(p.batch) + " x " + std::to_string(world_.size()) +
-                          " ranks x optim.grad_accum_steps " + std::to_string(p.accum) +
-                          "): set data.global_batch_size to the global batch it was trained with",
-                      true);
-    const std::int64_t all_epochs = p.steps_per_epoch * cfg_.run.epochs;
-    p.total_steps = cfg_.run.max_steps > 0 ? std::min(cfg_.run.max_steps, all_epochs) : all_epochs;
+    schedule_ = plan_training_schedule(cfg_, data_.train_size(), sampler_->num_samples(), world_.size(), root_, start_);
+    const auto& p = schedule_;
     if (root_ && start_.step == 0)
       for (const auto& w : schedule_warnings(cfg_, p.steps_per_epoch, p.total_steps, data_.train_size(), p.global_batch, data_.has_test))
         std::printf("warning: %s\n", w.c_str());
@@ -493,7 +492,9 @@ class Trainer {
     s.epoch = next_epoch_;
     s.sample_index = next_sample_index_;
     store_data_position(data_, next_epoch_, next_sample_index_, s);
-    s.scheduler = {{"lr", lr_at(cfg_, step_, next_epoch_, schedule_.total_steps)}, {"total_steps", static_cast<double>(schedule_.total_steps)}};
+    s.scheduler = {{"lr", lr_at(cfg_, step_, next_epoch_, schedule_.total_steps)},
+                   {"total_steps", static_cast<double>(schedule_.total_steps)},
+                   {"global_batch", static_cast<double>(schedule_.global_batch)}};
     if (scaler_) {  // powers of two and small counts: exact as doubles
       s.scheduler["loss_scale"] = scaler_->scale();
       s.scheduler["loss_scale_good_steps"] = static_cast<double>(scaler_->good_steps());
@@ -506,9 +507,8 @@ class Trainer {
   [[noreturn]] void stop_on_signal(std::int64_t signo) {
     save();
     checkpointer_->wait_background(progress_.quiet);
-    const std::string name = signo == SIGTERM ? "SIGTERM" : signo == SIGUSR1 ? "SIGUSR1" : signo == SIGINT ? "SIGINT" : std::to_string(signo);
-    throw RankError("stopped by signal " + name + " after step " + std::to_string(step_) + "; checkpoint saved in " + checkpointer_->dir().string() +
-                        ": rerun the same command to continue",
+    throw RankError("stopped by signal " + stop_signal_name(signo) + " after step " + std::to_string(step_) + "; checkpoint saved in " +
+                        checkpointer_->dir().string() + ": rerun the same command to continue",
                     kExitStopped);
   }
 
