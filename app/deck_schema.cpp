@@ -125,7 +125,8 @@ void add_data_keys(std::vector<KeySpec>& s) {
                .min = 1,
                .max = 1e8,
                .description = "training samples per rank and micro-batch (the global batch is batch_size x ranks x "
-                              "optim.grad_accum_steps); with data.global_batch_size, the largest micro-batch per rank"});
+                              "optim.grad_accum_steps); with data.global_batch_size, the largest micro-batch per rank (a resume may change "
+                              "it: the steps stay the same)"});
   s.push_back({.key = "data.global_batch_size",
                .type = T::kInt,
                .default_value = I{0},
@@ -133,8 +134,8 @@ void add_data_keys(std::vector<KeySpec>& s) {
                .max = 1e12,
                .description = "samples per optimizer step over all ranks, whatever the world size (torchtitan's name): each rank "
                               "takes micro-batches of at most data.batch_size and accumulates as many as needed, so a run resumed "
-                              "on fewer or more ranks continues the same training; 0: data.batch_size x ranks x "
-                              "optim.grad_accum_steps"});
+                              "on fewer or more ranks continues the same training; an epoch is its whole global batches (the last "
+                              "partial one is not trained); 0: data.batch_size x ranks x optim.grad_accum_steps"});
   s.push_back({.key = "data.test_batch_size",
                .type = T::kInt,
                .default_value = I{1000},
@@ -318,12 +319,12 @@ void add_sharding_keys(std::vector<KeySpec>& s) {
   s.push_back({.key = "fsdp.transformer_layer_cls_to_wrap",
                .type = T::kString,
                .default_value = "auto",
-               .description =
-                   "TRANSFORMER_BASED_WRAP: module type names to wrap, comma-separated or an array of strings "
-                   "([\"TransformerBlock\", \"Other\"]); each must be a type the model has. auto: the model's layer "
-                   "(TransformerBlock; llama: LlamaDecoderLayer), and with untied embeddings also Embedding and LmHead (each vocabulary-sized "
-                   "matrix its own unit, gathered only while it is used, instead of staying gathered in the root unit all "
-                   "step; a LOCAL_STATE_DICT checkpoint of the former layout does not load into the new one)",
+               .description = "TRANSFORMER_BASED_WRAP: module type names to wrap, comma-separated or an array of strings "
+                              "([\"TransformerBlock\", \"Other\"]); each must be a type the model has. auto: the model's layer "
+                              "(TransformerBlock; llama: LlamaDecoderLayer; the mlp and cnn have none: name their types), and with untied embeddings "
+                              "also Embedding and LmHead (each vocabulary-sized "
+                              "matrix its own unit, gathered only while it is used, instead of staying gathered in the root unit all "
+                              "step; a LOCAL_STATE_DICT checkpoint of the former layout does not load into the new one)",
                .names_list = true});
 }
 

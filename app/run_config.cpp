@@ -70,10 +70,10 @@ void check_wrap_classes(const FsdpSection& fsdp, const std::set<std::string>& ty
   if (fsdp.auto_wrap_policy != WrapPolicy::TRANSFORMER_BASED_WRAP) return;
   std::string known;
   for (const auto& t : types) known += (known.empty() ? "" : ", ") + t;
+  const std::string key =
+      (fsdp.transformer_layer_cls_where.empty() ? "" : fsdp.transformer_layer_cls_where + ": ") + "fsdp.transformer_layer_cls_to_wrap: ";
   for (const auto& n : fsdp.transformer_layer_cls_to_wrap)
-    if (!types.count(n) && !also_accepted.count(n))
-      throw DeckError(fsdp.transformer_layer_cls_where + ": fsdp.transformer_layer_cls_to_wrap: the model has no module of type \"" + n +
-                      "\" (its types: " + known + ")");
+    if (!types.count(n) && !also_accepted.count(n)) throw DeckError(key + "the model has no module of type \"" + n + "\" (its types: " + known + ")");
 }
 
 RunSection resolve_run_section(const Deck& deck, const Placement& placement) {
@@ -273,6 +273,12 @@ FsdpSection resolve_fsdp_section(const Deck& deck, const Placement& placement, c
   f.min_num_params = deck.get_int("fsdp.min_num_params");
   f.transformer_layer_cls_to_wrap = transformer_layer_classes(deck.get_string("fsdp.transformer_layer_cls_to_wrap"), model);
   f.transformer_layer_cls_where = deck.entry("fsdp.transformer_layer_cls_to_wrap").where;
+  if (f.auto_wrap_policy == WrapPolicy::TRANSFORMER_BASED_WRAP && f.transformer_layer_cls_to_wrap.empty())
+    throw DeckError(blame(deck, "fsdp.transformer_layer_cls_to_wrap") +
+                    (deck.get_string("fsdp.transformer_layer_cls_to_wrap") == "auto"
+                         ? "\"auto\" names no layer for model.kind = \"" + std::string(to_string(model.kind)) + "\""
+                         : std::string("names no module type")) +
+                    ": TRANSFORMER_BASED_WRAP wraps the module types named here; name them, or use fsdp.auto_wrap_policy = \"SIZE_BASED_WRAP\"");
   f.backend = choice<Backend>(deck, "fsdp.backend");
   f.cuda_device = static_cast<int>(deck.get_int("fsdp.cuda_device"));
   f.backend_where = deck.entry("fsdp.backend").where;
@@ -317,8 +323,9 @@ FsdpSection resolve_fsdp_section(const Deck& deck, const Placement& placement, c
   f.deferred_init = deck.get_bool("fsdp.deferred_init");
   f.sync_module_states = deck.get_bool("fsdp.sync_module_states");
   f.buffer_sync = parse_buffer_sync(deck.get_string("fsdp.buffer_sync"));
-  // fsdp-plan probes no GPU (it may plan a GPU job on a login node): only a probed rank can refuse.
-  if (f.mixed_precision == Precision::kFp16 && placement.gpu && f.backend_resolved != Backend::kNccl)
+  // fsdp-plan probes no GPU (it may plan a GPU job on a login node): only a probed rank, or a deck that
+  // asks for the CPU (fsdp.backend = "mpi"), can refuse.
+  if (f.mixed_precision == Precision::kFp16 && (f.backend == Backend::kMpi || (placement.gpu && f.backend_resolved != Backend::kNccl)))
     throw DeckError(blame(deck, "fsdp.mixed_precision") +
                     "fp16 computes in half precision, which LibTorch's CPU kernels do not implement (matrix products, LayerNorm, "
                     "softmax); on CPU use bf16, or fp16_reduce (fp32 compute, gradients reduced in fp16)");

@@ -241,12 +241,14 @@ RunSection resolve_run_section(const Deck& deck, const Placement& placement = {}
 ModelSection resolve_model_section(const Deck& deck);
 
 /// fsdp.transformer_layer_cls_to_wrap resolved: the names given, or for "auto" its family's layer_classes
-/// (the model's layer type and, with untied embeddings, Embedding and LmHead too).
+/// (the model's layer type and, with untied embeddings, Embedding and LmHead too; none for the MLP and CNN).
 std::vector<std::string> transformer_layer_classes(const std::string& value, const ModelSection& model);
 
 /// Under TRANSFORMER_BASED_WRAP, every name of fsdp.transformer_layer_cls_to_wrap must be a type the
 /// model has: one of `types` (short names, listed in the message) or `also_accepted` (e.g. full names).
-/// A DeckError naming where the key was set and the model's types otherwise (fsdp-train and fsdp-plan alike).
+/// A DeckError naming where the key was set and the model's types otherwise (fsdp-train and fsdp-plan
+/// alike; no name at all, "" or "auto" of a model without a repeated layer, is refused when the deck is
+/// resolved).
 void check_wrap_classes(const FsdpSection& fsdp, const std::set<std::string>& types, const std::set<std::string>& also_accepted = {});
 
 /// The names of a names-list key (fsdp.transformer_layer_cls_to_wrap, optim.no_decay): "A, B" split at

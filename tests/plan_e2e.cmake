@@ -309,7 +309,9 @@ file(WRITE ${WORK_DIR}/bad.toml "[run]\nname = \"bad\"\n\n[optim]\nlrr = 0.1\n[d
 foreach(bad "${WORK_DIR}/bad.toml" "${WORK_DIR}/missing.toml" "${WORK_DIR}/gpt.toml;--set;data.kind=mnist"
             "${WORK_DIR}/gpt.toml;--set;fsdp.transformer_layer_cls_to_wrap=Blok"
             "${WORK_DIR}/gpt.toml;--set;fsdp.sharding_strategy=HYBRID_SHARD;--set;fsdp.shard_group_size=3"
-            "${WORK_DIR}/gpt.toml;--set;fsdp.shard_group_size=2")
+            "${WORK_DIR}/gpt.toml;--set;fsdp.shard_group_size=2" "${WORK_DIR}/gpt.toml;--set;fsdp.transformer_layer_cls_to_wrap="
+            "${WORK_DIR}/mlp.toml;--set;fsdp.auto_wrap_policy=TRANSFORMER_BASED_WRAP"
+            "${WORK_DIR}/gpt.toml;--set;fsdp.mixed_precision=fp16;--set;fsdp.backend=mpi")
   run(2 ${train1} ${bad} --dry-run --set run.out_dir=${WORK_DIR}/bad_run)
   value_of(train_error "${last_output}" "fsdp-train: error: ([^\n]*)")
   run(2 ${PLAN} ${bad} --np 1)
@@ -318,6 +320,13 @@ foreach(bad "${WORK_DIR}/bad.toml" "${WORK_DIR}/missing.toml" "${WORK_DIR}/gpt.t
     message(FATAL_ERROR "different errors for ${bad}:\n  fsdp-train: ${train_error}\n  fsdp-plan:  ${plan_error}")
   endif()
 endforeach()
+# ... each named: a wrapping with no type to wrap, fp16 on the CPU that fsdp.backend = "mpi" asks for.
+run(2 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 --set fsdp.transformer_layer_cls_to_wrap=)
+expect_in("${last_output}" "--set fsdp.transformer_layer_cls_to_wrap=: fsdp.transformer_layer_cls_to_wrap: names no module type: TRANSFORMER_BASED_WRAP wraps the module types named here")
+run(2 ${PLAN} ${WORK_DIR}/mlp.toml --np 2 --set fsdp.auto_wrap_policy=TRANSFORMER_BASED_WRAP)
+expect_in("${last_output}" "fsdp.transformer_layer_cls_to_wrap: \"auto\" names no layer for model.kind = \"mlp\"")
+run(2 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 --set fsdp.mixed_precision=fp16 --set fsdp.backend=mpi)
+expect_in("${last_output}" "fsdp.mixed_precision: fp16 computes in half precision")
 run(2 ${PLAN} ${WORK_DIR}/bad.toml --np 2)
 expect_in("${last_output}" "bad.toml:5: optim.lrr: unknown key \\(did you mean optim.lr\\?\\)")
 expect_in("${last_output}" "bad.toml:7: data.batch_size: -4 is below the minimum 1")

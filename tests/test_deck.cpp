@@ -604,7 +604,22 @@ BOOST_AUTO_TEST_CASE(auto_layer_classes_give_untied_embeddings_units_of_their_ow
   using Names = std::vector<std::string>;
   BOOST_TEST((classes("[model]\nkind = \"transformer\"\n") == Names{"TransformerBlock"}));  // tied: one matrix, in the root
   BOOST_TEST((classes("[model]\nkind = \"transformer\"\ntie_embeddings = false\n") == Names{"TransformerBlock", "Embedding", "LmHead"}));
-  BOOST_TEST((classes("[model]\nkind = \"mlp\"\n") == Names{"TransformerBlock"}));
+  BOOST_TEST(classes("[model]\nkind = \"mlp\"\n").empty());  // no repeated layer to name
+  // TRANSFORMER_BASED_WRAP with no type to wrap: "auto" of a model without layers, or an empty name.
+  const auto refusal = [](const std::string& deck_text) -> std::string {
+    try {
+      resolve_run_config(Deck::parse(deck_text, "inputs/a.toml", {}), placement_of(1, 1));
+    } catch (const DeckError& e) {
+      return fsdp::message_without_id(e);
+    }
+    return "(accepted)";
+  };
+  BOOST_TEST(refusal("[model]\nkind = \"mlp\"\n[fsdp]\nauto_wrap_policy = \"TRANSFORMER_BASED_WRAP\"\n") ==
+             "inputs/a.toml: fsdp.transformer_layer_cls_to_wrap: \"auto\" names no layer for model.kind = \"mlp\": TRANSFORMER_BASED_WRAP wraps "
+             "the module types named here; name them, or use fsdp.auto_wrap_policy = \"SIZE_BASED_WRAP\"");
+  BOOST_TEST(refusal("[fsdp]\nauto_wrap_policy = \"TRANSFORMER_BASED_WRAP\"\ntransformer_layer_cls_to_wrap = []\n") ==
+             "inputs/a.toml:3: fsdp.transformer_layer_cls_to_wrap: names no module type: TRANSFORMER_BASED_WRAP wraps the module types named "
+             "here; name them, or use fsdp.auto_wrap_policy = \"SIZE_BASED_WRAP\"");
   BOOST_TEST((classes("[model]\nkind = \"transformer\"\ntie_embeddings = false\n[fsdp]\ntransformer_layer_cls_to_wrap = \"TransformerBlock\"\n") ==
               Names{"TransformerBlock"}));
 }

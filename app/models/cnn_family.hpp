@@ -13,7 +13,7 @@ namespace fsdp::app {
 class CnnFamily final : public ImageClassifierFamily {
  public:
   ModelKind kind() const override { return ModelKind::kCnn; }
-  std::vector<std::string> layer_classes(const ModelSection&) const override { return {"TransformerBlock"}; }
+  std::vector<std::string> layer_classes(const ModelSection&) const override { return {}; }  // no repeated layer
 
   ModelDesc describe(const ModelSection&) const override {
     ModelDesc d;

@@ -14,7 +14,7 @@ namespace fsdp::app {
 class MlpFamily final : public ImageClassifierFamily {
  public:
   ModelKind kind() const override { return ModelKind::kMlp; }
-  std::vector<std::string> layer_classes(const ModelSection&) const override { return {"TransformerBlock"}; }
+  std::vector<std::string> layer_classes(const ModelSection&) const override { return {}; }  // no repeated layer
 
   ModelDesc describe(const ModelSection& m) const override {
     ModelDesc d;
