@@ -20,7 +20,7 @@ else()
   set(FSDP_TOML_TARGET fsdp_tomlplusplus)
 endif()
 
-add_library(fsdp_deck STATIC ${CMAKE_CURRENT_LIST_DIR}/deck.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_tables.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_schema.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_schema_outputs.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_schema_model.cpp ${CMAKE_CURRENT_LIST_DIR}/hf_config.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_reference.cpp ${CMAKE_CURRENT_LIST_DIR}/run_config.cpp)
+add_library(fsdp_deck STATIC ${CMAKE_CURRENT_LIST_DIR}/deck.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_changes.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_tables.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_schema.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_schema_outputs.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_schema_model.cpp ${CMAKE_CURRENT_LIST_DIR}/hf_config.cpp ${CMAKE_CURRENT_LIST_DIR}/deck_reference.cpp ${CMAKE_CURRENT_LIST_DIR}/run_config.cpp)
 target_include_directories(fsdp_deck PUBLIC ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/app ${PROJECT_BINARY_DIR}/generated)
 target_compile_features(fsdp_deck PUBLIC cxx_std_20)
 target_link_libraries(fsdp_deck PRIVATE ${FSDP_TOML_TARGET})
