@@ -89,7 +89,7 @@ for np in 1 3; do
   out="$WORK/llama3_np$np"
   run_from_hf() {
     "${MPI[@]}" -np "$np" "$BIN/fsdp-train" "$WORK/from_hf.toml" "${recipe[@]}" --set checkpoint.init_from="$WORK/llama3_hf" \
-      --set checkpoint.export_names=hf --set checkpoint.export_max_shard_size=20KB --set run.out_dir="$out"
+      --set checkpoint.export_names=hf --set checkpoint.export_max_shard_size=20KB --set run.out_dir="$out" "$@"
   }
   run_from_hf >"$out.log" 2>&1 || { cat "$out.log"; fail "llama3: fsdp-train at np $np"; }
   grep -Eq 'model\.rope_scaling +"llama3" +hf_config' "$out.log" || { cat "$out.log"; fail "llama3: the echo does not show rope_scaling from hf_config"; }
@@ -115,6 +115,16 @@ echo "ok: fsdp-ckpt export --names hf --max-shard-size 20KB: fsdp-train's export
 run_from_hf >"$out.rerun.log" 2>&1 || { cat "$out.rerun.log"; fail "llama3: the rerun of the finished job"; }
 grep -q "nothing to train: the run in .* already reached step 20 of 20" "$out.rerun.log" || { cat "$out.rerun.log"; fail "llama3: the rerun trained"; }
 echo "ok: a rerun of the finished job accepts the checkpoint's stored deck (hf_config written out)"
+# A rerun with another token id writes the export again (config.json carries it); one with native
+# names removes the Hugging Face config.json it had written beside the weights.
+run_from_hf --set model.eos_token_id=7 >"$out.rerun_eos.log" 2>&1 || { cat "$out.rerun_eos.log"; fail "llama3: the rerun with another eos_token_id"; }
+grep -q "wrote the export .* again (model.eos_token_id: \[[^)]*\] -> \[7\])" "$out.rerun_eos.log" || { cat "$out.rerun_eos.log"; fail "llama3: the export was not written again"; }
+"$PY" -c "import json, sys; assert json.load(open(sys.argv[1]))['eos_token_id'] == 7" "$out/hf/config.json" || fail "llama3: config.json's eos_token_id is not 7"
+run_from_hf --set model.eos_token_id=7 --set checkpoint.export_names=native >"$out.rerun_native.log" 2>&1 ||
+  { cat "$out.rerun_native.log"; fail "llama3: the rerun with native names"; }
+grep -q 'again (checkpoint.export_names: "hf" -> "native"' "$out.rerun_native.log" || { cat "$out.rerun_native.log"; fail "llama3: native names not written"; }
+[[ ! -e $out/hf/config.json ]] || fail "llama3: a native export left the Hugging Face config.json beside its weights"
+echo "ok: reruns of the finished job write the export again for another eos_token_id and for native names"
 
 # The same folder read by a deck written by hand (the sizes, no model.hf_config): its config.json's
 # rope_scaling would be lost without a word; the run is refused, naming the key. The per-layer

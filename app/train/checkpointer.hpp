@@ -242,12 +242,18 @@ class Checkpointer {
     options.metadata[kExportSettingsKey] = export_settings();
     const auto file = export_file(c.export_path);
     fsdp::SafetensorsSaveResult r;
+    // An earlier export here in Hugging Face form (it recorded config.json's keys) wrote the config.json
+    // beside it: an export without one removes it, or transformers would read these weights by it.
+    bool earlier_had_config = false;
     on_all_ranks(world_, [&] {
-      if (root_) check_export_config();
+      if (!root_) return;
+      check_export_config();
+      earlier_had_config = !form && recorded_export_settings().count("model.eos_token_id") > 0;
     });
     on_all_ranks(world_, [&] { r = fsdp::save_safetensors(model_, file.string(), options); });
     on_all_ranks(world_, [&] {
       if (root_ && form) write_hf_config(file, form->config, c.export_dtype);
+      if (root_ && earlier_had_config) std::filesystem::remove(config_folder(file) / "config.json");
     });
     if (root_ && !quiet)
       std::printf("exported %lld tensors (%s names) to %s (%s%.1f MiB, %.2f s)\n", static_cast<long long>(r.tensors),
@@ -259,20 +265,10 @@ class Checkpointer {
   /// now" lines: what a rerun of the finished run writes again. An export whose files cannot be read,
   /// or that an older version wrote without the record, counts as changed. Rank 0.
   std::vector<std::string> export_settings_changes() const {
-    const auto file = export_file(cfg_.checkpoint.export_path);
-    std::string written;
-    try {
-      const auto shards = fsdp::safetensors::files_of_earlier_export(file);
-      const auto header = fsdp::safetensors::read_header((shards.empty() ? file : shards.front()).string());
-      if (const auto it = header.metadata.find(kExportSettingsKey); it != header.metadata.end()) written = it->second;
-    } catch (const fsdp::CheckpointError&) {}
-    if (written.empty()) return {"the export has no record of its settings"};
-    std::map<std::string, std::string> before;
-    std::istringstream lines(written);
-    for (std::string line; std::getline(lines, line);)
-      if (const auto eq = line.find(" = "); eq != std::string::npos) before[line.substr(0, eq)] = line.substr(eq + 3);
+    const auto before = recorded_export_settings();
+    if (before.empty()) return {"the export has no record of its settings"};
     std::vector<std::string> changes;
-    for (const char* key : kExportSettingsKeys) {
+    for (const char* key : export_settings_keys()) {
       const std::string now = format_value(deck_.entry(key).value);
       const auto it = before.find(key);
       const std::string was = it == before.end() ? "(unrecorded)" : it->second;
@@ -379,17 +375,36 @@ class Checkpointer {
   const std::vector<std::string>& resume_changes() const noexcept { return resume_changes_; }
 
  private:
-  /// The deck keys an export depends on besides the weights (its names, types and files, and the values
-  /// config.json carries that training does not decide), recorded in its safetensors metadata under
-  /// kExportSettingsKey as "key = value" lines.
+  /// The deck keys an export depends on besides the weights: its names, types and files, and for a
+  /// Hugging Face folder the values its config.json carries that training does not decide. Recorded in
+  /// the export's safetensors metadata under kExportSettingsKey as "key = value" lines.
   static constexpr const char* kExportSettingsKey = "fsdp.export_settings";
-  static constexpr const char* kExportSettingsKeys[] = {"checkpoint.export_names", "checkpoint.export_dtype", "checkpoint.export_max_shard_size",
-                                                        "model.bos_token_id",      "model.eos_token_id",      "model.max_positions",
-                                                        "model.sliding_window"};
+  std::vector<const char*> export_settings_keys() const {
+    std::vector<const char*> keys = {"checkpoint.export_names", "checkpoint.export_dtype", "checkpoint.export_max_shard_size"};
+    if (hf_export_form(cfg_.model, cfg_.checkpoint.export_names))
+      for (const char* key : {"model.bos_token_id", "model.eos_token_id", "model.max_positions"}) keys.push_back(key);
+    return keys;
+  }
   std::string export_settings() const {
     std::string text;
-    for (const char* key : kExportSettingsKeys) text += std::string(key) + " = " + format_value(deck_.entry(key).value) + "\n";
+    for (const char* key : export_settings_keys()) text += std::string(key) + " = " + format_value(deck_.entry(key).value) + "\n";
     return text;
+  }
+  /// The settings the export now at checkpoint.export recorded ("key" -> "value"); nothing for none, an
+  /// unreadable one or one without the record (an earlier version's).
+  std::map<std::string, std::string> recorded_export_settings() const {
+    const auto file = export_file(cfg_.checkpoint.export_path);
+    std::map<std::string, std::string> recorded;
+    try {
+      const auto shards = fsdp::safetensors::files_of_earlier_export(file);
+      const auto header = fsdp::safetensors::read_header((shards.empty() ? file : shards.front()).string());
+      const auto it = header.metadata.find(kExportSettingsKey);
+      if (it == header.metadata.end()) return recorded;
+      std::istringstream lines(it->second);
+      for (std::string line; std::getline(lines, line);)
+        if (const auto eq = line.find(" = "); eq != std::string::npos) recorded[line.substr(0, eq)] = line.substr(eq + 3);
+    } catch (const fsdp::CheckpointError&) {}
+    return recorded;
   }
 
   /// Runs `load` of `file` (named by the deck's `key`); a file that does not fit the deck's model is a

@@ -120,12 +120,9 @@ class Trainer {
       // One file, or a split export's index (written last), and a Hugging Face export's config.json
       // (written after the weights: a job killed between the two has none).
       const auto form = export_path.empty() ? std::nullopt : hf_export_form(cfg_.model, cfg_.checkpoint.export_names);
-      missing[0] = !export_path.empty() && ((!fs::exists(export_path) && !fs::exists(fsdp::safetensors::index_path(export_path))) ||
-                                            (form && !fs::exists(config_folder(export_path) / "config.json")));
-      if (!export_path.empty() && !missing[0]) {
-        export_changes = checkpointer_->export_settings_changes();
-        missing[0] = !export_changes.empty();
-      }
+      const bool weights = fs::exists(export_path) || fs::exists(fsdp::safetensors::index_path(export_path));
+      if (!export_path.empty() && weights) export_changes = checkpointer_->export_settings_changes();
+      missing[0] = !export_path.empty() && (!weights || (form && !fs::exists(config_folder(export_path) / "config.json")) || !export_changes.empty());
       // A summary.json that --eval-only made holds no training figures: the training's is still missing.
       missing[1] = !fs::exists(summary) || !summary_has_training(summary);
     }
