@@ -109,7 +109,8 @@ void add_data_keys(std::vector<KeySpec>& s) {
        .default_value = Tables{},
        .description = "a weighted mixture of token files in place of data.path (token-shards, indexed): samples are drawn "
                       "from the source furthest below its share of all drawn so far (Megatron-LM's blend), each source "
-                      "reshuffled in its own epochs; an epoch is as many samples as all sources hold. docs/data.md",
+                      "reshuffled in its own epochs; an epoch is as many draws as all sources hold (with data.global_batch_size, "
+                      "its whole global batches are trained). docs/data.md",
        .fields = {
            {.key = "path", .type = T::kString, .description = "as data.path: a glob or an indexed dataset's prefix", .required = true},
            {.key = "kind", .type = T::kString, .choices = {"token-shards", "indexed"}, .description = "how the source is stored; unset: data.kind"},

@@ -226,7 +226,7 @@ expect_in("${last_output}" "warning: the training data continues from another po
 set(regrouped ${gpt} --set data.batch_size=3 --set run.epochs=1 --set run.out_dir=${WORK_DIR}/regrouped)
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=4)
 run(2 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=0)
-expect_in("${last_output}" "the checkpoint resumed from was trained with global batches of 6 samples, this run's are 12 \\(data.batch_size 3 x 4 ranks x optim.grad_accum_steps 1\\): set data.global_batch_size = 6 to continue the same training on 4 ranks")
+expect_in("${last_output}" "the checkpoint resumed from was trained with global batches of 6 samples, this run's are 12 \\(data.batch_size 3 x 4 ranks x optim.grad_accum_steps 1\\): its 6 samples do not divide over 4 ranks: run on a world size that divides 6 with data.global_batch_size = 6, or checkpoint.resume_changed = \"allow\" to go on with 12")
 run(0 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=0 --set checkpoint.resume_changed=allow)
 expect_in("${last_output}" "step 22/22")
 file(READ ${WORK_DIR}/regrouped/summary.json regrouped_summary)

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 #include "choices.hpp"
@@ -24,22 +25,36 @@ struct TrainingSchedule {
 
 /// A resume whose global batch (samples per optimizer step) differs from the checkpoint's: another
 /// world size without data.global_batch_size changes the training. A RankError (exit 2) naming both and
-/// the key that keeps it, unless checkpoint.resume_changed = "allow": then a warning (rank 0), and the
-/// change is kept for summary.json. Every rank decides alike.
+/// how to keep it, unless checkpoint.resume_changed = "allow": then, when the checkpoint stopped on a
+/// step boundary of the new batch, a warning (rank 0) and the change is kept for summary.json. A
+/// checkpoint off this run's step boundary is refused either way. Every rank decides alike.
 inline void check_global_batch(const RunConfig& cfg, int world_size, bool root, const fsdp::TrainState& start, TrainingSchedule& p) {
   const auto stored = start.scheduler.find("global_batch");  // checkpoints of earlier versions have none
-  if (stored == start.scheduler.end() || static_cast<std::int64_t>(stored->second) == p.global_batch) return;
-  const auto was = std::to_string(static_cast<std::int64_t>(stored->second)), now = std::to_string(p.global_batch);
+  const std::int64_t trained_with = stored == start.scheduler.end() ? 0 : static_cast<std::int64_t>(stored->second);
+  const auto was = std::to_string(trained_with), now = std::to_string(p.global_batch), ranks = std::to_string(world_size);
   const std::string how = cfg.data.global_batch_size > 0 ? "data.global_batch_size"
-                                                         : "data.batch_size " + std::to_string(p.batch) + " x " + std::to_string(world_size) +
+                                                         : "data.batch_size " + std::to_string(p.batch) + " x " + ranks +
                                                                " ranks x optim.grad_accum_steps " + std::to_string(p.accum);
-  const std::string what =
-      "the checkpoint resumed from was trained with global batches of " + was + " samples, this run's are " + now + " (" + how + ")";
-  if (cfg.checkpoint.resume_changed == ResumeChanged::kRefuse)
-    throw RankError(what + ": set data.global_batch_size = " + was + " to continue the same training on " + std::to_string(world_size) +
-                        " ranks, or checkpoint.resume_changed = \"allow\" to go on with " + now,
+  const std::string keep = trained_with % world_size == 0
+                               ? "set data.global_batch_size = " + was + " to continue the same training on " + ranks + " ranks"
+                               : "its " + was + " samples do not divide over " + ranks + " ranks: run on a world size that divides " + was +
+                                     " with data.global_batch_size = " + was;
+  const bool changed = trained_with > 0 && trained_with != p.global_batch;
+  if (changed && cfg.checkpoint.resume_changed == ResumeChanged::kRefuse)
+    throw RankError("the checkpoint resumed from was trained with global batches of " + was + " samples, this run's are " + now + " (" + how +
+                        "): " + keep + ", or checkpoint.resume_changed = \"allow\" to go on with " + now,
                     true);
-  if (root) std::printf("warning: %s (checkpoint.resume_changed = \"allow\")\n", what.c_str());
+  if (start.sample_index % p.global_batch != 0)
+    throw RankError("the checkpoint resumed from stopped " + std::to_string(start.sample_index) + " samples into epoch " +
+                        std::to_string(start.epoch + 1) + ", not a whole number of this run's global batches of " + now + " (" + how +
+                        "): " + (trained_with > 0 ? keep : "set data.global_batch_size to the global batch it was trained with"),
+                    true);
+  if (!changed) return;
+  if (root)
+    std::printf(
+        "warning: the checkpoint resumed from was trained with global batches of %s samples, this run's are %s (%s) "
+        "(checkpoint.resume_changed = \"allow\")\n",
+        was.c_str(), now.c_str(), how.c_str());
   p.global_batch_change = "global batch: " + was + " -> " + now;
 }
 
@@ -65,16 +80,19 @@ inline TrainingSchedule plan_training_schedule(const RunConfig& cfg, std::int64_
                         : "data.batch_size x optim.grad_accum_steps exceeds the samples per rank (" + std::to_string(samples_per_rank) + ")",
                     true);
   check_global_batch(cfg, world_size, root, start, p);
-  if (start.sample_index % p.global_batch != 0)
-    throw RankError("the checkpoint resumed from stopped " + std::to_string(start.sample_index) + " samples into epoch " +
-                        std::to_string(start.epoch + 1) + ", not a whole number of this run's global batches of " + std::to_string(p.global_batch) +
-                        " (data.batch_size " + std::to_string(p.batch) + " x " + std::to_string(world_size) + " ranks x optim.grad_accum_steps " +
-                        std::to_string(p.accum) + "): set data.global_batch_size to the global batch it was trained with",
-                    true);
   const std::int64_t epochs_left = std::max<std::int64_t>(0, cfg.run.epochs - start.epoch);
   const std::int64_t steps_left = epochs_left > 0 ? epochs_left * p.steps_per_epoch - start.sample_index / p.global_batch : 0;
   const std::int64_t all_steps = start.step + std::max<std::int64_t>(0, steps_left);
   p.total_steps = cfg.run.max_steps > 0 ? std::min(cfg.run.max_steps, all_steps) : all_steps;
+  // A checkpoint of an earlier version (no global batch stored) planned partial last steps under
+  // data.global_batch_size: its run now ends elsewhere, and a schedule over the steps moves with it.
+  const auto planned = start.scheduler.find("total_steps");
+  if (root && whole_global_batches && !start.scheduler.count("global_batch") && planned != start.scheduler.end() &&
+      static_cast<std::int64_t>(planned->second) != p.total_steps && p.total_steps != cfg.run.max_steps)
+    std::printf(
+        "warning: the run now ends at step %lld, not at the checkpoint's planned %lld: with data.global_batch_size an epoch is its "
+        "whole global batches (docs/data.md)\n",
+        static_cast<long long>(p.total_steps), static_cast<long long>(planned->second));
   return p;
 }
 
