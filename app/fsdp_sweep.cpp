@@ -180,8 +180,15 @@ void refuse_another_grids_folder(const std::string& out, const std::vector<Point
     const std::string written((std::istreambuf_iterator<char>(deck)), std::istreambuf_iterator<char>());
     std::string changed;
     try {
-      for (const auto& c : fsdp::app::trajectory_changes(Deck::parse(written, p.deck_path), Deck::parse(p.toml, p.name)))
-        changed += "\n  " + c.key + ": " + c.before + " there, " + c.now + " now";
+      const Deck before = Deck::parse(written, p.deck_path), now = Deck::parse(p.toml, p.name);
+      auto changes = fsdp::app::trajectory_changes(before, now);
+      // A resume may take other micro-batches under one data.global_batch_size; a run of the grid may
+      // not: its throughput and memory are what it reports.
+      const std::string batch_before = format_value(before.entry("data.batch_size").value),
+                        batch_now = format_value(now.entry("data.batch_size").value);
+      if (batch_before != batch_now && std::none_of(changes.begin(), changes.end(), [](const auto& c) { return c.key == "data.batch_size"; }))
+        changes.push_back({"data.batch_size", batch_before, batch_now});
+      for (const auto& c : changes) changed += "\n  " + c.key + ": " + c.before + " there, " + c.now + " now";
     } catch (const DeckError& e) {
       changed = "\n  it cannot be read: " + std::string(e.what());
     }

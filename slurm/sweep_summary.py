@@ -7,17 +7,39 @@ Reads the manifest fsdp-sweep wrote (index, overrides, deck, out_dir), prints a 
 one row per point (its overrides and the main metrics of its summary.json) and writes the same as CSV
 and Markdown next to the manifest (summary.csv, summary.md) unless told otherwise. A point without a
 readable summary.json, or whose losses are not finite, is reported as failed; the exit code is 1 if
-any point failed, 2 for a manifest that cannot be read, 0 otherwise. The manifest's relative paths
+any point failed, 2 for a manifest that cannot be read or an output that cannot be written (each is
+written through a temporary: an earlier one stays whole), 0 otherwise. The manifest's relative paths
 are those of the folder fsdp-sweep ran in: read from there, or found from the manifest's own place.
 """
 import argparse
 import csv
+import io
 import json
 import math
 import os
 import sys
+import tempfile
 
 COLUMNS = ["world_size", "nodes", "steps", "final_train_loss", "test_loss", "test_accuracy", "wall_s", "step_ms_median", "samples_per_s", "tokens_per_s"]
+
+
+def write_atomically(path, text):
+    """Writes `text` to `path` through a temporary beside it: a full disk or a kill leaves the old file
+    (or none), never a truncated one under its real name."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def run_folder(manifest, deck, out_dir):
@@ -92,10 +114,10 @@ def main():
     columns = ["index", "overrides", "status"] + [c for c in COLUMNS if any(r.get(c, "") != "" for r in rows)]
     csv_path = args.csv or os.path.join(base, "summary.csv")
     md_path = args.markdown or os.path.join(base, "summary.md")
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    table = io.StringIO(newline="")
+    w = csv.DictWriter(table, fieldnames=columns, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
 
     def cell(v):
         return f"{v:.6g}" if isinstance(v, float) else str(v)
@@ -104,8 +126,12 @@ def main():
     for r in rows:
         lines.append("| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |")
     markdown = "\n".join(lines) + "\n"
-    with open(md_path, "w") as f:
-        f.write(markdown)
+    for path, text in ((csv_path, table.getvalue()), (md_path, markdown)):
+        try:
+            write_atomically(path, text)
+        except OSError as e:
+            print(f"sweep_summary.py: cannot write {path}: {e.strerror or e} (an earlier {os.path.basename(path)} is left as it was)", file=sys.stderr)
+            return 2
     print(markdown, end="")
     print(f"{len(rows)} points, {len(rows) - len(failed)} ok, {len(failed)} failed; wrote {csv_path} and {md_path}")
     for index, overrides, why in failed:

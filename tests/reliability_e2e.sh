@@ -189,6 +189,12 @@ start_until_step_20 nohup nohup "$TRAIN" "$DECK" --set run.out_dir="$WORK/nohup"
 pkill -HUP -f "^[^ ]*fsdp-train .*run.out_dir=$WORK/nohup "
 wait $background_job
 expect 0 "test accuracy" "$WORK/nohup.log"
+#     So does a SIGINT that a non-interactive shell's `&` (here a trap) made the process ignore.
+# shellcheck disable=SC2016  # $@ is the inner shell's
+start_until_step_20 noint bash -c 'trap "" INT; exec "$@"' _ "$TRAIN" "$DECK" --set run.out_dir="$WORK/noint" "${long[@]}"
+pkill -INT -f "^[^ ]*fsdp-train .*run.out_dir=$WORK/noint "
+wait $background_job
+expect 0 "test accuracy" "$WORK/noint.log"
 
 # 5e. SIGUSR1 while the job starts (a test hook raises it on every rank once the model is built,
 #     before the first step; its default action would end the job unrequeued): the first step runs,

@@ -115,5 +115,10 @@ for bad in "$WORK/none.tsv" "$WORK/bin/scontrol"; do
   [[ $rc == 2 ]] || { cat "$WORK/summary_bad.log"; fail "sweep_summary.py $bad: exit $rc, not 2"; }
 done
 expect summary_bad "is not a manifest fsdp-sweep wrote"
+# An output that cannot be written: exit 2 naming it, nothing left under its name.
+"$SRC/slurm/sweep_summary.py" "$WORK/sw/manifest.tsv" --csv "$WORK/no_such_dir/s.csv" >"$WORK/summary_nodir.log" 2>&1
+rc=$?
+[[ $rc == 2 ]] || { cat "$WORK/summary_nodir.log"; fail "sweep_summary.py with an unwritable --csv: exit $rc, not 2"; }
+expect summary_nodir "cannot write .*no_such_dir/s.csv"
 echo "ok: sweep_summary.py finds the runs from any folder and names failed, malformed and non-finite points"
 echo "all slurm script cases passed"

@@ -354,7 +354,8 @@ template <class Engine>
 void write_summary_again(MpiComm& world, const MpiComm::Placement& placement, const RunConfig& cfg, Engine& model, RunTotals t) {
   const auto out_dir = std::filesystem::path(cfg.run.out_dir);
   nlohmann::ordered_json eval_only;
-  if (world.rank() == 0) {
+  on_all_ranks(world, [&] {  // a damaged metrics.csv or summary.json stops every rank alike
+    if (world.rank() != 0) return;
     if (!cfg.log.metrics_file.empty()) {
       const auto logged = logged_losses_at(out_dir / cfg.log.metrics_file, t.steps);
       if (logged.train) t.last_loss = *logged.train;
@@ -366,7 +367,7 @@ void write_summary_again(MpiComm& world, const MpiComm::Placement& placement, co
     std::ifstream in(out_dir / "summary.json");
     const auto old = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
     if (old.is_object() && old.contains("eval_only")) eval_only = old["eval_only"];
-  }
+  });
   t.rewritten = true;
   write_summary(world, placement, cfg, model, t, /*print_table=*/false);
   on_all_ranks(world, [&] {
