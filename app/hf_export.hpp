@@ -137,9 +137,8 @@ inline std::string hf_config_text(nlohmann::ordered_json config, ExportDtype exp
 
 /// Refuses, before anything is written, to replace a config.json beside `weights` that describes
 /// another model (a downloaded model's, another run's export): it belongs to other weights. This
-/// model's own config (a re-export, also in another dtype or with other token ids or length:
-/// torch_dtype, bos_token_id, eos_token_id and max_position_embeddings aside, keys in any order) is
-/// replaced. `how` says what to do instead. ConfigError.
+/// model's own config (a re-export, also in another dtype: torch_dtype aside, keys in any order) is
+/// replaced. (fsdp-train's rerun of a finished run replaces its own export's without asking here.) `how` says what to do instead. ConfigError.
 inline void check_config_json_replaceable(const std::filesystem::path& weights, const nlohmann::ordered_json& config, const std::string& how) {
   const auto path = config_folder(weights) / "config.json";
   std::error_code ec;
@@ -148,11 +147,10 @@ inline void check_config_json_replaceable(const std::filesystem::path& weights, 
   auto old = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
   auto ours = nlohmann::json::parse(config.dump());
   const bool comparable = old.is_object();
-  if (comparable)  // what the export's type and the deck's token and length metadata change, not the model
-    for (const char* key : {"torch_dtype", "max_position_embeddings", "bos_token_id", "eos_token_id"}) {
-      old.erase(key);
-      ours.erase(key);
-    }
+  if (comparable) {
+    old.erase("torch_dtype");
+    ours.erase("torch_dtype");
+  }
   if (!comparable || old != ours)
     throw fsdp::ConfigError("'" + path.string() + "' exists and describes another model than this export's (a downloaded model's or another " +
                             "export's config): not replaced, nothing written; " + how);

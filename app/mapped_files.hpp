@@ -63,13 +63,9 @@ inline void describe_fault(const void* address, int rank) {
   for (const auto& m : g_mappings) {
     const unsigned char* begin = m.begin.load(std::memory_order_acquire);
     if (begin == nullptr || a < begin || a >= begin + m.bytes) continue;
-    put("fsdp-train: ");
-    if (rank >= 0) {  // -1 before the flight recorder knows it
-      put("rank ");
-      put_number(static_cast<std::uint64_t>(rank));
-      put(": ");
-    }
-    put("SIGBUS reading '");
+    put("fsdp-train: rank ");
+    put_number(static_cast<std::uint64_t>(rank < 0 ? 0 : rank));
+    put(": SIGBUS reading '");
     put(m.path);
     put("' at byte offset ");
     put_number(static_cast<std::uint64_t>(a - begin));

@@ -21,11 +21,13 @@ while true; do sleep 0.05; done
 SH
 cat >"$WORK/bin/mpirun" <<'SH'
 #!/usr/bin/env bash
-# Passes signals on to the ranks as Open MPI's mpirun does (USR1, TERM).
+# Passes signals on to the ranks as Open MPI's mpirun does (USR1, TERM). The traps come first: the
+# test signals once the rank says it trains, which may be before a trap set after the start.
+child=""
+trap '[[ -n $child ]] && kill -USR1 $child' USR1
+trap '[[ -n $child ]] && kill -TERM $child' TERM
 "$@" &
 child=$!
-trap 'kill -USR1 $child' USR1
-trap 'kill -TERM $child' TERM
 while kill -0 $child 2>/dev/null; do wait $child; rc=$?; done
 exit $rc
 SH

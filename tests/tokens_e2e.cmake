@@ -227,6 +227,12 @@ set(regrouped ${gpt} --set data.batch_size=3 --set run.epochs=1 --set run.out_di
 run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=4)
 run(2 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=0)
 expect_in("${last_output}" "the checkpoint resumed from was trained with global batches of 6 samples, this run's are 12 \\(data.batch_size 3 x 4 ranks x optim.grad_accum_steps 1\\): its 6 samples do not divide over 4 ranks: run on a world size that divides 6 with data.global_batch_size = 6, or checkpoint.resume_changed = \"allow\" to go on with 12")
+#     A checkpoint off the new batch's step boundary is refused even then, before any warning, naming
+#     the batch it was trained with.
+run(0 ${MPIEXEC} -np 2 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=3 --set run.out_dir=${WORK_DIR}/offstep)
+run(2 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=0 --set checkpoint.resume_changed=allow --set run.out_dir=${WORK_DIR}/offstep)
+expect_in("${last_output}" "stopped 18 samples into epoch 1, not a whole number of this run's global batches of 12 \\(data.batch_size 3 x 4 ranks x optim.grad_accum_steps 1\\): its 6 samples do not divide over 4 ranks")
+expect_not_in("${last_output}" "warning: the checkpoint resumed from")
 run(0 ${MPIEXEC} -np 4 ${TRAIN} ${DECK} ${regrouped} --set run.max_steps=0 --set checkpoint.resume_changed=allow)
 expect_in("${last_output}" "step 22/22")
 file(READ ${WORK_DIR}/regrouped/summary.json regrouped_summary)

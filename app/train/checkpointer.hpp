@@ -108,9 +108,10 @@ class Checkpointer {
 
   /// An hf export's config.json would replace another model's at the end of the run: refused now,
   /// before training (ConfigError, exit 2), and again right before the export.
+  /// This run's own earlier export there (a rerun's) may replace its config.json whatever it says.
   void check_export_config() const {
     const auto& c = cfg_.checkpoint;
-    if (c.export_path.empty()) return;
+    if (c.export_path.empty() || own_export_there()) return;
     if (const auto form = hf_export_form(cfg_.model, c.export_names))
       check_config_json_replaceable(export_file(c.export_path), form->config, "set checkpoint.export to a folder of its own");
   }
@@ -248,7 +249,9 @@ class Checkpointer {
     on_all_ranks(world_, [&] {
       if (!root_) return;
       check_export_config();
-      earlier_had_config = !form && recorded_export_settings().count("model.eos_token_id") > 0;
+      const auto recorded = recorded_export_settings();
+      const auto names = recorded.find("checkpoint.export_names");
+      earlier_had_config = !form && own_export_there() && names != recorded.end() && names->second != "\"native\"";
     });
     on_all_ranks(world_, [&] { r = fsdp::save_safetensors(model_, file.string(), options); });
     on_all_ranks(world_, [&] {
@@ -381,14 +384,24 @@ class Checkpointer {
   static constexpr const char* kExportSettingsKey = "fsdp.export_settings";
   std::vector<const char*> export_settings_keys() const {
     std::vector<const char*> keys = {"checkpoint.export_names", "checkpoint.export_dtype", "checkpoint.export_max_shard_size"};
-    if (hf_export_form(cfg_.model, cfg_.checkpoint.export_names))
-      for (const char* key : {"model.bos_token_id", "model.eos_token_id", "model.max_positions"}) keys.push_back(key);
+    // A Llama-family config.json carries these; GPT-2's takes its positions and ids from the model.
+    if (cfg_.model.kind == ModelKind::kLlama && hf_export_form(cfg_.model, cfg_.checkpoint.export_names))
+      for (const char* key : {"model.bos_token_id", "model.eos_token_id", "model.max_positions", "model.sliding_window"}) keys.push_back(key);
     return keys;
   }
+  /// The settings, and the run that wrote the export (kExportRunKey: the run folder, absolute).
   std::string export_settings() const {
     std::string text;
     for (const char* key : export_settings_keys()) text += std::string(key) + " = " + format_value(deck_.entry(key).value) + "\n";
-    return text;
+    return text + kExportRunKey + " = " + std::filesystem::absolute(out_dir_).lexically_normal().string() + "\n";
+  }
+  static constexpr const char* kExportRunKey = "written_by_run";
+  /// The export at checkpoint.export is this run's own (a rerun's earlier export): its files and its
+  /// config.json are this run's to replace. Rank 0.
+  bool own_export_there() const {
+    const auto recorded = recorded_export_settings();
+    const auto run = recorded.find(kExportRunKey);
+    return run != recorded.end() && run->second == std::filesystem::absolute(out_dir_).lexically_normal().string();
   }
   /// The settings the export now at checkpoint.export recorded ("key" -> "value"); nothing for none, an
   /// unreadable one or one without the record (an earlier version's).
@@ -403,7 +416,8 @@ class Checkpointer {
       std::istringstream lines(it->second);
       for (std::string line; std::getline(lines, line);)
         if (const auto eq = line.find(" = "); eq != std::string::npos) recorded[line.substr(0, eq)] = line.substr(eq + 3);
-    } catch (const fsdp::CheckpointError&) {}
+    } catch (const std::exception&) {  // unreadable: no record
+    }
     return recorded;
   }
 

@@ -85,14 +85,18 @@ inline TrainingSchedule plan_training_schedule(const RunConfig& cfg, std::int64_
   const std::int64_t all_steps = start.step + std::max<std::int64_t>(0, steps_left);
   p.total_steps = cfg.run.max_steps > 0 ? std::min(cfg.run.max_steps, all_steps) : all_steps;
   // A checkpoint of an earlier version (no global batch stored) planned partial last steps under
-  // data.global_batch_size: its run now ends elsewhere, and a schedule over the steps moves with it.
+  // data.global_batch_size: when that rule, under this deck, gives the checkpoint's planned last step
+  // and this one another, the run now ends elsewhere (and a schedule over its steps moves with it).
   const auto planned = start.scheduler.find("total_steps");
-  if (root && whole_global_batches && !start.scheduler.count("global_batch") && planned != start.scheduler.end() &&
-      static_cast<std::int64_t>(planned->second) != p.total_steps && p.total_steps != cfg.run.max_steps)
-    std::printf(
-        "warning: the run now ends at step %lld, not at the checkpoint's planned %lld: with data.global_batch_size an epoch is its "
-        "whole global batches (docs/data.md)\n",
-        static_cast<long long>(p.total_steps), static_cast<long long>(planned->second));
+  if (root && whole_global_batches && !start.scheduler.count("global_batch") && planned != start.scheduler.end()) {
+    const std::int64_t earlier_all = (samples_per_rank + p.batch - 1) / p.batch / p.accum * cfg.run.epochs;
+    const std::int64_t earlier = cfg.run.max_steps > 0 ? std::min(cfg.run.max_steps, earlier_all) : earlier_all;
+    if (earlier == static_cast<std::int64_t>(planned->second) && earlier != p.total_steps)
+      std::printf(
+          "warning: the run now ends at step %lld, not at the checkpoint's planned %lld: with data.global_batch_size an epoch is its "
+          "whole global batches (docs/data.md)\n",
+          static_cast<long long>(p.total_steps), static_cast<long long>(earlier));
+  }
   return p;
 }
 

@@ -116,7 +116,8 @@ class Trainer {
     const std::string export_path = cfg_.checkpoint.export_path.empty() ? "" : export_file(cfg_.checkpoint.export_path).string();
     std::int64_t missing[2] = {0, 0};  // rank 0's view of the folder decides for all
     std::vector<std::string> export_changes;
-    if (root_) {
+    on_all_ranks(world_, [&] {
+      if (!root_) return;
       // One file, or a split export's index (written last), and a Hugging Face export's config.json
       // (written after the weights: a job killed between the two has none).
       const auto form = export_path.empty() ? std::nullopt : hf_export_form(cfg_.model, cfg_.checkpoint.export_names);
@@ -125,7 +126,7 @@ class Trainer {
       missing[0] = !export_path.empty() && (!weights || (form && !fs::exists(config_folder(export_path) / "config.json")) || !export_changes.empty());
       // A summary.json that --eval-only made holds no training figures: the training's is still missing.
       missing[1] = !fs::exists(summary) || !summary_has_training(summary);
-    }
+    });
     world_.broadcast(missing, 2, fsdp::DType::kInt64, 0);
     progress_ = ProgressStyle::of(cfg_.log.progress);
     step_ = start_.step;
