@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "unused_keys.hpp"
 #include "deck.hpp"
 #include "fsdp/version.hpp"
 #include "plan.hpp"
@@ -276,6 +277,7 @@ int plan(const std::string& deck_path, const std::vector<std::string>& overrides
               ranks_per_node > 0 ? (", " + std::to_string(ranks_per_node) + " per node").c_str() : " on one node");
   for (const auto& o : deck.overrides()) std::printf("  %s\n", o.c_str());
   for (const auto& w : data.warnings) std::printf("warning: %s\n", w.c_str());
+  for (const auto& w : unused_key_warnings(deck)) std::printf("warning: %s\n", w.c_str());
   if (cfg.fsdp.backend == Backend::kNccl)
     std::printf("note: fsdp.backend = \"nccl\": this plan is of host memory with MPI (the GPU path is not modelled)\n");
 

@@ -303,6 +303,16 @@ if(NOT plan_note STREQUAL train_note)
 endif()
 run(0 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 ${root_heavy} --set fsdp.transformer_layer_cls_to_wrap=auto)
 expect_not_in("${last_output}" "note: the root unit")
+# A wrapping key the chosen policy does not read: both say so, alike (the run goes on).
+set(unused_wrap --set fsdp.auto_wrap_policy=NO_WRAP --set fsdp.transformer_layer_cls_to_wrap=Bogus)
+run(0 ${PLAN} ${WORK_DIR}/gpt.toml --np 2 ${unused_wrap})
+string(REGEX MATCH "warning: [^\n]*does not read it[^\n]*" plan_unused "${last_output}")
+expect_in("${plan_unused}" "fsdp.transformer_layer_cls_to_wrap = \"Bogus\" is set, but fsdp.auto_wrap_policy = \"NO_WRAP\" does not read it \\(TRANSFORMER_BASED_WRAP does\\)")
+run(0 ${train2} ${WORK_DIR}/gpt.toml ${common} ${unused_wrap} --set run.out_dir=${WORK_DIR}/unused_wrap --dry-run)
+string(REGEX MATCH "warning: [^\n]*does not read it[^\n]*" train_unused "${last_output}")
+if(NOT plan_unused STREQUAL train_unused)
+  message(FATAL_ERROR "fsdp-train's echo says\n  ${train_unused}\nfsdp-plan says\n  ${plan_unused}")
+endif()
 
 # 5. Bad decks: fsdp-plan says what fsdp-train says, with exit code 2.
 file(WRITE ${WORK_DIR}/bad.toml "[run]\nname = \"bad\"\n\n[optim]\nlrr = 0.1\n[data]\nbatch_size = -4\n")

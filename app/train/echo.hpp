@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "unused_keys.hpp"
 #include "models/families.hpp"
 #include "plan/memory_model.hpp"
 #include "plan/root_unit.hpp"
@@ -57,6 +58,7 @@ void print_echo(const Engine& model, const RunSetup& s, const Dataset* data) {
               static_cast<long long>(shard_numel), static_cast<long long>(padding), state_bytes / 1048576.0,
               cfg.optim.state_dtype == StateDtype::kBf16 ? " (moments in bf16)" : "");
   if (root_note) std::printf("  note: %s\n", root_note->c_str());
+  for (const auto& w : unused_key_warnings(s.deck)) std::printf("warning: %s\n", w.c_str());
   if (!data)
     std::printf("  data not read (generation); out_dir %s\n", cfg.run.out_dir.c_str());
   else
