@@ -111,7 +111,7 @@ class Checkpointer {
   /// This run's own earlier export there (a rerun's) may replace its config.json whatever it says.
   void check_export_config() const {
     const auto& c = cfg_.checkpoint;
-    if (c.export_path.empty() || own_export_there()) return;
+    if (c.export_path.empty() || written_by_this_run(recorded_export_settings())) return;
     if (const auto form = hf_export_form(cfg_.model, c.export_names))
       check_config_json_replaceable(export_file(c.export_path), form->config, "set checkpoint.export to a folder of its own");
   }
@@ -251,7 +251,7 @@ class Checkpointer {
       check_export_config();
       const auto recorded = recorded_export_settings();
       const auto names = recorded.find("checkpoint.export_names");
-      earlier_had_config = !form && own_export_there() && names != recorded.end() && names->second != "\"native\"";
+      earlier_had_config = !form && written_by_this_run(recorded) && names != recorded.end() && names->second != "\"native\"";
     });
     on_all_ranks(world_, [&] { r = fsdp::save_safetensors(model_, file.string(), options); });
     on_all_ranks(world_, [&] {
@@ -393,15 +393,15 @@ class Checkpointer {
   std::string export_settings() const {
     std::string text;
     for (const char* key : export_settings_keys()) text += std::string(key) + " = " + format_value(deck_.entry(key).value) + "\n";
-    return text + kExportRunKey + " = " + std::filesystem::absolute(out_dir_).lexically_normal().string() + "\n";
+    return text + kExportRunKey + " = " + this_run() + "\n";
   }
   static constexpr const char* kExportRunKey = "written_by_run";
-  /// The export at checkpoint.export is this run's own (a rerun's earlier export): its files and its
-  /// config.json are this run's to replace. Rank 0.
-  bool own_export_there() const {
-    const auto recorded = recorded_export_settings();
+  std::string this_run() const { return std::filesystem::absolute(out_dir_).lexically_normal().string(); }
+  /// An export whose record is `recorded` is this run's own (a rerun's earlier export): its files and
+  /// its config.json are this run's to replace.
+  bool written_by_this_run(const std::map<std::string, std::string>& recorded) const {
     const auto run = recorded.find(kExportRunKey);
-    return run != recorded.end() && run->second == std::filesystem::absolute(out_dir_).lexically_normal().string();
+    return run != recorded.end() && run->second == this_run();
   }
   /// The settings the export now at checkpoint.export recorded ("key" -> "value"); nothing for none, an
   /// unreadable one or one without the record (an earlier version's).

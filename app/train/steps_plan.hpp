@@ -72,7 +72,8 @@ inline TrainingSchedule plan_training_schedule(const RunConfig& cfg, std::int64_
   p.accum = cfg.optim.grad_accum_steps;
   p.global_batch = p.batch * p.accum * world_size;
   const bool whole_global_batches = cfg.data.global_batch_size > 0;
-  p.steps_per_epoch = whole_global_batches ? train_samples / p.global_batch : (samples_per_rank + p.batch - 1) / p.batch / p.accum;
+  const std::int64_t rank_steps = (samples_per_rank + p.batch - 1) / p.batch / p.accum;  // a rank's micro-batches, the last partial
+  p.steps_per_epoch = whole_global_batches ? train_samples / p.global_batch : rank_steps;
   if (p.steps_per_epoch == 0)
     throw RankError(whole_global_batches
                         ? "data.global_batch_size " + std::to_string(p.global_batch) + " exceeds the training samples of an epoch (" +
@@ -89,7 +90,7 @@ inline TrainingSchedule plan_training_schedule(const RunConfig& cfg, std::int64_
   // and this one another, the run now ends elsewhere (and a schedule over its steps moves with it).
   const auto planned = start.scheduler.find("total_steps");
   if (root && whole_global_batches && !start.scheduler.count("global_batch") && planned != start.scheduler.end()) {
-    const std::int64_t earlier_all = (samples_per_rank + p.batch - 1) / p.batch / p.accum * cfg.run.epochs;
+    const std::int64_t earlier_all = rank_steps * cfg.run.epochs;
     const std::int64_t earlier = cfg.run.max_steps > 0 ? std::min(cfg.run.max_steps, earlier_all) : earlier_all;
     if (earlier == static_cast<std::int64_t>(planned->second) && earlier != p.total_steps)
       std::printf(
